@@ -1,0 +1,103 @@
+"""`paro_attention`: the one functional op that processors, calibration checks and benchmarks call.
+
+Contract (DESIGN.md section 3): q, k, v [B, H, N, D] with any strides; each head's tokens are
+reordered by its order (prefix tokens stay first), attention runs over the active blocks of
+`block_mask` (reordered coordinates) with optional INT8/INT4 QK and FP8/INT8 PV, and the output
+comes back in q's shape, dtype and original token order. A query with no active block outputs 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import PAROInputError
+from .kernels.reference import PV_MODES, QK_MODES, paro_attention_reference
+from .layout import ORDERS, TokenLayout
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(block_size, int):
+        return block_size, block_size
+    bq, bk = block_size
+    return int(bq), int(bk)
+
+
+def mask_shape(n: int, block_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(nq, nk): the number of query and key blocks of a sequence of n tokens."""
+    bq, bk = block_sizes(block_size)
+    return -(-n // bq), -(-n // bk)
+
+
+def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend) -> None:
+    """Raise PAROInputError naming what was expected, what was found and what to do."""
+    if qk not in QK_MODES:
+        raise PAROInputError(f"qk={qk!r} is not a QK mode; expected one of {QK_MODES}")
+    if pv not in PV_MODES:
+        raise PAROInputError(f"pv={pv!r} is not a PV mode; expected one of {PV_MODES}")
+    if backend not in BACKENDS:
+        raise PAROInputError(f"backend={backend!r}; expected one of {BACKENDS}")
+    if not isinstance(layout, TokenLayout):
+        raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise PAROInputError(f"{name} must be [B, H, N, D], got shape {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise PAROInputError(
+            f"q, k, v must have one shape [B, H, N, D] (self-attention); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise PAROInputError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise PAROInputError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    B, H, N, D = q.shape
+    if N != layout.seq_len:
+        raise PAROInputError(
+            f"sequence length {N} does not match the layout {layout} ({layout.seq_len} tokens): "
+            "the layout must describe the tokens of this call"
+        )
+    if orders.shape != (H,):
+        raise PAROInputError(f"orders must have shape [H] = [{H}], got {tuple(orders.shape)}")
+    if orders.numel() and (int(orders.min()) < 0 or int(orders.max()) >= len(ORDERS)):
+        raise PAROInputError(f"orders must index ORDERS (0..{len(ORDERS) - 1}), got values {orders.tolist()}")
+    nq, nk = mask_shape(N, block_size)
+    if block_mask.dtype != torch.bool:
+        raise PAROInputError(f"block_mask must be a bool tensor, got {block_mask.dtype}")
+    if tuple(block_mask.shape) != (H, nq, nk):
+        raise PAROInputError(
+            f"block_mask must be [H, ceil(N/bq), ceil(N/bk)] = [{H}, {nq}, {nk}] for N={N} and "
+            f"block_size={block_size}; got {tuple(block_mask.shape)} (slice the bucket and layer first)"
+        )
+
+
+def paro_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: TokenLayout,
+    orders: torch.Tensor,
+    block_mask: torch.Tensor,
+    block_size: int | tuple[int, int] = 64,
+    qk: str = "bf16",
+    pv: str = "bf16",
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Block-sparse attention over per-head reordered tokens; see the module docstring."""
+    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend)
+    bq, bk = block_sizes(block_size)
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "triton":
+        from .kernels import triton_backend
+
+        return triton_backend.paro_attention_triton(
+            q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
+            qk=qk, pv=pv, sm_scale=sm_scale,
+        )
+    return paro_attention_reference(
+        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale
+    )

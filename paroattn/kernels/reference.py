@@ -1,0 +1,136 @@
+"""Torch reference of the PARO attention op: the definition of its semantics and the oracle of
+every kernel test. Runs anywhere (CPU included); memory stays bounded by looping over heads and
+chunks of query blocks, so it also runs at N ~ 20k on a GPU.
+
+Quantization is emulated in float32 with exactly the grid a kernel uses:
+- Q: symmetric per block of `bq` reordered queries; K: the per-(batch, head) mean over tokens is
+  subtracted first (softmax is invariant to it), then symmetric per block of `bk` keys.
+  Ranges: int8 +-127, int4 +-7. scale = max(amax, QUANT_EPS) / qmax, values rounded to nearest.
+- P (after the row-max shift, so in [0, 1]): int8 with the fixed scale 1/127, or fp8 e4m3 as
+  P * 448. V: symmetric per channel (over all tokens of a (batch, head)), int8 +-127 or e4m3 +-448.
+- The softmax denominator always uses the unquantized P.
+A kernel subtracts a running row max (online softmax) where this reference subtracts the final row
+max, so quantized-P modes agree with kernels to within the rounding of P, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import TokenLayout, reorder_index
+
+QK_MODES = ("bf16", "int8", "int4")
+PV_MODES = ("bf16", "fp8", "int8")
+QK_QMAX = {"int8": 127.0, "int4": 7.0}
+PV_QMAX = {"int8": 127.0, "fp8": 448.0}
+QUANT_EPS = 1e-8
+# queries per chunk of the reference loop: bounds its memory to ~CHUNK * N floats
+_QUERY_CHUNK = 1024
+
+
+def quantize_symmetric(x: torch.Tensor, dim, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round x / scale to integers in [-qmax, qmax], scale = max|x| over `dim`. Returns the integer
+    values (as float32) and the scale, broadcastable against x."""
+    amax = x.abs().amax(dim=dim, keepdim=True)
+    scale = amax.clamp_min(QUANT_EPS) / qmax
+    return torch.round(x / scale).clamp_(-qmax, qmax), scale
+
+
+def quantize_per_block(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of x [B, N, D] with one scale per block of `block` tokens.
+    Returns (integer values [B, N, D], scales [B, ceil(N/block)])."""
+    B, N, D = x.shape
+    nblocks = -(-N // block)
+    padded = torch.zeros(B, nblocks * block, D, dtype=x.dtype, device=x.device)
+    padded[:, :N] = x
+    values, scale = quantize_symmetric(padded.view(B, nblocks, block, D), dim=(2, 3), qmax=qmax)
+    return values.view(B, nblocks * block, D)[:, :N], scale.view(B, nblocks)
+
+
+def fake_quantize_p(p: torch.Tensor, pv: str) -> torch.Tensor:
+    """P in [0, 1] as the PV product of a kernel sees it, in float32."""
+    if pv == "bf16":
+        return p
+    if pv == "int8":
+        return torch.round(p * 127.0) / 127.0
+    return (p * 448.0).to(torch.float8_e4m3fn).float() / 448.0
+
+
+def fake_quantize_v(v: torch.Tensor, pv: str) -> torch.Tensor:
+    """V [B, N, D] after per-channel quantization and dequantization."""
+    if pv == "bf16":
+        return v
+    if pv == "int8":
+        values, scale = quantize_symmetric(v, dim=1, qmax=127.0)
+        return values * scale
+    amax = v.abs().amax(dim=1, keepdim=True)
+    scale = amax.clamp_min(QUANT_EPS) / 448.0
+    return (v / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def expand_block_mask(block_mask_rows: torch.Tensor, bk: int, n: int) -> torch.Tensor:
+    """[rows_in_blocks, nk] -> dense key mask [rows_in_blocks, n] (each key's block)."""
+    key_block = torch.arange(n, device=block_mask_rows.device) // bk
+    return block_mask_rows[:, key_block]
+
+
+def paro_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TokenLayout,
+    orders: torch.Tensor,
+    block_mask: torch.Tensor,
+    bq: int,
+    bk: int,
+    qk: str = "bf16",
+    pv: str = "bf16",
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """q, k, v: [B, H, N, D]; orders [H]; block_mask bool [H, ceil(N/bq), ceil(N/bk)] in reordered
+    coordinates. Returns [B, H, N, D] in q's dtype and original token order."""
+    B, H, N, D = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
+    low_precision_p = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
+    index_cache: dict[int, torch.Tensor] = {}
+    for h in range(H):
+        order = int(orders[h])
+        if order not in index_cache:
+            index_cache[order] = reorder_index(layout, order, device=q.device)
+        index = index_cache[order]
+        qh = q[:, h].index_select(1, index).float()
+        kh = k[:, h].index_select(1, index).float()
+        vh = fake_quantize_v(v[:, h].index_select(1, index).float(), pv)
+        q_scale = k_scale = None
+        if qk != "bf16":
+            kh = kh - kh.mean(dim=1, keepdim=True)
+            qh, q_scale = quantize_per_block(qh, bq, QK_QMAX[qk])
+            kh, k_scale = quantize_per_block(kh, bk, QK_QMAX[qk])
+            # per-key dequantization scale, folded into the scores like a kernel does
+            k_scale = k_scale.repeat_interleave(bk, dim=1)[:, :N]
+        out_h = torch.empty(B, N, D, dtype=torch.float32, device=q.device)
+        for start in range(0, N, _QUERY_CHUNK):
+            stop = min(start + _QUERY_CHUNK, N)
+            scores = qh[:, start:stop] @ kh.transpose(1, 2)
+            if qk != "bf16":
+                row_scale = q_scale.repeat_interleave(bq, dim=1)[:, start:stop]
+                scores = scores * row_scale[:, :, None] * k_scale[:, None, :]
+            scores = scores * sm_scale
+            rows = block_mask[h, torch.arange(start, stop, device=q.device) // bq]
+            allowed = expand_block_mask(rows, bk, N)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            row_max = scores.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+            p = torch.exp(scores - row_max)
+            denom = p.sum(dim=-1, keepdim=True)
+            p = fake_quantize_p(p, pv)
+            if pv == "bf16" and low_precision_p is not None:
+                p = p.to(low_precision_p).float()  # a kernel feeds P to the PV product in the input dtype
+            numer = p @ vh
+            out_h[:, start:stop] = torch.where(denom > 0, numer / denom.clamp_min(1e-30), torch.zeros_like(numer))
+        out[:, h, index] = out_h.to(q.dtype)
+    return out
