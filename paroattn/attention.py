@@ -4,6 +4,7 @@ Contract (DESIGN.md section 3): q, k, v [B, H, N, D] with any strides; each head
 reordered by its order (prefix tokens stay first), attention runs over the active blocks of
 `block_mask` (reordered coordinates) with optional INT8/INT4 QK and FP8/INT8 PV, and the output
 comes back in q's shape, dtype and original token order. A query with no active block outputs 0.
+`block_mask` may also be prebuilt `ActiveBlocks` (what processors pass, built once per layer).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import PAROInputError
+from .kernels.block_lists import ActiveBlocks
 from .kernels.reference import PV_MODES, QK_MODES, paro_attention_reference
 from .layout import ORDERS, TokenLayout
 
@@ -63,6 +65,13 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
     if orders.numel() and (int(orders.min()) < 0 or int(orders.max()) >= len(ORDERS)):
         raise PAROInputError(f"orders must index ORDERS (0..{len(ORDERS) - 1}), got values {orders.tolist()}")
     nq, nk = mask_shape(N, block_size)
+    if isinstance(block_mask, ActiveBlocks):
+        if block_mask.shape != (H, nq, nk):
+            raise PAROInputError(
+                f"active block lists are for [H, nq, nk] = {list(block_mask.shape)}; this call needs "
+                f"{[H, nq, nk]} (N={N}, block_size={block_size})"
+            )
+        return
     if block_mask.dtype != torch.bool:
         raise PAROInputError(f"block_mask must be a bool tensor, got {block_mask.dtype}")
     if tuple(block_mask.shape) != (H, nq, nk):
@@ -79,7 +88,7 @@ def paro_attention(
     *,
     layout: TokenLayout,
     orders: torch.Tensor,
-    block_mask: torch.Tensor,
+    block_mask: torch.Tensor | ActiveBlocks,
     block_size: int | tuple[int, int] = 64,
     qk: str = "bf16",
     pv: str = "bf16",
@@ -98,6 +107,8 @@ def paro_attention(
             q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
             qk=qk, pv=pv, sm_scale=sm_scale,
         )
+    if isinstance(block_mask, ActiveBlocks):
+        block_mask = block_mask.to_mask()
     return paro_attention_reference(
         q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale
     )

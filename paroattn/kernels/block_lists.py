@@ -1,0 +1,61 @@
+"""Active-block lists: the form of a block mask that kernels consume.
+
+For each (head, query block) the count and the ascending indices of its active key blocks, so a
+kernel loops only over active blocks and never tests every block. Built once per plan, bucket and
+layer (not per call); small enough to keep in pinned CPU memory and copy ahead of use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ActiveBlocks:
+    counts: torch.Tensor  # int32 [H, nq]: active key blocks per query block
+    indices: torch.Tensor  # int32 [H, nq, max_active]: active key block indices, ascending, padded with 0
+    num_key_blocks: int
+
+    @classmethod
+    def from_mask(cls, block_mask: torch.Tensor) -> "ActiveBlocks":
+        """bool [H, nq, nk] -> lists. Padding entries repeat index 0 and are never read (count bounds the loop)."""
+        if block_mask.dtype != torch.bool or block_mask.dim() != 3:
+            raise ValueError(f"block_mask must be bool [H, nq, nk], got {block_mask.dtype} {tuple(block_mask.shape)}")
+        nk = block_mask.shape[-1]
+        counts = block_mask.sum(dim=-1, dtype=torch.int32)
+        max_active = max(int(counts.max()) if counts.numel() else 0, 1)
+        # stable sort puts active blocks first, in ascending key order
+        order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices[..., :max_active]
+        valid = torch.arange(max_active, device=block_mask.device) < counts[..., None]
+        indices = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
+        return cls(counts.contiguous(), indices.contiguous(), nk)
+
+    def to_mask(self) -> torch.Tensor:
+        H, nq, max_active = self.indices.shape
+        mask = torch.zeros(H, nq, self.num_key_blocks, dtype=torch.bool, device=self.indices.device)
+        valid = torch.arange(max_active, device=self.indices.device) < self.counts[..., None]
+        mask.scatter_(-1, self.indices.long(), valid)
+        # padding entries scatter False onto index 0; re-assert blocks that really are active there
+        mask[..., 0] |= ((self.indices == 0) & valid).any(dim=-1)
+        return mask
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        H, nq = self.counts.shape
+        return H, nq, self.num_key_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.numel() * 4 + self.indices.numel() * 4
+
+    def to(self, device, non_blocking: bool = False) -> "ActiveBlocks":
+        return ActiveBlocks(
+            self.counts.to(device, non_blocking=non_blocking),
+            self.indices.to(device, non_blocking=non_blocking),
+            self.num_key_blocks,
+        )
+
+    def pin_memory(self) -> "ActiveBlocks":
+        return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks)
