@@ -1,0 +1,155 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from paroattn import Plan, PlanError, TokenLayout
+from paroattn.plan import METADATA_KEY, pack_bits, unpack_bits
+
+
+def _plan(**overrides):
+    args = dict(layout=TokenLayout(9, 3, 4, 5), num_layers=3, num_heads=4, density=0.4, orders="random",
+                num_buckets=3, block_size=16, qk="int8", pv="fp8", model_class="TinyModel",
+                model_fingerprint="abc123")
+    args.update(overrides)
+    return Plan.synthetic(**args)
+
+
+def _rewrite(path, tensors=None, meta_update=None, raw_meta=None):
+    """Write a copy of a plan file with some tensors or metadata changed."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()[METADATA_KEY])
+    stored = load_file(str(path))
+    stored.update(tensors or {})
+    meta.update(meta_update or {})
+    save_file(stored, str(path), metadata={METADATA_KEY: raw_meta if raw_meta is not None else json.dumps(meta)})
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    plan = _plan()
+    plan.prompts = ["a red circle moving left", "pan right"]
+    plan.info = {"steps": [1, 2, 3], "metric": "mass"}
+    path = tmp_path / "plan.safetensors"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert torch.equal(loaded.block_mask, plan.block_mask)
+    assert torch.equal(loaded.orders, plan.orders)
+    assert torch.equal(loaded.density, plan.density)
+    assert torch.equal(loaded.dense, plan.dense)
+    for name in ("model_class", "model_fingerprint", "layout", "block_size", "bucket_edges", "qk", "pv",
+                 "target_density", "prompts", "info", "format_version"):
+        assert getattr(loaded, name) == getattr(plan, name), name
+
+
+def test_masks_are_bit_packed_on_disk(tmp_path):
+    plan = _plan(layout=TokenLayout(0, 8, 16, 16), block_size=64, num_layers=4, num_heads=8)
+    path = tmp_path / "plan.safetensors"
+    plan.save(path)
+    assert load_file(str(path))["block_mask_bits"].numel() * 8 >= plan.block_mask.numel()
+    assert load_file(str(path))["block_mask_bits"].numel() < plan.block_mask.numel() / 7.9
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 11), (2, 8)])
+def test_pack_bits_round_trips(shape):
+    mask = torch.rand(shape) < 0.5
+    assert torch.equal(unpack_bits(pack_bits(mask), shape), mask)
+
+
+def test_bucket_of_follows_descending_edges():
+    plan = _plan(num_buckets=3)  # edges 1000, 750, 500, 0
+    assert plan.bucket_edges == [1000.0, 750.0, 500.0, 0.0]
+    assert [plan.bucket_of(t) for t in (1000, 999, 750.5, 750, 501, 500, 10, 0)] == [0, 0, 0, 1, 1, 2, 2, 2]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PlanError, match="no plan file .*paro calibrate"):
+        Plan.load(tmp_path / "nope.safetensors")
+
+
+def test_truncated_file(tmp_path):
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PlanError, match="truncated or corrupt"):
+        Plan.load(path)
+    path.write_bytes(b"\x00" * 5)
+    with pytest.raises(PlanError, match="truncated or corrupt"):
+        Plan.load(path)
+
+
+def test_file_that_is_not_a_plan(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    save_file({"weight": torch.zeros(3)}, str(path))
+    with pytest.raises(PlanError, match="not a paroattn plan"):
+        Plan.load(path)
+
+
+def test_newer_format_version(tmp_path):
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    _rewrite(path, meta_update={"format_version": 99})
+    with pytest.raises(PlanError, match="version 99, newer .* upgrade paroattn"):
+        Plan.load(path)
+
+
+def test_inconsistent_shapes(tmp_path):
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    _rewrite(path, tensors={"orders": torch.zeros(3, 5, dtype=torch.int8)})
+    with pytest.raises(PlanError, match=r"block_mask has shape .* expected"):
+        Plan.load(path)
+    _plan().save(path)
+    _rewrite(path, meta_update={"layout": [9, 3, 4, 6]})
+    with pytest.raises(PlanError, match=r"block_mask has shape \(3, 3, 4, 5, 5\); expected .* 81 tokens"):
+        Plan.load(path)
+    _plan().save(path)
+    _rewrite(path, tensors={"density": torch.zeros(2, 3, 4)})
+    with pytest.raises(PlanError, match="density must be"):
+        Plan.load(path)
+
+
+def test_orders_out_of_range(tmp_path):
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    _rewrite(path, tensors={"orders": torch.full((3, 4), 6, dtype=torch.int8)})
+    with pytest.raises(PlanError, match=r"orders must be in 0\.\.5"):
+        Plan.load(path)
+
+
+def test_empty_mask_row(tmp_path):
+    plan = _plan()
+    plan.block_mask[1, 2, 3, 4] = False
+    path = tmp_path / "plan.safetensors"
+    with pytest.raises(PlanError, match=r"empty row \(bucket 1, layer 2, head 3, query block 4\)"):
+        plan.validate()
+    # the same corruption arriving through a file
+    good = _plan()
+    good.save(path)
+    mask = good.block_mask.clone()
+    mask[1, 2, 3, 4] = False
+    _rewrite(path, tensors={"block_mask_bits": pack_bits(mask)})
+    with pytest.raises(PlanError, match="empty row"):
+        Plan.load(path)
+
+
+def test_malformed_metadata(tmp_path):
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    _rewrite(path, raw_meta="{not json")
+    with pytest.raises(PlanError, match="malformed"):
+        Plan.load(path)
+    _plan().save(path)
+    _rewrite(path, meta_update={"qk": "int3"})
+    with pytest.raises(PlanError, match="qk='int3'"):
+        Plan.load(path)
+
+
+def test_synthetic_density_is_close_to_target():
+    for density in (0.2, 0.5):
+        plan = _plan(layout=TokenLayout(0, 8, 16, 16), block_size=32, density=density)
+        assert abs(plan.achieved_density() - density) < 0.05
+    assert _plan(density=1.0).block_mask.all()

@@ -1,0 +1,162 @@
+"""The torch reference op: the definition every kernel is tested against."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paroattn import PAROInputError, TokenLayout, paro_attention
+from paroattn.kernels.block_lists import ActiveBlocks
+from paroattn.layout import reorder_index
+from paroattn.masks import dense_mask_from_blocks, synthetic_block_mask
+
+LAYOUTS = [TokenLayout(0, 2, 4, 5), TokenLayout(7, 3, 5, 6), TokenLayout(13, 1, 6, 7)]
+
+
+def _qkv(layout, B=2, H=4, D=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, H, layout.seq_len, D)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(3)]
+
+
+def _dense_mask_in_original_order(layout, orders, block_mask, bq, bk):
+    """Token-level [H, N, N] mask in original coordinates, built independently of the op."""
+    n = layout.seq_len
+    masks = []
+    for h, order in enumerate(orders.tolist()):
+        reordered = dense_mask_from_blocks(block_mask[h], bq, bk, n)
+        index = reorder_index(layout, order)  # reordered position -> original position
+        original = torch.zeros(n, n, dtype=torch.bool)
+        original[index[:, None], index[None, :]] = reordered
+        masks.append(original)
+    return torch.stack(masks)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("D", [64, 128])
+def test_all_true_mask_equals_sdpa_for_any_orders(layout, D):
+    q, k, v = _qkv(layout, D=D)
+    orders = torch.tensor([0, 3, 5, 2])
+    bs = 16
+    nq = -(-layout.seq_len // bs)
+    out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=torch.ones(4, nq, nq, dtype=torch.bool),
+                         block_size=bs, backend="torch")
+    expected = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", [16, (16, 32), (32, 16)])
+def test_random_block_mask_equals_sdpa_with_dense_mask(layout, block_size):
+    q, k, v = _qkv(layout, B=2, H=3, D=64, seed=1)
+    bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+    n = layout.seq_len
+    nq, nk = -(-n // bq), -(-n // bk)
+    g = torch.Generator().manual_seed(2)
+    block_mask = torch.rand(3, nq, nk, generator=g) < 0.4
+    block_mask[:, torch.arange(nq), (torch.arange(nq) * nk) // nq] = True
+    orders = torch.tensor([1, 4, 3])
+    out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=block_mask, block_size=block_size)
+    dense = _dense_mask_in_original_order(layout, orders, block_mask, bq, bk)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None])
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    # prebuilt active-block lists define the same op
+    lists = ActiveBlocks.from_mask(block_mask)
+    out_lists = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=lists, block_size=block_size)
+    assert torch.equal(out_lists, out)
+
+
+def test_rows_without_active_blocks_output_zeros():
+    layout = TokenLayout(5, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    nq = -(-layout.seq_len // 16)
+    block_mask = torch.ones(2, nq, nq, dtype=torch.bool)
+    block_mask[1, 1] = False  # head 1, query block 1 attends to nothing
+    for qk, pv in [("bf16", "bf16"), ("int8", "fp8"), ("int4", "int8")]:
+        out = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3]), block_mask=block_mask,
+                             block_size=16, qk=qk, pv=pv)
+        assert torch.isfinite(out).all()
+        empty_rows = reorder_index(layout, 3)[16:32]
+        assert torch.equal(out[0, 1, empty_rows], torch.zeros_like(out[0, 1, empty_rows]))
+        assert out[0, 0].abs().sum() > 0
+
+
+# Relative L2 error vs the unquantized op on N(0, 1) inputs (measured ~0.011, 0.016, 0.035, 0.19).
+ERROR_BOUNDS = {
+    ("int8", "bf16"): 0.02,
+    ("bf16", "int8"): 0.02,
+    ("int8", "int8"): 0.025,
+    ("int8", "fp8"): 0.05,
+    ("int4", "bf16"): 0.25,
+    ("int4", "fp8"): 0.26,
+}
+
+
+@pytest.mark.parametrize(("qk", "pv"), list(ERROR_BOUNDS))
+@pytest.mark.parametrize("D", [64, 128])
+def test_quantized_error_is_bounded(qk, pv, D):
+    layout = TokenLayout(7, 3, 5, 6)
+    q, k, v = _qkv(layout, D=D, seed=3)
+    orders = torch.tensor([0, 1, 4, 5])
+    n = -(-layout.seq_len // 16)
+    block_mask = synthetic_block_mask(4, n, n, 0.5, generator=torch.Generator().manual_seed(4))
+    args = dict(layout=layout, orders=orders, block_mask=block_mask, block_size=16)
+    exact = paro_attention(q, k, v, **args)
+    quantized = paro_attention(q, k, v, qk=qk, pv=pv, **args)
+    error = float((quantized - exact).norm() / exact.norm())
+    assert 0 < error < ERROR_BOUNDS[(qk, pv)]
+
+
+def test_k_smoothing_makes_int8_insensitive_to_a_key_offset():
+    # softmax ignores a constant added to every key; with smoothing, quantization must too
+    layout = TokenLayout(0, 2, 4, 8)
+    q, k, v = _qkv(layout, B=1, H=2, seed=5)
+    args = dict(layout=layout, orders=torch.tensor([0, 2]), block_mask=torch.ones(2, 4, 4, dtype=torch.bool),
+                block_size=16, qk="int8")
+    out = paro_attention(q, k, v, **args)
+    shifted = paro_attention(q, k + 20.0 * torch.randn(1, 2, 1, 64), v, **args)
+    torch.testing.assert_close(shifted, out, atol=1e-4, rtol=1e-4)
+
+
+def test_half_precision_inputs_keep_dtype_and_match_float32():
+    layout = TokenLayout(3, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    args = dict(layout=layout, orders=torch.tensor([0, 5]), block_mask=torch.ones(2, 3, 3, dtype=torch.bool),
+                block_size=16)
+    out32 = paro_attention(q, k, v, **args)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = paro_attention(q.to(dtype), k.to(dtype), v.to(dtype), **args)
+        assert out.dtype == dtype
+        assert float((out.float() - out32).norm() / out32.norm()) < 2e-2
+
+
+def test_any_strides_are_accepted():
+    layout = TokenLayout(3, 2, 4, 4)
+    B, H, N, D = 2, 3, layout.seq_len, 64
+    q, k, v = (torch.randn(B, N, H, D) for _ in range(3))  # [B, N, H, D] storage, as Wan/Flux hold it
+    args = dict(layout=layout, orders=torch.tensor([0, 3, 4]), block_mask=torch.ones(H, 3, 3, dtype=torch.bool),
+                block_size=16)
+    out = paro_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **args)
+    expected = paro_attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), **args)
+    assert torch.equal(out, expected)
+
+
+def test_bad_inputs_raise_clear_errors():
+    layout = TokenLayout(3, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    mask = torch.ones(2, 3, 3, dtype=torch.bool)
+    orders = torch.tensor([0, 1])
+    ok = dict(layout=layout, orders=orders, block_mask=mask, block_size=16)
+    with pytest.raises(PAROInputError, match="does not match the layout"):
+        paro_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], **ok)
+    with pytest.raises(PAROInputError, match=r"\[2, 3, 3\]"):
+        paro_attention(q, k, v, **{**ok, "block_mask": torch.ones(2, 4, 4, dtype=torch.bool)})
+    with pytest.raises(PAROInputError, match="ORDERS"):
+        paro_attention(q, k, v, **{**ok, "orders": torch.tensor([0, 6])})
+    with pytest.raises(PAROInputError, match="qk="):
+        paro_attention(q, k, v, qk="int2", **ok)
+    with pytest.raises(PAROInputError, match="pv="):
+        paro_attention(q, k, v, pv="fp4", **ok)
+    with pytest.raises(PAROInputError, match="bool"):
+        paro_attention(q, k, v, **{**ok, "block_mask": mask.float()})
+    with pytest.raises(PAROInputError, match="one shape"):
+        paro_attention(q, k[:, :1], v, **ok)
