@@ -9,6 +9,11 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="PAROAttention for diffusers video and image models.")
 
 
+@app.callback()
+def main() -> None:
+    """PAROAttention for diffusers: calibrate a plan, inspect it, generate and benchmark with it."""
+
+
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
