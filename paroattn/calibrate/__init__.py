@@ -1,0 +1,36 @@
+"""Calibration: choose each head's token order and the static block masks from a few prompts.
+
+    from paroattn.calibrate import CalibrationConfig, calibrate
+    plan, result = calibrate(pipe, ["a prompt", "another"], CalibrationConfig(density=0.3))
+    plan.save("plan.safetensors")
+
+Stages (one module each): capture (`driver.py`, through `paroattn.pipelines.capture_attention`),
+block statistics of softmax(QK^T) for every candidate order (`block_stats.py`, Triton, with the
+torch reference in `block_stats_reference.py`), averaging over prompts and steps per timestep bucket
+(`accumulate.py`), order metrics and masks under one global budget (`selection.py`), figures
+(`figures.py`). `synthetic.py` plants locality in q, k for tests and the metric study.
+"""
+
+from .accumulate import CalibrationResult, StatsAccumulator
+from .block_stats import block_stats
+from .selection import METRICS, build_masks, order_scores
+
+__all__ = [
+    "METRICS",
+    "CalibrationConfig",
+    "CalibrationResult",
+    "StatsAccumulator",
+    "block_stats",
+    "build_masks",
+    "calibrate",
+    "order_scores",
+]
+
+
+def __getattr__(name):
+    # the driver imports diffusers through paroattn.pipelines; load it only when asked for
+    if name in ("CalibrationConfig", "calibrate", "save_calibration"):
+        from . import driver
+
+        return getattr(driver, name)
+    raise AttributeError(f"module 'paroattn.calibrate' has no attribute {name!r}")

@@ -1,0 +1,187 @@
+"""Averaging block statistics over prompts and denoising steps, then deciding orders and masks.
+
+Per (timestep bucket, layer) the accumulator keeps the sum of the block-mass maps of every
+candidate order, [H, O, nb, nb] float32, and how many (batch item, step) maps went into it. The
+per-step maxima and counts below eps are only needed as per-head scalars (incoherence, block-sparse
+score) and are reduced at once. Memory: buckets * L * H * O * nb^2 * 4 bytes (CogVideoX-5B with 6
+buckets: 22 GB; Wan2.1-1.3B: 14 GB), kept in `store_device` (host memory by default on CUDA when it
+would not fit comfortably on the GPU). Maps of the bucket currently being captured are staged on
+the device that computed them and moved to the store when the bucket changes, so a step costs no
+host transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .selection import block_entries, build_masks, incoherence, kept_mass_fraction, order_scores, sparse_fraction
+
+
+@dataclass
+class CalibrationResult:
+    candidate_orders: list[int]  # indices into ORDERS, the candidates that were measured
+    orders: torch.Tensor  # int64 [L, H], indices into ORDERS
+    block_mask: torch.Tensor  # bool [buckets, L, H, nb, nb]
+    density: torch.Tensor  # float [buckets, L, H]: achieved block density
+    kept_mass: torch.Tensor  # float [buckets, L, H]: share of attention mass inside the mask
+    scores: torch.Tensor  # float [L, H, O]: order scores (lower is better)
+    steps_per_bucket: list[int]  # captured (prompt, step) pairs per bucket
+    # block-mass maps averaged over all buckets, for figures: [L_fig, H, nb, nb] in the original
+    # order (FHW) and in each head's chosen order, for the layers in `figure_layers`
+    figure_layers: list[int]
+    figure_original: torch.Tensor | None
+    figure_reordered: torch.Tensor | None
+
+
+class StatsAccumulator:
+    def __init__(
+        self,
+        num_layers: int,
+        num_buckets: int,
+        candidate_orders: list[int],
+        seq_len: int,
+        block_size: int,
+        store_device: torch.device | str = "cpu",
+    ):
+        self.num_layers = num_layers
+        self.num_buckets = num_buckets
+        self.candidate_orders = list(candidate_orders)
+        self.seq_len = seq_len
+        self.block_size = block_size
+        self.store_device = torch.device(store_device)
+        self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] sums
+        self.weight = torch.zeros(num_buckets, num_layers)  # maps summed into mass, batch items counted
+        self.incoherence_sum: dict[int, torch.Tensor] = {}  # layer -> [H, O]
+        self.sparse_sum: dict[int, torch.Tensor] = {}
+        self.scalar_count = torch.zeros(num_layers)
+        self.steps_per_bucket = [0] * num_buckets
+        self._staging: dict[int, torch.Tensor] = {}
+        self._staging_bucket: int | None = None
+        self._entries: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, layer: int, bucket: int, mass: torch.Tensor, pmax: torch.Tensor, below: torch.Tensor, batch: int):
+        """Statistics of one layer at one step, [H, O, nb, nb] each, summed over `batch` items."""
+        if self._staging_bucket is not None and bucket != self._staging_bucket:
+            self.flush()
+        self._staging_bucket = bucket
+        if layer in self._staging:
+            self._staging[layer] += mass
+        else:
+            self._staging[layer] = mass.float().clone()
+        self.weight[bucket, layer] += batch
+        entries = self._entries.get(mass.device)
+        if entries is None:
+            entries = self._entries[mass.device] = block_entries(self.seq_len, self.block_size, mass.device)
+        inc = incoherence(mass, pmax, entries * batch).cpu()
+        sparse = sparse_fraction(below, entries * batch).cpu()
+        if layer in self.incoherence_sum:
+            self.incoherence_sum[layer] += inc
+            self.sparse_sum[layer] += sparse
+        else:
+            self.incoherence_sum[layer], self.sparse_sum[layer] = inc, sparse
+        self.scalar_count[layer] += 1
+
+    def step_done(self, bucket: int) -> None:
+        """Count one captured denoising step of one prompt in `bucket` (for the report)."""
+        self.steps_per_bucket[bucket] += 1
+
+    def flush(self) -> None:
+        """Move the staged maps of the current bucket into the store."""
+        bucket = self._staging_bucket
+        for layer, mass in self._staging.items():
+            key = (bucket, layer)
+            mass = mass.to(self.store_device)
+            if key in self.mass:
+                self.mass[key] += mass
+            else:
+                self.mass[key] = mass
+        self._staging = {}
+        self._staging_bucket = None
+
+    # -----------------------------------------------------------------------------------------
+    def _mean_map(self, bucket: int, layer: int) -> torch.Tensor | None:
+        if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
+            return None
+        return self.mass[(bucket, layer)] / float(self.weight[bucket, layer])
+
+    def finalize(
+        self,
+        density: float,
+        prefix: int,
+        metric: str = "mass",
+        quant_weight: float = 0.0,
+        alpha: float = 0.5,
+        compute_device: torch.device | str | None = None,
+        figure_layers: list[int] | None = None,
+    ) -> CalibrationResult:
+        """Choose each head's order from the averaged statistics and build the masks of every bucket.
+        A bucket without captured steps borrows the mean over all captured buckets (the report says so)."""
+        self.flush()
+        if compute_device is None:
+            compute_device = self.store_device
+        compute_device = torch.device(compute_device)
+        L, B = self.num_layers, self.num_buckets
+        missing_layers = [layer for layer in range(L) if self.scalar_count[layer] == 0]
+        if missing_layers:
+            raise RuntimeError(
+                f"no attention statistics were captured for layers {missing_layers}: the capture hooks did "
+                "not see them; check that the pipeline runs every self-attention layer"
+            )
+        step_weight = torch.tensor([float(w) for w in self.steps_per_bucket]).clamp_min(0)
+        if float(step_weight.sum()) == 0:
+            step_weight = torch.ones(B)
+        figure_layers = sorted(set(figure_layers or []) & set(range(L)))
+        per_layer_scores = []
+        per_layer_orders = []
+        bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nb, nb]
+        fig_original, fig_reordered = [], []
+        original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
+        for layer in range(L):
+            maps = [self._mean_map(b, layer) for b in range(B)]
+            captured = [m for m in maps if m is not None]
+            overall = sum(m.to(compute_device) for m in captured) / len(captured)
+            kept = torch.zeros(overall.shape[:2])
+            used = 0.0
+            for b, m in enumerate(maps):
+                if m is None:
+                    continue
+                kept += float(step_weight[b]) * kept_mass_fraction(m.to(compute_device), density).cpu()
+                used += float(step_weight[b])
+            kept /= used
+            count = float(self.scalar_count[layer])
+            scores = order_scores(
+                kept, self.incoherence_sum[layer] / count, self.sparse_sum[layer] / count,
+                metric=metric, quant_weight=quant_weight, alpha=alpha,
+            )
+            slot = scores.argmin(dim=-1)  # [H]
+            per_layer_scores.append(scores)
+            per_layer_orders.append(torch.tensor(self.candidate_orders)[slot])
+            heads = torch.arange(slot.numel())
+            for b in range(B):
+                m = maps[b].to(compute_device) if maps[b] is not None else overall
+                bucket_maps[b].append(m[heads, slot.to(m.device)])
+            if layer in figure_layers:
+                fig_original.append(overall[:, original_slot].half().cpu())
+                fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
+        masks, densities, kept_masses = [], [], []
+        for b in range(B):
+            mass = torch.stack(bucket_maps[b])  # [L, H, nb, nb]
+            mask = build_masks(mass, density, prefix, self.block_size)
+            masks.append(mask.cpu())
+            densities.append(mask.float().mean(dim=(-1, -2)).cpu())
+            total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)
+            kept_masses.append(((mass * mask).sum(dim=(-1, -2)) / total).cpu())
+        return CalibrationResult(
+            candidate_orders=self.candidate_orders,
+            orders=torch.stack(per_layer_orders),
+            block_mask=torch.stack(masks),
+            density=torch.stack(densities),
+            kept_mass=torch.stack(kept_masses),
+            scores=torch.stack(per_layer_scores),
+            steps_per_bucket=list(self.steps_per_bucket),
+            figure_layers=figure_layers,
+            figure_original=torch.stack(fig_original) if fig_original else None,
+            figure_reordered=torch.stack(fig_reordered) if fig_reordered else None,
+        )

@@ -1,0 +1,217 @@
+"""Block statistics of softmax(q k^T) for every candidate order, without materializing the map.
+
+Two Triton passes per layer (the torch reference beside it: `block_stats_reference.py`):
+
+  pass 1  `_row_lse_kernel`     each query row's log-sum-exp over all N keys (base 2). It does not
+                                depend on the order, so it runs once per (batch, head).
+  pass 2  `_block_stats_kernel` one program per (reordered query block, head, order): walks every
+                                key block of the reordered sequence and reduces its tile of
+                                P = exp2(s - lse) to three numbers: sum, max, count below eps.
+                                The batch is summed inside the program.
+
+Tokens are never permuted in memory: a program maps its reordered positions to original ones with
+the index arithmetic of `paroattn.layout` (jitted in `paroattn.kernels.index_math`) and gathers rows of q and k.
+Output is [H, O, nq, nk] per statistic (267 MB for a CogVideoX-5B layer: 48 heads, 6 orders,
+278 x 278 blocks), so memory stays bounded at any N; heads are launched in chunks when the outputs
+would exceed `max_output_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import torch
+
+from ..layout import TokenLayout
+from . import block_stats_reference as reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+if triton is not None:
+    from ..kernels.index_math import reordered_to_original as _reordered_to_original
+
+    @triton.jit
+    def _row_lse_kernel(
+        Q, K, LSE,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        H, N, D, qk_scale_log2,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """LSE[b, h, n] = log2(sum_j exp2(q_n . k_j * qk_scale_log2)), online over key blocks."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=(offs_m[:, None] < N) & d_valid[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
+            k = tl.load(k_ptrs, mask=(offs_n[None, :] < N) & d_valid[:, None], other=0.0)
+            s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+            s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            m_i = m_new
+        tl.store(LSE + pid_bh * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
+
+    @triton.jit
+    def _block_stats_kernel(
+        Q, K, LSE, ORDERS, MASS, PMAX, BELOW,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        B, H, N, D, head_offset, num_orders, num_blocks,
+        prefix, frames, height, width,
+        qk_scale_log2, eps,
+        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """Program (i, h, o): query block i of the sequence reordered by ORDERS[o], head
+        head_offset + h; writes MASS/PMAX/BELOW[h, o, i, :] (outputs hold only this launch's heads)."""
+        i = tl.program_id(0)
+        h_local = tl.program_id(1)
+        oi = tl.program_id(2)
+        h = head_offset + h_local
+        order = tl.load(ORDERS + oi)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        rq = i * BLOCK + tl.arange(0, BLOCK)
+        q_valid = rq < N
+        oq = _reordered_to_original(rq, order, prefix, frames, height, width)
+        oq = tl.where(q_valid, oq, 0)
+        out = ((h_local * num_orders + oi) * num_blocks + i) * num_blocks
+        for b in range(0, B):
+            q_ptrs = Q + b * stride_qb + h * stride_qh + oq[:, None] * stride_qn + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
+            lse = tl.load(LSE + (b * H + h) * N + oq, mask=q_valid, other=0.0)
+            for j in range(0, num_blocks):
+                rk = j * BLOCK + tl.arange(0, BLOCK)
+                k_valid = rk < N
+                ok = _reordered_to_original(rk, order, prefix, frames, height, width)
+                ok = tl.where(k_valid, ok, 0)
+                k_ptrs = K + b * stride_kb + h * stride_kh + ok[None, :] * stride_kn + offs_d[:, None]
+                k = tl.load(k_ptrs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+                valid = q_valid[:, None] & k_valid[None, :]
+                p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+                small = tl.where(valid & (p < eps), 1.0, 0.0)
+                tile_mass = tl.sum(tl.sum(p, axis=1), axis=0)
+                tile_max = tl.max(tl.max(p, axis=1), axis=0)
+                tile_below = tl.sum(tl.sum(small, axis=1), axis=0)
+                tl.store(MASS + out + j, tl.load(MASS + out + j) + tile_mass)
+                tl.store(PMAX + out + j, tl.maximum(tl.load(PMAX + out + j), tile_max))
+                tl.store(BELOW + out + j, tl.load(BELOW + out + j) + tile_below)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available(device: torch.device) -> bool:
+    return triton is not None and (device.type == "cuda" or _interpreting())
+
+
+def block_stats_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: TokenLayout,
+    orders: list[int],
+    block_size: int,
+    eps: float = 1e-3,
+    sm_scale: float | None = None,
+    max_output_bytes: int = 1 << 30,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`."""
+    B, H, N, D = q.shape
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the statistics kernel needs a power-of-two block_size >= 16, got {block_size}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    if _interpreting() and q.dtype == torch.bfloat16:
+        # the interpreter's bf16 dot is wrong; fp32 gives the same statistics
+        q, k = q.float(), k.float()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = max(16, triton.next_power_of_2(D))
+    scale_log2 = sm_scale * LOG2E
+    lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    _row_lse_kernel[(triton.cdiv(N, 64), B * H)](
+        q, k, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        H, N, D, scale_log2,
+        BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, INPUT_PRECISION=precision,
+    )
+    n_blocks = triton.cdiv(N, block_size)
+    O = len(orders)
+    order_tensor = torch.tensor(list(orders), dtype=torch.int32, device=q.device)
+    per_head = 3 * O * n_blocks * n_blocks * 4
+    heads_per_launch = max(1, min(H, max_output_bytes // per_head))
+    results = []
+    for head_offset in range(0, H, heads_per_launch):
+        count = min(heads_per_launch, H - head_offset)
+        mass = torch.zeros(count, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
+        pmax = torch.zeros_like(mass)
+        below = torch.zeros_like(mass)
+        _block_stats_kernel[(n_blocks, count, O)](
+            q, k, lse, order_tensor, mass, pmax, below,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            B, H, N, D, head_offset, O, n_blocks,
+            layout.prefix, layout.frames, layout.height, layout.width,
+            scale_log2, eps,
+            BLOCK=block_size, BLOCK_D=block_d, INPUT_PRECISION=precision,
+            num_warps=4,
+        )
+        results.append((mass, pmax, below))
+    if len(results) == 1:
+        return results[0]
+    return tuple(torch.cat([r[i] for r in results]) for i in range(3))
+
+
+def block_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: TokenLayout,
+    orders: list[int] | None = None,
+    block_size: int = 64,
+    eps: float = 1e-3,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mass, pmax, below), each float32 [H, O, nq, nk], for q, k [B, H, N, D] and the candidate
+    `orders` (default: the layout's distinct orders: 6 for video, 2 for images). See
+    `block_stats_reference` for the definitions. backend: "auto" (Triton on CUDA, torch elsewhere),
+    "triton" or "torch"."""
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[2] != layout.seq_len:
+        raise ValueError(f"q has {q.shape[2]} tokens but the layout {layout} has {layout.seq_len}")
+    if orders is None:
+        orders = list(layout.distinct_orders())
+    if backend == "auto":
+        backend = "triton" if (triton is not None and q.device.type == "cuda") else "torch"
+    if backend == "triton":
+        if not triton_available(q.device):
+            raise RuntimeError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); use backend='torch'")
+        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale)
+    if backend == "torch":
+        return reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale)
+    raise ValueError(f"backend={backend!r}; expected 'auto', 'triton' or 'torch'")

@@ -1,0 +1,123 @@
+"""Torch forms of the block statistics: the naive oracle and a memory-bounded fallback.
+
+For one layer's q, k [B, H, N, D] and a list of candidate orders, the statistics of
+P = softmax(q k^T * sm_scale) (rows over all N keys) grouped into (query block, key block) tiles of
+the sequence *reordered* by each order:
+
+    mass  [H, O, nq, nk]  sum of P inside the tile, summed over the batch
+    pmax  [H, O, nq, nk]  max of P inside the tile, max over the batch
+    below [H, O, nq, nk]  number of entries of P < eps inside the tile, summed over the batch
+
+Every row of P sums to one, so `mass.sum((-1, -2)) == B * N` for every head and order: masses of
+different heads, layers and steps are on one scale and can be ranked against each other.
+
+`block_stats_naive` materializes each head's N x N map and is the oracle of the Triton kernel in
+`block_stats.py` (small shapes only). `block_stats_torch` gives the same numbers with memory bounded
+by `query_chunk * N` floats; it is the CPU path and the fallback where Triton is unavailable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import TokenLayout, reorder_index
+
+
+def _pad_to_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad the last two dims of x up to (rows, cols)."""
+    return torch.nn.functional.pad(x, (0, cols - x.shape[-1], 0, rows - x.shape[-2]))
+
+
+def block_stats_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: TokenLayout,
+    orders: list[int],
+    block_size: int,
+    eps: float = 1e-3,
+    sm_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition: full softmax map per (batch, head), permuted, cut into tiles. Small N only."""
+    B, H, N, D = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    n_blocks = -(-N // block_size)
+    padded = n_blocks * block_size
+    O = len(orders)
+    mass = torch.zeros(H, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
+    pmax = torch.zeros_like(mass)
+    below = torch.zeros_like(mass)
+    indices = [reorder_index(layout, o, device=q.device) for o in orders]
+    for b in range(B):
+        for h in range(H):
+            p = torch.softmax((q[b, h].float() @ k[b, h].float().T) * sm_scale, dim=-1)
+            for oi, index in enumerate(indices):
+                pr = p[index][:, index]
+                tiles = _pad_to_blocks(pr, padded, padded).view(n_blocks, block_size, n_blocks, block_size)
+                small = _pad_to_blocks((pr < eps).float(), padded, padded)
+                small = small.view(n_blocks, block_size, n_blocks, block_size)
+                mass[h, oi] += tiles.sum(dim=(1, 3))
+                pmax[h, oi] = torch.maximum(pmax[h, oi], tiles.amax(dim=(1, 3)))
+                below[h, oi] += small.sum(dim=(1, 3))
+    return mass, pmax, below
+
+
+def row_logsumexp_torch(q: torch.Tensor, k: torch.Tensor, sm_scale: float, query_chunk: int = 1024) -> torch.Tensor:
+    """[B, H, N] natural-log log-sum-exp of each row of q k^T * sm_scale, in chunks of queries."""
+    B, H, N, D = q.shape
+    lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for h in range(H):
+            kh = k[b, h].float()
+            for start in range(0, N, query_chunk):
+                scores = (q[b, h, start : start + query_chunk].float() @ kh.T) * sm_scale
+                lse[b, h, start : start + query_chunk] = torch.logsumexp(scores, dim=-1)
+    return lse
+
+
+def block_stats_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: TokenLayout,
+    orders: list[int],
+    block_size: int,
+    eps: float = 1e-3,
+    sm_scale: float | None = None,
+    query_chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same results as `block_stats_naive` with memory bounded by about 3 * query_chunk * N floats:
+    pass 1 computes each row's log-sum-exp once (it does not depend on the order), pass 2 walks the
+    reordered query blocks in chunks and reduces each chunk's rows of P into tiles."""
+    B, H, N, D = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    n_blocks = -(-N // block_size)
+    padded_cols = n_blocks * block_size
+    rows_per_chunk = max(1, query_chunk // block_size) * block_size
+    O = len(orders)
+    mass = torch.zeros(H, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
+    pmax = torch.zeros_like(mass)
+    below = torch.zeros_like(mass)
+    lse = row_logsumexp_torch(q, k, sm_scale, query_chunk)
+    indices = [reorder_index(layout, o, device=q.device) for o in orders]
+    for oi, index in enumerate(indices):
+        for b in range(B):
+            for h in range(H):
+                qh = q[b, h].index_select(0, index).float()
+                kh = k[b, h].index_select(0, index).float()
+                lse_h = lse[b, h].index_select(0, index)
+                for start in range(0, N, rows_per_chunk):
+                    stop = min(start + rows_per_chunk, N)
+                    p = torch.exp((qh[start:stop] @ kh.T) * sm_scale - lse_h[start:stop, None])
+                    small = (p < eps).float()
+                    rows = -(-(stop - start) // block_size) * block_size
+                    first = start // block_size
+                    nb = rows // block_size
+                    p = _pad_to_blocks(p, rows, padded_cols).view(nb, block_size, n_blocks, block_size)
+                    small = _pad_to_blocks(small, rows, padded_cols).view(nb, block_size, n_blocks, block_size)
+                    mass[h, oi, first : first + nb] += p.sum(dim=(1, 3))
+                    pmax[h, oi, first : first + nb] = torch.maximum(pmax[h, oi, first : first + nb], p.amax(dim=(1, 3)))
+                    below[h, oi, first : first + nb] += small.sum(dim=(1, 3))
+    return mass, pmax, below

@@ -1,0 +1,113 @@
+"""From block statistics to decisions: each head's order, and block masks under one global budget.
+
+Order metrics (lower score is better; all computed per (layer, head, candidate order)):
+
+- "mass" (default): the fraction of attention mass *lost* when only the best `density` share of
+  blocks is kept, averaged over the timestep buckets with the map of each bucket; this is the
+  quantity the masks then optimize, so it is right by construction. With quantized attention
+  (`qk`/`pv` not bf16) the incoherence term below is added with weight `quant_weight`, relative
+  to the mean over the candidate orders (so 0.01 means "1% more incoherent costs 0.01% of mass").
+- "paper": PAROAttention's combination `alpha * sparse + (1 - alpha) * quant`, each term divided by
+  its sum over the orders. The paper does not give alpha nor the sign of the sparse term; here the
+  block-sparse score (share of blocks in which >= 90% of P is below eps) is a benefit, so it enters
+  with a minus sign: score = -alpha * S_o / sum(S) + (1 - alpha) * Q_o / sum(Q).
+
+Incoherence of a block: max(P) / mean(P) inside it; a head's incoherence is the mean over its
+blocks with nonzero mass. Both per-step quantities are averaged over the captured steps.
+`benchmarks/order_metric.py` measures which metric picks better orders (BENCHMARKS.md, Calibration).
+"""
+
+from __future__ import annotations
+
+import torch
+
+METRICS = ("mass", "paper")
+
+
+def block_entries(n: int, block_size: int, device=None) -> torch.Tensor:
+    """float [nb, nb]: number of (query, key) pairs in each tile (the last row/column are partial)."""
+    nb = -(-n // block_size)
+    sizes = torch.full((nb,), float(block_size), device=device)
+    sizes[-1] = n - (nb - 1) * block_size
+    return sizes[:, None] * sizes[None, :]
+
+
+def kept_mass_fraction(mass: torch.Tensor, density: float) -> torch.Tensor:
+    """mass [..., nq, nk] -> [...]: share of the total mass held by the `density` best blocks."""
+    flat = mass.flatten(-2)
+    keep = max(1, min(flat.shape[-1], round(density * flat.shape[-1])))
+    total = flat.sum(-1).clamp_min(torch.finfo(flat.dtype).tiny)
+    return flat.topk(keep, dim=-1, sorted=False).values.sum(-1) / total
+
+
+def incoherence(mass: torch.Tensor, pmax: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """[..., nq, nk] statistics of one step -> [...]: mean over blocks with mass of max(P)/mean(P).
+    `entries` [nq, nk] counts the (query, key) pairs behind each tile (batch included)."""
+    mean = mass / entries
+    has_mass = mean > 0
+    ratio = torch.where(has_mass, pmax / mean.clamp_min(torch.finfo(mean.dtype).tiny), torch.zeros_like(mean))
+    return ratio.flatten(-2).sum(-1) / has_mass.flatten(-2).sum(-1).clamp_min(1)
+
+
+def sparse_fraction(below: torch.Tensor, entries: torch.Tensor, share: float = 0.9) -> torch.Tensor:
+    """[..., nq, nk] -> [...]: share of blocks in which at least `share` of P is below eps."""
+    return (below >= share * entries).float().flatten(-2).mean(-1)
+
+
+def order_scores(
+    kept_mass: torch.Tensor,
+    incoherence_mean: torch.Tensor,
+    sparse_mean: torch.Tensor,
+    metric: str = "mass",
+    quant_weight: float = 0.0,
+    alpha: float = 0.5,
+) -> torch.Tensor:
+    """Each input [..., O] (the last axis over candidate orders) -> scores [..., O], lower is better."""
+    if metric == "mass":
+        score = 1.0 - kept_mass
+        if quant_weight:
+            relative = incoherence_mean / incoherence_mean.mean(-1, keepdim=True).clamp_min(1e-12)
+            score = score + quant_weight * relative
+        return score
+    if metric == "paper":
+        sparse = sparse_mean / sparse_mean.sum(-1, keepdim=True).clamp_min(1e-12)
+        quant = incoherence_mean / incoherence_mean.sum(-1, keepdim=True).clamp_min(1e-12)
+        return -alpha * sparse + (1.0 - alpha) * quant
+    raise ValueError(f"unknown order metric {metric!r}; expected one of {METRICS}")
+
+
+def forced_blocks(num_blocks: int, prefix: int, block_size: int, device=None) -> torch.Tensor:
+    """bool [nb, nb]: blocks every mask keeps: the diagonal, and every block whose query or key
+    range holds a prefix (text) token (prefix tokens are never reordered, so these are the same
+    blocks under every order)."""
+    index = torch.arange(num_blocks, device=device)
+    forced = index[:, None] == index[None, :]
+    text_blocks = -(-prefix // block_size)
+    if text_blocks:
+        forced[:text_blocks, :] = True
+        forced[:, :text_blocks] = True
+    return forced
+
+
+def build_masks(
+    mass: torch.Tensor,
+    density: float,
+    prefix: int,
+    block_size: int,
+) -> torch.Tensor:
+    """mass [L, H, nb, nb] of one timestep bucket, in each head's chosen order -> bool masks.
+
+    One budget for the whole bucket: round(density * L * H * nb * nb) blocks, the forced ones
+    (diagonal, prefix) first, the rest going to the blocks with the most mass wherever they are,
+    so heads with spread-out attention get more blocks than heads with local attention. Masses are
+    comparable across heads and layers because every row of P sums to one. If the forced blocks
+    alone exceed the budget the masks hold only them (the achieved density then says so)."""
+    L, H, nb, _ = mass.shape
+    forced = forced_blocks(nb, prefix, block_size, device=mass.device)
+    masks = forced.expand(L, H, nb, nb).clone()
+    budget = round(density * masks.numel()) - int(masks.sum())
+    if budget > 0:
+        scores = mass.float().masked_fill(forced, float("-inf")).flatten()
+        chosen = scores.topk(min(budget, scores.numel()), sorted=False).indices
+        masks.view(-1)[chosen] = True
+    return masks
