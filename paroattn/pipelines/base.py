@@ -1,0 +1,129 @@
+"""What every model family adapter provides, and the pieces they share.
+
+An adapter knows three things about one diffusers transformer family:
+- which attention modules are self-attention, in plan layer order (`self_attention_layers`);
+- how one forward call's token layout and timestep follow from the transformer's arguments
+  (`call_inputs`, used by the forward pre-hook) or, once, from its running frame (`call_inputs_from_locals`,
+  used when a lone `PAROProcessor` binds itself in the middle of a forward);
+- how the model's own processor computes a self-attention call, split in three so that the
+  attention in the middle can be swapped: `qkv` (projections, norms, RoPE, text concat) ->
+  `dense` (the exact call the default processor makes) or `paro_attention` -> `finish`
+  (output projections, text split).
+`qkv` returns q, k, v as [B, H, N, D] (views of the model's own layout where it is [B, N, H, D]),
+so `dense` sees the very tensors the default processor would and gives bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..layout import TokenLayout
+
+# All released VAEs of the supported families compress space by 8 and (video) time by 4.
+VAE_SPATIAL = 8
+VAE_TEMPORAL = 4
+
+
+@dataclass
+class CallInputs:
+    """What one transformer forward call means for PARO: its timestep on the 0..1000 scale and
+    its token layout. `problem` says why the call has no usable layout (then `layout` is None)."""
+
+    timestep: float
+    layout: TokenLayout | None
+    problem: str | None = None
+
+
+@dataclass
+class SelfAttentionCall:
+    """q, k, v [B, H, N, D] of one self-attention call and what `finish` needs to undo the split."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    text_tokens: int | None  # tokens before the grid that this call itself reveals (None: unknown here)
+    extra: dict[str, Any]
+
+
+def timestep_value(timestep) -> float:
+    """The largest timestep of a call (all entries are equal except in per-token schedules)."""
+    if isinstance(timestep, torch.Tensor):
+        return float(timestep.detach().max())
+    return float(timestep)
+
+
+def class_names(obj) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+class FamilyAdapter:
+    """Base class; see the module docstring. Subclasses set the class attributes."""
+
+    name: str = ""
+    transformer_classes: tuple[str, ...] = ()
+    attention_classes: tuple[str, ...] = ()
+    is_video: bool = True
+
+    def matches(self, transformer) -> bool:
+        return bool(class_names(transformer) & set(self.transformer_classes))
+
+    # -- structure ---------------------------------------------------------------------------
+    def self_attention_layers(self, transformer) -> list[str]:
+        raise NotImplementedError
+
+    def num_heads(self, transformer) -> int:
+        return int(transformer.config.num_attention_heads)
+
+    # -- per forward -------------------------------------------------------------------------
+    def call_inputs(self, transformer, arguments: dict) -> CallInputs:
+        raise NotImplementedError
+
+    def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
+        raise NotImplementedError
+
+    # -- geometry ----------------------------------------------------------------------------
+    def layout_for(self, transformer, *, height: int, width: int, frames: int | None = None,
+                   text_tokens: int | None = None) -> TokenLayout:
+        raise NotImplementedError
+
+    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+        """Smallest generation size (pixels, frames) whose tokens have this layout."""
+        raise NotImplementedError
+
+    # -- per self-attention call -------------------------------------------------------------
+    def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
+        raise NotImplementedError
+
+    def dense(self, attn, call: SelfAttentionCall, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, attn, out: torch.Tensor, call: SelfAttentionCall):
+        raise NotImplementedError
+
+    def is_self_attention(self, attn, encoder_hidden_states) -> bool:
+        return True
+
+    def default_processor(self, attn):
+        """A fresh default processor for `attn` (for modules a lone PAROProcessor must leave alone)."""
+        cls = getattr(type(attn), "_default_processor_cls", None)
+        if cls is None:
+            raise TypeError(f"no default processor known for {type(attn).__name__}")
+        return cls()
+
+    def describe_size(self, transformer, layout: TokenLayout) -> str:
+        size = self.pixel_size(transformer, layout)
+        if "frames" in size:
+            return f"{size['frames']} frames of {size['height']}x{size['width']}"
+        return f"{size['height']}x{size['width']}"
+
+    def calibrate_command(self, transformer, layout: TokenLayout | None) -> str:
+        args = ""
+        if layout is not None:
+            size = self.pixel_size(transformer, layout)
+            args = f" --height {size['height']} --width {size['width']}"
+            if "frames" in size:
+                args += f" --frames {size['frames']}"
+        return f"paro calibrate MODEL_DIR{args} --out plan.safetensors"

@@ -1,0 +1,137 @@
+"""FLUX.1: `FluxAttnProcessor` of the 19 dual-stream and 38 single-stream blocks split around its attention.
+
+Sequence of every block: [text (512 for dev) ; H x W packed image tokens]. Dual-stream blocks project
+text and image separately (added_q/k/v) and concatenate text first; single-stream blocks receive the
+concatenation already. RMSNorm(head_dim) on q/k, RoPE on the whole sequence, `dispatch_attention_fn`
+on [B, S, H, D]. The transformer receives `timestep = t / 1000` and scales it by 1000 inside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import TokenLayout
+from .base import VAE_SPATIAL, CallInputs, FamilyAdapter, SelfAttentionCall, timestep_value
+
+# Flux packs 2x2 latent pixels into one token before its own patch embedding
+_PACK = 2
+
+
+class FluxAdapter(FamilyAdapter):
+    name = "flux"
+    transformer_classes = ("FluxTransformer2DModel",)
+    attention_classes = ("FluxAttention",)
+    is_video = False
+
+    def __init__(self):
+        self._grid_cache: tuple[torch.Tensor, tuple[int, int] | None, str | None] | None = None
+
+    def self_attention_layers(self, transformer) -> list[str]:
+        dual = [f"transformer_blocks.{i}.attn.processor" for i in range(len(transformer.transformer_blocks))]
+        single = [f"single_transformer_blocks.{i}.attn.processor" for i in range(len(transformer.single_transformer_blocks))]
+        return dual + single
+
+    # -- per forward -------------------------------------------------------------------------
+    def _image_grid(self, img_ids: torch.Tensor) -> tuple[tuple[int, int] | None, str | None]:
+        """(rows, cols) of the image tokens from their position ids, cached per ids tensor (pipelines
+        pass the same one every step; reading it syncs with the GPU)."""
+        if self._grid_cache is not None and self._grid_cache[0] is img_ids:
+            return self._grid_cache[1], self._grid_cache[2]
+        ids = img_ids[0] if img_ids.dim() == 3 else img_ids
+        count = ids.shape[0]
+        first, last = ids[[0, -1]].tolist()
+        rows, cols = int(last[1] - first[1]) + 1, int(last[2] - first[2]) + 1
+        grid, problem = (rows, cols), None
+        if rows * cols != count:
+            grid, problem = None, (
+                f"the {count} image tokens do not form one row-major grid (ids span {rows}x{cols}); "
+                "conditioning images (Kontext, Fill) are not a supported layout"
+            )
+        self._grid_cache = (img_ids, grid, problem)
+        return grid, problem
+
+    def _inputs(self, text_tokens: int, img_ids, timestep_0_1000: float) -> CallInputs:
+        grid, problem = self._image_grid(img_ids)
+        layout = TokenLayout(int(text_tokens), 1, grid[0], grid[1]) if grid else None
+        return CallInputs(timestep_0_1000, layout, problem)
+
+    def call_inputs(self, transformer, arguments: dict) -> CallInputs:
+        # the pipeline passes t / 1000; the plan's buckets live on the 0..1000 scale
+        return self._inputs(
+            arguments["encoder_hidden_states"].shape[1], arguments["img_ids"], 1000.0 * timestep_value(arguments["timestep"])
+        )
+
+    def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
+        # inside FluxTransformer2DModel.forward `timestep` is already multiplied by 1000
+        text_tokens = f_locals["txt_ids"].shape[-2]
+        return self._inputs(text_tokens, f_locals["img_ids"], timestep_value(f_locals["timestep"]))
+
+    # -- geometry ----------------------------------------------------------------------------
+    def _tokens_per_side(self, transformer) -> int:
+        return VAE_SPATIAL * _PACK * int(transformer.config.patch_size)
+
+    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None) -> TokenLayout:
+        side = self._tokens_per_side(transformer)
+        return TokenLayout(512 if text_tokens is None else int(text_tokens), 1, height // side, width // side)
+
+    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+        side = self._tokens_per_side(transformer)
+        return {"height": layout.height * side, "width": layout.width * side}
+
+    # -- per self-attention call -------------------------------------------------------------
+    def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        with_text = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+            if with_text:
+                text_q, text_k, text_v = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+            if with_text:
+                text_q = attn.add_q_proj(encoder_hidden_states)
+                text_k = attn.add_k_proj(encoder_hidden_states)
+                text_v = attn.add_v_proj(encoder_hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        text_tokens = None
+        if with_text:
+            text_q = attn.norm_added_q(text_q.unflatten(-1, (-1, attn.head_dim)))
+            text_k = attn.norm_added_k(text_k.unflatten(-1, (-1, attn.head_dim)))
+            text_v = text_v.unflatten(-1, (-1, attn.head_dim))
+            query = torch.cat([text_q, query], dim=1)
+            key = torch.cat([text_k, key], dim=1)
+            value = torch.cat([text_v, value], dim=1)
+            text_tokens = encoder_hidden_states.shape[1]
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        extra = {"encoder_hidden_states": encoder_hidden_states}
+        return SelfAttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), text_tokens, extra)
+
+    def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        out = dispatch_attention_fn(
+            call.q.transpose(1, 2),
+            call.k.transpose(1, 2),
+            call.v.transpose(1, 2),
+            attn_mask=attention_mask,
+            backend=backend,
+            parallel_config=parallel_config,
+        )
+        return out.transpose(1, 2)
+
+    def finish(self, attn, out, call):
+        out = out.transpose(1, 2).flatten(2, 3).to(call.q.dtype)
+        encoder_hidden_states = call.extra["encoder_hidden_states"]
+        if encoder_hidden_states is None:
+            return out
+        text_tokens = encoder_hidden_states.shape[1]
+        text, image = out.split_with_sizes([text_tokens, out.shape[1] - text_tokens], dim=1)
+        image = attn.to_out[0](image.contiguous())
+        image = attn.to_out[1](image)
+        text = attn.to_add_out(text.contiguous())
+        return image, text

@@ -1,0 +1,39 @@
+"""Which timestep and token layout the current transformer forward has: a forward pre-hook.
+
+Pipelines pass the timestep as a keyword (CogVideoX int 0..999, Wan float 0..1000 once per CFG
+branch, Flux t/1000); the adapter maps the call's arguments to `CallInputs` on the 0..1000 scale.
+Processors then read `tracker.current` instead of guessing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+from .base import CallInputs, FamilyAdapter
+
+
+class ForwardTracker:
+    def __init__(self, transformer, family: FamilyAdapter, on_call: Callable[[CallInputs], None] | None = None):
+        self.family = family
+        self.on_call = on_call
+        self.current: CallInputs | None = None
+        self.calls = 0
+        self._signature = inspect.signature(transformer.forward)
+        self._handle = transformer.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+
+    def _pre_hook(self, module, args, kwargs):
+        arguments = self._signature.bind_partial(*args, **kwargs).arguments
+        self.set(self.family.call_inputs(module, arguments))
+        return None
+
+    def set(self, inputs: CallInputs) -> None:
+        self.current = inputs
+        self.calls += 1
+        if self.on_call is not None:
+            self.on_call(inputs)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -1,0 +1,106 @@
+"""Wan 2.1 (T2V and I2V): `WanAttnProcessor` of the self-attention `attn1` split around its attention.
+
+Sequence of `attn1`: the F x H x W video tokens only (no text). q/k RMSNorm over heads*dim before
+the head split, RoPE on all tokens (passed positionally as the 5th argument), `dispatch_attention_fn`
+on [B, S, H, D]. `attn2` is cross-attention to the text (+ image for I2V) and keeps its processor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import TokenLayout
+from .base import VAE_SPATIAL, VAE_TEMPORAL, CallInputs, FamilyAdapter, SelfAttentionCall, timestep_value
+
+
+def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE on interleaved pairs, [B, S, H, D] with cos/sin broadcast over heads."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanAdapter(FamilyAdapter):
+    name = "wan"
+    transformer_classes = ("WanTransformer3DModel",)
+    attention_classes = ("WanAttention",)
+
+    def self_attention_layers(self, transformer) -> list[str]:
+        return [f"blocks.{i}.attn1.processor" for i in range(len(transformer.blocks))]
+
+    def is_self_attention(self, attn, encoder_hidden_states) -> bool:
+        return encoder_hidden_states is None and not getattr(attn, "is_cross_attention", False)
+
+    # -- per forward -------------------------------------------------------------------------
+    def _layout(self, transformer, latent_frames, latent_height, latent_width):
+        p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
+        return TokenLayout(0, int(latent_frames) // p_t, int(latent_height) // p_h, int(latent_width) // p_w)
+
+    def call_inputs(self, transformer, arguments: dict) -> CallInputs:
+        _, _, frames, height, width = arguments["hidden_states"].shape  # [B, C, F, H, W]
+        return CallInputs(timestep_value(arguments["timestep"]), self._layout(transformer, frames, height, width))
+
+    def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
+        # WanTransformer3DModel.forward unpacks the latent shape into these names first thing
+        layout = self._layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"])
+        return CallInputs(timestep_value(f_locals["timestep"]), layout)
+
+    # -- geometry ----------------------------------------------------------------------------
+    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None) -> TokenLayout:
+        if frames is None:
+            frames = 81
+        latent_frames = (int(frames) - 1) // VAE_TEMPORAL + 1
+        return self._layout(transformer, latent_frames, height // VAE_SPATIAL, width // VAE_SPATIAL)
+
+    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+        p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
+        return {
+            "frames": (layout.frames * p_t - 1) * VAE_TEMPORAL + 1,
+            "height": layout.height * p_h * VAE_SPATIAL,
+            "width": layout.width * p_w * VAE_SPATIAL,
+        }
+
+    # -- per self-attention call -------------------------------------------------------------
+    def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query = attn.to_q(hidden_states)
+            key = attn.to_k(hidden_states)
+            value = attn.to_v(hidden_states)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if image_rotary_emb is not None:
+            query = _rotate(query, *image_rotary_emb)
+            key = _rotate(key, *image_rotary_emb)
+        # [B, S, H, D] -> [B, H, S, D] views; `dense` transposes back to the very same tensors
+        return SelfAttentionCall(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0, {"dtype": query.dtype}
+        )
+
+    def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        out = dispatch_attention_fn(
+            call.q.transpose(1, 2),
+            call.k.transpose(1, 2),
+            call.v.transpose(1, 2),
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=backend,
+            parallel_config=parallel_config,
+        )
+        return out.transpose(1, 2)
+
+    def finish(self, attn, out, call):
+        out = out.transpose(1, 2).flatten(2, 3).type_as(call.q)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)

@@ -1,0 +1,268 @@
+"""Tiny models of the supported families, built in code (no downloads), for tests and demos.
+
+    transformer = tiny_transformer("cogvideox")              # or "cogvideox1.5", "wan", "wan-i2v", "flux"
+    kwargs = tiny_forward_inputs(transformer, timestep=500)   # a forward call's keyword arguments
+    pipe = tiny_pipeline("wan")                               # a whole diffusers pipeline, random weights
+
+Sizes are chosen so each self-attention sequence spans a few 16-token blocks (plans for these
+models use `block_size=16`), and a 2-step pipeline run takes about a second on one CPU core.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "flux")
+
+# text lengths of the tiny pipelines (the real models use 226, 512 and 512)
+COGVIDEOX_TEXT = 8
+WAN_TEXT = 8
+FLUX_TEXT = 8
+# Wan's I2V processor hard-codes 512 text tokens before the image tokens in attn2
+WAN_I2V_TEXT = 512
+WAN_I2V_IMAGE = 4
+TINY_BLOCK = 16
+
+
+def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A 2-layer transformer of `family` with 2 heads of 16 channels and random weights."""
+    torch.manual_seed(seed)
+    if family in ("cogvideox", "cogvideox1.5"):
+        from diffusers import CogVideoXTransformer3DModel
+
+        v15 = family == "cogvideox1.5"
+        model = CogVideoXTransformer3DModel(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=4,
+            time_embed_dim=8,
+            text_embed_dim=16,
+            num_layers=2,
+            sample_width=8,
+            sample_height=8,
+            sample_frames=9,
+            patch_size=2,
+            patch_size_t=2 if v15 else None,
+            max_text_seq_length=COGVIDEOX_TEXT,
+            use_rotary_positional_embeddings=True,
+            patch_bias=not v15,
+        )
+    elif family in ("wan", "wan-i2v"):
+        from diffusers import WanTransformer3DModel
+
+        i2v = family == "wan-i2v"
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=4 if not i2v else 8,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+            image_dim=16 if i2v else None,
+            added_kv_proj_dim=32 if i2v else None,
+        )
+    elif family == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        model = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            pooled_projection_dim=16,
+            guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6),
+        )
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
+    # random-init norms are all ones: perturb every parameter a little so norms and RoPE matter
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2, frames: int | None = None,
+                        height: int | None = None, width: int | None = None, seed: int = 1) -> dict:
+    """Keyword arguments of one forward of a tiny transformer, with `timestep` on the 0..1000 scale.
+    `frames`, `height`, `width` are latent sizes; defaults: 3x8x8 (CogVideoX 1.5: 4x8x8, it patches
+    time by 2), Flux 12x12 (6x6 tokens; frames ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(transformer.parameters()).dtype
+    name = type(transformer).__name__
+    config = transformer.config
+
+    is_flux = name == "FluxTransformer2DModel"
+    if frames is None:
+        frames = 4 if getattr(config, "patch_size_t", None) else 3
+    height = height if height is not None else (12 if is_flux else 8)
+    width = width if width is not None else (12 if is_flux else 8)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if name == "CogVideoXTransformer3DModel":
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        p = config.patch_size
+        pt = config.patch_size_t or 1
+        grid_h, grid_w = height // p, width // p
+        cos, sin = get_3d_rotary_pos_embed(
+            embed_dim=config.attention_head_dim,
+            crops_coords=((0, 0), (grid_h, grid_w)),
+            grid_size=(grid_h, grid_w),
+            temporal_size=frames // pt,
+        )
+        return {
+            "hidden_states": rand(batch, frames, config.in_channels, height, width),
+            "encoder_hidden_states": rand(batch, config.max_text_seq_length, config.text_embed_dim),
+            "timestep": torch.full((batch,), int(timestep), dtype=torch.long),
+            "image_rotary_emb": (cos.to(dtype), sin.to(dtype)),
+            "return_dict": False,
+        }
+    if name == "WanTransformer3DModel":
+        i2v = config.image_dim is not None
+        kwargs = {
+            "hidden_states": rand(batch, config.in_channels, frames, height, width),
+            "timestep": torch.full((batch,), float(timestep)),
+            "encoder_hidden_states": rand(batch, WAN_I2V_TEXT if i2v else WAN_TEXT, config.text_dim),
+            "return_dict": False,
+        }
+        if i2v:
+            kwargs["encoder_hidden_states_image"] = rand(batch, WAN_I2V_IMAGE, config.image_dim)
+        return kwargs
+    if name == "FluxTransformer2DModel":
+        rows, cols = height // 2, width // 2  # the pipeline packs 2x2 latent pixels per token
+        img_ids = torch.zeros(rows, cols, 3)
+        img_ids[..., 1] = torch.arange(rows)[:, None]
+        img_ids[..., 2] = torch.arange(cols)[None, :]
+        return {
+            "hidden_states": rand(batch, rows * cols, config.in_channels),
+            "encoder_hidden_states": rand(batch, FLUX_TEXT, config.joint_attention_dim),
+            "pooled_projections": rand(batch, config.pooled_projection_dim),
+            "timestep": torch.full((batch,), timestep / 1000.0),
+            "img_ids": img_ids.reshape(-1, 3),
+            "txt_ids": torch.zeros(FLUX_TEXT, 3),
+            "return_dict": False,
+        }
+    raise ValueError(f"no tiny inputs for {name}")
+
+
+# -- whole pipelines -------------------------------------------------------------------------
+
+_WORDS = ["a", "cat", "dog", "runs", "on", "the", "beach", "at", "sunset", "red", "car", "in", "city", "rain"]
+
+
+def tiny_t5(hidden: int = 16, seed: int = 0):
+    """(T5 tokenizer with a 32-piece vocabulary, 1-layer T5 encoder with `hidden` channels)."""
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581{w}", -1.0 - i) for i, w in enumerate(_WORDS)]
+    vocab += [(c, -20.0) for c in "abcdefghijklmnopqrstuvwxyz"]
+    tokenizer = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=len(vocab), d_model=hidden, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+    )
+    return tokenizer, T5EncoderModel(config).eval()
+
+
+def tiny_clip(hidden: int = 16, seed: int = 0):
+    """(CLIP tokenizer with a word-level vocabulary and no merges, 1-layer CLIP text model)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
+    for w in _WORDS:
+        vocab[f"{w}</w>"] = len(vocab)
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(f"{c}</w>", len(vocab))
+        vocab.setdefault(c, len(vocab))
+    import json
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="paro-clip-"))
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"))
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=hidden,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    return tokenizer, CLIPTextModel(config).eval()
+
+
+def tiny_pipeline(family: str, *, seed: int = 0):
+    """A whole diffusers pipeline of `family` ("cogvideox", "wan", "flux") with random tiny weights.
+    Generate with `tiny_call_kwargs(family)` for a size that matches `tiny_transformer` plans."""
+    torch.manual_seed(seed)
+    if family == "cogvideox":
+        from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+
+        tokenizer, text_encoder = tiny_t5(16, seed)
+        vae = AutoencoderKLCogVideoX(
+            in_channels=3, out_channels=3,
+            down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+            temporal_compression_ratio=4,
+        )
+        return CogVideoXPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+            transformer=tiny_transformer("cogvideox", seed=seed), scheduler=CogVideoXDDIMScheduler(),
+        )
+    if family == "wan":
+        from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+
+        tokenizer, text_encoder = tiny_t5(16, seed)
+        vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True],
+                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        return WanPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+            transformer=tiny_transformer("wan", seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        )
+    if family == "flux":
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        tokenizer, text_encoder = tiny_clip(16, seed)
+        tokenizer_2, text_encoder_2 = tiny_t5(16, seed)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(4, 4, 4, 4), layers_per_block=1, latent_channels=4, norm_num_groups=1,
+            use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0,
+        )
+        return FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=tiny_transformer("flux", seed=seed),
+        )
+    raise ValueError(f"unknown tiny pipeline {family!r}; expected cogvideox, wan or flux")
+
+
+def tiny_call_kwargs(family: str) -> dict:
+    """Pipeline call arguments (size, text length, steps) for `tiny_pipeline(family)`."""
+    if family == "cogvideox":
+        # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 grid after 2x2 patches
+        return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": COGVIDEOX_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 6.0, "output_type": "pt", "use_dynamic_cfg": False}
+    if family == "wan":
+        return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": WAN_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
+    if family == "flux":
+        # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens
+        return {"height": 96, "width": 96, "max_sequence_length": FLUX_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 3.5, "output_type": "pt"}
+    raise ValueError(f"unknown tiny pipeline {family!r}")
