@@ -43,5 +43,62 @@ def inspect(
             typer.echo(f"wrote {path}")
 
 
+@app.command()
+def calibrate(
+    model_dir: Path = typer.Argument(..., help="diffusers pipeline folder (or hub id) of a supported model"),
+    out: Path = typer.Option(..., "--out", help="plan file to write; block statistics go beside it (.stats.safetensors)"),
+    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: assets/prompts/video.txt or image.txt)"),
+    num_prompts: int = typer.Option(2, help="use the first N prompts of the file (the paper finds 1-2 enough)"),
+    density: float = typer.Option(0.3, help="target mean block density of the masks"),
+    qk: str = typer.Option("bf16", help="QK precision the plan asks for: bf16, int8, int4"),
+    pv: str = typer.Option("bf16", help="PV precision the plan asks for: bf16, fp8, int8"),
+    height: int | None = typer.Option(None, help="generation height in pixels (default: the pipeline's)"),
+    width: int | None = typer.Option(None, help="generation width in pixels (default: the pipeline's)"),
+    frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
+    steps: int = typer.Option(50, help="denoising steps of each calibration run"),
+    buckets: int = typer.Option(6, help="timestep buckets: the first half of the steps split into N-1, one shared by the rest"),
+    bucket_edges: str | None = typer.Option(None, help="explicit descending edges on 0..1000, e.g. '1000,800,500,0' (overrides --buckets)"),
+    stat_every: int = typer.Option(1, help="capture statistics at every k-th step (the pipeline still runs every step)"),
+    metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),
+    block_size: int = typer.Option(64, help="block size of the masks"),
+    figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
+    seed: int = typer.Option(0, help="seed of the calibration runs"),
+    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
+    dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
+) -> None:
+    """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks."""
+    from .calibrate.driver import (
+        CalibrationConfig, calibrate as run_calibration, default_prompts_file, describe_result, load_pipeline,
+        read_prompts, save_calibration,
+    )
+    from .pipelines import family_of, resolve_transformer
+    from .summary import describe_plan
+
+    try:
+        config = CalibrationConfig(
+            density=density, qk=qk, pv=pv, block_size=block_size, steps=steps, height=height, width=width,
+            frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed,
+            bucket_edges=[float(x) for x in bucket_edges.split(",")] if bucket_edges else None,
+            figure_layers=[int(x) for x in figure_layers.split(",")] if figure_layers else None,
+        )
+        config.validate()
+    except ValueError as exc:
+        _fail(str(exc))
+    pipe = load_pipeline(model_dir, device=device, dtype=dtype)
+    family = family_of(resolve_transformer(pipe))
+    if family is None:
+        _fail(f"{model_dir} holds a {type(resolve_transformer(pipe)).__name__}; paro calibrate supports CogVideoX, Wan 2.1 and FLUX.1")
+    try:
+        prompt_list = read_prompts(prompts or default_prompts_file(family.is_video), num_prompts)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(f"calibrating {type(resolve_transformer(pipe)).__name__} on {len(prompt_list)} prompts, {steps} steps")
+    plan, result = run_calibration(pipe, prompt_list, config, progress=True, log=typer.echo)
+    plan_path, stats_path = save_calibration(plan, result, out)
+    typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
+    typer.echo(describe_result(plan, result))
+    typer.echo(f"wrote {plan_path} and {stats_path}")
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,332 @@
+"""The capture driver: run the dense pipeline on the calibration prompts and build a plan.
+
+At every captured denoising step the capture processors hand each self-attention layer's q, k
+(after norms and RoPE) to `block_stats`, whose per-tile results go into the accumulator and are
+dropped with q and k; no attention map is ever materialized. After the last prompt the accumulator
+chooses each head's order and builds the masks of every timestep bucket (`accumulate.py`).
+
+The pipeline runs with `output_type="latent"` where it accepts it: the VAE decode is not needed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..kernels.reference import PV_MODES, QK_MODES
+from ..layout import ORDERS, TokenLayout
+from ..plan import Plan, default_bucket_edges, model_fingerprint
+from .accumulate import CalibrationResult, StatsAccumulator
+from .block_stats import block_stats
+from .selection import METRICS
+
+STATS_SUFFIX = ".stats.safetensors"
+
+
+@dataclass
+class CalibrationConfig:
+    density: float = 0.3  # target mean block density of the masks
+    qk: str = "bf16"  # quantization the plan asks for (recorded; also turns on the incoherence term)
+    pv: str = "bf16"
+    block_size: int = 64
+    steps: int = 50  # denoising steps of each calibration run
+    height: int | None = None  # generation size; None: the pipeline's default
+    width: int | None = None
+    frames: int | None = None
+    num_buckets: int = 6  # default edges: the first half of the schedule in num_buckets-1 buckets, one for the rest
+    bucket_edges: list[float] | None = None  # descending timesteps on 0..1000; overrides num_buckets
+    stat_every: int = 1  # capture statistics at every k-th step (the pipeline still runs every step)
+    metric: str = "mass"
+    quant_weight: float | None = None  # weight of the incoherence term; None: 0.01 when quantized, else 0
+    alpha: float = 0.5  # the paper metric's weight of the sparse term
+    eps: float = 1e-3  # "small" threshold of P for the block-sparse score
+    seed: int = 0
+    backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
+    store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
+    figure_layers: list[int] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
+    pipeline_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for every pipeline call
+
+    def validate(self) -> None:
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.qk not in QK_MODES or self.pv not in PV_MODES:
+            raise ValueError(f"qk={self.qk!r}, pv={self.pv!r}; expected qk in {QK_MODES}, pv in {PV_MODES}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric={self.metric!r}; expected one of {METRICS}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.steps < 1 or self.stat_every < 1:
+            raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
+
+    def edges(self) -> list[float]:
+        return list(self.bucket_edges) if self.bucket_edges is not None else default_bucket_edges(self.num_buckets)
+
+    def effective_quant_weight(self) -> float:
+        if self.quant_weight is not None:
+            return float(self.quant_weight)
+        return 0.01 if (self.qk != "bf16" or self.pv != "bf16") else 0.0
+
+
+def bucket_of(edges: list[float], timestep: float) -> int:
+    """Bucket of a timestep on the 0..1000 scale under descending `edges` (as `Plan.bucket_of`)."""
+    for b in range(len(edges) - 2):
+        if timestep > edges[b + 1]:
+            return b
+    return len(edges) - 2
+
+
+class _Progress:
+    """Three rich progress bars (prompts, steps, layers), or nothing."""
+
+    def __init__(self, enabled: bool, num_prompts: int, steps: int, layers: int):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            transient=False,
+        )
+        self.prompts = self.bar.add_task("prompts", total=num_prompts)
+        self.steps = self.bar.add_task("steps", total=steps)
+        self.layers = self.bar.add_task("layers", total=layers)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, task: str, **kwargs) -> None:
+        if self.bar is not None:
+            self.bar.update(getattr(self, task), **kwargs)
+
+
+def _call_kwargs(pipe, config: CalibrationConfig, prompt: str, on_step_end) -> dict:
+    """Keyword arguments for `pipe(...)`, keeping only those its __call__ accepts."""
+    accepted = inspect.signature(pipe.__call__).parameters
+    device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", torch.device("cpu"))
+    generator = torch.Generator(device=torch.device(device).type if torch.device(device).type == "cuda" else "cpu")
+    wanted = {
+        "prompt": prompt,
+        "num_inference_steps": config.steps,
+        "height": config.height,
+        "width": config.width,
+        "num_frames": config.frames,
+        "generator": generator.manual_seed(config.seed),
+        "output_type": "latent",
+        "callback_on_step_end": on_step_end,
+    }
+    wanted.update(config.pipeline_kwargs)
+    return {k: v for k, v in wanted.items() if v is not None and k in accepted}
+
+
+def _store_device(config: CalibrationConfig, stats_device: torch.device, estimated_bytes: int) -> torch.device:
+    if config.store_device != "auto":
+        return torch.device(config.store_device)
+    if stats_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(stats_device)
+        if estimated_bytes < 0.25 * free:
+            return stats_device
+    return torch.device("cpu")
+
+
+def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
+              log=None) -> tuple[Plan, CalibrationResult]:
+    """Run `pipe` densely on `prompts`, capture attention statistics, and return the plan with the
+    calibration result (per-head scores, kept attention mass, figure maps)."""
+    from ..pipelines import capture_attention, resolve_transformer, self_attention_layers
+
+    config = config or CalibrationConfig()
+    config.validate()
+    if not prompts:
+        raise ValueError("calibration needs at least one prompt")
+    transformer = resolve_transformer(pipe)
+    layers = self_attention_layers(transformer)
+    L = len(layers)
+    edges = config.edges()
+    state = {"step": 0, "layout": None, "acc": None, "bucket": 0, "stats_s": 0.0, "captures": 0}
+    timings = {"pipeline_s": 0.0}
+
+    def on_capture(layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, timestep: float):
+        if state["layout"] is None:
+            state["layout"] = layout
+        elif layout != state["layout"]:
+            raise RuntimeError(
+                f"calibration saw two token layouts ({state['layout']} and {layout}); calibrate one "
+                "generation size at a time"
+            )
+        bucket = bucket_of(edges, float(timestep))
+        state["bucket"] = bucket
+        if state["step"] % config.stat_every == 0:
+            if state["acc"] is None:
+                orders = list(layout.distinct_orders())
+                nb = math.ceil(layout.seq_len / config.block_size)
+                estimate = (len(edges) - 1) * L * q.shape[1] * len(orders) * nb * nb * 4
+                state["acc"] = StatsAccumulator(
+                    L, len(edges) - 1, orders, layout.seq_len, config.block_size,
+                    store_device=_store_device(config, q.device, estimate),
+                )
+            acc = state["acc"]
+            start = time.perf_counter()
+            with torch.no_grad():
+                mass, pmax, below = block_stats(
+                    q, k, layout, acc.candidate_orders, config.block_size, config.eps, backend=config.backend
+                )
+                acc.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
+            if q.device.type == "cuda":
+                torch.cuda.synchronize(q.device)
+            state["stats_s"] += time.perf_counter() - start
+            state["captures"] += 1
+        bar.update("layers", completed=layer + 1)
+
+    def on_step_end(pipeline, step, timestep, callback_kwargs):
+        if state["step"] % config.stat_every == 0 and state["acc"] is not None:
+            state["acc"].step_done(state["bucket"])
+        state["step"] += 1
+        bar.update("steps", completed=step + 1)
+        return {}
+
+    bar = _Progress(progress, len(prompts), config.steps, L)
+    with bar, torch.no_grad(), capture_attention(pipe, on_capture):
+        for i, prompt in enumerate(prompts):
+            state["step"] = 0
+            bar.update("steps", completed=0)
+            start = time.perf_counter()
+            pipe(**_call_kwargs(pipe, config, prompt, on_step_end))
+            timings["pipeline_s"] += time.perf_counter() - start
+            bar.update("prompts", completed=i + 1)
+    if state["acc"] is None:
+        raise RuntimeError("the pipeline ran but no self-attention call was captured; is this a supported model?")
+    acc, layout = state["acc"], state["layout"]
+    start = time.perf_counter()
+    figure_layers = config.figure_layers if config.figure_layers is not None else sorted({0, L // 2, L - 1})
+    compute = "cuda" if torch.cuda.is_available() and acc.store_device.type == "cuda" else acc.store_device
+    result = acc.finalize(
+        config.density, layout.prefix, metric=config.metric, quant_weight=config.effective_quant_weight(),
+        alpha=config.alpha, compute_device=compute, figure_layers=figure_layers,
+    )
+    timings["select_s"] = time.perf_counter() - start
+    timings["stats_s"] = state["stats_s"]
+    timings["captured_layer_calls"] = state["captures"]
+    empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
+    if empty and log is not None:
+        log(f"warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
+    settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
+    plan = Plan(
+        model_class=type(transformer).__name__,
+        model_fingerprint=model_fingerprint(transformer.config),
+        layout=layout,
+        block_size=(config.block_size, config.block_size),
+        orders=result.orders,
+        block_mask=result.block_mask,
+        bucket_edges=edges,
+        qk=config.qk,
+        pv=config.pv,
+        target_density=config.density,
+        density=result.density,
+        prompts=list(prompts),
+        info={
+            "calibration": settings,
+            "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
+            "steps_per_bucket": result.steps_per_bucket,
+            "kept_mass": float(result.kept_mass.mean()),
+            "kept_mass_min": float(result.kept_mass.min()),
+            "timings": timings,
+        },
+    )
+    return plan, result
+
+
+def stats_path_for(plan_path: str | Path) -> Path:
+    """`plan.safetensors` -> `plan.stats.safetensors` beside it."""
+    plan_path = Path(plan_path)
+    name = plan_path.name
+    stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else plan_path.stem
+    return plan_path.with_name(stem + STATS_SUFFIX)
+
+
+def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) -> tuple[Path, Path]:
+    """Write the plan and, beside it, the statistics that `paro inspect --png` draws: block-mass
+    maps (averaged over steps and prompts) in the original and the chosen order for the figure
+    layers, kept attention mass per (bucket, layer, head) and the order scores. The plan records
+    where the stats file is (`info["stats_file"]`, absolute and by name)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    stats = stats_path_for(path)
+    plan.info["stats_file"] = {"name": stats.name, "path": str(stats.resolve())}
+    tensors = {
+        "kept_mass": result.kept_mass.float().contiguous(),
+        "scores": result.scores.float().contiguous(),
+        "candidate_orders": torch.tensor(result.candidate_orders, dtype=torch.int32),
+        "figure_layers": torch.tensor(result.figure_layers, dtype=torch.int32),
+    }
+    if result.figure_original is not None:
+        tensors["figure_original"] = result.figure_original.contiguous()
+        tensors["figure_reordered"] = result.figure_reordered.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(stats), metadata={"paroattn_stats": "1"})
+    plan.save(path)
+    return path, stats
+
+
+# -- used by `paro calibrate` ------------------------------------------------------------------
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
+
+
+def default_prompts_file(is_video: bool) -> Path:
+    """`assets/prompts/video.txt` or `image.txt` of the source checkout."""
+    path = PROMPTS_DIR / ("video.txt" if is_video else "image.txt")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"default prompt file {path} is missing (it ships with the source checkout): pass --prompts FILE"
+        )
+    return path
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Non-empty lines of a text file, `#` comments skipped; the first `limit` of them."""
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    prompts = [line for line in lines if line and not line.startswith("#")]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts (one per line, '#' starts a comment)")
+    return prompts[:limit] if limit else prompts
+
+
+def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str | None = None):
+    """A diffusers pipeline from a local folder (or hub id), on `device` (default: CUDA if present)
+    in `dtype` (default: bfloat16 on CUDA, float32 on CPU)."""
+    from diffusers import DiffusionPipeline
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=getattr(torch, dtype))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def describe_result(plan: Plan, result: CalibrationResult) -> str:
+    """Lines for the end of `paro calibrate`: what the masks keep and what it cost."""
+    t = plan.info.get("timings", {})
+    kept = result.kept_mass
+    lines = [
+        f"attention mass inside the masks: mean {float(kept.mean()):.4f}, worst head {float(kept.min()):.4f}",
+        "per bucket (mean over heads): " + ", ".join(
+            f"{b}: d={float(plan.density[b].mean()):.3f} kept={float(kept[b].mean()):.4f}" for b in range(plan.num_buckets)
+        ),
+        f"captured steps per bucket (prompts x steps): {result.steps_per_bucket}",
+        f"time: pipeline {t.get('pipeline_s', 0):.1f} s (statistics inside it {t.get('stats_s', 0):.1f} s), "
+        f"order selection and masks {t.get('select_s', 0):.1f} s",
+    ]
+    return "\n".join(lines)
