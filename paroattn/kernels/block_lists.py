@@ -12,11 +12,18 @@ from dataclasses import dataclass
 import torch
 
 
+def heaviest_first(counts: torch.Tensor) -> torch.Tensor:
+    """int32 [H, nq]: each head's query blocks ordered by decreasing active count (ties: ascending
+    block). Kernels launch a head's blocks in this order so long rows do not straggle at the end."""
+    return torch.sort(counts, dim=-1, descending=True, stable=True).indices.to(torch.int32).contiguous()
+
+
 @dataclass
 class ActiveBlocks:
     counts: torch.Tensor  # int32 [H, nq]: active key blocks per query block
     indices: torch.Tensor  # int32 [H, nq, max_active]: active key block indices, ascending, padded with 0
     num_key_blocks: int
+    schedule: torch.Tensor | None = None  # int32 [H, nq]: query blocks of each head, heaviest first
 
     @classmethod
     def from_mask(cls, block_mask: torch.Tensor) -> "ActiveBlocks":
@@ -30,7 +37,7 @@ class ActiveBlocks:
         order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices[..., :max_active]
         valid = torch.arange(max_active, device=block_mask.device) < counts[..., None]
         indices = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
-        return cls(counts.contiguous(), indices.contiguous(), nk)
+        return cls(counts.contiguous(), indices.contiguous(), nk, heaviest_first(counts))
 
     def to_mask(self) -> torch.Tensor:
         H, nq, max_active = self.indices.shape
@@ -51,11 +58,15 @@ class ActiveBlocks:
         return self.counts.numel() * 4 + self.indices.numel() * 4
 
     def to(self, device, non_blocking: bool = False) -> "ActiveBlocks":
+        schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
         return ActiveBlocks(
             self.counts.to(device, non_blocking=non_blocking),
             self.indices.to(device, non_blocking=non_blocking),
             self.num_key_blocks,
+            schedule.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> "ActiveBlocks":
-        return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks)
+        schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
+        return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks,
+                            schedule.pin_memory())

@@ -1,0 +1,264 @@
+"""Triton kernels of the PARO op: the K/V prologue and the block-sparse attention kernel.
+
+The torch reference beside them (`reference.py`) is their definition; `triton_backend.py` launches
+them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
+
+1. statistics (torch reductions, one pass each, only in the modes that need them): the per-(b, h)
+   mean of K over tokens (K smoothing, for int8/int4 QK) and the per-channel max |V| (fp8/int8 PV).
+2. `_kv_prologue_kernel`, grid (key block, b*H + h), only in quantized modes: gathers the key block
+   of the REORDERED sequence straight from the caller's k / v (index arithmetic, any strides),
+   subtracts the K mean, quantizes K per block (int8, or int4 packed two per byte: byte j holds
+   channel j in its low nibble and channel j + D/2 in its high nibble) and V per channel (fp8 e4m3 or
+   int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants).
+3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
+   (most active key blocks first), gathers its queries from the caller's q by index arithmetic,
+   quantizes them per block in registers when QK is int8/int4 (each query block is read exactly
+   once, so materializing a quantized Q would only add a write and a read), then loops over its
+   active key blocks only: online softmax in base 2 with `sm_scale * log2(e)` and the dequantization
+   scales folded into one multiplier per key block. bf16/fp16 K and V are gathered from the caller's
+   tensors directly (no copy at all); quantized ones come from the prologue's buffers. The epilogue
+   writes every row at its ORIGINAL token position in the caller's layout; a row with no active key
+   block writes zeros.
+
+Tiles are the mask's blocks: BLOCK_M = bq, BLOCK_N = bk. Only the last key block of the sequence can
+hold positions >= N; when it is active it is the last entry of a row's (ascending) list, so the main
+loop runs unmasked and that block alone runs with a column mask.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .index_math import reordered_to_original
+
+# QK modes
+QK_FP, QK_INT8, QK_INT4 = 0, 1, 2
+# PV modes
+PV_FP, PV_FP8, PV_INT8 = 0, 1, 2
+QUANT_EPS = 1e-8  # same as reference.QUANT_EPS
+
+
+@triton.jit
+def _round_half_even(x):
+    # exact round-to-nearest-even for |x| < 2**22 in float32: adding 1.5 * 2**23 leaves no fraction bits
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _kv_prologue_kernel(
+    K, V, KMean, VScale, KQ, KScale, VQ,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    Orders, N, N_PAD, H, prefix, frames, height, width,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
+):
+    kb = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    order = tl.load(Orders + h)
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = offs_n < N
+    orig = reordered_to_original(offs_n, order, prefix, frames, height, width)
+    bh64 = bh.to(tl.int64)
+
+    if QK_MODE != 0:
+        qmax = 127.0 if QK_MODE == 1 else 7.0
+        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        if QK_MODE == 1:
+            offs_d = tl.arange(0, HEAD_DIM)
+            k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            mean = tl.load(KMean + bh64 * HEAD_DIM + offs_d)
+            k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
+            scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS) / qmax
+            kq = tl.minimum(tl.maximum(_round_half_even(k / scale), -qmax), qmax).to(tl.int8)
+            tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
+        else:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            offs_h = tl.arange(0, HALF)
+            ptr = k_base + orig[:, None] * stride_kn + offs_h[None, :] * stride_kd
+            lo = tl.load(ptr, mask=valid[:, None], other=0.0)
+            hi = tl.load(ptr + HALF * stride_kd, mask=valid[:, None], other=0.0)
+            mean_lo = tl.load(KMean + bh64 * HEAD_DIM + offs_h)
+            mean_hi = tl.load(KMean + bh64 * HEAD_DIM + HALF + offs_h)
+            lo = tl.where(valid[:, None], lo.to(tl.float32) - mean_lo[None, :], 0.0)
+            hi = tl.where(valid[:, None], hi.to(tl.float32) - mean_hi[None, :], 0.0)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
+            scale = tl.maximum(amax, QUANT_EPS) / qmax
+            lo_q = tl.minimum(tl.maximum(_round_half_even(lo / scale), -qmax), qmax).to(tl.int32)
+            hi_q = tl.minimum(tl.maximum(_round_half_even(hi / scale), -qmax), qmax).to(tl.int32)
+            packed = (hi_q * 16 + (lo_q & 15)).to(tl.int8)
+            tl.store(KQ + bh64 * N_PAD * HALF + offs_n[:, None] * HALF + offs_h[None, :], packed)
+        tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
+
+    if PV_MODE != 0:
+        offs_d = tl.arange(0, HEAD_DIM)
+        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        v_scale = tl.load(VScale + bh64 * HEAD_DIM + offs_d)
+        v = v.to(tl.float32) / v_scale[None, :]
+        # transposed store: VQ[bh, d, n]
+        dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
+        if PV_MODE == 1:
+            tl.store(dst, v.to(tl.float8e4nv))
+        else:
+            tl.store(dst, tl.minimum(tl.maximum(_round_half_even(v), -127.0), 127.0).to(tl.int8))
+
+
+@triton.jit
+def _attend_key_block(
+    acc, l_i, m_i, q_a, q_b, score_scale, kb,
+    k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
+    KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if QK_MODE == 0 or PV_MODE == 0:
+        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
+
+    # scores, in log2 units
+    if QK_MODE == 0:
+        k_ptr = k_base + orig_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        if MASK_N:
+            k = tl.load(k_ptr, mask=(offs_n < N)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr)
+        s = tl.dot(q_a, tl.trans(k)) * score_scale
+    elif QK_MODE == 1:
+        k = tl.load(KQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        s = tl.dot(q_a, tl.trans(k)).to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
+    else:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, HALF)
+        packed = tl.load(KQ_bh + offs_n[:, None] * HALF + offs_h[None, :])
+        k_lo = (packed << 4) >> 4
+        k_hi = packed >> 4
+        s_int = tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo)))
+        s = s_int.to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
+    if MASK_N:
+        s = tl.where((offs_n < N)[None, :], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+
+    if PV_MODE == 0:
+        v_ptr = v_base + orig_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASK_N:
+            v = tl.load(v_ptr, mask=(offs_n < N)[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc)
+    elif PV_MODE == 1:
+        v = tl.load(VQ_bh + offs_d[None, :] * N_PAD + offs_n[:, None])
+        acc = tl.dot((p * 448.0).to(tl.float8e4nv), v, acc=acc)
+    else:
+        v = tl.load(VQ_bh + offs_d[None, :] * N_PAD + offs_n[:, None])
+        p8 = _round_half_even(p * 127.0).to(tl.int8)
+        acc += tl.dot(p8, v).to(tl.float32)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, Out, KQ, KScale, VQ, VScale,
+    Orders, Counts, Indices, Schedule,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    rank = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    bh64 = bh.to(tl.int64)
+    qb = tl.load(Schedule + h * NQ + rank)  # the query block this program computes
+    row = h * NQ + qb
+    order = tl.load(Orders + h)
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid_m = offs_m < N
+    orig_m = reordered_to_original(offs_m, order, prefix, frames, height, width)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+
+    # the query block, quantized per block in registers for integer QK
+    if QK_MODE == 0:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q_a = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
+        q_b = q_a
+        score_scale = qk_scale
+    elif QK_MODE == 1:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
+        q = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS) / 127.0
+        q_a = tl.minimum(tl.maximum(_round_half_even(q / q_scale), -127.0), 127.0).to(tl.int8)
+        q_b = q_a
+        score_scale = q_scale * qk_scale
+    else:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, HALF)
+        ptr = q_base + orig_m[:, None] * stride_qn + offs_h[None, :] * stride_qd
+        lo = tl.load(ptr, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(ptr + HALF * stride_qd, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
+        q_scale = tl.maximum(amax, QUANT_EPS) / 7.0
+        q_a = tl.minimum(tl.maximum(_round_half_even(lo / q_scale), -7.0), 7.0).to(tl.int8)
+        q_b = tl.minimum(tl.maximum(_round_half_even(hi / q_scale), -7.0), 7.0).to(tl.int8)
+        score_scale = q_scale * qk_scale
+
+    k_base = K + b64 * stride_kb + h64 * stride_kh
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    KQ_bh = KQ + bh64 * N_PAD * (HEAD_DIM // 2 if QK_MODE == 2 else HEAD_DIM)
+    KScale_bh = KScale + bh64 * NK
+    VQ_bh = VQ + bh64 * HEAD_DIM * N_PAD
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    count = tl.load(Counts + row)
+    active = Indices + row.to(tl.int64) * MAX_ACTIVE
+    n_unmasked = count
+    if not EVEN_N:
+        # the sequence's last key block holds positions >= N; if active it is the list's last entry
+        last = tl.load(active + tl.maximum(count - 1, 0))
+        has_tail = (count > 0) & (last == NK - 1)
+        n_unmasked = count - has_tail.to(tl.int32)
+    for i in range(0, n_unmasked):
+        kb = tl.load(active + i)
+        acc, l_i, m_i = _attend_key_block(
+            acc, l_i, m_i, q_a, q_b, score_scale, kb,
+            k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
+            KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
+            HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, False,
+        )
+    if not EVEN_N:
+        if has_tail:
+            acc, l_i, m_i = _attend_key_block(
+                acc, l_i, m_i, q_a, q_b, score_scale, NK - 1,
+                k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
+                KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
+                HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, True,
+            )
+
+    # epilogue: normalize, dequantize V per channel, write rows at their original positions
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if PV_MODE != 0:
+        v_scale = tl.load(VScale + bh64 * HEAD_DIM + offs_d)
+        p_scale = 448.0 if PV_MODE == 1 else 127.0
+        out = out * (v_scale / p_scale)[None, :]
+    o_ptr = Out + b64 * stride_ob + h64 * stride_oh + orig_m[:, None] * stride_on + offs_d[None, :] * stride_od
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=valid_m[:, None])

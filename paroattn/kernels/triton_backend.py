@@ -1,0 +1,234 @@
+"""`backend="triton"` of `paroattn.paro_attention`: input checks, tile configs, the launches, and
+the `torch.library` custom op that makes the call opaque to torch.compile and CUDA-graph friendly.
+
+The kernels are in `block_sparse_attention.py`; their definition is `reference.py`.
+
+Host-side work per call is kept small and sync-free when the caller passes what a processor has:
+device `orders` (or CPU orders, converted once and cached) and prebuilt `ActiveBlocks` on the GPU.
+A bool `block_mask` is converted to `ActiveBlocks` on every call (it syncs to size the lists):
+convenient for tests, not for a hot loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PAROInputError
+from ..layout import TokenLayout
+from .block_lists import ActiveBlocks, heaviest_first
+from .block_sparse_attention import (
+    PV_FP,
+    PV_FP8,
+    PV_INT8,
+    QK_FP,
+    QK_INT4,
+    QK_INT8,
+    _attention_kernel,
+    _kv_prologue_kernel,
+)
+from .reference import QUANT_EPS
+
+QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
+PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configs. The tiles are the mask blocks (BLOCK_M = bq, BLOCK_N = bk); what remains to choose
+# is warps and pipeline depth, per (head dim, block sizes, QK mode, PV mode). The table holds the
+# choice measured on an H100/H200 (benchmarks/attention.py --sweep); anything not in it falls back to
+# a rule. Looked up once per key and cached: never re-tuned per call.
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    num_warps: int
+    num_stages: int
+
+
+# (head_dim, bq, bk, qk, pv) -> config, from the sweep of benchmarks/attention.py
+_MEASURED: dict[tuple, KernelConfig] = {}
+_CHOSEN: dict[tuple, KernelConfig] = {}
+
+
+def _rule(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
+    warps = 8 if bq >= 128 else 4
+    stages = 3 if head_dim <= 64 or (qk != "bf16" and pv != "bf16") else 2
+    return KernelConfig(warps, stages)
+
+
+def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
+    key = (head_dim, bq, bk, qk, pv)
+    config = _CHOSEN.get(key)
+    if config is None:
+        override = os.environ.get("PARO_KERNEL_CONFIG")  # "warps,stages": for sweeps
+        if override:
+            warps, stages = (int(x) for x in override.split(","))
+            config = KernelConfig(warps, stages)
+        else:
+            config = _MEASURED.get(key) or _rule(*key)
+        _CHOSEN[key] = config
+    return config
+
+
+def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config: KernelConfig | None) -> None:
+    """Pin (or with None, forget) the config of one key; the benchmark sweep uses this."""
+    key = (head_dim, bq, bk, qk, pv)
+    if config is None:
+        _CHOSEN.pop(key, None)
+    else:
+        _CHOSEN[key] = config
+
+
+# ---------------------------------------------------------------------------------------------
+# The launches.
+
+
+def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str):
+    """K mean over tokens [B, H, D] (K smoothing) and V per-channel dequantization scale [B, H, D]."""
+    k_mean = v_scale = None
+    if qk != "bf16":
+        k_mean = torch.sum(k, dim=2, dtype=torch.float32).div_(k.shape[2])
+    if pv != "bf16":
+        amax = torch.linalg.vector_norm(v, float("inf"), dim=2, dtype=torch.float32)
+        v_scale = amax.clamp_min_(QUANT_EPS).div_(448.0 if pv == "fp8" else 127.0)
+    return k_mean, v_scale
+
+
+def launch(
+    q, k, v, orders, counts, indices, schedule,
+    prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the prologue (quantized modes) and the attention kernel. Inputs are checked already.
+    `out` (tests poison it) defaults to a new tensor shaped and strided like q."""
+    B, H, N, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nq, nk = -(-N // bq), -(-N // bk)
+    n_pad = nk * bk
+    qk_code, pv_code = QK_CODES[qk], PV_CODES[pv]
+    device = q.device
+    k_mean, v_scale = _statistics(k, v, qk, pv)
+    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    kq = k_scale = vq = placeholder
+    if qk_code != QK_FP:
+        kq = torch.empty(B * H, n_pad, D // 2 if qk_code == QK_INT4 else D, dtype=torch.int8, device=device)
+        k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
+    if pv_code != PV_FP:
+        vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv_code == PV_FP8 else torch.int8, device=device)
+    if qk_code != QK_FP or pv_code != PV_FP:
+        _kv_prologue_kernel[(nk, B * H)](
+            k, v, k_mean if k_mean is not None else placeholder, v_scale if v_scale is not None else placeholder,
+            kq, k_scale, vq,
+            *k.stride(), *v.stride(),
+            orders, N, n_pad, H, prefix, frames, height, width,
+            HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code,
+            num_warps=4,
+        )
+    config = kernel_config(D, bq, bk, qk, pv)
+    _attention_kernel[(nq, B * H)](
+        q, k, v, out, kq, k_scale, vq, v_scale if v_scale is not None else placeholder,
+        orders, counts, indices, schedule,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, EVEN_N=(N % bk == 0),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@torch.library.custom_op("paroattn::block_sparse_attention", mutates_args=())
+def block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
+    prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
+) -> torch.Tensor:
+    """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule).
+    One opaque node for torch.compile; its output has q's shape, dtype and strides."""
+    return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale)
+
+
+@block_sparse_attention.register_fake
+def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
+                                 bq, bk, qk, pv, sm_scale):
+    return torch.empty_like(q)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point `paroattn.paro_attention(backend="triton")` calls.
+
+_ORDERS_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _device_orders(orders: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if orders.device == device:
+        return orders if orders.dtype == torch.int32 and orders.is_contiguous() else orders.to(torch.int32).contiguous()
+    if orders.device.type == "cpu":
+        key = (str(device), tuple(int(x) for x in orders.tolist()))
+        cached = _ORDERS_CACHE.get(key)
+        if cached is None:
+            cached = _ORDERS_CACHE[key] = torch.tensor(key[1], dtype=torch.int32, device=device)
+        return cached
+    return orders.to(device=device, dtype=torch.int32)
+
+
+def check_triton_inputs(q: torch.Tensor, bq: int, bk: int) -> None:
+    D = q.shape[-1]
+    if D not in HEAD_DIMS:
+        raise PAROInputError(
+            f"the triton backend supports head dims {HEAD_DIMS}; got D={D}. Use backend='torch' for other head dims."
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise PAROInputError(f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype}. Cast them first.")
+    if not (q.is_cuda or _interpreting()):
+        raise PAROInputError(
+            f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}. "
+            "Use backend='torch' on the CPU."
+        )
+    allowed = (16, 32, 64, 128) if _interpreting() else (32, 64, 128)
+    if bq not in allowed or bk not in allowed:
+        raise PAROInputError(f"the triton backend supports block sizes {allowed}; got (bq, bk) = ({bq}, {bk})")
+
+
+def paro_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: TokenLayout,
+    orders: torch.Tensor,
+    block_mask: torch.Tensor | ActiveBlocks,
+    bq: int,
+    bk: int,
+    qk: str = "bf16",
+    pv: str = "bf16",
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller."""
+    check_triton_inputs(q, bq, bk)
+    device = q.device
+    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(device))
+    if blocks.counts.device != device:
+        blocks = blocks.to(device)
+    schedule = blocks.schedule if blocks.schedule is not None else heaviest_first(blocks.counts)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return block_sparse_attention(
+        q, k, v, _device_orders(orders, device), blocks.counts, blocks.indices, schedule,
+        layout.prefix, layout.frames, layout.height, layout.width, bq, bk, qk, pv, float(sm_scale),
+    )
+
+
+__all__ = ["KernelConfig", "block_sparse_attention", "kernel_config", "paro_attention_triton", "set_kernel_config"]
