@@ -169,7 +169,7 @@ def tiny_t5(hidden: int = 16, seed: int = 0):
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(f"\u2581{w}", -1.0 - i) for i, w in enumerate(_WORDS)]
     vocab += [(c, -20.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    tokenizer = T5TokenizerFast(vocab=vocab, extra_ids=0)
+    tokenizer = T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=512)
     torch.manual_seed(seed)
     config = T5Config(
         vocab_size=len(vocab), d_model=hidden, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
@@ -195,7 +195,9 @@ def tiny_clip(hidden: int = 16, seed: int = 0):
     folder = Path(tempfile.mkdtemp(prefix="paro-clip-"))
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"))
+    tokenizer = CLIPTokenizer(
+        vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"), model_max_length=77
+    )
     torch.manual_seed(seed)
     config = CLIPTextConfig(
         vocab_size=len(vocab), hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
@@ -221,7 +223,7 @@ def tiny_pipeline(family: str, *, seed: int = 0):
         )
         return CogVideoXPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
-            transformer=tiny_transformer("cogvideox", seed=seed), scheduler=CogVideoXDDIMScheduler(),
+            transformer=tiny_transformer("cogvideox", seed=seed), scheduler=CogVideoXDDIMScheduler(timestep_spacing="trailing"),
         )
     if family == "wan":
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline

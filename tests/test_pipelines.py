@@ -119,3 +119,196 @@ def test_sparse_plan_differs_finitely_and_remove_is_bit_exact(model):
     assert torch.isfinite(out).all()
     assert (out - reference).abs().max() > 1e-3
     assert torch.equal(run(transformer, inputs), reference)
+
+
+def test_lone_processor_finds_its_layers_and_matches_apply(model):
+    """`transformer.set_attn_processor(PAROProcessor(plan))` as written: one instance on every
+    attention module (Wan's cross-attention included), layers found from the modules it is called for."""
+    name, transformer, inputs, reference = model
+    plan = make_plan(transformer, inputs, density=0.4, orders="random")
+    with apply(transformer, plan, backend="torch"):
+        expected = run(transformer, inputs)
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(PAROProcessor(plan, backend="torch"))
+    try:
+        first = run(transformer, inputs)  # binds inside this forward, reading the transformer's frame
+        second = run(transformer, inputs)  # through the forward pre-hook
+    finally:
+        transformer.set_attn_processor(originals)
+    assert torch.equal(first, expected)
+    assert torch.equal(second, expected)
+    assert torch.equal(run(transformer, inputs), reference)
+
+
+def test_timestep_picks_the_bucket(model):
+    """Bucket 0 (t in (750, 1000]) keeps every block, the others are sparse: the output equals the
+    default at t=900 and differs at t=300, on each family's own timestep scale (Flux gets t/1000)."""
+    name, transformer, inputs, reference = model
+    plan = make_plan(transformer, inputs, density=0.4, orders="random", num_buckets=3)
+    mask = plan.block_mask.clone()
+    mask[0] = True
+    plan = Plan(**{**plan.__dict__, "block_mask": mask, "density": None})
+    assert plan.bucket_edges == [1000.0, 750.0, 500.0, 0.0]
+    late = tiny_forward_inputs(transformer, timestep=900.0)
+    early = tiny_forward_inputs(transformer, timestep=300.0)
+    with apply(transformer, plan, backend="torch"):
+        out_late, out_early = run(transformer, late), run(transformer, early)
+    torch.testing.assert_close(out_late, run(transformer, late), rtol=1e-5, atol=1e-5)
+    assert (out_early - run(transformer, early)).abs().max() > 1e-3
+
+
+def test_layers_marked_dense_run_the_models_attention(model):
+    name, transformer, inputs, reference = model
+    plan = make_plan(transformer, inputs, density=0.4, orders="random")
+    plan.dense[:] = True
+    with apply(transformer, plan, backend="torch"):
+        assert torch.equal(run(transformer, inputs), reference)
+
+
+# -- mismatches -------------------------------------------------------------------------------
+
+
+def check_plan_error(excinfo, *fragments):
+    message = str(excinfo.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert "paro calibrate" in message
+
+
+def test_plan_for_another_model_class():
+    wan = tiny_transformer("wan")
+    flux = tiny_transformer("flux")
+    plan = make_plan(flux, tiny_forward_inputs(flux))
+    with pytest.raises(PlanError) as excinfo:
+        apply(wan, plan)
+    check_plan_error(excinfo, "FluxTransformer2DModel", "WanTransformer3DModel", "3 self-attention layers", "has 2")
+    assert all(type(p).__name__ == "WanAttnProcessor" for p in wan.attn_processors.values())
+
+
+def test_plan_for_another_config_head_count_or_layer_count(model):
+    name, transformer, inputs, reference = model
+    plan = make_plan(transformer, inputs)
+    with pytest.raises(PlanError) as excinfo:
+        apply(transformer, Plan(**{**plan.__dict__, "model_fingerprint": "0123456789abcdef"}))
+    check_plan_error(excinfo, "0123456789abcdef", model_fingerprint(transformer.config))
+
+    three_heads = Plan.synthetic(layout=plan.layout, num_layers=plan.num_layers, num_heads=3, block_size=TINY_BLOCK)
+    with pytest.raises(PlanError) as excinfo:
+        apply(transformer, three_heads)
+    check_plan_error(excinfo, "plan has 3 heads", "this model has [2]")
+
+    missing = Plan.synthetic(layout=plan.layout, num_layers=plan.num_layers - 1, num_heads=2, block_size=TINY_BLOCK)
+    with pytest.raises(PlanError) as excinfo:
+        apply(transformer, missing)
+    check_plan_error(excinfo, f"plan has {plan.num_layers - 1} self-attention layers", "a layer is missing")
+    assert torch.equal(run(transformer, inputs), reference)  # nothing was left installed
+
+
+@pytest.mark.parametrize("change", ["resolution", "frames"])
+def test_call_at_another_size(model, change):
+    name, transformer, inputs, reference = model
+    if change == "frames" and name == "flux":
+        pytest.skip("images have no frames")
+    plan = make_plan(transformer, inputs, density=0.4)
+    if change == "resolution":
+        other = tiny_forward_inputs(transformer, height=12 if name != "flux" else 16, width=8 if name != "flux" else 12)
+    else:
+        other = tiny_forward_inputs(transformer, frames=2 if name == "cogvideox1.5" else 2 if name != "cogvideox" else 5)
+    actual = call_layout(transformer, other)
+    assert actual != plan.layout
+    with apply(transformer, plan, backend="torch"):
+        with pytest.raises(PlanError) as excinfo:
+            run(transformer, other)
+    check_plan_error(excinfo, str(plan.layout), str(actual), "calibrated for")
+    family = family_of(transformer)
+    size = family.pixel_size(transformer, actual)
+    assert f"--height {size['height']} --width {size['width']}" in str(excinfo.value)
+
+    with apply(transformer, plan, backend="torch", on_mismatch="dense"):
+        with pytest.warns(UserWarning, match="running the model's own attention"):
+            out = run(transformer, other)
+    assert torch.equal(out, run(transformer, other))
+
+
+def test_on_mismatch_dense_leaves_the_model_alone(model):
+    name, transformer, inputs, reference = model
+    plan = Plan.synthetic(layout=call_layout(transformer, inputs), num_layers=7, num_heads=2, block_size=TINY_BLOCK)
+    with pytest.warns(UserWarning, match="plan does not fit this model"):
+        handle = apply(transformer, plan, on_mismatch="dense")
+    assert not handle.active
+    assert torch.equal(run(transformer, inputs), reference)
+    handle.remove()
+
+
+def test_layout_for_matches_the_calls_of_the_tiny_models():
+    cog = tiny_transformer("cogvideox")
+    # 9 frames of 64x64: 3 latent frames of 8x8, patches of 2x2
+    assert layout_for(cog, height=64, width=64, frames=9) == call_layout(cog, tiny_forward_inputs(cog))
+    cog15 = tiny_transformer("cogvideox1.5")
+    # 13 frames -> 4 latent frames -> 2 temporal patches; 9 frames -> 3 latent, padded to 4
+    assert layout_for(cog15, height=64, width=64, frames=13) == call_layout(cog15, tiny_forward_inputs(cog15))
+    assert layout_for(cog15, height=64, width=64, frames=9).frames == 2
+    wan = tiny_transformer("wan")
+    assert layout_for(wan, height=64, width=64, frames=9) == call_layout(wan, tiny_forward_inputs(wan))
+    flux = tiny_transformer("flux")
+    assert layout_for(flux, height=96, width=96, text_tokens=8) == call_layout(flux, tiny_forward_inputs(flux))
+    assert layout_for(flux, height=1024, width=1024) == TokenLayout(512, 1, 64, 64)
+
+
+# -- whole pipelines --------------------------------------------------------------------------
+
+
+def pipeline_output(pipe, kwargs):
+    out = pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs)
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
+def test_tiny_pipeline_runs_two_steps_with_paro(family):
+    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = tiny_call_kwargs(family)
+    layout = layout_for(pipe, height=kwargs["height"], width=kwargs["width"], frames=kwargs.get("num_frames"),
+                        text_tokens=None if family == "wan" else kwargs["max_sequence_length"])
+    transformer = pipe.transformer
+    plan = Plan.synthetic(
+        layout=layout, num_layers=len(self_attention_layers(pipe)), num_heads=transformer.config.num_attention_heads,
+        density=0.4, orders="random", num_buckets=2, block_size=TINY_BLOCK,
+        model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config),
+    )
+    with torch.no_grad():
+        dense = pipeline_output(pipe, kwargs)
+        handle = apply(pipe, plan)
+        calls = []
+        original_call = handle.processor.attend
+
+        def counting_attend(binding, attn, layer, call, mask):
+            calls.append((layer, binding.bucket))
+            return original_call(binding, attn, layer, call, mask)
+
+        handle.processor.attend = counting_attend
+        sparse = pipeline_output(pipe, kwargs)
+        handle.remove()
+        again = pipeline_output(pipe, kwargs)
+    assert torch.isfinite(sparse).all()
+    assert sparse.shape == dense.shape
+    assert (sparse - dense).abs().max() > 1e-4
+    assert torch.equal(again, dense)
+    # 2 steps (x2 for Wan's separate CFG calls), every self-attention layer, first steps in bucket 0
+    per_forward = plan.num_layers
+    assert len(calls) == per_forward * (4 if family == "wan" else 2)
+    assert calls[0] == (0, 0) and calls[-1][1] == 1
+
+
+def test_wan_pipeline_capture_sees_each_step_twice():
+    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline("wan")
+    pipe.set_progress_bar_config(disable=True)
+    timesteps = []
+    with torch.no_grad(), capture_attention(pipe, lambda layer, q, k, layout, t: layer == 0 and timesteps.append(t)):
+        pipeline_output(pipe, tiny_call_kwargs("wan"))
+    assert len(timesteps) == 4 and timesteps[0] == timesteps[1] and timesteps[2] == timesteps[3]
+    assert 0.0 <= timesteps[2] < timesteps[0] <= 1000.0
