@@ -100,5 +100,23 @@ def calibrate(
     typer.echo(f"wrote {plan_path} and {stats_path}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Attention kernel benchmark on the GPU (benchmarks/attention.py; pass its options, e.g. --shapes)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    if not script.exists():
+        _fail(f"{script} not found: `paro bench` runs from a source checkout (pip install -e .)")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("paro bench needs a CUDA GPU; this machine has none")
+    spec = importlib.util.spec_from_file_location("paro_attention_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(list(ctx.args))
+
+
 if __name__ == "__main__":
     app()

@@ -104,22 +104,14 @@ def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str):
     return k_mean, v_scale
 
 
-def launch(
-    q, k, v, orders, counts, indices, schedule,
-    prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Run the prologue (quantized modes) and the attention kernel. Inputs are checked already.
-    `out` (tests poison it) defaults to a new tensor shaped and strided like q."""
-    B, H, N, D = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    if out.numel() == 0:
-        return out
-    nq, nk = -(-N // bq), -(-N // bk)
+def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv):
+    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_scale), placeholders for the
+    parts the modes do not use. Separate so benchmarks can time the prologue alone."""
+    B, H, N, D = k.shape
+    nk = -(-N // bk)
     n_pad = nk * bk
     qk_code, pv_code = QK_CODES[qk], PV_CODES[pv]
-    device = q.device
+    device = k.device
     k_mean, v_scale = _statistics(k, v, qk, pv)
     placeholder = torch.empty(1, dtype=torch.float32, device=device)
     kq = k_scale = vq = placeholder
@@ -137,13 +129,30 @@ def launch(
             HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code,
             num_warps=4,
         )
+    return kq, k_scale, vq, v_scale if v_scale is not None else placeholder
+
+
+def launch(
+    q, k, v, orders, counts, indices, schedule,
+    prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the prologue (quantized modes) and the attention kernel. Inputs are checked already.
+    `out` (tests poison it) defaults to a new tensor shaped and strided like q."""
+    B, H, N, D = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nq, nk = -(-N // bq), -(-N // bk)
+    kq, k_scale, vq, v_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv)
     config = kernel_config(D, bq, bk, qk, pv)
     _attention_kernel[(nq, B * H)](
-        q, k, v, out, kq, k_scale, vq, v_scale if v_scale is not None else placeholder,
+        q, k, v, out, kq, k_scale, vq, v_scale,
         orders, counts, indices, schedule,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, EVEN_N=(N % bk == 0),
+        N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

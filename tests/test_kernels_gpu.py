@@ -1,0 +1,143 @@
+"""GPU checks of the Triton kernels at the real shapes of DESIGN.md section 7 (run with `-m gpu`).
+
+The kernel runs on all heads; the reference (memory-bounded, looping over heads) is compared on a
+subset of heads to save time. Per-(batch, head) quantities (K mean, V scales) do not depend on the
+other heads, so slicing heads does not change what the reference computes for them.
+Bounds (relative L2 vs the reference in the same modes) are the ones of tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from paroattn import TokenLayout, paro_attention
+from paroattn.kernels import triton_backend
+from paroattn.kernels.block_lists import ActiveBlocks
+from paroattn.masks import synthetic_block_mask
+
+pytestmark = pytest.mark.gpu
+
+BOUND = {"bf16": 2e-3, "int8": 1e-2, "fp8": 2e-2}
+# name: (B, H, layout, D, inputs stored [B, N, H, D] as the model passes them)
+SHAPES = {
+    "cogvideox-5b": (2, 48, TokenLayout(226, 13, 30, 45), 64, False),
+    "wan2.1-1.3b": (1, 12, TokenLayout(0, 21, 30, 52), 128, True),
+    "wan2.1-14b": (1, 40, TokenLayout(0, 21, 30, 52), 128, True),
+    "flux.1-dev": (1, 24, TokenLayout(512, 1, 64, 64), 128, True),
+}
+MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
+
+
+def rel_err(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def inputs(B, H, N, D, seq_major, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (B, N, H, D) if seq_major else (B, H, N, D)
+    qkv = [torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+    return [t.transpose(1, 2) if seq_major else t for t in qkv]
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5, 0.2])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_real_shapes_match_reference(name, density):
+    B, H, layout, D, seq_major = SHAPES[name]
+    N = layout.seq_len
+    q, k, v = inputs(B, H, N, D, seq_major, seed=int(density * 10))
+    nq = -(-N // 64)
+    mask = synthetic_block_mask(H, nq, nq, density, generator=torch.Generator().manual_seed(0))
+    blocks = ActiveBlocks.from_mask(mask).to("cuda")
+    orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1))
+    heads = [0, H - 1] if name != "flux.1-dev" else [0, H // 2, H - 1]
+    # all modes at one density, the plain and the fastest elsewhere
+    modes = MODES if density == 0.5 else [("bf16", "bf16"), ("int8", "fp8")]
+    for qk, pv in modes:
+        out = torch.full_like(q, float("nan"))  # poisoned
+        triton_backend.launch(q, k, v, triton_backend._device_orders(orders, q.device), blocks.counts,
+                              blocks.indices, blocks.schedule, layout.prefix, layout.frames, layout.height,
+                              layout.width, 64, 64, qk, pv, 1 / math.sqrt(D), out=out)
+        assert not torch.isnan(out).any(), f"{name} {qk}/{pv}: unwritten or NaN output"
+        public = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
+                                backend="triton")
+        assert torch.equal(public, out), "the public op and the launcher disagree (nondeterminism?)"
+        for h in heads:
+            sl = slice(h, h + 1)
+            ref = paro_attention(q[:, sl], k[:, sl], v[:, sl], layout=layout, orders=orders[sl],
+                                 block_mask=mask[sl].cuda(), qk=qk, pv=pv, backend="torch")
+            err = rel_err(out[:, sl], ref)
+            print(f"{name} d={density} {qk}/{pv} head {h}: rel err {err:.2e}")
+            assert err <= BOUND[pv], f"{name} d={density} {qk}/{pv} head {h}: {err:.3e}"
+
+
+def test_compute_sanitizer_memcheck_clean():
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    script = textwrap.dedent(
+        """
+        import torch
+        from paroattn import TokenLayout, paro_attention
+        from paroattn.masks import synthetic_block_mask
+        layout = TokenLayout(7, 2, 5, 9)  # 97 tokens: partial last block, prefix
+        for D, qk, pv in ((64, "int4", "fp8"), (128, "int8", "int8"), (64, "bf16", "bf16")):
+            q, k, v = (torch.randn(1, 3, layout.seq_len, D, device="cuda", dtype=torch.float16) for _ in range(3))
+            mask = synthetic_block_mask(3, 2, 2, 0.5)
+            mask[1, 0] = False
+            out = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3, 5]), block_mask=mask,
+                                 qk=qk, pv=pv, backend="triton")
+            torch.cuda.synchronize()
+        print("sanitized run done")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    result = subprocess.run([tool, "--tool", "memcheck", sys.executable, "-c", script], capture_output=True,
+                            text=True, env=env, timeout=400)
+    log = result.stdout + result.stderr
+    print(log[-2000:])
+    assert "sanitized run done" in log
+    assert "ERROR SUMMARY: 0 errors" in log
+
+
+def test_compile_fullgraph_and_cuda_graph():
+    layout = TokenLayout(512, 1, 64, 64)
+    B, H, D = 1, 24, 128
+    q, k, v = inputs(B, H, layout.seq_len, D, True, seed=5)
+    mask = synthetic_block_mask(H, 72, 72, 0.3, generator=torch.Generator().manual_seed(5))
+    blocks = ActiveBlocks.from_mask(mask).to("cuda")
+    orders = torch.randint(0, 6, (H,)).cuda()
+
+    def layer(q, k, v):
+        out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk="int8", pv="fp8",
+                             backend="triton")
+        return out.transpose(1, 2).reshape(B, layout.seq_len, H * D)
+
+    eager = layer(q, k, v)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert rel_err(compiled(q, k, v), eager) <= 1e-6
+
+    # CUDA graph of the whole layer: capture once, replay on new inputs copied into the static ones
+    static = [t.clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            layer(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = layer(*static)
+    q2, k2, v2 = inputs(B, H, layout.seq_len, D, True, seed=6)
+    for dst, src in zip(static, (q2, k2, v2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(graph_out, layer(q2, k2, v2)) <= 1e-6
