@@ -311,7 +311,7 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=getattr(torch, dtype))
+    pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

@@ -1,0 +1,228 @@
+"""Calibration: block statistics (Triton vs torch vs naive), order selection on planted locality,
+mask density, and calibrate -> save -> load -> apply -> generate on tiny pipelines."""
+
+import pytest
+import torch
+
+from paroattn import Plan, TokenLayout
+from paroattn.calibrate.accumulate import StatsAccumulator
+from paroattn.calibrate.block_stats import block_stats
+from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
+from paroattn.calibrate.driver import bucket_of
+from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction
+from paroattn.calibrate.synthetic import innermost_axis, planted_qk
+from paroattn.plan import default_bucket_edges
+
+
+def _close(got, want, atol=2e-5):
+    for name, a, b in zip(("mass", "pmax", "below"), got, want):
+        assert a.shape == b.shape, name
+        assert torch.allclose(a, b, atol=atol, rtol=1e-4), f"{name}: max diff {float((a - b).abs().max())}"
+
+
+@pytest.mark.parametrize("layout", [TokenLayout(5, 2, 3, 4), TokenLayout(0, 1, 5, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_block_stats_match_naive(layout, dtype):
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(2, 2, layout.seq_len, 24, generator=g) * 2).to(dtype)
+    k = (torch.randn(2, 2, layout.seq_len, 24, generator=g) * 2).to(dtype)
+    orders = list(layout.distinct_orders())
+    want = block_stats_naive(q.float(), k.float(), layout, orders, 16, eps=1e-2)
+    got = block_stats(q, k, layout, orders, 16, eps=1e-2, backend="triton")
+    # fp16 inputs: the kernel multiplies fp16 values exactly in fp32, as the naive form does after .float();
+    # entries of P right at eps may still land on either side
+    _close(got[:2], want[:2], atol=1e-4)
+    assert (got[2] - want[2]).abs().max() <= (0 if dtype == torch.float32 else 2)
+
+
+@pytest.mark.parametrize("layout", [TokenLayout(0, 3, 4, 5), TokenLayout(7, 2, 5, 6), TokenLayout(9, 1, 6, 6)])
+def test_torch_block_stats_match_naive_and_conserve_mass(layout):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, layout.seq_len, 16, generator=g) * 2
+    k = torch.randn(2, 3, layout.seq_len, 16, generator=g) * 2
+    orders = list(range(6))
+    want = block_stats_naive(q, k, layout, orders, 16)
+    got = block_stats_torch(q, k, layout, orders, 16, query_chunk=16)  # one block per chunk
+    _close(got, want)
+    # every row of P sums to one: each map holds B * N
+    assert torch.allclose(want[0].sum((-1, -2)), torch.full((3, 6), 2.0 * layout.seq_len), rtol=1e-5)
+    # orders that give the same sequence give the same statistics
+    distinct = layout.distinct_orders()
+    assert len(distinct) == (2 if layout.frames == 1 else 6)
+
+
+def test_block_stats_default_orders_are_the_distinct_ones():
+    layout = TokenLayout(4, 1, 4, 8)
+    q = torch.randn(1, 1, layout.seq_len, 16)
+    mass, _, _ = block_stats(q, q, layout, block_size=16, backend="torch")
+    assert mass.shape == (1, 2, 3, 3)
+
+
+PLANTED = [TokenLayout(0, 4, 8, 8), TokenLayout(8, 3, 8, 12), TokenLayout(16, 5, 6, 8),
+           TokenLayout(0, 8, 6, 5), TokenLayout(16, 1, 20, 20)]
+
+
+def test_planted_locality_selects_the_local_axis_innermost_and_masks_keep_the_mass():
+    g = torch.Generator().manual_seed(0)
+    hits = total = 0
+    for layout in PLANTED:
+        axes = [1, 2] * 3 if layout.is_image else [0, 1, 2] * 2
+        q, k = planted_qk(layout, axes, generator=g)
+        orders = list(layout.distinct_orders())
+        acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16)
+        acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="torch"), batch=1)
+        acc.step_done(0)
+        result = acc.finalize(0.3, layout.prefix)
+        chosen = [innermost_axis(int(o)) for o in result.orders[0]]
+        hits += sum(a == b for a, b in zip(chosen, axes))
+        total += len(axes)
+        assert abs(float(result.density.mean()) - 0.3) <= 0.02, layout
+        assert float(result.kept_mass.mean()) >= 0.95, (layout, result.kept_mass)
+    assert hits / total >= 0.95, f"{hits}/{total} heads got their local axis innermost"
+
+
+def test_planted_locality_with_the_triton_kernel():
+    layout = TokenLayout(4, 3, 4, 4)
+    g = torch.Generator().manual_seed(3)
+    axes = [0, 2]
+    q, k = planted_qk(layout, axes, head_dim=16, generator=g)
+    orders = list(layout.distinct_orders())
+    acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16)
+    acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="triton"), batch=1)
+    result = acc.finalize(0.5, layout.prefix)
+    assert [innermost_axis(int(o)) for o in result.orders[0]] == axes
+
+
+@pytest.mark.parametrize("density", [0.1, 0.2, 0.3, 0.5])
+@pytest.mark.parametrize("prefix,nb", [(0, 40), (40, 64), (20, 61)])
+def test_masks_hit_the_target_density_with_one_global_budget(density, prefix, nb):
+    g = torch.Generator().manual_seed(4)
+    L, H = 3, 4
+    # heads differ in how spread their attention is: a head with flat mass needs more blocks
+    spread = torch.tensor([0.5, 2.0, 8.0, 32.0]).view(1, H, 1, 1)
+    i = torch.arange(nb).float()
+    distance = (i[:, None] - i[None, :]).abs()
+    mass = torch.exp(-distance / spread) * (1 + 0.1 * torch.rand(L, H, nb, nb, generator=g))
+    masks = build_masks(mass, density, prefix, 16)
+    assert masks.shape == (L, H, nb, nb)
+    assert abs(float(masks.float().mean()) - density) <= 0.02
+    assert bool(masks[..., forced_blocks(nb, prefix, 16)].all()), "diagonal and text blocks must stay on"
+    per_head = masks.float().mean(dim=(0, 2, 3))
+    free_budget = density - float(forced_blocks(nb, prefix, 16).float().mean())
+    if free_budget > 0.05:
+        assert per_head[3] > per_head[0], "the spread-out head should get more blocks than the local one"
+
+
+def test_masks_hold_only_the_forced_blocks_when_they_exceed_the_budget():
+    mass = torch.rand(1, 2, 8, 8)
+    masks = build_masks(mass, 0.1, prefix=40, block_size=16)  # 3 text blocks of 8: 39 + 5 of 64 forced
+    assert torch.equal(masks, forced_blocks(8, 40, 16).expand(1, 2, 8, 8))
+
+
+def test_kept_mass_fraction_counts_the_best_blocks():
+    mass = torch.zeros(1, 4, 5)
+    mass[0, 0, :3] = torch.tensor([5.0, 3.0, 2.0])
+    # 0.1 * 20 = 2 blocks: 5 + 3 of 10; 0.05 -> 1 block; 0.5 -> everything
+    assert torch.allclose(kept_mass_fraction(mass, 0.1), torch.tensor([0.8]))
+    assert torch.allclose(kept_mass_fraction(mass, 0.05), torch.tensor([0.5]))
+    assert torch.allclose(kept_mass_fraction(mass, 0.5), torch.tensor([1.0]))
+
+
+def test_bucket_of_agrees_with_plan():
+    layout = TokenLayout(0, 1, 2, 2)
+    for buckets in (1, 2, 6):
+        plan = Plan.synthetic(layout=layout, num_layers=1, num_heads=1, num_buckets=buckets, block_size=16)
+        edges = default_bucket_edges(buckets)
+        for t in (1000.0, 999.0, 900.0, 600.0, 500.0, 499.5, 1.0, 0.0):
+            assert bucket_of(edges, t) == plan.bucket_of(t)
+
+
+def test_paper_metric_is_an_option():
+    layout = TokenLayout(0, 4, 8, 8)
+    q, k = planted_qk(layout, [0, 1, 2], generator=torch.Generator().manual_seed(5))
+    orders = list(layout.distinct_orders())
+    acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16)
+    acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="torch"), batch=1)
+    result = acc.finalize(0.3, 0, metric="paper")
+    assert result.orders.shape == (1, 3) and int(result.orders.min()) >= 0 and int(result.orders.max()) < 6
+    with pytest.raises(ValueError, match="unknown order metric"):
+        acc.finalize(0.3, 0, metric="nope")
+
+
+# -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
+@pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
+def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
+    from paroattn import apply
+    from paroattn.calibrate import CalibrationConfig, calibrate
+    from paroattn.calibrate.driver import save_calibration
+    from paroattn.calibrate.figures import draw_plan_heads
+    from paroattn.pipelines import self_attention_layers
+    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    kwargs = tiny_call_kwargs(family)
+    steps = kwargs.pop("num_inference_steps")
+    kwargs.pop("output_type")
+    size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames", None)}
+    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, pipeline_kwargs=kwargs, **size)
+    plan, result = calibrate(pipe, ["a red fox in the snow", "a city at night"], config)
+    plan_path, stats_path = save_calibration(plan, result, tmp_path / "plan.safetensors")
+    loaded = Plan.load(plan_path)
+    assert loaded.model_class == type(pipe.transformer).__name__
+    assert torch.equal(loaded.block_mask, plan.block_mask) and torch.equal(loaded.orders, plan.orders)
+    assert loaded.num_layers == len(self_attention_layers(pipe))
+    assert sum(result.steps_per_bucket) == 2 * steps  # every step of both prompts was captured
+    frames = size["frames"]
+    call = dict(kwargs, height=size["height"], width=size["width"], num_inference_steps=steps, output_type="latent")
+    if frames:
+        call["num_frames"] = frames
+    dense = pipe(prompt="a dog", generator=torch.Generator().manual_seed(0), **call)
+    with apply(pipe, loaded, backend="torch") as handle:
+        assert handle.active
+        sparse = pipe(prompt="a dog", generator=torch.Generator().manual_seed(0), **call)
+    out = sparse[0] if isinstance(sparse, tuple) else getattr(sparse, "frames", getattr(sparse, "images", None))
+    ref = dense[0] if isinstance(dense, tuple) else getattr(dense, "frames", getattr(dense, "images", None))
+    assert torch.isfinite(out).all() and out.shape == ref.shape
+    pngs = draw_plan_heads(loaded, [(0, 0), (loaded.num_layers - 1, 1)], tmp_path / "png")
+    assert [p.stat().st_size > 0 for p in pngs] == [True, True]
+
+
+def test_cli_calibrate_then_inspect_png(tmp_path):
+    from typer.testing import CliRunner
+
+    from paroattn.cli import app
+    from paroattn.testing import tiny_pipeline
+
+    model_dir = tmp_path / "tiny-wan"
+    tiny_pipeline("wan").save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# comment\na cat on a sofa\n\na boat on a lake\n")
+    out = tmp_path / "plan.safetensors"
+    runner = CliRunner()
+    result = runner.invoke(app, [
+        "calibrate", str(model_dir), "--out", str(out), "--prompts", str(prompts), "--steps", "2",
+        "--block-size", "16", "--height", "64", "--width", "64", "--frames", "9", "--buckets", "2",
+        "--density", "0.5",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "attention mass inside the masks" in result.output
+    plan = Plan.load(out)
+    assert plan.prompts == ["a cat on a sofa", "a boat on a lake"]
+    assert (tmp_path / "plan.stats.safetensors").is_file()
+    result = runner.invoke(app, ["inspect", str(out), "--png", str(tmp_path / "png"), "--heads", "0:0,1:1"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["layer000_head000.png", "layer001_head001.png"]
+
+
+def test_figures_without_stats_draw_the_masks_and_say_why(tmp_path):
+    from PIL import Image
+
+    from paroattn.calibrate.figures import draw_plan_heads
+
+    plan = Plan.synthetic(layout=TokenLayout(0, 2, 8, 8), num_layers=1, num_heads=2, density=0.4, num_buckets=2,
+                          block_size=16)
+    (path,) = draw_plan_heads(plan, [(0, 1)], tmp_path)
+    with Image.open(path) as image:
+        assert image.width > 2 * 100 and image.height > 100
+    with pytest.raises(ValueError, match="not in the plan"):
+        draw_plan_heads(plan, [(3, 0)], tmp_path)
