@@ -24,8 +24,11 @@ WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
 
 
-def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A 2-layer transformer of `family` with 2 heads of 16 channels and random weights."""
+def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, head_dim: int = 16):
+    """A 2-layer transformer of `family` with 2 heads of `head_dim` channels (16; the Triton kernels
+    need 64 or 128) and random weights."""
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (RoPE splits it in 3 axes), got {head_dim}")
     torch.manual_seed(seed)
     if family in ("cogvideox", "cogvideox1.5"):
         from diffusers import CogVideoXTransformer3DModel
@@ -33,7 +36,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
         v15 = family == "cogvideox1.5"
         model = CogVideoXTransformer3DModel(
             num_attention_heads=2,
-            attention_head_dim=16,
+            attention_head_dim=head_dim,
             in_channels=4,
             out_channels=4,
             time_embed_dim=8,
@@ -55,7 +58,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
         model = WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=2,
-            attention_head_dim=16,
+            attention_head_dim=head_dim,
             in_channels=4 if not i2v else 8,
             out_channels=4,
             text_dim=16,
@@ -66,7 +69,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
             image_dim=16 if i2v else None,
-            added_kv_proj_dim=32 if i2v else None,
+            added_kv_proj_dim=2 * head_dim if i2v else None,
         )
     elif family == "flux":
         from diffusers import FluxTransformer2DModel
@@ -76,12 +79,12 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             in_channels=16,
             num_layers=1,
             num_single_layers=2,
-            attention_head_dim=16,
+            attention_head_dim=head_dim,
             num_attention_heads=2,
             joint_attention_dim=16,
             pooled_projection_dim=16,
             guidance_embeds=False,
-            axes_dims_rope=(4, 6, 6),
+            axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
         )
     else:
         raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")

@@ -312,3 +312,60 @@ def test_wan_pipeline_capture_sees_each_step_twice():
         pipeline_output(pipe, tiny_call_kwargs("wan"))
     assert len(timesteps) == 4 and timesteps[0] == timesteps[1] and timesteps[2] == timesteps[3]
     assert 0.0 <= timesteps[2] < timesteps[0] <= 1000.0
+
+
+# -- the Triton path: active-block lists, prefetch ----------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["cogvideox"])
+def test_triton_backend_through_the_processor_matches_torch(family):
+    """Active-block lists built by the processor drive the Triton kernel (interpreted on CPU, so one
+    family only: the lists do not depend on the family)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    transformer = tiny_transformer(family, dtype=torch.float16, head_dim=64).to(device)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tiny_forward_inputs(transformer).items()}
+    if family == "cogvideox":
+        inputs["image_rotary_emb"] = tuple(t.to(device) for t in inputs["image_rotary_emb"])
+    plan = make_plan(transformer, inputs, density=0.5, orders="random")
+    with apply(transformer, plan, backend="torch"):
+        expected = run(transformer, inputs)
+    with apply(transformer, plan, backend="triton") as handle:
+        out = run(transformer, inputs)
+        assert handle.stats()["mode"] == "lists"
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_streamed_masks_are_the_plans_and_gpu_memory_is_bounded():
+    from paroattn.pipelines.prefetch import MaskStore
+
+    layout = TokenLayout(8, 4, 16, 16)
+    plan = Plan.synthetic(layout=layout, num_layers=12, num_heads=4, density=0.3, orders="random", num_buckets=3)
+    plan.dense[1, 5] = True
+    store = MaskStore(plan, "cuda", lists=True, resident=False, slots=3)
+    assert store.streaming
+    largest = max(b.counts.numel() * 8 + b.indices.numel() * 4 for b in store.host.values())
+    assert store.gpu_bytes <= 3 * largest
+    for bucket in (0, 0, 1, 2, 1):  # forwards, bucket changes included
+        store.begin(bucket)
+        for layer in range(plan.num_layers):
+            if plan.dense[bucket, layer]:
+                continue
+            blocks = store.get(bucket, layer)
+            torch.cuda.current_stream().synchronize() if layer % 5 == 0 else None
+            assert torch.equal(blocks.to_mask().cpu(), plan.block_mask[bucket, layer])
+    assert store.hits >= 4 * 11 and store.misses <= 5
+
+
+@pytest.mark.gpu
+def test_streamed_and_resident_masks_give_the_same_outputs():
+    transformer = tiny_transformer("cogvideox", dtype=torch.bfloat16, head_dim=64).cuda()
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in tiny_forward_inputs(transformer).items()}
+    inputs["image_rotary_emb"] = tuple(t.cuda() for t in inputs["image_rotary_emb"])
+    plan = make_plan(transformer, inputs, density=0.5, orders="random")
+    outs = []
+    for resident in (True, False):
+        with apply(transformer, plan, resident=resident) as handle:
+            outs.append(run(transformer, inputs))
+            assert handle.stats()["resident"] is resident
+    assert torch.equal(outs[0], outs[1])

@@ -25,6 +25,11 @@ from ..plan import Plan
 RESIDENT_LIMIT_BYTES = 64 << 20
 
 
+def _nbytes(blocks: ActiveBlocks) -> int:
+    schedule = blocks.schedule.numel() * 4 if blocks.schedule is not None else 0
+    return blocks.counts.numel() * 4 + blocks.indices.numel() * 4 + schedule
+
+
 class MaskStore:
     def __init__(
         self,
@@ -71,8 +76,7 @@ class MaskStore:
         build_on = self.device if pin else torch.device("cpu")
         for b, layers in enumerate(self._sparse_layers):
             for layer in layers:
-                blocks = ActiveBlocks.from_mask(self.plan.block_mask[b, layer].to(build_on))
-                blocks = blocks.to("cpu")
+                blocks = ActiveBlocks.from_mask(self.plan.block_mask[b, layer].to(build_on)).to("cpu")
                 self.host[(b, layer)] = blocks.pin_memory() if pin else blocks
 
     def _init_slots(self, slots: int) -> None:
@@ -80,6 +84,7 @@ class MaskStore:
         most_indices = max(blocks.indices.numel() for blocks in self.host.values())
         self._counts = [torch.empty(most_counts, dtype=torch.int32, device=self.device) for _ in range(slots)]
         self._indices = [torch.empty(most_indices, dtype=torch.int32, device=self.device) for _ in range(slots)]
+        self._schedule = [torch.empty(most_counts, dtype=torch.int32, device=self.device) for _ in range(slots)]
         self._ready = [torch.cuda.Event() for _ in range(slots)]
         self._released = [torch.cuda.Event() for _ in range(slots)]
         self._slot_key: list[tuple[int, int] | None] = [None] * slots
@@ -91,7 +96,7 @@ class MaskStore:
     # -- sizes -------------------------------------------------------------------------------
     @property
     def host_bytes(self) -> int:
-        return sum(blocks.nbytes for blocks in self.host.values())
+        return sum(_nbytes(blocks) for blocks in self.host.values())
 
     @property
     def gpu_bytes(self) -> int:
@@ -101,8 +106,8 @@ class MaskStore:
         if self.device.type != "cuda":
             return 0
         if self.resident:
-            return sum(blocks.nbytes for blocks in self._gpu.values())
-        return sum(t.numel() * 4 for t in self._counts + self._indices)
+            return sum(_nbytes(blocks) for blocks in self._gpu.values())
+        return sum(t.numel() * 4 for t in self._counts + self._indices + self._schedule)
 
     def stats(self) -> dict:
         return {
@@ -162,6 +167,7 @@ class MaskStore:
         with torch.cuda.stream(self._side):
             self._counts[slot][: blocks.counts.numel()].copy_(blocks.counts.view(-1), non_blocking=True)
             self._indices[slot][: blocks.indices.numel()].copy_(blocks.indices.view(-1), non_blocking=True)
+            self._schedule[slot][: blocks.schedule.numel()].copy_(blocks.schedule.view(-1), non_blocking=True)
             self._ready[slot].record(self._side)
         self.copies += 1
         return slot
@@ -193,6 +199,7 @@ class MaskStore:
             self._counts[slot][: H * nq].view(H, nq),
             self._indices[slot][: H * nq * width].view(H, nq, width),
             host.num_key_blocks,
+            self._schedule[slot][: H * nq].view(H, nq),
         )
 
     def close(self) -> None:
@@ -202,4 +209,4 @@ class MaskStore:
             self._gpu = {}
         if self.streaming:
             self._side.synchronize()
-            self._counts = self._indices = []
+            self._counts = self._indices = self._schedule = []
