@@ -49,7 +49,7 @@ SHAPES = {
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
 DENSITIES = [1.0, 0.5, 0.3, 0.2]
 BLOCK = 64
-SWEEP_CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
+SWEEP_CONFIGS = [(4, 2, True), (4, 3, True), (4, 4, True), (8, 2, True), (8, 3, True), (4, 3, False), (8, 2, False)]
 
 
 def _median_ms(fn, sets, warmup=25, rep=100) -> float:
@@ -223,13 +223,16 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                     row["speedup_vs_sdpa"] = sdpa_ms / ms
                 if sweep and density == 0.5 and name in ("cogvideox-5b", "wan2.1-1.3b") and (qk, pv) in (
                         ("bf16", "bf16"), ("int8", "fp8"), ("int4", "fp8")):
-                    for warps, stages in SWEEP_CONFIGS:
-                        config = triton_backend.KernelConfig(warps, stages)
+                    for warps, stages, gather in SWEEP_CONFIGS:
+                        if not gather and qk != "bf16" and pv != "bf16":
+                            continue  # nothing is gathered in fully quantized modes
+                        config = triton_backend.KernelConfig(warps, stages, gather)
                         triton_backend.set_kernel_config(D, BLOCK, BLOCK, qk, pv, config)
                         ms_c, err_c = _try(lambda: _median_ms(paro, sets, warmup, rep))
                         results["sweep"].append({"shape": name, "qk": qk, "pv": pv, "num_warps": warps,
-                                                 "num_stages": stages, "ms": ms_c, "error": err_c})
-                        print(f"  sweep {name} {qk}/{pv} warps={warps} stages={stages}: {ms_c} {err_c or ''}", flush=True)
+                                                 "num_stages": stages, "gather_kv": gather, "ms": ms_c, "error": err_c})
+                        print(f"  sweep {name} {qk}/{pv} warps={warps} stages={stages} gather={gather}: {ms_c} "
+                              f"{err_c or ''}", flush=True)
                     triton_backend.set_kernel_config(D, BLOCK, BLOCK, qk, pv, None)
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)

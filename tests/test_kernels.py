@@ -228,3 +228,18 @@ def test_compile_fullgraph_has_no_graph_break():
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if INTERPRETED else "inductor")
     assert rel_err(compiled(q, k, v, orders), layer(q, k, v, orders)) <= 1e-3
+
+
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "fp8")])
+def test_reordered_copies_instead_of_gathers(qk, pv):
+    """KernelConfig(gather_kv=False): the prologue writes reordered bf16/fp16 K and V copies."""
+    q, k, v = make_inputs(2, 3, LAYOUT.seq_len, 64, seed=11, seq_major=True)
+    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
+    mask = synthetic_block_mask(3, n_blocks, n_blocks, 0.5, generator=torch.Generator().manual_seed(11))
+    key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=False))
+    try:
+        out, ref = both(q, k, v, LAYOUT, torch.tensor([5, 1, 2]), mask, SMALL_BLOCK, qk, pv)
+    finally:
+        triton_backend.set_kernel_config(*key, None)
+    assert rel_err(out, ref) <= BOUND[pv]

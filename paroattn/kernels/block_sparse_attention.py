@@ -52,6 +52,7 @@ def _kv_prologue_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     Orders, N, N_PAD, H, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
+    GATHER_KV: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -63,6 +64,12 @@ def _kv_prologue_kernel(
     orig = reordered_to_original(offs_n, order, prefix, frames, height, width)
     bh64 = bh.to(tl.int64)
 
+    if QK_MODE == 0 and not GATHER_KV:
+        # reordered copy in the input dtype, [bh, n, d]
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k)
     if QK_MODE != 0:
         qmax = 127.0 if QK_MODE == 1 else 7.0
         k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
@@ -92,6 +99,11 @@ def _kv_prologue_kernel(
             tl.store(KQ + bh64 * N_PAD * HALF + offs_n[:, None] * HALF + offs_h[None, :], packed)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
 
+    if PV_MODE == 0 and not GATHER_KV:
+        offs_d = tl.arange(0, HEAD_DIM)
+        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        tl.store(VQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v)
     if PV_MODE != 0:
         offs_d = tl.arange(0, HEAD_DIM)
         v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -112,15 +124,18 @@ def _attend_key_block(
     k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
     KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    MASK_N: tl.constexpr,
+    GATHER_KV: tl.constexpr, MASK_N: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if QK_MODE == 0 or PV_MODE == 0:
+    if GATHER_KV and (QK_MODE == 0 or PV_MODE == 0):
         orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
 
     # scores, in log2 units
-    if QK_MODE == 0:
+    if QK_MODE == 0 and not GATHER_KV:
+        k = tl.load(KQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        s = tl.dot(q_a, tl.trans(k)) * score_scale
+    elif QK_MODE == 0:
         k_ptr = k_base + orig_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         if MASK_N:
             k = tl.load(k_ptr, mask=(offs_n < N)[:, None], other=0.0)
@@ -147,7 +162,10 @@ def _attend_key_block(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if PV_MODE == 0:
+    if PV_MODE == 0 and not GATHER_KV:
+        v = tl.load(VQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc=acc)
+    elif PV_MODE == 0:
         v_ptr = v_base + orig_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
         if MASK_N:
             v = tl.load(v_ptr, mask=(offs_n < N)[:, None], other=0.0)
@@ -174,7 +192,7 @@ def _attention_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
+    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr, GATHER_KV: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -242,7 +260,7 @@ def _attention_kernel(
             acc, l_i, m_i, q_a, q_b, score_scale, kb,
             k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
             KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
-            HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, False,
+            HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, GATHER_KV, False,
         )
     if not EVEN_N:
         if has_tail:
@@ -250,7 +268,7 @@ def _attention_kernel(
                 acc, l_i, m_i, q_a, q_b, score_scale, NK - 1,
                 k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
                 KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
-                HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, True,
+                HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, GATHER_KV, True,
             )
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions

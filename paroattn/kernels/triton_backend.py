@@ -53,6 +53,9 @@ def _interpreting() -> bool:
 class KernelConfig:
     num_warps: int
     num_stages: int
+    # bf16/fp16 K and V: gather them from the caller's tensors in the attention kernel (True), or
+    # let the prologue write reordered copies that the kernel reads contiguously (False)
+    gather_kv: bool = True
 
 
 # (head_dim, bq, bk, qk, pv) -> config, from the sweep of benchmarks/attention.py
@@ -72,8 +75,8 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
     if config is None:
         override = os.environ.get("PARO_KERNEL_CONFIG")  # "warps,stages": for sweeps
         if override:
-            warps, stages = (int(x) for x in override.split(","))
-            config = KernelConfig(warps, stages)
+            warps, stages, *gather = (int(x) for x in override.split(","))
+            config = KernelConfig(warps, stages, bool(gather[0]) if gather else True)
         else:
             config = _MEASURED.get(key) or _rule(*key)
         _CHOSEN[key] = config
@@ -104,7 +107,7 @@ def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str):
     return k_mean, v_scale
 
 
-def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv):
+def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_kv=True):
     """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_scale), placeholders for the
     parts the modes do not use. Separate so benchmarks can time the prologue alone."""
     B, H, N, D = k.shape
@@ -118,15 +121,19 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv):
     if qk_code != QK_FP:
         kq = torch.empty(B * H, n_pad, D // 2 if qk_code == QK_INT4 else D, dtype=torch.int8, device=device)
         k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
+    elif not gather_kv:
+        kq = torch.empty(B * H, n_pad, D, dtype=k.dtype, device=device)
     if pv_code != PV_FP:
         vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv_code == PV_FP8 else torch.int8, device=device)
-    if qk_code != QK_FP or pv_code != PV_FP:
+    elif not gather_kv:
+        vq = torch.empty(B * H, n_pad, D, dtype=v.dtype, device=device)
+    if qk_code != QK_FP or pv_code != PV_FP or not gather_kv:
         _kv_prologue_kernel[(nk, B * H)](
             k, v, k_mean if k_mean is not None else placeholder, v_scale if v_scale is not None else placeholder,
             kq, k_scale, vq,
             *k.stride(), *v.stride(),
             orders, N, n_pad, H, prefix, frames, height, width,
-            HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code,
+            HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, GATHER_KV=gather_kv,
             num_warps=4,
         )
     return kq, k_scale, vq, v_scale if v_scale is not None else placeholder
@@ -145,15 +152,15 @@ def launch(
     if out.numel() == 0:
         return out
     nq, nk = -(-N // bq), -(-N // bk)
-    kq, k_scale, vq, v_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv)
     config = kernel_config(D, bq, bk, qk, pv)
+    kq, k_scale, vq, v_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
     _attention_kernel[(nq, B * H)](
         q, k, v, out, kq, k_scale, vq, v_scale,
         orders, counts, indices, schedule,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GATHER_KV=config.gather_kv, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
