@@ -118,5 +118,48 @@ def bench(ctx: typer.Context) -> None:
     module.main(list(ctx.args))
 
 
+@app.command()
+def generate(
+    model_dir: Path = typer.Argument(..., help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 or FLUX.1 model"),
+    prompt: str = typer.Option(..., "--prompt", help="text prompt"),
+    plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate` (default: dense, the model's own attention)"),
+    height: int | None = typer.Option(None, help="height in pixels (default: the pipeline's)"),
+    width: int | None = typer.Option(None, help="width in pixels (default: the pipeline's)"),
+    frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
+    steps: int | None = typer.Option(None, help="denoising steps (default: the pipeline's)"),
+    seed: int = typer.Option(0, help="seed of the initial noise"),
+    out: Path | None = typer.Option(None, "--out", help="output file: .mp4 for video, .png for images (default: out.mp4 / out.png)"),
+    compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
+    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
+    on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
+    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
+    dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
+) -> None:
+    """Generate a video or image, with a plan (PARO) or without (dense); --compare runs both."""
+    from .errors import PlanError
+    from .pipelines.generate import generate as run_generate
+
+    try:
+        result = run_generate(
+            model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
+            out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
+            log=typer.echo,
+        )
+    except (PlanError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    if "dense_path" in result:
+        typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['dense_path']}")
+    key = "paro_s" if "paro_s" in result else "dense_s"
+    typer.echo(f"{'PARO' if key == 'paro_s' else 'dense'}: {result[key]:.2f} s -> {result['path']}")
+    if result.get("masks"):
+        masks = result["masks"]
+        typer.echo(f"masks: {masks['gpu_bytes'] / 2**20:.1f} MiB on the device, {masks['host_bytes'] / 2**20:.1f} MiB on the host")
+    if compare:
+        typer.echo(
+            f"PARO vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}, "
+            f"speedup {result['speedup']:.2f}x"
+        )
+
+
 if __name__ == "__main__":
     app()

@@ -369,3 +369,59 @@ def test_streamed_and_resident_masks_give_the_same_outputs():
             outs.append(run(transformer, inputs))
             assert handle.stats()["resident"] is resident
     assert torch.equal(outs[0], outs[1])
+
+
+# -- paro generate ----------------------------------------------------------------------------
+
+
+def saved_tiny_pipeline(family, folder, density=0.5):
+    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline(family)
+    pipe.save_pretrained(folder / "model")
+    kwargs = tiny_call_kwargs(family)
+    layout = layout_for(pipe, height=kwargs["height"], width=kwargs["width"], frames=kwargs.get("num_frames"),
+                        text_tokens=None if family == "wan" else kwargs["max_sequence_length"])
+    transformer = pipe.transformer
+    plan = Plan.synthetic(
+        layout=layout, num_layers=len(self_attention_layers(pipe)), num_heads=2, density=density, orders="random",
+        block_size=TINY_BLOCK, model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config),
+    )
+    plan.save(folder / "plan.safetensors")
+    return kwargs
+
+
+@pytest.mark.parametrize("family,suffix", [("wan", ".mp4"), ("flux", ".png")])
+def test_generate_command_compare(tmp_path, family, suffix):
+    from typer.testing import CliRunner
+
+    from paroattn.cli import app
+
+    kwargs = saved_tiny_pipeline(family, tmp_path)
+    args = ["generate", str(tmp_path / "model"), "--prompt", "a cat runs", "--plan", str(tmp_path / "plan.safetensors"),
+            "--height", str(kwargs["height"]), "--width", str(kwargs["width"]), "--steps", "2", "--compare",
+            "--out", str(tmp_path / f"out{suffix}")]
+    if "num_frames" in kwargs:
+        args += ["--frames", str(kwargs["num_frames"])]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / f"out{suffix}").stat().st_size > 0
+    assert (tmp_path / f"out_dense{suffix}").stat().st_size > 0
+    line = next(line for line in result.output.splitlines() if line.startswith("PARO vs dense"))
+    psnr = float(line.split("PSNR ")[1].split(" dB")[0])
+    assert 10.0 < psnr < 80.0  # sparse attention changes the output, but not into noise
+    assert "SSIM" in line and "cosine" in line and "speedup" in line
+
+
+def test_generate_command_reports_a_plan_that_does_not_fit(tmp_path):
+    from typer.testing import CliRunner
+
+    from paroattn.cli import app
+
+    saved_tiny_pipeline("flux", tmp_path)
+    result = CliRunner().invoke(app, ["generate", str(tmp_path / "model"), "--prompt", "a cat", "--plan",
+                                      str(tmp_path / "plan.safetensors"), "--height", "128", "--width", "96",
+                                      "--steps", "1", "--out", str(tmp_path / "x.png")])
+    assert result.exit_code == 2
+    assert "8 + 1x6x6" in result.output and "8 + 1x8x6" in result.output
+    assert "paro calibrate MODEL_DIR --height 128 --width 96" in result.output

@@ -265,6 +265,15 @@ class PAROProcessor(_BoundProcessor):
             return f"this call has no PARO token layout: {inputs.problem}"
         if inputs.layout == plan_layout:
             return None
+        if inputs.layout.grid_tokens == plan_layout.grid_tokens and (inputs.layout.frames, inputs.layout.height,
+                                                                    inputs.layout.width) == (plan_layout.frames,
+                                                                                             plan_layout.height,
+                                                                                             plan_layout.width):
+            return (
+                f"plan was calibrated with {plan_layout.prefix} text tokens; this call has {inputs.layout.prefix}: "
+                f"pass max_sequence_length={plan_layout.prefix} to the pipeline, or run "
+                f"`{family.calibrate_command(transformer, inputs.layout)}` with the pipeline's text length"
+            )
         return (
             f"plan was calibrated for {plan_layout} tokens ({family.describe_size(transformer, plan_layout)}); "
             f"this call has {inputs.layout} ({family.describe_size(transformer, inputs.layout)}): run "
