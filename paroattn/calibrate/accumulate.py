@@ -62,7 +62,8 @@ class StatsAccumulator:
         self._entries: dict[torch.device, torch.Tensor] = {}
 
     def add(self, layer: int, bucket: int, mass: torch.Tensor, pmax: torch.Tensor, below: torch.Tensor, batch: int):
-        """Statistics of one layer at one step, [H, O, nb, nb] each, summed over `batch` items."""
+        """Statistics of one layer at one step, [H, O, nb, nb] each, summed over `batch` items.
+        pmax and below may be None (then the incoherence and block-sparse scores read 0)."""
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
@@ -74,8 +75,11 @@ class StatsAccumulator:
         entries = self._entries.get(mass.device)
         if entries is None:
             entries = self._entries[mass.device] = block_entries(self.seq_len, self.block_size, mass.device)
-        inc = incoherence(mass, pmax, entries * batch).cpu()
-        sparse = sparse_fraction(below, entries * batch).cpu()
+        if pmax is None or below is None:  # statistics computed without the extras: mass only
+            inc = sparse = torch.zeros(mass.shape[:2])
+        else:
+            inc = incoherence(mass, pmax, entries * batch).cpu()
+            sparse = sparse_fraction(below, entries * batch).cpu()
         if layer in self.incoherence_sum:
             self.incoherence_sum[layer] += inc
             self.sparse_sum[layer] += sparse

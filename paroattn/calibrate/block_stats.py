@@ -77,11 +77,13 @@ if triton is not None:
         B, H, N, D, head_offset, num_orders, num_blocks,
         prefix, frames, height, width,
         qk_scale_log2, eps,
-        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+        EXTRAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         """Program (i, h, o): query block i of the sequence reordered by ORDERS[o], head
-        head_offset + h; writes MASS/PMAX/BELOW[h, o, i, :] (outputs hold only this launch's heads)."""
+        head_offset + h; adds into MASS (and, with EXTRAS, PMAX/BELOW)[h, o, i, :] (the outputs hold
+        only this launch's heads). GROUP key blocks are handled per iteration: one [BLOCK, GROUP*BLOCK]
+        tile, reduced to GROUP numbers, which amortizes the reductions' synchronization."""
         i = tl.program_id(0)
         h_local = tl.program_id(1)
         oi = tl.program_id(2)
@@ -98,8 +100,8 @@ if triton is not None:
             q_ptrs = Q + b * stride_qb + h * stride_qh + oq[:, None] * stride_qn + offs_d[None, :]
             q = tl.load(q_ptrs, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
             lse = tl.load(LSE + (b * H + h) * N + oq, mask=q_valid, other=0.0)
-            for j in range(0, num_blocks):
-                rk = j * BLOCK + tl.arange(0, BLOCK)
+            for j0 in range(0, num_blocks, GROUP):
+                rk = j0 * BLOCK + tl.arange(0, GROUP * BLOCK)
                 k_valid = rk < N
                 ok = _reordered_to_original(rk, order, prefix, frames, height, width)
                 ok = tl.where(k_valid, ok, 0)
@@ -108,13 +110,18 @@ if triton is not None:
                 s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
                 valid = q_valid[:, None] & k_valid[None, :]
                 p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-                small = tl.where(valid & (p < eps), 1.0, 0.0)
-                tile_mass = tl.sum(tl.sum(p, axis=1), axis=0)
-                tile_max = tl.max(tl.max(p, axis=1), axis=0)
-                tile_below = tl.sum(tl.sum(small, axis=1), axis=0)
-                tl.store(MASS + out + j, tl.load(MASS + out + j) + tile_mass)
-                tl.store(PMAX + out + j, tl.maximum(tl.load(PMAX + out + j), tile_max))
-                tl.store(BELOW + out + j, tl.load(BELOW + out + j) + tile_below)
+                js = j0 + tl.arange(0, GROUP)
+                j_valid = js < num_blocks
+                tile_mass = tl.sum(tl.sum(tl.reshape(p, [BLOCK, GROUP, BLOCK]), axis=2), axis=0)
+                tl.store(MASS + out + js, tl.load(MASS + out + js, mask=j_valid, other=0.0) + tile_mass, mask=j_valid)
+                if EXTRAS:
+                    small = tl.where(valid & (p < eps), 1.0, 0.0)
+                    tile_max = tl.max(tl.max(tl.reshape(p, [BLOCK, GROUP, BLOCK]), axis=2), axis=0)
+                    tile_below = tl.sum(tl.sum(tl.reshape(small, [BLOCK, GROUP, BLOCK]), axis=2), axis=0)
+                    old_max = tl.load(PMAX + out + js, mask=j_valid, other=0.0)
+                    tl.store(PMAX + out + js, tl.maximum(old_max, tile_max), mask=j_valid)
+                    old_below = tl.load(BELOW + out + js, mask=j_valid, other=0.0)
+                    tl.store(BELOW + out + js, old_below + tile_below, mask=j_valid)
 
 
 def _interpreting() -> bool:
@@ -133,9 +140,13 @@ def block_stats_triton(
     block_size: int,
     eps: float = 1e-3,
     sm_scale: float | None = None,
+    extras: bool = True,
+    group: int = 4,
     max_output_bytes: int = 1 << 30,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`.
+    `extras=False` skips max and count below eps (returned as None); `group` key blocks per
+    iteration (a power of two)."""
     B, H, N, D = q.shape
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"the statistics kernel needs a power-of-two block_size >= 16, got {block_size}")
@@ -162,14 +173,18 @@ def block_stats_triton(
     n_blocks = triton.cdiv(N, block_size)
     O = len(orders)
     order_tensor = torch.tensor(list(orders), dtype=torch.int32, device=q.device)
-    per_head = 3 * O * n_blocks * n_blocks * 4
+    if group < 1 or group & (group - 1):
+        raise ValueError(f"group must be a power of two, got {group}")
+    if q.dtype == torch.float32 and q.device.type == "cuda":
+        group = min(group, 2)  # fp32 tiles of 4+ key blocks overflow shared memory
+    per_head = (3 if extras else 1) * O * n_blocks * n_blocks * 4
     heads_per_launch = max(1, min(H, max_output_bytes // per_head))
     results = []
     for head_offset in range(0, H, heads_per_launch):
         count = min(heads_per_launch, H - head_offset)
         mass = torch.zeros(count, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
-        pmax = torch.zeros_like(mass)
-        below = torch.zeros_like(mass)
+        pmax = torch.zeros_like(mass) if extras else mass
+        below = torch.zeros_like(mass) if extras else mass
         _block_stats_kernel[(n_blocks, count, O)](
             q, k, lse, order_tensor, mass, pmax, below,
             q.stride(0), q.stride(1), q.stride(2),
@@ -177,12 +192,14 @@ def block_stats_triton(
             B, H, N, D, head_offset, O, n_blocks,
             layout.prefix, layout.frames, layout.height, layout.width,
             scale_log2, eps,
-            BLOCK=block_size, BLOCK_D=block_d, INPUT_PRECISION=precision,
-            num_warps=4,
+            BLOCK=block_size, BLOCK_D=block_d, GROUP=group, EXTRAS=extras, INPUT_PRECISION=precision,
+            num_warps=4 if group * block_size <= 128 else 8,
         )
-        results.append((mass, pmax, below))
+        results.append((mass, pmax, below) if extras else (mass, None, None))
     if len(results) == 1:
         return results[0]
+    if not extras:
+        return torch.cat([r[0] for r in results]), None, None
     return tuple(torch.cat([r[i] for r in results]) for i in range(3))
 
 
@@ -195,11 +212,14 @@ def block_stats(
     eps: float = 1e-3,
     sm_scale: float | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    extras: bool = True,
+    group: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mass, pmax, below), each float32 [H, O, nq, nk], for q, k [B, H, N, D] and the candidate
     `orders` (default: the layout's distinct orders: 6 for video, 2 for images). See
     `block_stats_reference` for the definitions. backend: "auto" (Triton on CUDA, torch elsewhere),
-    "triton" or "torch"."""
+    "triton" or "torch". `extras=False`: only the mass (pmax and below come back as None), which is all
+    the default order metric needs for unquantized plans; the Triton kernel then skips two reductions."""
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[2] != layout.seq_len:
@@ -211,7 +231,8 @@ def block_stats(
     if backend == "triton":
         if not triton_available(q.device):
             raise RuntimeError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); use backend='torch'")
-        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale)
+        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale, extras=extras, group=group)
     if backend == "torch":
-        return reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale)
+        mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale)
+        return (mass, pmax, below) if extras else (mass, None, None)
     raise ValueError(f"backend={backend!r}; expected 'auto', 'triton' or 'torch'")

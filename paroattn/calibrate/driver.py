@@ -154,6 +154,8 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
     layers = self_attention_layers(transformer)
     L = len(layers)
     edges = config.edges()
+    # max and count below eps feed only the incoherence and block-sparse terms
+    extras = config.metric == "paper" or config.effective_quant_weight() > 0
     state = {"step": 0, "layout": None, "acc": None, "bucket": 0, "stats_s": 0.0, "captures": 0}
     timings = {"pipeline_s": 0.0}
 
@@ -180,7 +182,8 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
             start = time.perf_counter()
             with torch.no_grad():
                 mass, pmax, below = block_stats(
-                    q, k, layout, acc.candidate_orders, config.block_size, config.eps, backend=config.backend
+                    q, k, layout, acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
+                    extras=extras,
                 )
                 acc.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
             if q.device.type == "cuda":

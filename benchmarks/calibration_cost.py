@@ -1,0 +1,258 @@
+"""What `paro calibrate` costs on full-size CogVideoX-5B and Wan2.1-1.3B transformers (one GPU).
+
+    python benchmarks/calibration_cost.py --models cogvideox-5b wan2.1-1.3b --out benchmarks/results/calibration_cost.json
+    python benchmarks/calibration_cost.py --tiny          # CPU smoke test of this script with tiny models
+
+What is measured, and what is extrapolated (say so wherever the numbers are quoted):
+- The transformer alone with random weights (bf16), random latents and random text embeddings: the
+  VAE and text encoder run once per prompt and are not what calibration adds. CogVideoX-5B:
+  480x720x49 -> latents 13x60x90, B=2 (CFG batched), 226 text tokens, 3-D RoPE as its pipeline
+  builds it; one transformer call per step. Wan2.1-1.3B: 81 frames 480x832 -> 21x60x104, B=1,
+  512 text tokens; two calls per step (cond, uncond).
+- Timed on the device: a dense forward; a forward with capture + block statistics of all 6 orders
+  for every layer (what every calibration step costs); the statistics of one layer alone; moving a
+  bucket's staged sums to host memory; order selection and masks over 6 buckets of full-size sums.
+- Extrapolated: the whole calibration = prompts x steps x calls per step x (captured forward) +
+  one flush per bucket per prompt + selection. A full run (2 prompts x 50 steps) would take the
+  whole device budget of a session, so it is not run end to end here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paroattn.calibrate.accumulate import StatsAccumulator  # noqa: E402
+from paroattn.calibrate.block_stats import block_stats  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeat=1):
+    _sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / repeat
+
+
+def build_cogvideox_5b(device, dtype):
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    with torch.device(device):
+        model = CogVideoXTransformer3DModel(
+            num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, num_layers=42,
+            text_embed_dim=4096, time_embed_dim=512, sample_width=90, sample_height=60, sample_frames=49,
+            patch_size=2, max_text_seq_length=226, use_rotary_positional_embeddings=True,
+            use_learned_positional_embeddings=False, timestep_activation_fn="silu", flip_sin_to_cos=True,
+            freq_shift=0, norm_eps=1e-5, spatial_interpolation_scale=1.875,
+        ).to(dtype).eval()
+    gh, gw, frames = 30, 45, 13
+    crops = get_resize_crop_region_for_grid((gh, gw), 45, 30)
+    rope = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=crops, grid_size=(gh, gw), temporal_size=frames,
+                                   device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(t):
+        return {
+            "hidden_states": torch.randn(2, frames, 16, 60, 90, generator=g, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.randn(2, 226, 4096, generator=g, device=device, dtype=dtype),
+            "timestep": torch.full((2,), int(t), device=device, dtype=torch.long),
+            "image_rotary_emb": rope,
+            "return_dict": False,
+        }
+
+    return model, inputs, 1
+
+
+def build_wan_1_3b(device, dtype):
+    from diffusers import WanTransformer3DModel
+
+    with torch.device(device):
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+        ).to(dtype).eval()
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(t):
+        return {
+            "hidden_states": torch.randn(1, 16, 21, 60, 104, generator=g, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, 512, 4096, generator=g, device=device, dtype=dtype),
+            "timestep": torch.full((1,), float(t), device=device, dtype=torch.float32),
+            "return_dict": False,
+        }
+
+    return model, inputs, 2
+
+
+def build_tiny(family):
+    from paroattn.testing import tiny_forward_inputs, tiny_transformer
+
+    def build(device, dtype):
+        model = tiny_transformer(family).to(device)
+
+        def inputs(t):
+            return tiny_forward_inputs(model, timestep=t)
+
+        return model, inputs, 2 if family == "wan" else 1
+
+    return build
+
+
+MODELS = {"cogvideox-5b": build_cogvideox_5b, "wan2.1-1.3b": build_wan_1_3b,
+          "tiny-cogvideox": build_tiny("cogvideox"), "tiny-wan": build_tiny("wan")}
+
+
+def check_kernel(device, backend):
+    """The Triton statistics against the torch form on this device (bf16 inputs)."""
+    from paroattn import TokenLayout
+
+    layout = TokenLayout(70, 3, 12, 18)
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(2, 3, layout.seq_len, 64, generator=g, device=device).to(torch.bfloat16)
+    k = torch.randn(2, 3, layout.seq_len, 64, generator=g, device=device).to(torch.bfloat16)
+    got = block_stats(q, k, layout, list(range(6)), 64, backend=backend)
+    want = block_stats(q.float(), k.float(), layout, list(range(6)), 64, backend="torch")
+    return {name: float((a - b).abs().max()) for name, a, b in zip(("mass", "pmax", "below"), got, want)}
+
+
+def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
+    from paroattn.pipelines import capture_attention, self_attention_layers
+
+    record = {"model": name}
+    start = time.perf_counter()
+    model, inputs, calls_per_step = MODELS[name](device, dtype)
+    _sync()
+    record["build_s"] = time.perf_counter() - start
+    L = len(self_attention_layers(model))
+    record["layers"] = L
+    record["calls_per_step"] = calls_per_step
+    with torch.no_grad():
+        model(**inputs(900))  # warm-up
+        record["dense_forward_s"] = _timed(lambda: model(**inputs(900)), repeat=timed_calls)
+        state = {"acc": None, "stats_s": 0.0, "layer0": None, "variant": None}
+
+        def keep_layer0(layer, q, k, layout, timestep):
+            if layer == 0 and state["layer0"] is None:
+                state["layer0"] = (q.clone(), k.clone(), layout)
+
+        with capture_attention(model, keep_layer0):
+            model(**inputs(900))
+        q, k, layout = state["layer0"]
+        record["layout"] = str(layout)
+        record["shape"] = [int(s) for s in q.shape]
+        orders = list(layout.distinct_orders())
+        # one layer's statistics (all orders): kernel variants; the fastest mass-only one runs the forward
+        variants = {}
+        for group, extras in ((1, True), (4, True), (1, False), (4, False), (8, False)):
+            if backend != "triton" and group != 1:
+                continue
+            run = lambda: block_stats(q, k, layout, orders, 64, backend=backend, extras=extras, group=group)  # noqa: E731
+            run()  # compile
+            variants[f"group{group}_{'extras' if extras else 'mass'}"] = _timed(run, repeat=2)
+        record["stats_one_layer_s"] = variants
+        best = min((v, name) for name, v in variants.items() if name.endswith("_mass"))[1]
+        best_group = int(best[len("group"):].split("_")[0])
+        record["forward_variant"] = best
+        nb = math.ceil(layout.seq_len / 64)
+        state["acc"] = StatsAccumulator(L, buckets, orders, layout.seq_len, 64, store_device="cpu")
+
+        def on_capture(layer, q, k, layout, timestep):
+            _sync()
+            t0 = time.perf_counter()
+            mass, pmax, below = block_stats(q, k, layout, orders, 64, backend=backend, extras=False, group=best_group)
+            state["acc"].add(layer, 0, mass, pmax, below, batch=q.shape[0])
+            _sync()
+            state["stats_s"] += time.perf_counter() - t0
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        with capture_attention(model, on_capture):
+            record["captured_forward_s"] = _timed(lambda: model(**inputs(900)), repeat=timed_calls)
+        record["stats_in_captured_forward_s"] = state["stats_s"] / timed_calls
+        if torch.cuda.is_available():
+            record["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        record["blocks_per_side"] = nb
+        acc = state["acc"]
+        record["flush_bucket_s"] = _timed(acc.flush)
+        # selection over `buckets` buckets of full-size sums: the one captured bucket stands in for all
+        for b in range(1, buckets):
+            for layer in range(L):
+                acc.mass[(b, layer)] = acc.mass[(0, layer)]
+            acc.weight[b] = acc.weight[0]
+        for b in range(buckets):
+            acc.steps_per_bucket[b] = 1
+        record["accumulator_host_gb"] = buckets * sum(t.numel() * 4 for (b, _), t in acc.mass.items() if b == 0) / 1e9
+        compute = "cuda" if torch.cuda.is_available() else "cpu"
+        t0 = time.perf_counter()
+        result = acc.finalize(0.3, layout.prefix, compute_device=compute, figure_layers=[0, L // 2, L - 1])
+        _sync()
+        record["select_and_masks_s"] = time.perf_counter() - t0
+        record["achieved_density"] = float(result.density.mean())
+    calls = prompts * steps * calls_per_step
+    record["extrapolated"] = {
+        "prompts": prompts,
+        "steps": steps,
+        "transformer_calls": calls,
+        "dense_only_s": calls * record["dense_forward_s"],
+        "calibration_s": calls * record["captured_forward_s"] + prompts * buckets * record["flush_bucket_s"]
+        + record["select_and_masks_s"],
+    }
+    record["extrapolated"]["calibration_min"] = record["extrapolated"]["calibration_s"] / 60
+    del model, state, acc, result
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["cogvideox-5b", "wan2.1-1.3b"], choices=sorted(MODELS))
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--buckets", type=int, default=6)
+    parser.add_argument("--timed-calls", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny models and the torch backend")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    backend = "triton" if cuda else "torch"
+    models = ["tiny-cogvideox", "tiny-wan"] if args.tiny else args.models
+    report = {
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "kernel_check_max_abs_diff": check_kernel(device, backend) if cuda else None,
+        "results": [],
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
+    for name in models:
+        record = measure(name, device, dtype, backend, args.prompts, args.steps, args.buckets, args.timed_calls)
+        report["results"].append(record)
+        print(json.dumps(record), flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
