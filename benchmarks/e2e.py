@@ -1,0 +1,238 @@
+"""End-to-end benchmark: one denoising step of full-size transformers, dense SDPA vs PARO.
+
+CogVideoX-5B, Wan2.1-1.3B and FLUX.1-dev transformers are built from their configs (typed below from
+DESIGN.md section 4; no downloads) with random bf16 weights on the GPU: timing does not depend on
+weight values. One "step" is one transformer forward at the model's default size:
+- CogVideoX-5B: 49 frames 480x720, B=2 (CFG batched), 226 + 13x30x45 = 17776 tokens;
+- Wan2.1-1.3B: 81 frames 480x832, B=1 (one CFG branch; a CFG step is two such calls), 21x30x52 = 32760;
+- FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens.
+Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
+fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
+time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident.
+
+    python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--json results.json]
+    python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paroattn import Plan, TokenLayout  # noqa: E402
+from paroattn.masks import synthetic_block_mask  # noqa: E402
+from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
+from paroattn.plan import model_fingerprint  # noqa: E402
+
+# full-size configs (diffusers argument names), from the released model configs
+CONFIGS = {
+    "cogvideox": ("CogVideoXTransformer3DModel", dict(
+        num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=512,
+        text_embed_dim=4096, num_layers=42, sample_width=90, sample_height=60, sample_frames=49, patch_size=2,
+        max_text_seq_length=226, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
+    )),
+    "wan": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    )),
+    "flux": ("FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )),
+}
+LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev"}
+MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
+         ("paro d=0.5 int8+fp8", 0.5, "int8", "fp8"), ("paro d=0.2 int8+fp8", 0.2, "int8", "fp8")]
+# distinct synthetic masks per plan, cycled over layers (timing does not depend on which mask a layer has)
+DISTINCT_MASKS = 6
+
+
+def build_transformer(name: str, device, dtype, smoke: bool):
+    import diffusers
+
+    if smoke:
+        from paroattn.testing import tiny_transformer
+
+        return tiny_transformer({"cogvideox": "cogvideox", "wan": "wan", "flux": "flux"}[name], head_dim=64).to(device)
+    cls_name, config = CONFIGS[name]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = getattr(diffusers, cls_name)(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():  # keep activations finite through 40+ random layers
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.02)
+    return model.to(dtype).eval()
+
+
+def step_inputs(name: str, transformer, device, dtype, smoke: bool) -> dict:
+    if smoke:
+        from paroattn.testing import tiny_forward_inputs
+
+        inputs = tiny_forward_inputs(transformer, timestep=900.0)
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else tuple(t.to(device) for t in v) if isinstance(v, tuple) else v)
+                for k, v in inputs.items()}
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    if name == "cogvideox":
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        cos, sin = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=((0, 0), (30, 45)), grid_size=(30, 45),
+                                           temporal_size=13, device=device)
+        return {"hidden_states": rand(2, 13, 16, 60, 90), "encoder_hidden_states": rand(2, 226, 4096),
+                "timestep": torch.full((2,), 900, device=device, dtype=torch.long),
+                "image_rotary_emb": (cos.to(dtype), sin.to(dtype)), "return_dict": False}
+    if name == "wan":
+        return {"hidden_states": rand(1, 16, 21, 60, 104), "encoder_hidden_states": rand(1, 512, 4096),
+                "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
+    img_ids = torch.zeros(64, 64, 3, device=device)
+    img_ids[..., 1] = torch.arange(64, device=device)[:, None]
+    img_ids[..., 2] = torch.arange(64, device=device)[None, :]
+    return {"hidden_states": rand(1, 4096, 64), "encoder_hidden_states": rand(1, 512, 4096),
+            "pooled_projections": rand(1, 768), "timestep": torch.full((1,), 0.9, device=device),
+            "guidance": torch.full((1,), 3.5, device=device), "img_ids": img_ids.reshape(-1, 3),
+            "txt_ids": torch.zeros(512, 3, device=device), "return_dict": False}
+
+
+def synthetic_plan(transformer, layout: TokenLayout, density: float, qk: str, pv: str, block: int, seed=0) -> Plan:
+    layers = len(self_attention_layers(transformer))
+    heads = transformer.config.num_attention_heads
+    nq = -(-layout.seq_len // block)
+    g = torch.Generator().manual_seed(seed)
+    distinct = [synthetic_block_mask(heads, nq, nq, density, generator=g) for _ in range(min(DISTINCT_MASKS, layers))]
+    masks = torch.stack([distinct[layer % len(distinct)] for layer in range(layers)])[None]
+    return Plan(
+        model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config), layout=layout,
+        block_size=(block, block), orders=torch.randint(0, 6, (layers, heads), generator=g), block_mask=masks,
+        bucket_edges=[1000.0, 0.0], qk=qk, pv=pv, target_density=density,
+    )
+
+
+def time_step(transformer, inputs, iters: int, device) -> tuple[float, list[float]]:
+    """Median seconds of one forward after one warm-up forward (compiles and autotunes)."""
+    times = []
+    with torch.no_grad():
+        for i in range(iters + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            transformer(**inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def bench_model(name: str, args, device, dtype) -> list[dict]:
+    rows = []
+    t0 = time.perf_counter()
+    transformer = build_transformer(name, device, dtype, args.smoke)
+    inputs = step_inputs(name, transformer, device, dtype, args.smoke)
+    layout = family_of(transformer).call_inputs(transformer, inputs).layout
+    block = 16 if args.smoke else 64
+    print(f"[{LABELS[name]}] built in {time.perf_counter() - t0:.1f} s, layout {layout} ({layout.seq_len} tokens)", flush=True)
+    backend = "torch" if device.type == "cpu" else "auto"
+    dense_s = None
+    masks_by_density: dict[float, torch.Tensor] = {}
+    for label, density, qk, pv in MODES:
+        runs = [("resident", "auto")]
+        if label == "paro d=0.2 int8+fp8":
+            runs = [("resident", True), ("streamed", False)]
+        for how, resident in runs:
+            handle = None
+            if density is not None:
+                if density not in masks_by_density:
+                    masks_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block).block_mask
+                plan = synthetic_plan(transformer, layout, density, qk, pv, block)
+                plan = Plan(**{**plan.__dict__, "block_mask": masks_by_density[density], "density": None})
+                handle = apply(transformer, plan, backend=backend, resident=resident)
+                handle.processor.prepare(handle.binding, device)
+            if device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            seconds, times = time_step(transformer, inputs, args.iters, device)
+            row = {"model": LABELS[name], "mode": label, "masks": how if density else "-", "step_s": seconds,
+                   "times_s": times, "tokens": layout.seq_len, "batch": int(next(iter(inputs.values())).shape[0])}
+            if device.type == "cuda":
+                row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if handle is not None:
+                stats = handle.stats()
+                row.update({"mask_gpu_mib": stats.get("gpu_bytes", 0) / 2**20,
+                            "mask_host_mib": stats.get("host_bytes", 0) / 2**20,
+                            "prefetch_hits": stats.get("prefetch_hits"), "prefetch_misses": stats.get("prefetch_misses"),
+                            "density": plan.achieved_density()})
+                handle.remove()
+            if density is None:
+                dense_s = seconds
+            row["speedup"] = dense_s / seconds
+            rows.append(row)
+            print(f"  {label:22s} {row['masks']:9s} {seconds * 1000:9.1f} ms  x{row['speedup']:.2f}"
+                  + (f"  peak {row['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in row else "")
+                  + (f"  masks on GPU {row['mask_gpu_mib']:.1f} MiB" if "mask_gpu_mib" in row else ""), flush=True)
+    streamed = [r for r in rows if r["masks"] == "streamed"]
+    resident = [r for r in rows if r["masks"] == "resident" and r["mode"] == "paro d=0.2 int8+fp8"]
+    if streamed and resident:
+        overhead = (streamed[0]["step_s"] - resident[0]["step_s"]) / resident[0]["step_s"]
+        streamed[0]["prefetch_overhead"] = overhead
+        print(f"  prefetch overhead (streamed vs resident, d=0.2 int8+fp8): {overhead * 100:+.2f}% of a step", flush=True)
+    del transformer, inputs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="cogvideox,wan,flux")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (torch backend): checks the script")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("the end-to-end benchmark needs a CUDA GPU (or --smoke for a CPU check of the script)")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(info, flush=True)
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name.strip(), args, device, dtype)
+        if args.json:
+            args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    print("\nmodel          mode                    masks      step ms   speedup  peak GiB  masks GPU MiB")
+    for r in rows:
+        print(f"{r['model']:14s} {r['mode']:22s}  {r['masks']:9s} {r['step_s'] * 1000:8.1f}  {r['speedup']:7.2f}x"
+              f"  {r.get('peak_gpu_gib', float('nan')):8.1f}  {r.get('mask_gpu_mib', float('nan')):8.1f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
