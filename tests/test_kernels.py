@@ -231,13 +231,14 @@ def test_compile_fullgraph_has_no_graph_break():
 
 
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "fp8")])
-def test_reordered_copies_instead_of_gathers(qk, pv):
-    """KernelConfig(gather_kv=False): the prologue writes reordered bf16/fp16 K and V copies."""
+def test_in_kernel_gathers_instead_of_reordered_copies(qk, pv):
+    """KernelConfig(gather_kv=True): bf16/fp16 K and V gathered from the caller's tensors in the kernel
+    (the default is reordered copies written by the prologue)."""
     q, k, v = make_inputs(2, 3, LAYOUT.seq_len, 64, seed=11, seq_major=True)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
     mask = synthetic_block_mask(3, n_blocks, n_blocks, 0.5, generator=torch.Generator().manual_seed(11))
     key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=False))
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=True))
     try:
         out, ref = both(q, k, v, LAYOUT, torch.tensor([5, 1, 2]), mask, SMALL_BLOCK, qk, pv)
     finally:

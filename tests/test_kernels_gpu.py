@@ -25,7 +25,8 @@ from paroattn.masks import synthetic_block_mask
 
 pytestmark = pytest.mark.gpu
 
-BOUND = {"bf16": 2e-3, "int8": 1e-2, "fp8": 2e-2}
+# bf16 inputs: the output and P (pv="bf16") are rounded to 8 mantissa bits, so 5e-3 there
+BOUND = {"bf16": 5e-3, "int8": 1e-2, "fp8": 2e-2}
 # name: (B, H, layout, D, inputs stored [B, N, H, D] as the model passes them)
 SHAPES = {
     "cogvideox-5b": (2, 48, TokenLayout(226, 13, 30, 45), 64, False),

@@ -36,7 +36,7 @@ from .index_math import reordered_to_original
 QK_FP, QK_INT8, QK_INT4 = 0, 1, 2
 # PV modes
 PV_FP, PV_FP8, PV_INT8 = 0, 1, 2
-QUANT_EPS = 1e-8  # same as reference.QUANT_EPS
+QUANT_EPS = tl.constexpr(1e-8)  # same as reference.QUANT_EPS
 
 
 @triton.jit
