@@ -58,7 +58,7 @@ def calibrate(
     steps: int = typer.Option(50, help="denoising steps of each calibration run"),
     buckets: int = typer.Option(6, help="timestep buckets: the first half of the steps split into N-1, one shared by the rest"),
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges on 0..1000, e.g. '1000,800,500,0' (overrides --buckets)"),
-    stat_every: int = typer.Option(1, help="capture statistics at every k-th step (the pipeline still runs every step)"),
+    stat_every: int = typer.Option(2, help="capture statistics at every k-th step (the pipeline still runs every step)"),
     metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),
     block_size: int = typer.Option(64, help="block size of the masks"),
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),

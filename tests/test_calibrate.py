@@ -164,7 +164,8 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     steps = kwargs.pop("num_inference_steps")
     kwargs.pop("output_type")
     size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames", None)}
-    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, pipeline_kwargs=kwargs, **size)
+    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, stat_every=1,
+                               pipeline_kwargs=kwargs, **size)
     plan, result = calibrate(pipe, ["a red fox in the snow", "a city at night"], config)
     plan_path, stats_path = save_calibration(plan, result, tmp_path / "plan.safetensors")
     loaded = Plan.load(plan_path)

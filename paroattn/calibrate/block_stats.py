@@ -141,7 +141,7 @@ def block_stats_triton(
     eps: float = 1e-3,
     sm_scale: float | None = None,
     extras: bool = True,
-    group: int = 4,
+    group: int = 1,
     max_output_bytes: int = 1 << 30,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`.
@@ -175,8 +175,9 @@ def block_stats_triton(
     order_tensor = torch.tensor(list(orders), dtype=torch.int32, device=q.device)
     if group < 1 or group & (group - 1):
         raise ValueError(f"group must be a power of two, got {group}")
-    if q.dtype == torch.float32 and q.device.type == "cuda":
-        group = min(group, 2)  # fp32 tiles of 4+ key blocks overflow shared memory
+    # a [BLOCK_D, GROUP * BLOCK] key tile per pipeline stage must fit in shared memory
+    # (measured on an H200: D=128 with GROUP=4 asks for 400 KB; fp32 doubles it)
+    group = min(group, max(1, (4 if q.dtype != torch.float32 else 2) * 64 // block_d))
     per_head = (3 if extras else 1) * O * n_blocks * n_blocks * 4
     heads_per_launch = max(1, min(H, max_output_bytes // per_head))
     results = []
@@ -213,7 +214,7 @@ def block_stats(
     sm_scale: float | None = None,
     backend: str = "auto",
     extras: bool = True,
-    group: int = 4,
+    group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mass, pmax, below), each float32 [H, O, nq, nk], for q, k [B, H, N, D] and the candidate
     `orders` (default: the layout's distinct orders: 6 for video, 2 for images). See

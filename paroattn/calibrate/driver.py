@@ -40,7 +40,10 @@ class CalibrationConfig:
     frames: int | None = None
     num_buckets: int = 6  # default edges: the first half of the schedule in num_buckets-1 buckets, one for the rest
     bucket_edges: list[float] | None = None  # descending timesteps on 0..1000; overrides num_buckets
-    stat_every: int = 1  # capture statistics at every k-th step (the pipeline still runs every step)
+    # capture statistics at every k-th step (the pipeline still runs every step). 2 keeps a full-size
+    # CogVideoX-5B or Wan2.1-1.3B calibration (2 prompts x 50 steps) under 10 minutes on one H200
+    # (BENCHMARKS.md, Calibration); each bucket still sees 2-3 steps of every prompt
+    stat_every: int = 2
     metric: str = "mass"
     quant_weight: float | None = None  # weight of the incoherence term; None: 0.01 when quantized, else 0
     alpha: float = 0.5  # the paper metric's weight of the sparse term
