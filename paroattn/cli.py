@@ -60,6 +60,7 @@ def calibrate(
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges on 0..1000, e.g. '1000,800,500,0' (overrides --buckets)"),
     stat_every: int = typer.Option(2, help="capture statistics at every k-th step (the pipeline still runs every step)"),
     metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),
+    quant_weight: float = typer.Option(0.0, help="weight of the incoherence (max/mean) term in the mass metric"),
     block_size: int = typer.Option(64, help="block size of the masks"),
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
@@ -77,7 +78,7 @@ def calibrate(
     try:
         config = CalibrationConfig(
             density=density, qk=qk, pv=pv, block_size=block_size, steps=steps, height=height, width=width,
-            frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed,
+            frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed, quant_weight=quant_weight,
             bucket_edges=[float(x) for x in bucket_edges.split(",")] if bucket_edges else None,
             figure_layers=[int(x) for x in figure_layers.split(",")] if figure_layers else None,
         )
