@@ -8,8 +8,9 @@ RoPE's relative-position features:
     q_i . k_j = sum_a w_a * (2 c_a(i) c_a(j) - c_a(j)^2) = -sum_a w_a (c_a(i) - c_a(j))^2 + (row constant)
 
 with a small weight on the looked-along axis and large weights on the others. Prefix (text)
-tokens are keys that score `text_bias` below a query's best grid key; every token gets noise. The order that puts the looked-along
-axis innermost makes each query's keys contiguous, so its map becomes block-diagonal.
+tokens are keys that score `text_bias` below a query's best grid key; every token gets noise.
+The order that puts the looked-along axis innermost makes each query's keys contiguous, so its
+map becomes block-diagonal.
 """
 
 from __future__ import annotations
