@@ -92,7 +92,8 @@ class WordTextEncoder(ModelMixin, ConfigMixin):
 
 @dataclass
 class ReferencePipelineOutput(BaseOutput):
-    """frames: [B, F, H, W, 3] in [0, 1] (a tensor for output_type "pt", numpy for "np")."""
+    """frames: [B, F, H, W, 3] in [0, 1] (a tensor for output_type "pt", numpy for "np"); for
+    output_type "latent" the denoised tensor [B, 3, F, H, W] in [-1, 1]."""
 
     frames: torch.Tensor
 
@@ -129,7 +130,11 @@ class ReferenceVideoPipeline(DiffusionPipeline):
         latents: torch.Tensor | None = None,
         output_type: str = "pt",
         return_dict: bool = True,
+        callback_on_step_end=None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
     ):
+        if any(k != "latents" for k in callback_on_step_end_tensor_inputs):
+            raise ValueError(f"callback_on_step_end_tensor_inputs can only name 'latents', got {callback_on_step_end_tensor_inputs}")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         negatives = negative_prompt if negative_prompt is not None else ""
         negatives = [negatives] * len(prompts) if isinstance(negatives, str) else list(negatives)
@@ -144,7 +149,7 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             latents = torch.randn(shape, generator=generator, dtype=torch.float32)
         latents = latents.to(device=device, dtype=torch.float32)
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
+        for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
             timestep = t.expand(latents.shape[0])
             model_input = latents.to(dtype)
             velocity = self.transformer(hidden_states=model_input, timestep=timestep,
@@ -154,11 +159,18 @@ class ReferenceVideoPipeline(DiffusionPipeline):
                                                    encoder_hidden_states=uncond, return_dict=False)[0].float()
                 velocity = velocity_uncond + guidance_scale * (velocity - velocity_uncond)
             latents = self.scheduler.step(velocity, t, latents, return_dict=False)[0]
+            if callback_on_step_end is not None:
+                tensors = {"latents": latents}
+                outputs = callback_on_step_end(self, i, t, {k: tensors[k] for k in callback_on_step_end_tensor_inputs})
+                latents = outputs.pop("latents", latents)
+        if output_type == "latent":
+            self.maybe_free_model_hooks()
+            return ReferencePipelineOutput(frames=latents) if return_dict else (latents,)
         frames = ((latents.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).contiguous()  # [B, F, H, W, 3]
         if output_type == "np":
             frames = frames.cpu().numpy()
         elif output_type != "pt":
-            raise ValueError(f"output_type={output_type!r}; expected 'pt' or 'np'")
+            raise ValueError(f"output_type={output_type!r}; expected 'pt', 'np' or 'latent'")
         self.maybe_free_model_hooks()
         if not return_dict:
             return (frames,)

@@ -1,0 +1,315 @@
+"""`paro demo` and the quality study of the reference model (QUALITY.md).
+
+The reference model (`reference_model.py`) is sampled densely and with PARO from the same seeds;
+the videos are compared with PSNR / SSIM / cosine similarity and the time spent in self-attention
+layers is measured with forward hooks.
+
+Plans: `capture_stats` runs the dense pipeline once over the calibration prompts and accumulates
+block statistics for every candidate order and, separately, for the identity order alone;
+`plan_from_stats` then turns either accumulator into a plan for any density and quantization in
+well under a second, so one capture gives the whole QUALITY.md grid (calibrated vs identity order,
+"mass" vs the paper's metric). The shipped plans in `assets/reference/plans/` were made this way
+by `scripts/quality_reference.py`; `paro demo` uses them or, for a density that was not shipped,
+calibrates with `paroattn.calibrate.calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .layout import ORDERS
+from .plan import Plan, default_bucket_edges, model_fingerprint
+from .reference_model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
+
+PLANS_DIR = ASSETS / "plans"
+SHIPPED_DENSITIES = (0.5, 0.3, 0.2)
+CALIBRATION_PROMPTS = [
+    "red circle moving right quickly and green square rotating slowly, pan left, striped background",
+    "white ring moving up slowly and blue triangle moving left quickly, zoom in, checkered background",
+]
+# the fixed evaluation set of QUALITY.md; the demo uses the first --prompts of them
+EVAL_PROMPTS = [
+    "yellow square moving right slowly, pan up, dotted background",
+    "magenta circle rotating quickly and cyan ring moving down slowly, striped background",
+    "orange triangle moving left quickly, zoom out, checkered background",
+    "green circle moving up quickly and red square moving right slowly, pan right, dotted background",
+]
+QUANT_MODES = {  # label -> (qk, pv)
+    "bf16": ("bf16", "bf16"),
+    "int8 QK": ("int8", "bf16"),
+    "int8 QK + fp8 PV": ("int8", "fp8"),
+    "int4 QK": ("int4", "bf16"),
+}
+
+
+def shipped_plan_path(density: float, quantized: bool = False) -> Path:
+    """assets/reference/plans/d0.30.safetensors (orders chosen for bf16) or d0.30_quant.safetensors
+    (orders chosen with the incoherence term, for quantized QK/PV)."""
+    return PLANS_DIR / f"d{density:.2f}{'_quant' if quantized else ''}.safetensors"
+
+
+# -- capture --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CapturedStats:
+    """Accumulated block statistics of the reference model over the calibration prompts."""
+
+    every_order: object  # StatsAccumulator over the layout's distinct orders
+    identity: object  # StatsAccumulator over FHW alone
+    layout: object
+    prompts: list[str]
+    steps: int
+    edges: list[float]
+    seconds: float
+
+
+def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = DEFAULT_STEPS, seed: int = 0,
+                  block_size: int = 64, num_buckets: int = 6, backend: str = "auto") -> CapturedStats:
+    """Run the dense pipeline on `prompts` (one batch) and accumulate the block statistics of
+    softmax(QK^T) at every step, for all candidate orders and for the identity order."""
+    from .calibrate import StatsAccumulator, block_stats
+    from .calibrate.driver import bucket_of
+    from .pipelines import capture_attention, self_attention_layers
+
+    edges = default_bucket_edges(num_buckets)
+    layers = len(self_attention_layers(pipe))
+    state: dict = {"every": None, "identity": None, "layout": None, "bucket": 0}
+
+    def on_capture(layer, q, k, layout, timestep):
+        if state["every"] is None:
+            candidates = list(layout.distinct_orders())
+            state["layout"] = layout
+            state["every"] = StatsAccumulator(layers, num_buckets, candidates, layout.seq_len, block_size)
+            state["identity"] = StatsAccumulator(layers, num_buckets, [0], layout.seq_len, block_size)
+        every, identity = state["every"], state["identity"]
+        bucket = bucket_of(edges, float(timestep))
+        state["bucket"] = bucket
+        mass, pmax, below = block_stats(q, k, layout, every.candidate_orders, block_size, backend=backend, extras=True)
+        every.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
+        slot = every.candidate_orders.index(0)
+        identity.add(layer, bucket, mass[:, slot:slot + 1], pmax[:, slot:slot + 1], below[:, slot:slot + 1],
+                     batch=q.shape[0])
+
+    def on_step_end(pipeline, step, timestep, tensors):
+        for key in ("every", "identity"):
+            state[key].step_done(state["bucket"])
+        return {}
+
+    start = time.perf_counter()
+    with torch.no_grad(), capture_attention(pipe, on_capture):
+        pipe(prompts, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+             output_type="latent", callback_on_step_end=on_step_end)
+    return CapturedStats(state["every"], state["identity"], state["layout"], list(prompts), steps, edges,
+                         time.perf_counter() - start)
+
+
+def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: str = "bf16", pv: str = "bf16",
+                    identity: bool = False, metric: str = "mass", quant_weight: float | None = None):
+    """(Plan, CalibrationResult) at `density` from captured statistics. Orders come from every
+    candidate (or FHW alone with `identity`); `quant_weight` defaults to the calibration driver's
+    choice (0.01 when QK or PV is quantized, else 0)."""
+    if quant_weight is None:
+        quant_weight = 0.01 if (qk != "bf16" or pv != "bf16") else 0.0
+    accumulator = stats.identity if identity else stats.every_order
+    figure_layers = sorted({0, accumulator.num_layers // 2, accumulator.num_layers - 1})
+    result = accumulator.finalize(density, stats.layout.prefix, metric=metric, quant_weight=quant_weight,
+                                  figure_layers=figure_layers)
+    plan = Plan(
+        model_class=type(transformer).__name__,
+        model_fingerprint=model_fingerprint(transformer.config),
+        layout=stats.layout,
+        block_size=accumulator.block_size,
+        orders=result.orders,
+        block_mask=result.block_mask,
+        bucket_edges=stats.edges,
+        qk=qk,
+        pv=pv,
+        target_density=density,
+        density=result.density,
+        prompts=stats.prompts,
+        info={
+            "calibration": {"steps": stats.steps, "metric": metric, "quant_weight": quant_weight,
+                            "identity_order": identity, "made_by": "paroattn.demo.capture_stats"},
+            "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
+            "steps_per_bucket": result.steps_per_bucket,
+            "kept_mass": float(result.kept_mass.mean()),
+            "kept_mass_min": float(result.kept_mass.min()),
+            "timings": {"capture_s": stats.seconds},
+        },
+    )
+    return plan, result
+
+
+# -- generation and comparison --------------------------------------------------------------------
+
+@contextmanager
+def attention_timer(pipe):
+    """Yields a dict whose "seconds" is the time spent inside self-attention modules (attn1:
+    projections, norms, RoPE, attention, output projection), synchronized on CUDA."""
+    from .pipelines import self_attention_layers
+
+    transformer = pipe.transformer
+    names = [key.rsplit(".processor", 1)[0] for key in self_attention_layers(transformer)]
+    modules = [transformer.get_submodule(name) for name in names]
+    record = {"seconds": 0.0}
+    cuda = transformer.device.type == "cuda"
+
+    def before(module, args, kwargs=None):
+        if cuda:
+            torch.cuda.synchronize()
+        module._paro_demo_start = time.perf_counter()
+
+    def after(module, args, output):
+        if cuda:
+            torch.cuda.synchronize()
+        record["seconds"] += time.perf_counter() - module._paro_demo_start
+
+    handles = [m.register_forward_pre_hook(before) for m in modules] + [m.register_forward_hook(after) for m in modules]
+    try:
+        yield record
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 0,
+           guidance_scale: float = DEFAULT_GUIDANCE) -> tuple[np.ndarray, dict]:
+    """(frames [B, F, H, W, 3] float32 in [0, 1], {"total_s", "attention_s"})."""
+    cuda = pipe.transformer.device.type == "cuda"
+    with attention_timer(pipe) as timer:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        frames = pipe(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
+                      generator=torch.Generator().manual_seed(seed), output_type="np").frames
+        if cuda:
+            torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    return np.asarray(frames, dtype=np.float32), {"total_s": total, "attention_s": timer["seconds"]}
+
+
+def compare(dense: np.ndarray, other: np.ndarray) -> dict[str, float]:
+    """Mean over videos of PSNR (dB), SSIM and cosine similarity vs dense; videos [B, F, H, W, 3]."""
+    from .pipelines.generate import compare_pixels
+
+    per_video = [compare_pixels(d, o) for d, o in zip(dense, other)]
+    return {key: float(np.mean([m[key] for m in per_video])) for key in per_video[0]}
+
+
+def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "auto", guidance_scale=DEFAULT_GUIDANCE):
+    from .pipelines import apply
+
+    with apply(pipe, plan, backend=backend):
+        return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale)
+
+
+# -- pictures -------------------------------------------------------------------------------------
+
+def side_by_side(rows: list[list[np.ndarray]], scale: int = 4, gap: int = 2) -> list[np.ndarray]:
+    """rows of videos [F, H, W, 3] in [0, 1] -> GIF frames (uint8 [H', W', 3]) with the videos of a
+    row side by side and the rows stacked, each pixel scaled up `scale` times."""
+    frames = rows[0][0].shape[0]
+    out = []
+    for f in range(frames):
+        lines = []
+        for row in rows:
+            tiles = []
+            for video in row:
+                tile = np.repeat(np.repeat(video[f], scale, axis=0), scale, axis=1)
+                tiles += [tile, np.ones((tile.shape[0], gap, 3), np.float32)]
+            line = np.concatenate(tiles[:-1], axis=1)
+            lines += [line, np.ones((gap, line.shape[1], 3), np.float32)]
+        out.append((np.concatenate(lines[:-1], axis=0).clip(0, 1) * 255).round().astype(np.uint8))
+    return out
+
+
+def write_gif(frames: list[np.ndarray], path: Path, fps: int = 6) -> Path:
+    import imageio.v2 as imageio
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    imageio.mimsave(path, frames, duration=1.0 / fps, loop=0)
+    return path
+
+
+# -- paro demo ------------------------------------------------------------------------------------
+
+def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
+                 calibration_steps: int = DEFAULT_STEPS) -> tuple[Plan, Path | None]:
+    """The shipped plan for `density` (bf16 or quantized orders) with this run's qk/pv, or a fresh
+    calibration when none was shipped for that density. Returns the plan and its stats file."""
+    quantized = qk != "bf16" or pv != "bf16"
+    path = shipped_plan_path(density, quantized)
+    if path.is_file():
+        plan = Plan.load(path)
+        log(f"plan: {path.relative_to(ASSETS.parent.parent)} (achieved density {plan.achieved_density():.3f})")
+        stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
+        return dataclasses.replace(plan, qk=qk, pv=pv), stats if stats.is_file() else None
+    from .calibrate import CalibrationConfig, calibrate
+
+    log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
+        f"calibrating on {len(CALIBRATION_PROMPTS)} prompts, {calibration_steps} steps")
+    start = time.perf_counter()
+    config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps)
+    plan, _ = calibrate(pipe, CALIBRATION_PROMPTS, config)
+    log(f"calibrated in {time.perf_counter() - start:.1f} s")
+    return plan, None
+
+
+def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16", steps: int = DEFAULT_STEPS,
+             num_prompts: int = 2, seed: int = 0, device: str | None = None, backend: str = "auto",
+             heads: list[tuple[int, int]] | None = None, calibration_steps: int = DEFAULT_STEPS,
+             log: Callable[[str], None] = print) -> dict:
+    """Dense vs PARO on the reference model; writes demo.gif, attention PNGs and metrics.json into
+    `out` and returns the metrics."""
+    from .reference_model import load_reference_pipeline
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if not 1 <= num_prompts <= len(EVAL_PROMPTS):
+        raise ValueError(f"--prompts must be 1..{len(EVAL_PROMPTS)}, got {num_prompts}")
+    prompts = EVAL_PROMPTS[:num_prompts]
+    log(f"reference model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
+        f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
+    pipe = load_reference_pipeline(device=device, dtype=dtype)
+    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps)
+
+    dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed)
+    log(f"dense: {dense_t['total_s']:.1f} s total, {dense_t['attention_s']:.1f} s in self-attention layers")
+    paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend)
+    log(f"PARO d={plan.achieved_density():.2f} qk={qk} pv={pv}: {paro_t['total_s']:.1f} s total, "
+        f"{paro_t['attention_s']:.1f} s in self-attention layers")
+    metrics = compare(dense, paro)
+    per_prompt = [compare(dense[i:i + 1], paro[i:i + 1]) for i in range(len(prompts))]
+    for prompt, m in zip(prompts, per_prompt):
+        log(f"  {prompt!r}: PSNR {m['psnr_db']:.2f} dB, SSIM {m['ssim']:.4f}, cosine {m['cosine']:.5f}")
+    log(f"mean vs dense: PSNR {metrics['psnr_db']:.2f} dB, SSIM {metrics['ssim']:.4f}, cosine {metrics['cosine']:.5f}")
+
+    gif = write_gif(side_by_side([[d, p, np.abs(d - p).clip(0, 1) * 4] for d, p in zip(dense, paro)]), out / "demo.gif")
+    log(f"wrote {gif}  (left: dense, middle: PARO, right: |difference| x4)")
+    pictures = []
+    try:
+        from .calibrate.figures import draw_plan_heads
+
+        chosen = heads or [(0, h) for h in range(plan.num_heads)] + [(plan.num_layers - 1, 0)]
+        pictures = [str(p) for p in draw_plan_heads(plan, chosen, out / "attention", stats=stats_file)]
+        log(f"wrote {len(pictures)} attention map/mask PNGs to {out / 'attention'}")
+    except ImportError as exc:  # drawing needs Pillow
+        log(f"attention pictures skipped: {exc}")
+    report = {
+        "prompts": prompts, "steps": steps, "seed": seed, "device": device, "dtype": str(dtype),
+        "density": plan.achieved_density(), "qk": qk, "pv": pv, "backend": backend,
+        "metrics": metrics, "per_prompt": per_prompt, "dense_time": dense_t, "paro_time": paro_t,
+        "gif": str(gif), "pictures": pictures,
+    }
+    (out / "metrics.json").write_text(json.dumps(report, indent=1))
+    return report
