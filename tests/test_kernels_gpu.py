@@ -25,8 +25,9 @@ from paroattn.masks import synthetic_block_mask
 
 pytestmark = pytest.mark.gpu
 
-# bf16 inputs: the output and P (pv="bf16") are rounded to 8 mantissa bits, so 5e-3 there
-BOUND = {"bf16": 5e-3, "int8": 1e-2, "fp8": 2e-2}
+# bf16 inputs: the output and P (pv="bf16") are rounded to 8 mantissa bits, so 5e-3 there; fp8 P:
+# kernel and reference quantize P after different max shifts (see reference.py), ~2.5% measured
+BOUND = {"bf16": 5e-3, "int8": 1e-2, "fp8": 4e-2}
 # name: (B, H, layout, D, inputs stored [B, N, H, D] as the model passes them)
 SHAPES = {
     "cogvideox-5b": (2, 48, TokenLayout(226, 13, 30, 45), 64, False),
@@ -75,8 +76,18 @@ def test_real_shapes_match_reference(name, density):
             ref = paro_attention(q[:, sl], k[:, sl], v[:, sl], layout=layout, orders=orders[sl],
                                  block_mask=mask[sl].cuda(), qk=qk, pv=pv, backend="torch")
             err = rel_err(out[:, sl], ref)
-            print(f"{name} d={density} {qk}/{pv} head {h}: rel err {err:.2e}")
-            assert err <= BOUND[pv], f"{name} d={density} {qk}/{pv} head {h}: {err:.3e}"
+            line = f"{name} d={density} {qk}/{pv} head {h}: rel err {err:.2e}"
+            if pv != "bf16":
+                # kernel and reference round P on different grids (running vs final row max), so they
+                # differ by about the rounding of P itself; what must hold is that the kernel is as
+                # close to the unquantized-P result as the reference is
+                exact = paro_attention(q[:, sl], k[:, sl], v[:, sl], layout=layout, orders=orders[sl],
+                                       block_mask=mask[sl].cuda(), qk=qk, pv="bf16", backend="torch")
+                err_kernel, err_ref = rel_err(out[:, sl], exact), rel_err(ref, exact)
+                line += f"; vs P unquantized: kernel {err_kernel:.2e}, reference {err_ref:.2e}"
+                assert err_kernel <= 1.25 * err_ref + 2e-3, line
+            print(line)
+            assert err <= BOUND[pv], line
 
 
 def test_compute_sanitizer_memcheck_clean():

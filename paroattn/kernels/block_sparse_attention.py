@@ -4,7 +4,8 @@ The torch reference beside them (`reference.py`) is their definition; `triton_ba
 them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
 1. statistics (torch reductions, one pass each, only in the modes that need them): the per-(b, h)
-   mean of K over tokens (K smoothing, for int8/int4 QK) and the per-channel max |V| (fp8/int8 PV).
+   sum of K over tokens (K smoothing subtracts sum / N, for int8/int4 QK) and the per-channel max |V|
+   (fp8/int8 PV; the scale max(amax, eps) / qmax is formed where it is used).
 2. `_kv_prologue_kernel`, grid (key block, b*H + h), only in quantized modes: gathers the key block
    of the REORDERED sequence straight from the caller's k / v (index arithmetic, any strides),
    subtracts the K mean, quantizes K per block (int8, or int4 packed two per byte: byte j holds
@@ -47,7 +48,7 @@ def _round_half_even(x):
 
 @triton.jit
 def _kv_prologue_kernel(
-    K, V, KMean, VScale, KQ, KScale, VQ,
+    K, V, KSum, VAmax, KQ, KScale, VQ,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     Orders, N, N_PAD, H, prefix, frames, height, width,
@@ -76,7 +77,7 @@ def _kv_prologue_kernel(
         if QK_MODE == 1:
             offs_d = tl.arange(0, HEAD_DIM)
             k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
-            mean = tl.load(KMean + bh64 * HEAD_DIM + offs_d)
+            mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
             k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
             scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS) / qmax
             kq = tl.minimum(tl.maximum(_round_half_even(k / scale), -qmax), qmax).to(tl.int8)
@@ -87,8 +88,8 @@ def _kv_prologue_kernel(
             ptr = k_base + orig[:, None] * stride_kn + offs_h[None, :] * stride_kd
             lo = tl.load(ptr, mask=valid[:, None], other=0.0)
             hi = tl.load(ptr + HALF * stride_kd, mask=valid[:, None], other=0.0)
-            mean_lo = tl.load(KMean + bh64 * HEAD_DIM + offs_h)
-            mean_hi = tl.load(KMean + bh64 * HEAD_DIM + HALF + offs_h)
+            mean_lo = tl.load(KSum + bh64 * HEAD_DIM + offs_h) / N
+            mean_hi = tl.load(KSum + bh64 * HEAD_DIM + HALF + offs_h) / N
             lo = tl.where(valid[:, None], lo.to(tl.float32) - mean_lo[None, :], 0.0)
             hi = tl.where(valid[:, None], hi.to(tl.float32) - mean_hi[None, :], 0.0)
             amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
@@ -108,7 +109,7 @@ def _kv_prologue_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
         v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
-        v_scale = tl.load(VScale + bh64 * HEAD_DIM + offs_d)
+        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / (448.0 if PV_MODE == 1 else 127.0)
         v = v.to(tl.float32) / v_scale[None, :]
         # transposed store: VQ[bh, d, n]
         dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
@@ -144,14 +145,14 @@ def _attend_key_block(
         s = tl.dot(q_a, tl.trans(k)) * score_scale
     elif QK_MODE == 1:
         k = tl.load(KQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-        s = tl.dot(q_a, tl.trans(k)).to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
+        s = tl.dot(q_a, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
     else:
         HALF: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, HALF)
         packed = tl.load(KQ_bh + offs_n[:, None] * HALF + offs_h[None, :])
         k_lo = (packed << 4) >> 4
         k_hi = packed >> 4
-        s_int = tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo)))
+        s_int = tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo), out_dtype=tl.int32), out_dtype=tl.int32)
         s = s_int.to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
     if MASK_N:
         s = tl.where((offs_n < N)[None, :], s, float("-inf"))
@@ -178,13 +179,13 @@ def _attend_key_block(
     else:
         v = tl.load(VQ_bh + offs_d[None, :] * N_PAD + offs_n[:, None])
         p8 = _round_half_even(p * 127.0).to(tl.int8)
-        acc += tl.dot(p8, v).to(tl.float32)
+        acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, KQ, KScale, VQ, VScale,
+    Q, K, V, Out, KQ, KScale, VQ, VAmax,
     Orders, Counts, Indices, Schedule,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -275,8 +276,8 @@ def _attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if PV_MODE != 0:
-        v_scale = tl.load(VScale + bh64 * HEAD_DIM + offs_d)
-        p_scale = 448.0 if PV_MODE == 1 else 127.0
-        out = out * (v_scale / p_scale)[None, :]
+        qmax = 448.0 if PV_MODE == 1 else 127.0
+        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / qmax
+        out = out * (v_scale / qmax)[None, :]
     o_ptr = Out + b64 * stride_ob + h64 * stride_oh + orig_m[:, None] * stride_on + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=valid_m[:, None])

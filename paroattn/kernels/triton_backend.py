@@ -58,8 +58,19 @@ class KernelConfig:
     gather_kv: bool = False
 
 
-# (head_dim, bq, bk, qk, pv) -> config, from the sweep of benchmarks/attention.py
-_MEASURED: dict[tuple, KernelConfig] = {}
+# (head_dim, bq, bk, qk, pv) -> config: the fastest of 4 warps x {2, 3, 4} stages at d=0.5 in the
+# sweep of benchmarks/attention.py on an H200 (2026-11-21; CogVideoX shape for D=64, Wan-1.3B for D=128;
+# differences between stages were within 1-3% except int8 PV at D=64, where 2 stages lost 10%)
+_MEASURED: dict[tuple, KernelConfig] = {
+    (64, 64, 64, "bf16", "bf16"): KernelConfig(4, 3),
+    (64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
+    (64, 64, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (64, 64, 64, "int8", "int8"): KernelConfig(4, 4),
+    (128, 64, 64, "bf16", "bf16"): KernelConfig(4, 4),
+    (128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
+    (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (128, 64, 64, "int8", "int8"): KernelConfig(4, 2),
+}
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
 
@@ -97,26 +108,37 @@ def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config:
 
 
 def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str):
-    """K mean over tokens [B, H, D] (K smoothing) and V per-channel dequantization scale [B, H, D]."""
-    k_mean = v_scale = None
+    """K sum over tokens [B, H, D] (K smoothing) and V per-channel max |V| [B, H, D], float32, one
+    launch each and only where the modes need them; the kernels form mean and scales."""
+    k_sum = v_amax = None
     if qk != "bf16":
-        k_mean = torch.sum(k, dim=2, dtype=torch.float32).div_(k.shape[2])
+        k_sum = torch.sum(k, dim=2, dtype=torch.float32)
     if pv != "bf16":
-        amax = torch.linalg.vector_norm(v, float("inf"), dim=2, dtype=torch.float32)
-        v_scale = amax.clamp_min_(QUANT_EPS).div_(448.0 if pv == "fp8" else 127.0)
-    return k_mean, v_scale
+        v_amax = torch.linalg.vector_norm(v, float("inf"), dim=2, dtype=torch.float32)
+    return k_sum, v_amax
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A 1-element tensor for pointer arguments a mode does not read (allocated once per device)."""
+    t = _PLACEHOLDERS.get(device)
+    if t is None:
+        t = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return t
 
 
 def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_kv=True):
-    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_scale), placeholders for the
+    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax), placeholders for the
     parts the modes do not use. Separate so benchmarks can time the prologue alone."""
     B, H, N, D = k.shape
     nk = -(-N // bk)
     n_pad = nk * bk
     qk_code, pv_code = QK_CODES[qk], PV_CODES[pv]
     device = k.device
-    k_mean, v_scale = _statistics(k, v, qk, pv)
-    placeholder = torch.empty(1, dtype=torch.float32, device=device)
+    k_sum, v_amax = _statistics(k, v, qk, pv)
+    placeholder = _placeholder(device)
     kq = k_scale = vq = placeholder
     if qk_code != QK_FP:
         kq = torch.empty(B * H, n_pad, D // 2 if qk_code == QK_INT4 else D, dtype=torch.int8, device=device)
@@ -129,14 +151,14 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
         vq = torch.empty(B * H, n_pad, D, dtype=v.dtype, device=device)
     if qk_code != QK_FP or pv_code != PV_FP or not gather_kv:
         _kv_prologue_kernel[(nk, B * H)](
-            k, v, k_mean if k_mean is not None else placeholder, v_scale if v_scale is not None else placeholder,
+            k, v, k_sum if k_sum is not None else placeholder, v_amax if v_amax is not None else placeholder,
             kq, k_scale, vq,
             *k.stride(), *v.stride(),
             orders, N, n_pad, H, prefix, frames, height, width,
             HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, GATHER_KV=gather_kv,
             num_warps=4,
         )
-    return kq, k_scale, vq, v_scale if v_scale is not None else placeholder
+    return kq, k_scale, vq, v_amax if v_amax is not None else placeholder
 
 
 def launch(
@@ -153,9 +175,9 @@ def launch(
         return out
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
-    kq, k_scale, vq, v_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
+    kq, k_scale, vq, v_amax = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
     _attention_kernel[(nq, B * H)](
-        q, k, v, out, kq, k_scale, vq, v_scale,
+        q, k, v, out, kq, k_scale, vq, v_amax,
         orders, counts, indices, schedule,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
