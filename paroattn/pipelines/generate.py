@@ -30,7 +30,7 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
-    return DiffusionPipeline.from_pretrained(str(model_dir), torch_dtype=getattr(torch, dtype)).to(device)
+    return DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
 
 
 def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
