@@ -162,5 +162,34 @@ def generate(
         )
 
 
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("paro-demo"), "--out", help="folder for demo.gif, attention PNGs and metrics.json"),
+    density: float = typer.Option(0.3, help="block density of the plan (shipped: 0.5, 0.3, 0.2; others are calibrated)"),
+    qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
+    pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
+    steps: int = typer.Option(20, help="denoising steps"),
+    prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-4)"),
+    seed: int = typer.Option(0, help="seed of the initial noise"),
+    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
+    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
+) -> None:
+    """Offline demo on the bundled reference model (a small trained Wan transformer): dense vs PARO
+    on the same seeds, side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times."""
+    from .demo import run_demo
+    from .errors import PlanError
+    from .kernels.reference import PV_MODES, QK_MODES
+
+    if qk not in QK_MODES or pv not in PV_MODES:
+        _fail(f"--qk {qk} --pv {pv}: expected --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}")
+    if not 0.0 < density <= 1.0:
+        _fail(f"--density must be in (0, 1], got {density}")
+    try:
+        run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=prompts, seed=seed, device=device,
+                 backend=backend, log=typer.echo)
+    except (PlanError, ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,46 @@
+"""`paro demo` end to end at a small setting (one prompt, two steps), and its argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import imageio.v2 as imageio
+import numpy as np
+from typer.testing import CliRunner
+
+from paroattn.cli import app
+from paroattn.demo import side_by_side
+
+
+def test_demo_writes_gif_pictures_and_metrics(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--steps", "2", "--prompts", "1",
+                                      "--density", "0.5", "--qk", "int8", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "plan: assets/reference/plans/d0.50_quant.safetensors" in result.output
+    report = json.loads((tmp_path / "metrics.json").read_text())
+    assert report["qk"] == "int8" and abs(report["density"] - 0.5) < 0.01
+    metrics = report["metrics"]
+    # a d=0.5 plan changes the video, but little: it must neither equal dense nor be unrelated to it
+    assert 15.0 < metrics["psnr_db"] < 80.0, metrics
+    assert 0.9 < metrics["cosine"] < 1.0 and 0.3 < metrics["ssim"] <= 1.0, metrics
+    assert report["dense_time"]["attention_s"] > 0 and report["paro_time"]["attention_s"] > 0
+    frames = imageio.mimread(tmp_path / "demo.gif")
+    assert len(frames) == 8
+    assert frames[0].shape[:2] == (32 * 4, 3 * 32 * 4 + 2 * 2)  # dense | PARO | difference, 4x
+    pictures = sorted((tmp_path / "attention").glob("*.png"))
+    assert len(pictures) == 5
+    assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
+
+
+def test_demo_rejects_unknown_precision(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--qk", "int3"])
+    assert result.exit_code == 2
+    assert "expected --qk one of bf16, int8, int4" in result.output
+
+
+def test_side_by_side_layout():
+    a = np.zeros((2, 4, 4, 3), np.float32)
+    b = np.ones((2, 4, 4, 3), np.float32)
+    frames = side_by_side([[a, b], [b, a]], scale=2, gap=1)
+    assert len(frames) == 2 and frames[0].shape == (2 * 8 + 1, 2 * 8 + 1, 3)
+    assert frames[0][0, 0].tolist() == [0, 0, 0] and frames[0][0, -1].tolist() == [255, 255, 255]

@@ -1,0 +1,137 @@
+"""The reference model of `paro demo`: its data, its pipeline, PARO on it, and resumable training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paroattn.layout import TokenLayout
+from paroattn.plan import Plan, model_fingerprint
+from paroattn.reference_data import COLORS, make_batch, parse_caption, render, sample_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_batches_are_a_function_of_seed_and_index():
+    a, captions_a = make_batch(3, 5, 4, frames=4, height=16, width=16)
+    b, captions_b = make_batch(3, 5, 4, frames=4, height=16, width=16)
+    c, _ = make_batch(3, 6, 4, frames=4, height=16, width=16)
+    assert a.shape == (4, 3, 4, 16, 16)
+    assert torch.equal(a, b) and captions_a == captions_b
+    assert not torch.equal(a, c)
+    assert float(a.min()) >= -1.0 and float(a.max()) <= 1.0
+
+
+def test_captions_round_trip_through_the_parser():
+    spec = sample_spec(64, torch.Generator().manual_seed(0))
+    for caption in spec.captions():
+        assert parse_caption(caption).captions() == [caption]
+    with pytest.raises(ValueError, match="expected"):
+        parse_caption("red circle moving sideways slowly, striped background")
+
+
+def _centroid_x(video: torch.Tensor, color: str) -> torch.Tensor:
+    """x centroid per frame of the pixels close to `color`; video [3, F, H, W] in [-1, 1]."""
+    target = torch.tensor(COLORS[color]).view(3, 1, 1, 1) * 2 - 1
+    near = ((video - target).abs().amax(dim=0) < 0.5).float()  # [F, H, W]
+    xs = torch.arange(video.shape[-1]).float()
+    return (near.sum(dim=1) * xs).sum(dim=-1) / near.sum(dim=(1, 2)).clamp_min(1)
+
+
+@pytest.mark.parametrize("caption,sign", [
+    ("red circle moving right quickly, striped background", 1),
+    ("red circle moving left quickly, dotted background", -1),
+    ("red square rotating slowly, pan right, checkered background", -1),  # the camera pans right: the scene moves left
+])
+def test_rendered_motion_follows_the_caption(caption, sign):
+    video = render(parse_caption(caption), torch.Generator().manual_seed(1))[0]
+    x = _centroid_x(video, "red")
+    steps = x[1:] - x[:-1]
+    assert bool((sign * steps > 0.3).all()), f"{caption}: centroid x per frame {x.tolist()}"
+
+
+def test_tokenizer_names_unknown_words():
+    from paroattn.reference_model import WordTextEncoder
+
+    encoder = WordTextEncoder()
+    ids = encoder.tokenize(["red circle moving left quickly, pan up, dotted background", ""])
+    assert ids.shape == (2, 16) and int(ids[1].abs().sum()) == 0 and int((ids[0] > 0).sum()) == 9
+    with pytest.raises(ValueError, match="does not know.*'purple'"):
+        encoder.tokenize(["purple circle moving left quickly, dotted background"])
+
+
+@pytest.fixture(scope="module")
+def reference_pipe():
+    from paroattn.reference_model import load_reference_pipeline
+
+    return load_reference_pipeline()
+
+
+def _small_run(pipe, **kwargs):
+    return pipe("blue ring moving down slowly, zoom out, striped background", num_inference_steps=2, num_frames=2,
+                height=16, width=16, generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+
+def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_pipe):
+    """A dense plan reproduces the model's own attention; a sparse one changes the video: the
+    shipped model goes through paroattn.apply exactly like Wan 2.1."""
+    from paroattn.pipelines import apply
+
+    pipe = reference_pipe
+    transformer = pipe.transformer
+    layout = TokenLayout(0, 2, 8, 8)
+    common = dict(layout=layout, num_layers=len(transformer.blocks), num_heads=transformer.config.num_attention_heads,
+                  block_size=16, model_class=type(transformer).__name__,
+                  model_fingerprint=model_fingerprint(transformer.config), orders="random")
+    dense = _small_run(pipe)
+    assert dense.shape == (1, 2, 16, 16, 3)
+    with apply(pipe, Plan.synthetic(density=1.0, **common), backend="torch"):
+        full = _small_run(pipe)
+    with apply(pipe, Plan.synthetic(density=0.25, **common), backend="torch"):
+        sparse = _small_run(pipe)
+    assert torch.allclose(full, dense, atol=2e-4), float((full - dense).abs().max())
+    assert float((sparse - dense).abs().max()) > 1e-2
+    assert torch.equal(_small_run(pipe), dense)  # the handle put the model's own processors back
+
+
+def test_shipped_plans_fit_the_shipped_model(reference_pipe):
+    from paroattn.demo import SHIPPED_DENSITIES, shipped_plan_path
+
+    transformer = reference_pipe.transformer
+    for density in SHIPPED_DENSITIES:
+        for quantized in (False, True):
+            plan = Plan.load(shipped_plan_path(density, quantized))
+            assert plan.model_fingerprint == model_fingerprint(transformer.config)
+            assert plan.layout == TokenLayout(0, 8, 16, 16)
+            assert abs(plan.achieved_density() - density) < 0.01
+            assert shipped_plan_path(density, quantized).with_name(plan.info["stats_file"]["name"]).is_file()
+
+
+def _train(out: Path, ckpt: Path, *extra: str) -> None:
+    command = [sys.executable, str(ROOT / "scripts" / "train_reference.py"), "--smoke", "--device", "cpu",
+               "--out", str(out), "--ckpt-dir", str(ckpt), "--batch", "2", "--total-steps", "4", "--warmup", "2",
+               *extra]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+
+
+def test_training_resumed_in_chunks_equals_one_run(tmp_path):
+    _train(tmp_path / "whole", tmp_path / "whole_ckpt")
+    _train(tmp_path / "chunks", tmp_path / "chunks_ckpt", "--max-steps-this-chunk", "2")
+    first = load_file(str(tmp_path / "chunks" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    _train(tmp_path / "chunks", tmp_path / "chunks_ckpt")
+    whole = load_file(str(tmp_path / "whole" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    chunks = load_file(str(tmp_path / "chunks" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert whole.keys() == chunks.keys()
+    assert all(torch.equal(whole[k], chunks[k]) for k in whole)
+    assert any(not torch.equal(first[k], whole[k]) for k in whole)  # the second chunk did train
+
+
+def test_training_refuses_chunks_over_ten_minutes(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        _train(tmp_path / "o", tmp_path / "c", "--chunk-seconds", "900")
+    assert "--chunk-seconds must be in (0, 600]" in info.value.stderr
