@@ -320,6 +320,35 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown_tables(results: dict) -> str:
+    """Per shape: one row per method, ms and speedup over SDPA default for each density."""
+    out = []
+    densities = sorted({r["density"] for r in results["rows"] if r["method"].startswith("paro")}, reverse=True)
+    for shape in dict.fromkeys(r["shape"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["shape"] == shape]
+        first = rows[0]
+        sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default"), None)
+        out.append(f"**{shape}** (B, H, N, D) = ({first['B']}, {first['H']}, {first['N']}, {first['D']}); "
+                   "ms (speedup vs SDPA default)\n")
+        out.append("| method | " + " | ".join(f"d={d}" for d in densities) + " |")
+        out.append("|---" * (len(densities) + 1) + "|")
+        for method in dict.fromkeys(r["method"] for r in rows):
+            cells = []
+            for d in densities:
+                r = next((x for x in rows if x["method"] == method and x["density"] == d), None)
+                if r is None and method.startswith("sdpa") and d == 1.0:
+                    r = next((x for x in rows if x["method"] == method), None)
+                if r is None:
+                    cells.append("")
+                elif r["ms"]:
+                    cells.append(f"{r['ms']:.3f} ({sdpa / r['ms']:.2f}x)" if sdpa else f"{r['ms']:.3f}")
+                else:
+                    cells.append("n/a")
+            out.append(f"| {method} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
@@ -329,7 +358,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", action="store_true", help="also time warps x stages configs at d=0.5")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the JSON")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
+    if args.table:
+        results = json.loads(Path(args.table).read_text())
+        print(markdown_tables(results))
+        return results
     return run(
         shapes=[s for s in args.shapes.split(",") if s],
         densities=[float(d) for d in args.densities.split(",")],

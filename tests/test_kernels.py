@@ -4,7 +4,10 @@ Stated error bounds, relative L2 of kernel vs reference computed with the SAME q
 - pv="bf16" (P rounded to the input dtype like the reference): <= 2e-3 (fp16 rounding of the output)
 - pv="int8": <= 1e-2, pv="fp8": <= 2e-2. The kernel quantizes P after subtracting a RUNNING row
   max, the reference after the final one, so P lands on slightly different grids (module docstring
-  of reference.py); Q/K quantization is the same grid in both, so qk adds nothing to these bounds.
+  of reference.py). Q/K quantization uses the same grid in both, but a value within float rounding
+  of a .5 step can round differently (GPU division is not bit-identical to torch's); one such flip
+  moves an int4 value by a whole step (1/7 of the block max), so qk="int4" gets 1e-2 (seen: 2.8e-3
+  with fp16 on an H200, 8e-5 in the interpreter).
 And against the unquantized reference: int8 QK + bf16 PV <= 2e-2, int8 QK + fp8 PV <= 5e-2 on
 Gaussian inputs.
 
@@ -95,7 +98,8 @@ def test_every_mode_matches_reference(qk, pv):
     out, ref = both(q, k, v, LAYOUT, orders, mask, SMALL_BLOCK, qk, pv)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) <= BOUND[pv], (qk, pv, rel_err(out, ref))
+    bound = max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv]
+    assert rel_err(out, ref) <= bound, (qk, pv, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int4", "int8")])

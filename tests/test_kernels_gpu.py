@@ -25,9 +25,13 @@ from paroattn.masks import synthetic_block_mask
 
 pytestmark = pytest.mark.gpu
 
-# bf16 inputs: the output and P (pv="bf16") are rounded to 8 mantissa bits, so 5e-3 there; fp8 P:
-# kernel and reference quantize P after different max shifts (see reference.py), ~2.5% measured
-BOUND = {"bf16": 5e-3, "int8": 1e-2, "fp8": 4e-2}
+# bf16 inputs: the output and P (pv="bf16") are rounded to 8 mantissa bits, so 5e-3 there. 8-bit P:
+# kernel and reference quantize P after different max shifts (running vs final row max, see
+# reference.py), so at real sequence lengths they differ by about the rounding of P itself. Measured
+# on an H200 (2026-11-21): fp8 2.3-2.7e-2, int8 2.5-4.2e-2 (int8 P's fixed 1/127 step is coarse for
+# the small probabilities of long rows); in every case the kernel was at least as close to the
+# unquantized-P result as the reference (the second check below).
+BOUND = {"bf16": 5e-3, "int8": 6e-2, "fp8": 4e-2}
 # name: (B, H, layout, D, inputs stored [B, N, H, D] as the model passes them)
 SHAPES = {
     "cogvideox-5b": (2, 48, TokenLayout(226, 13, 30, 45), 64, False),
