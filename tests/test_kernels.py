@@ -155,15 +155,15 @@ def test_quantization_error_vs_unquantized_reference():
 
 
 def test_zero_active_rows_write_zeros_and_every_element_is_written():
-    layout = TokenLayout(2, 2, 3, 5)  # 32 tokens
+    layout = TokenLayout(2, 2, 3, 10)  # 62 tokens: >= 2 query blocks at both block sizes
     H, D = 2, 64
     q, k, v = make_inputs(1, H, layout.seq_len, D, seed=6)
     n_blocks = -(-layout.seq_len // SMALL_BLOCK)
     mask = torch.rand(H, n_blocks, n_blocks, generator=torch.Generator().manual_seed(6)) < 0.6
     mask[0, 1] = False  # a query block with no key block at all
     mask[1, 0] = False
-    blocks = ActiveBlocks.from_mask(mask)
-    orders = torch.tensor([3, 1], dtype=torch.int32)
+    blocks = ActiveBlocks.from_mask(mask).to(DEVICE)
+    orders = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
     for qk, pv in (("bf16", "bf16"), ("int4", "fp8")):
         out = torch.full_like(q, float("nan"))  # poisoned
         triton_backend.launch(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix,
