@@ -41,22 +41,30 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
+    p.add_argument("--block-size", type=int, default=64, help="plan block size (the shipped plans use 64)")
+    p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES), help="comma-separated densities")
+    p.add_argument("--quants", default=",".join(demo.QUANT_MODES), help=f"comma-separated, from {list(demo.QUANT_MODES)}")
+    p.add_argument("--no-paper", action="store_true", help="skip the rows with the paper's order metric")
     p.add_argument("--quick", action="store_true", help="CPU smoke: 2 steps, 1 prompt, a few configurations")
     return p.parse_args(argv)
 
 
-def configurations(quick: bool):
-    """(name, density, quant label, identity order?, metric) of every row of the study."""
+def configurations(args):
+    """(density, quant label, identity order?, metric) of every row of the study."""
+    quick = args.quick
     rows = []
-    densities = (0.3,) if quick else DENSITIES
-    quants = ("bf16", "int8 QK + fp8 PV") if quick else tuple(demo.QUANT_MODES)
+    densities = (0.3,) if quick else tuple(float(d) for d in args.densities.split(","))
+    quants = ("bf16", "int8 QK + fp8 PV") if quick else tuple(q.strip() for q in args.quants.split(","))
+    unknown = [q for q in quants if q not in demo.QUANT_MODES]
+    if unknown:
+        raise SystemExit(f"--quants: unknown {unknown}; expected names from {list(demo.QUANT_MODES)}")
     for density in densities:
         for quant in quants:
             for identity in (False, True):
                 if density >= 1.0 and quant == "bf16":
                     continue  # that is the dense model itself
                 rows.append((density, quant, identity, "mass"))
-    for density in (() if quick else (0.5, 0.3, 0.2)):
+    for density in (() if quick or args.no_paper else [d for d in densities if d < 1.0]):
         for quant in ("bf16", "int8 QK"):
             rows.append((density, quant, False, "paper"))
     return rows
@@ -64,6 +72,8 @@ def configurations(quick: bool):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ship is not None and args.block_size != 64:
+        raise SystemExit("--ship writes the demo's plans, which use 64-token blocks; drop --block-size")
     if args.quick:
         args.steps, args.calibration_steps, args.prompts = 2, 2, 1
     args.out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +86,8 @@ def main(argv=None) -> int:
         print(line, flush=True)
         log.append(line)
 
-    stats = demo.capture_stats(pipe, demo.CALIBRATION_PROMPTS, steps=args.calibration_steps, seed=args.seed)
+    stats = demo.capture_stats(pipe, demo.CALIBRATION_PROMPTS, steps=args.calibration_steps, seed=args.seed,
+                               block_size=args.block_size)
     say(f"capture: {len(demo.CALIBRATION_PROMPTS)} prompts x {args.calibration_steps} steps in {stats.seconds:.1f} s, "
         f"layout {stats.layout}")
 
@@ -97,7 +108,7 @@ def main(argv=None) -> int:
     dense, dense_t = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed)
     say(f"dense: {dense_t['total_s']:.2f} s ({dense_t['attention_s']:.2f} s in self-attention)")
     rows = []
-    for density, quant, identity, metric in configurations(args.quick):
+    for density, quant, identity, metric in configurations(args):
         qk, pv = demo.QUANT_MODES[quant]
         plan, result = demo.plan_from_stats(stats, transformer, density, qk=qk, pv=pv, identity=identity, metric=metric)
         backend = args.backend
@@ -123,7 +134,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps, "calibration_steps": args.calibration_steps,
-        "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
+        "block_size": args.block_size, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
         "dense_time": dense_t, "capture_s": stats.seconds, "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))
