@@ -6,18 +6,21 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 1. statistics (torch reductions, one pass each, only in the modes that need them): the per-(b, h)
    sum of K over tokens (K smoothing subtracts sum / N, for int8/int4 QK) and the per-channel max |V|
    (fp8/int8 PV; the scale max(amax, eps) / qmax is formed where it is used).
-2. `_kv_prologue_kernel`, grid (key block, b*H + h), only in quantized modes: gathers the key block
-   of the REORDERED sequence straight from the caller's k / v (index arithmetic, any strides),
-   subtracts the K mean, quantizes K per block (int8, or int4 packed two per byte: byte j holds
-   channel j in its low nibble and channel j + D/2 in its high nibble) and V per channel (fp8 e4m3 or
-   int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants).
+2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
+   sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
+   contiguously: K in the input dtype, or with the mean subtracted and quantized per block (int8, or
+   int4 packed two per byte: byte j holds channel j in its low nibble and channel j + D/2 in its high
+   nibble); V in the input dtype, or quantized per channel (fp8 e4m3 or int8, stored transposed
+   [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
+   `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
+   those rows itself (measured 1.3-1.5x slower on an H200, so not the default).
 3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
    (most active key blocks first), gathers its queries from the caller's q by index arithmetic,
    quantizes them per block in registers when QK is int8/int4 (each query block is read exactly
    once, so materializing a quantized Q would only add a write and a read), then loops over its
    active key blocks only: online softmax in base 2 with `sm_scale * log2(e)` and the dequantization
-   scales folded into one multiplier per key block. bf16/fp16 K and V are gathered from the caller's
-   tensors directly (no copy at all); quantized ones come from the prologue's buffers. The epilogue
+   scales folded into one multiplier per key block; K and V tiles come from the prologue's buffers
+   (or, with gather_kv, straight from the caller's tensors). The epilogue
    writes every row at its ORIGINAL token position in the caller's layout; a row with no active key
    block writes zeros.
 

@@ -1,0 +1,103 @@
+"""Compile every variant of the PARO kernels for sm_90 WITHOUT a GPU, and count SASS instructions.
+
+    python benchmarks/kernel_compile_check.py            # all modes x head dims x flags: compile errors
+    python benchmarks/kernel_compile_check.py --sass     # + matrix/copy/spill instruction counts
+
+Catches front-end and lowering errors before device time is spent (the interpreter does not: it runs
+the Python, not the compiler), and shows whether the products use wgmma (HGMMA / IGMMA / QGMMA),
+whether loads are pipelined (LDGSTS) and whether registers spill (STL / LDL). Pointer and stride
+arguments are specialized the way a real launch specializes them (16-byte divisibility, unit
+innermost strides); without that, Triton neither vectorizes nor pipelines the loads.
+Needs the `ptxas` that Triton ships (or one on PATH). The device machine had triton 3.6 on
+2026-11-21: install that version (`pip install --target DIR triton==3.6.0`, PYTHONPATH=DIR) to
+check what will run there; newer releases accept some code 3.6 rejects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
+
+MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
+SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2"]
+
+
+def _buffers(qk_mode, pv_mode, gather):
+    kq = "*i8" if qk_mode else ("*fp32" if gather else "*bf16")
+    vq = "*fp8e4nv" if pv_mode == 1 else "*i8" if pv_mode == 2 else ("*fp32" if gather else "*bf16")
+    return kq, vq
+
+
+def _compile(fn, pointers, constants, divisible, options):
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names}
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _sass_counts(kernel) -> dict:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path("/tmp/paro_kernel_check.cubin")
+    path.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True).stdout
+    return {op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in SASS_OPS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", action="store_true", help="print instruction counts of each attention variant")
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    args = parser.parse_args()
+    unit = ["stride_qd", "stride_kd", "stride_vd", "stride_od"]
+    divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
+                 "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
+    failures = 0
+    for (qk_mode, pv_mode), head_dim, gather, even in itertools.product(MODES, (64, 128), (False, True), (True, False)):
+        kq, vq = _buffers(qk_mode, pv_mode, gather)
+        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even}"
+        pointers = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
+                        VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
+        constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=args.block, QK_MODE=qk_mode,
+                         PV_MODE=pv_mode, EVEN_N=even, GATHER_KV=gather, **{n: 1 for n in unit})
+        try:
+            kernel = _compile(kernels._attention_kernel, pointers, constants, divisible + list(pointers),
+                              dict(num_warps=args.warps, num_stages=args.stages))
+            if args.sass and even:
+                print(f"attention {label}: shared {kernel.metadata.shared} B, {_sass_counts(kernel)}")
+            prologue_pointers = dict(K="*bf16", V="*bf16", KSum="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
+                                     VQ=vq, Orders="*i32")
+            prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=args.block, QK_MODE=qk_mode, PV_MODE=pv_mode,
+                                      GATHER_KV=gather, stride_kd=1, stride_vd=1)
+            _compile(kernels._kv_prologue_kernel, prologue_pointers, prologue_constants,
+                     divisible + list(prologue_pointers), dict(num_warps=4))
+        except Exception as exc:  # report every failing variant, then exit non-zero
+            failures += 1
+            print(f"FAILED {label}: {str(exc)[-1200:]}")
+    print(f"triton {triton.__version__}: {'all variants compiled' if not failures else f'{failures} failed'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
