@@ -48,12 +48,12 @@ SHAPES = {
 }
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
 DENSITIES = [1.0, 0.5, 0.3, 0.2]
-BLOCK = 64
+BLOCK = 64  # key block; the query block is `--block-q` (64, or 128: two warpgroups per program)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
-# BLOCK_M and BLOCK_N"): give it tiles of the mask's size
-FLEX_TILES = {"BLOCK_M": 64, "BLOCK_N": 64}
-# (num_warps, num_stages, gather_kv); the first run showed 8 warps and gathers losing everywhere
-SWEEP_CONFIGS = [(4, 2, False), (4, 3, False), (4, 4, False)]
+# BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
+# (num_warps, num_stages, gather_kv) per query block; the first run showed 8 warps on 64 rows and
+# gathers losing everywhere
+SWEEP_CONFIGS = {64: [(4, 2, False), (4, 3, False), (4, 4, False)], 128: [(8, 2, False), (8, 3, False), (4, 3, False)]}
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim
 
 
@@ -77,7 +77,7 @@ def _input_sets(B, H, N, D, dtype, generator):
             for _ in range(count)]
 
 
-def _flex(mask: torch.Tensor, N: int):
+def _flex(mask: torch.Tensor, N: int, block_q: int = BLOCK):
     """A compiled flex_attention and the BlockMask of `mask` (all active blocks full), or an error."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -86,7 +86,7 @@ def _flex(mask: torch.Tensor, N: int):
     counts = m.sum(-1, dtype=torch.int32)[None]
     indices = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None]
     block_mask = BlockMask.from_kv_blocks(
-        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(N, N)
+        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=(block_q, BLOCK), seq_lengths=(N, N)
     )
     compiled = torch.compile(flex_attention, dynamic=False)
     return compiled, block_mask
@@ -133,7 +133,8 @@ def _host_overhead(call, sets, calls=200) -> dict:
     return {"host_us_per_call": host_us, "cuda_graph_us_per_call": statistics.median(times)}
 
 
-def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100) -> dict:
+def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
+        block_q=BLOCK) -> dict:
     import triton
 
     shapes = shapes or list(SHAPES)
@@ -145,7 +146,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        "block": BLOCK,
+        "block": [block_q, BLOCK],
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -165,7 +166,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         flops = 4.0 * B * H * N * N * D
         sets = _input_sets(B, H, N, D, torch.bfloat16, g)
         orders_cpu = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1))
-        nq = -(-N // BLOCK)
+        nq, nk = -(-N // block_q), -(-N // BLOCK)
+        flex_tiles = {"BLOCK_M": block_q, "BLOCK_N": BLOCK}
 
         def record(method, density, ms, error=None, **extra):
             row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "method": method, "density": density,
@@ -194,9 +196,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             record("sageattn", 1.0, ms, err)
 
         if sweep and SWEEP_SHAPES.get(D) == name:
-            _sweep_and_pin(results, name, layout, H, D, nq, orders_cpu, sets, modes, warmup, rep)
+            _sweep_and_pin(results, name, layout, H, D, (block_q, BLOCK), orders_cpu, sets, modes, warmup, rep)
         for density in densities:
-            mask = synthetic_block_mask(H, nq, nq, density, generator=torch.Generator().manual_seed(2))
+            mask = synthetic_block_mask(H, nq, nk, density, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
             actual = float(mask.float().mean())
             if flex and D == 64:
@@ -205,13 +207,13 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                 record("flex", density, None, "skipped at D=64 (wrong results / illegal address, DESIGN.md 7)")
             elif flex:
                 def flex_time():
-                    fa, block_mask = _flex(mask, N)
+                    fa, block_mask = _flex(mask, N, block_q)
                     q, k, v = sets[0]
                     reference = paro_attention(q, k, v, layout=layout, orders=torch.zeros(H, dtype=torch.long),
-                                               block_mask=blocks, backend="triton")
-                    out = fa(q, k, v, block_mask=block_mask, kernel_options=FLEX_TILES)
+                                               block_mask=blocks, block_size=(block_q, BLOCK), backend="triton")
+                    out = fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles)
                     err = float((out.float() - reference.float()).norm() / reference.float().norm())
-                    return _median_ms(lambda q, k, v: fa(q, k, v, block_mask=block_mask, kernel_options=FLEX_TILES),
+                    return _median_ms(lambda q, k, v: fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles),
                                       sets, warmup, rep), err
 
                 timed, err = _try(flex_time)
@@ -222,17 +224,17 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             for qk, pv in modes:
                 def paro(q, k, v, qk=qk, pv=pv):
                     return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk, pv=pv,
-                                          backend="triton")
+                                          block_size=(block_q, BLOCK), backend="triton")
 
                 ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
                 row = record(f"paro-{qk}-{pv}", density, ms, err, mask_density=actual,
-                             config=vars(triton_backend.kernel_config(D, BLOCK, BLOCK, qk, pv)))
+                             config=vars(triton_backend.kernel_config(D, block_q, BLOCK, qk, pv)))
                 if sdpa_ms and ms:
                     row["speedup_vs_sdpa"] = sdpa_ms / ms
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
-            gather = triton_backend.kernel_config(D, BLOCK, BLOCK, qk, pv).gather_kv
+            gather = triton_backend.kernel_config(D, block_q, BLOCK, qk, pv).gather_kv
 
             def prologue(q, k, v, qk=qk, pv=pv, gather=gather):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,
@@ -242,12 +244,12 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
             print(f"{name:16s} prologue {qk}/{pv}: {ms} {err or ''}", flush=True)
         if name == "short":
-            mask = synthetic_block_mask(H, nq, nq, 0.5, generator=torch.Generator().manual_seed(2))
+            mask = synthetic_block_mask(H, nq, nk, 0.5, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
 
             def paro_short(q, k, v):
                 return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk="int8",
-                                      pv="fp8", backend="triton")
+                                      pv="fp8", block_size=(block_q, BLOCK), backend="triton")
 
             host, err = _try(lambda: _host_overhead(paro_short, sets))
             results["host"] = host or {"error": err}
@@ -270,26 +272,30 @@ def _write(results: dict, out_dir) -> Path | None:
     if out_dir is None:
         return None
     slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")
-    path = Path(out_dir) / f"attention-{slug}.json"
+    block_q = results["block"][0] if isinstance(results["block"], list) else results["block"]
+    suffix = "" if block_q == BLOCK else f"-bq{block_q}"
+    path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     return path
 
 
-def _sweep_and_pin(results, name, layout, H, D, nq, orders_cpu, sets, modes, warmup, rep) -> None:
+def _sweep_and_pin(results, name, layout, H, D, block_size, orders_cpu, sets, modes, warmup, rep) -> None:
     """Time each mode at d=0.5 under every SWEEP_CONFIGS entry and pin the fastest for this head dim
     (for every shape of the run); the pinned configs are recorded with each row."""
-    mask = synthetic_block_mask(H, nq, nq, 0.5, generator=torch.Generator().manual_seed(2))
+    bq, bk = block_size
+    n = layout.seq_len
+    mask = synthetic_block_mask(H, -(-n // bq), -(-n // bk), 0.5, generator=torch.Generator().manual_seed(2))
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
     for qk, pv in modes:
         def paro(q, k, v, qk=qk, pv=pv):
             return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk, pv=pv,
-                                  backend="triton")
+                                  block_size=block_size, backend="triton")
 
         best = None
-        for warps, stages, gather in SWEEP_CONFIGS:
+        for warps, stages, gather in SWEEP_CONFIGS[bq]:
             config = triton_backend.KernelConfig(warps, stages, gather)
-            triton_backend.set_kernel_config(D, BLOCK, BLOCK, qk, pv, config)
+            triton_backend.set_kernel_config(D, bq, bk, qk, pv, config)
             ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
             results["sweep"].append({"shape": name, "D": D, "qk": qk, "pv": pv, "num_warps": warps,
                                      "num_stages": stages, "gather_kv": gather, "ms": ms, "error": err})
@@ -297,7 +303,7 @@ def _sweep_and_pin(results, name, layout, H, D, nq, orders_cpu, sets, modes, war
                   flush=True)
             if ms and (best is None or ms < best[0]):
                 best = (ms, config)
-        triton_backend.set_kernel_config(D, BLOCK, BLOCK, qk, pv, best[1] if best else None)
+        triton_backend.set_kernel_config(D, bq, bk, qk, pv, best[1] if best else None)
 
 
 def format_table(results: dict) -> str:
@@ -358,6 +364,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", action="store_true", help="also time warps x stages configs at d=0.5")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the JSON")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--block-q", type=int, default=BLOCK, choices=(64, 128),
+                        help="query block (tile rows); key blocks are 64")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:
@@ -372,6 +380,7 @@ def main(argv=None) -> dict:
         sweep=args.sweep,
         out_dir=args.out,
         rep=args.rep,
+        block_q=args.block_q,
     )
 
 

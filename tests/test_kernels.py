@@ -128,6 +128,20 @@ def test_block_64_longer_sequence_bf16_dtype_contract():
         assert rel_err(out, ref) <= BOUND[pv]
 
 
+@pytest.mark.parametrize("block", [(2 * SMALL_BLOCK, SMALL_BLOCK), (SMALL_BLOCK, 2 * SMALL_BLOCK)])
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int4", "bf16")])
+def test_unequal_query_and_key_blocks(block, qk, pv):
+    """bq != bk: taller query tiles (two warpgroups per program at bq=128) or wider key tiles."""
+    layout = TokenLayout(6, 3, 4, 7)  # 90 tokens: partial last blocks on both sides
+    H, D = 3, 64
+    q, k, v = make_inputs(2, H, layout.seq_len, D, seed=11)
+    nq, nk = -(-layout.seq_len // block[0]), -(-layout.seq_len // block[1])
+    mask = synthetic_block_mask(H, nq, nk, 0.5, generator=torch.Generator().manual_seed(11))
+    out, ref = both(q, k, v, layout, torch.tensor([1, 3, 4]), mask, block, qk, pv)
+    bound = max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv]
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= bound, rel_err(out, ref)
+
+
 def test_dense_fp16_equals_sdpa():
     """All blocks on, no quantization: plain attention, whatever the orders."""
     layout = TokenLayout(4, 3, 2, 5)
