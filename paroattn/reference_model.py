@@ -27,22 +27,22 @@ from .reference_data import MAX_WORDS, PAD, VOCABULARY
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "reference"
 
 # the shipped model; scripts/train_reference.py trains this configuration by default
-TRANSFORMER_CONFIG = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=64,
-    in_channels=3,
-    out_channels=3,
-    text_dim=64,
-    freq_dim=64,
-    ffn_dim=768,
-    num_layers=6,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=64,
-)
-TEXT_ENCODER_CONFIG = dict(dim=64, num_layers=2, num_heads=4, max_words=MAX_WORDS)
-VIDEO_SHAPE = dict(num_frames=8, height=32, width=32)
+TRANSFORMER_CONFIG = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 4,
+    "attention_head_dim": 64,
+    "in_channels": 3,
+    "out_channels": 3,
+    "text_dim": 64,
+    "freq_dim": 64,
+    "ffn_dim": 768,
+    "num_layers": 6,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 64,
+}
+TEXT_ENCODER_CONFIG = {"dim": 64, "num_layers": 2, "num_heads": 4, "max_words": MAX_WORDS}
+VIDEO_SHAPE = {"num_frames": 8, "height": 32, "width": 32}
 SCHEDULER_SHIFT = 2.0
 DEFAULT_GUIDANCE = 4.0
 DEFAULT_STEPS = 20
@@ -53,9 +53,10 @@ class WordTextEncoder(ModelMixin, ConfigMixin):
     pre-norm transformer. The vocabulary is part of the config, so a saved encoder tokenizes itself."""
 
     @register_to_config
-    def __init__(self, vocabulary: list[str] = list(VOCABULARY), dim: int = 64, num_layers: int = 2,
+    def __init__(self, vocabulary: list[str] | tuple[str, ...] = VOCABULARY, dim: int = 64, num_layers: int = 2,
                  num_heads: int = 4, max_words: int = MAX_WORDS):
         super().__init__()
+        vocabulary = list(vocabulary)
         if not vocabulary or vocabulary[0] != PAD:
             raise ValueError(f"vocabulary must start with the padding word {PAD!r}")
         self.words = nn.Embedding(len(vocabulary), dim)

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.demo import CALIBRATION_PROMPTS  # noqa: E402
-from paroattn.pipelines import capture_attention, self_attention_layers  # noqa: E402
-from paroattn.reference_model import load_reference_pipeline  # noqa: E402
+from paroattn.demo import CALIBRATION_PROMPTS
+from paroattn.pipelines import capture_attention, self_attention_layers
+from paroattn.reference_model import load_reference_pipeline
 
 SHARES = (0.5, 0.3, 0.2, 0.1)
 
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
 
     def on_capture(layer, q, k, layout, timestep):
-        B, H, N, D = q.shape
+        N, D = q.shape[-2:]
         rows = torch.randperm(N, generator=g)[: args.queries]
         scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) / math.sqrt(D)
         p_ = scores.softmax(dim=-1)

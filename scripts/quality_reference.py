@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn import demo  # noqa: E402
-from paroattn.reference_model import DEFAULT_STEPS, load_reference_pipeline  # noqa: E402
+from paroattn import demo
+from paroattn.reference_model import DEFAULT_STEPS, load_reference_pipeline
 
 DENSITIES = (1.0, 0.5, 0.3, 0.2)
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         backend = args.backend
         try:
             frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)
-        except Exception as exc:  # a kernel failure must not lose the rest of the table: say so, use the reference
+        except Exception as exc:  # noqa: BLE001 -- a kernel failure must not lose the rest of the table: say so, use the reference
             say(f"backend {backend} failed ({type(exc).__name__}: {exc}); torch reference for this row")
             backend = "torch"
             frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)

@@ -10,14 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn import demo  # noqa: E402
-from paroattn.reference_data import parse_caption, render  # noqa: E402
-from paroattn.reference_model import load_reference_pipeline  # noqa: E402
+from paroattn import demo
+from paroattn.reference_data import parse_caption, render
+from paroattn.reference_model import load_reference_pipeline
 
 
 def main(argv=None) -> int:

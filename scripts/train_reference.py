@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.reference_data import make_batch  # noqa: E402
-from paroattn.reference_model import (  # noqa: E402
+from paroattn.reference_data import make_batch
+from paroattn.reference_model import (
     SCHEDULER_SHIFT,
     TEXT_ENCODER_CONFIG,
     TRANSFORMER_CONFIG,
@@ -47,7 +47,7 @@ SHARD_BYTES = 15 * 2**20
 # a configuration small enough to train a few steps on a CPU in seconds (tests, smoke runs)
 SMOKE_TRANSFORMER = dict(TRANSFORMER_CONFIG, num_attention_heads=2, num_layers=2, ffn_dim=128)
 SMOKE_TEXT_ENCODER = dict(TEXT_ENCODER_CONFIG, num_layers=1)
-SMOKE_VIDEO = dict(num_frames=4, height=16, width=16)
+SMOKE_VIDEO = {"num_frames": 4, "height": 16, "width": 16}
 
 
 def parse_args(argv=None):

@@ -84,9 +84,10 @@ def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_p
     pipe = reference_pipe
     transformer = pipe.transformer
     layout = TokenLayout(0, 2, 8, 8)
-    common = dict(layout=layout, num_layers=len(transformer.blocks), num_heads=transformer.config.num_attention_heads,
-                  block_size=16, model_class=type(transformer).__name__,
-                  model_fingerprint=model_fingerprint(transformer.config), orders="random")
+    common = {"layout": layout, "num_layers": len(transformer.blocks),
+              "num_heads": transformer.config.num_attention_heads, "block_size": 16,
+              "model_class": type(transformer).__name__,
+              "model_fingerprint": model_fingerprint(transformer.config), "orders": "random"}
     dense = _small_run(pipe)
     assert dense.shape == (1, 2, 16, 16, 3)
     with apply(pipe, Plan.synthetic(density=1.0, **common), backend="torch"):
