@@ -242,9 +242,10 @@ def write_gif(frames: list[np.ndarray], path: Path, fps: int = 6) -> Path:
 # -- paro demo ------------------------------------------------------------------------------------
 
 def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
-                 calibration_steps: int = DEFAULT_STEPS) -> tuple[Plan, Path | None]:
+                 calibration_steps: int = DEFAULT_STEPS, out: Path | None = None) -> tuple[Plan, Path | None]:
     """The shipped plan for `density` (bf16 or quantized orders) with this run's qk/pv, or a fresh
-    calibration when none was shipped for that density. Returns the plan and its stats file."""
+    calibration when none was shipped for that density (saved as `out/plan.safetensors` with its
+    stats file). Returns the plan and its stats file."""
     quantized = qk != "bf16" or pv != "bf16"
     path = shipped_plan_path(density, quantized)
     if path.is_file():
@@ -253,14 +254,19 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
         stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
         return dataclasses.replace(plan, qk=qk, pv=pv), stats if stats.is_file() else None
     from .calibrate import CalibrationConfig, calibrate
+    from .calibrate.driver import save_calibration, stats_path_for
 
     log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
         f"calibrating on {len(CALIBRATION_PROMPTS)} prompts, {calibration_steps} steps")
     start = time.perf_counter()
     config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps)
-    plan, _ = calibrate(pipe, CALIBRATION_PROMPTS, config)
+    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
-    return plan, None
+    if out is None:
+        return plan, None
+    path, stats = save_calibration(plan, result, Path(out) / "plan.safetensors")
+    log(f"wrote {path} and its stats file")
+    return plan, stats_path_for(path)
 
 
 def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16", steps: int = DEFAULT_STEPS,
@@ -281,7 +287,7 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
     log(f"reference model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
         f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
     pipe = load_reference_pipeline(device=device, dtype=dtype)
-    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps)
+    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out)
 
     dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed)
     log(f"dense: {dense_t['total_s']:.1f} s total, {dense_t['attention_s']:.1f} s in self-attention layers")

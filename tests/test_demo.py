@@ -32,6 +32,20 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
 
 
+def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path):
+    from paroattn.demo import run_demo
+    from paroattn.plan import Plan
+
+    lines = []
+    report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",
+                      log=lines.append)
+    assert any("no shipped plan for density 0.4" in line for line in lines)
+    plan = Plan.load(tmp_path / "plan.safetensors")
+    assert abs(plan.achieved_density() - 0.4) < 0.01 and abs(report["density"] - 0.4) < 0.01
+    assert (tmp_path / "plan.stats.safetensors").is_file()
+    assert len(list((tmp_path / "attention").glob("*.png"))) == 5
+
+
 def test_demo_rejects_unknown_precision(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--qk", "int3"])
     assert result.exit_code == 2
