@@ -70,14 +70,28 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
     (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3),
     (128, 64, 64, "int8", "int8"): KernelConfig(4, 2),
+    # 128-row query tiles, 64-key blocks: the fastest of {8 warps x 2/3 stages, 4 warps x 3 stages} at
+    # d=0.5 (H200, 2026-11-21, benchmarks/attention.py --block-q 128 --sweep). 4 warps (one warpgroup
+    # issuing two m64 products) won everywhere but D=64 bf16 and D=128 int8 PV.
+    (64, 128, 64, "bf16", "bf16"): KernelConfig(8, 3),
+    (64, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
+    (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
+    (64, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
+    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3),
+    (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
+    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
+    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
 }
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
 
 def _rule(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
-    # measured (H200, first benchmark run): 8 warps on a 64-row tile is 1.7x slower than 4; reordered
-    # K/V copies beat in-kernel gathers by 1.3-1.5x (index arithmetic per key row, scattered rows)
-    return KernelConfig(8 if bq >= 128 else 4, 3, gather_kv=False)
+    # measured (H200): 8 warps on a 64-row tile is 1.7x slower than 4, and 4 warps won most 128-row
+    # sweeps too; reordered K/V copies beat in-kernel gathers by 1.3-1.5x (index arithmetic per key
+    # row, scattered rows)
+    return KernelConfig(4, 3, gather_kv=False)
 
 
 def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
