@@ -256,7 +256,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             sdpa_host, err = _try(lambda: _host_overhead(F.scaled_dot_product_attention, sets))
             results["host_sdpa"] = sdpa_host or {"error": err}
             print(f"host overhead (short, int8/fp8, d=0.5): {results['host']}; sdpa: {results['host_sdpa']}")
-        del sets
+        sets = None  # free this shape's inputs before the next (closures above still name it)
         torch.cuda.empty_cache()
         _write(results, out_dir)  # after every shape, so a run cut short still leaves its numbers
 

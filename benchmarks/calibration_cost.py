@@ -220,7 +220,7 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
         + record["select_and_masks_s"],
     }
     record["extrapolated"]["calibration_min"] = record["extrapolated"]["calibration_s"] / 60
-    del model, state, acc, result
+    model = state = acc = result = None  # free GPU memory before the next model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return record

@@ -29,7 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paroattn import TokenLayout  # noqa: E402
 from paroattn.calibrate.block_stats import block_stats  # noqa: E402
 from paroattn.calibrate.selection import (  # noqa: E402
-    block_entries, build_masks, incoherence, kept_mass_fraction, order_scores, sparse_fraction,
+    block_entries,
+    build_masks,
+    incoherence,
+    kept_mass_fraction,
+    order_scores,
+    sparse_fraction,
 )
 from paroattn.calibrate.synthetic import planted_qk  # noqa: E402
 from paroattn.kernels.reference import paro_attention_reference  # noqa: E402

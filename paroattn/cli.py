@@ -69,8 +69,15 @@ def calibrate(
 ) -> None:
     """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks."""
     from .calibrate.driver import (
-        CalibrationConfig, calibrate as run_calibration, default_prompts_file, describe_result, load_pipeline,
-        read_prompts, save_calibration,
+        CalibrationConfig,
+        default_prompts_file,
+        describe_result,
+        load_pipeline,
+        read_prompts,
+        save_calibration,
+    )
+    from .calibrate.driver import (
+        calibrate as run_calibration,
     )
     from .pipelines import family_of, resolve_transformer
     from .summary import describe_plan

@@ -209,7 +209,7 @@ class Plan:
         save_file(tensors, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta)})
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         from safetensors import safe_open
 
         path = Path(path)
@@ -287,7 +287,7 @@ class Plan:
         model_class: str = "",
         model_fingerprint: str = "",
         seed: int = 0,
-    ) -> "Plan":
+    ) -> Plan:
         """A plan of the right shapes without calibration: identity ("FHW"), named, random
         ("random") or given orders, and masks of a band around the diagonal plus random blocks at
         `density`. For tests, benchmarks and the dense-equivalence check (density=1.0)."""

@@ -4,8 +4,6 @@ plans that do not fit."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 

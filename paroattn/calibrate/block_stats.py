@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+
 import torch
 
 from ..layout import TokenLayout

@@ -26,7 +26,7 @@ class ActiveBlocks:
     schedule: torch.Tensor | None = None  # int32 [H, nq]: query blocks of each head, heaviest first
 
     @classmethod
-    def from_mask(cls, block_mask: torch.Tensor) -> "ActiveBlocks":
+    def from_mask(cls, block_mask: torch.Tensor) -> ActiveBlocks:
         """bool [H, nq, nk] -> lists. Padding entries repeat index 0 and are never read (count bounds the loop)."""
         if block_mask.dtype != torch.bool or block_mask.dim() != 3:
             raise ValueError(f"block_mask must be bool [H, nq, nk], got {block_mask.dtype} {tuple(block_mask.shape)}")
@@ -57,7 +57,7 @@ class ActiveBlocks:
     def nbytes(self) -> int:
         return self.counts.numel() * 4 + self.indices.numel() * 4
 
-    def to(self, device, non_blocking: bool = False) -> "ActiveBlocks":
+    def to(self, device, non_blocking: bool = False) -> ActiveBlocks:
         schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
         return ActiveBlocks(
             self.counts.to(device, non_blocking=non_blocking),
@@ -66,7 +66,7 @@ class ActiveBlocks:
             schedule.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> "ActiveBlocks":
+    def pin_memory(self) -> ActiveBlocks:
         schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
         return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks,
                             schedule.pin_memory())

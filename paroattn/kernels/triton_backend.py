@@ -30,7 +30,6 @@ from .block_sparse_attention import (
     _attention_kernel,
     _kv_prologue_kernel,
 )
-from .reference import QUANT_EPS
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
 PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}

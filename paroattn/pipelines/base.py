@@ -55,6 +55,24 @@ def timestep_value(timestep) -> float:
     return float(timestep)
 
 
+def dispatch_dense(call: SelfAttentionCall, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
+    """The dense call of the processors built on diffusers' `dispatch_attention_fn` (Wan, Flux):
+    they hold q, k, v as [B, S, H, D], so `call`'s [B, H, S, D] views transpose back to those tensors."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    out = dispatch_attention_fn(
+        call.q.transpose(1, 2),
+        call.k.transpose(1, 2),
+        call.v.transpose(1, 2),
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        is_causal=False,
+        backend=backend,
+        parallel_config=parallel_config,
+    )
+    return out.transpose(1, 2)
+
+
 def class_names(obj) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import TokenLayout
-from .base import VAE_SPATIAL, CallInputs, FamilyAdapter, SelfAttentionCall, timestep_value
+from .base import VAE_SPATIAL, CallInputs, FamilyAdapter, SelfAttentionCall, dispatch_dense, timestep_value
 
 # Flux packs 2x2 latent pixels into one token before its own patch embedding
 _PACK = 2
@@ -112,17 +112,7 @@ class FluxAdapter(FamilyAdapter):
         return SelfAttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), text_tokens, extra)
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        out = dispatch_attention_fn(
-            call.q.transpose(1, 2),
-            call.k.transpose(1, 2),
-            call.v.transpose(1, 2),
-            attn_mask=attention_mask,
-            backend=backend,
-            parallel_config=parallel_config,
-        )
-        return out.transpose(1, 2)
+        return dispatch_dense(call, attention_mask, backend, parallel_config)
 
     def finish(self, attn, out, call):
         out = out.transpose(1, 2).flatten(2, 3).to(call.q.dtype)

@@ -6,8 +6,8 @@ Kept apart from the CLI so tests and notebooks can call `generate(...)` and read
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch

@@ -33,7 +33,7 @@ BACKENDS = ("auto", "triton", "torch")
 class Binding:
     """One processor bound to one transformer: its layers, the current call, and (PARO) its masks."""
 
-    def __init__(self, processor: "_BoundProcessor", transformer, family: FamilyAdapter):
+    def __init__(self, processor: _BoundProcessor, transformer, family: FamilyAdapter):
         self.processor = processor
         self.family = family
         self.transformer_ref = weakref.ref(transformer)
@@ -226,7 +226,7 @@ class PAROProcessor(_BoundProcessor):
     # -- checks ------------------------------------------------------------------------------
     def plan_problems(self, binding: Binding) -> list[str]:
         """Ways the plan does not fit the bound transformer (empty when it fits)."""
-        plan, transformer, family = self.plan, binding.transformer, binding.family
+        plan, transformer = self.plan, binding.transformer
         problems = []
         if plan.model_class and plan.model_class != binding.transformer_class:
             problems.append(f"plan was calibrated for {plan.model_class}; this model is {binding.transformer_class}")

@@ -8,7 +8,7 @@ Processors then read `tracker.current` instead of guessing.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from .base import CallInputs, FamilyAdapter
 

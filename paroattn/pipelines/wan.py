@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from ..layout import TokenLayout
-from .base import VAE_SPATIAL, VAE_TEMPORAL, CallInputs, FamilyAdapter, SelfAttentionCall, timestep_value
+from .base import (
+    VAE_SPATIAL,
+    VAE_TEMPORAL,
+    CallInputs,
+    FamilyAdapter,
+    SelfAttentionCall,
+    dispatch_dense,
+    timestep_value,
+)
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -86,19 +94,7 @@ class WanAdapter(FamilyAdapter):
         )
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        out = dispatch_attention_fn(
-            call.q.transpose(1, 2),
-            call.k.transpose(1, 2),
-            call.v.transpose(1, 2),
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=backend,
-            parallel_config=parallel_config,
-        )
-        return out.transpose(1, 2)
+        return dispatch_dense(call, attention_mask, backend, parallel_config)
 
     def finish(self, attn, out, call):
         out = out.transpose(1, 2).flatten(2, 3).type_as(call.q)
