@@ -48,7 +48,7 @@ SHAPES = {
 }
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
 DENSITIES = [1.0, 0.5, 0.3, 0.2]
-BLOCK = 64  # key block; the query block is `--block-q` (64, or 128: two warpgroups per program)
+BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
 # (num_warps, num_stages, gather_kv) per query block; the first run showed 8 warps on 64 rows and
@@ -77,7 +77,7 @@ def _input_sets(B, H, N, D, dtype, generator):
             for _ in range(count)]
 
 
-def _flex(mask: torch.Tensor, N: int, block_q: int = BLOCK):
+def _flex(mask: torch.Tensor, N: int, block_q: int = BLOCK, block_k: int = BLOCK):
     """A compiled flex_attention and the BlockMask of `mask` (all active blocks full), or an error."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -86,7 +86,7 @@ def _flex(mask: torch.Tensor, N: int, block_q: int = BLOCK):
     counts = m.sum(-1, dtype=torch.int32)[None]
     indices = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)[None]
     block_mask = BlockMask.from_kv_blocks(
-        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=(block_q, BLOCK), seq_lengths=(N, N)
+        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=(block_q, block_k), seq_lengths=(N, N)
     )
     compiled = torch.compile(flex_attention, dynamic=False)
     return compiled, block_mask
@@ -134,7 +134,7 @@ def _host_overhead(call, sets, calls=200) -> dict:
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK) -> dict:
+        block_q=BLOCK, block_k=BLOCK) -> dict:
     import triton
 
     shapes = shapes or list(SHAPES)
@@ -146,7 +146,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        "block": [block_q, BLOCK],
+        "block": [block_q, block_k],
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -166,8 +166,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         flops = 4.0 * B * H * N * N * D
         sets = _input_sets(B, H, N, D, torch.bfloat16, g)
         orders_cpu = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1))
-        nq, nk = -(-N // block_q), -(-N // BLOCK)
-        flex_tiles = {"BLOCK_M": block_q, "BLOCK_N": BLOCK}
+        nq, nk = -(-N // block_q), -(-N // block_k)
+        flex_tiles = {"BLOCK_M": block_q, "BLOCK_N": block_k}
 
         def record(method, density, ms, error=None, **extra):
             row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "method": method, "density": density,
@@ -196,7 +196,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             record("sageattn", 1.0, ms, err)
 
         if sweep and SWEEP_SHAPES.get(D) == name:
-            _sweep_and_pin(results, name, layout, H, D, (block_q, BLOCK), orders_cpu, sets, modes, warmup, rep)
+            _sweep_and_pin(results, name, layout, H, D, (block_q, block_k), orders_cpu, sets, modes, warmup, rep)
         for density in densities:
             mask = synthetic_block_mask(H, nq, nk, density, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
@@ -207,10 +207,10 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                 record("flex", density, None, "skipped at D=64 (wrong results / illegal address, DESIGN.md 7)")
             elif flex:
                 def flex_time():
-                    fa, block_mask = _flex(mask, N, block_q)
+                    fa, block_mask = _flex(mask, N, block_q, block_k)
                     q, k, v = sets[0]
                     reference = paro_attention(q, k, v, layout=layout, orders=torch.zeros(H, dtype=torch.long),
-                                               block_mask=blocks, block_size=(block_q, BLOCK), backend="triton")
+                                               block_mask=blocks, block_size=(block_q, block_k), backend="triton")
                     out = fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles)
                     err = float((out.float() - reference.float()).norm() / reference.float().norm())
                     return _median_ms(lambda q, k, v: fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles),
@@ -224,21 +224,21 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             for qk, pv in modes:
                 def paro(q, k, v, qk=qk, pv=pv):
                     return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk, pv=pv,
-                                          block_size=(block_q, BLOCK), backend="triton")
+                                          block_size=(block_q, block_k), backend="triton")
 
                 ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
                 row = record(f"paro-{qk}-{pv}", density, ms, err, mask_density=actual,
-                             config=vars(triton_backend.kernel_config(D, block_q, BLOCK, qk, pv)))
+                             config=vars(triton_backend.kernel_config(D, block_q, block_k, qk, pv)))
                 if sdpa_ms and ms:
                     row["speedup_vs_sdpa"] = sdpa_ms / ms
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
-            gather = triton_backend.kernel_config(D, block_q, BLOCK, qk, pv).gather_kv
+            gather = triton_backend.kernel_config(D, block_q, block_k, qk, pv).gather_kv
 
             def prologue(q, k, v, qk=qk, pv=pv, gather=gather):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,
-                                                 layout.width, BLOCK, qk, pv, gather)
+                                                 layout.width, block_k, qk, pv, gather)
 
             ms, err = _try(lambda: _median_ms(prologue, sets, warmup, rep))
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
@@ -249,7 +249,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
 
             def paro_short(q, k, v):
                 return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk="int8",
-                                      pv="fp8", block_size=(block_q, BLOCK), backend="triton")
+                                      pv="fp8", block_size=(block_q, block_k), backend="triton")
 
             host, err = _try(lambda: _host_overhead(paro_short, sets))
             results["host"] = host or {"error": err}
@@ -272,8 +272,8 @@ def _write(results: dict, out_dir) -> Path | None:
     if out_dir is None:
         return None
     slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")
-    block_q = results["block"][0] if isinstance(results["block"], list) else results["block"]
-    suffix = "" if block_q == BLOCK else f"-bq{block_q}"
+    block_q, block_k = results["block"] if isinstance(results["block"], list) else (results["block"],) * 2
+    suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}" + ("" if block_k == BLOCK else f"-bk{block_k}")
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -365,7 +365,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the JSON")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--block-q", type=int, default=BLOCK, choices=(64, 128),
-                        help="query block (tile rows); key blocks are 64")
+                        help="query block (tile rows)")
+    parser.add_argument("--block-k", type=int, default=BLOCK, choices=(64, 128), help="key block")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:
@@ -381,6 +382,7 @@ def main(argv=None) -> dict:
         out_dir=args.out,
         rep=args.rep,
         block_q=args.block_q,
+        block_k=args.block_k,
     )
 
 

@@ -82,6 +82,11 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
     (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
+    # 128 x 128 tiles (a plan with block_size=128), same sweep and date; at D=128 4 warps is 2x slower
+    (64, 128, 128, "bf16", "bf16"): KernelConfig(4, 3),
+    (64, 128, 128, "int8", "fp8"): KernelConfig(4, 3),
+    (128, 128, 128, "bf16", "bf16"): KernelConfig(8, 3),
+    (128, 128, 128, "int8", "fp8"): KernelConfig(8, 3),
 }
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
