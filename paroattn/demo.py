@@ -294,6 +294,9 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
     paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend)
     log(f"PARO d={plan.achieved_density():.2f} qk={qk} pv={pv}: {paro_t['total_s']:.1f} s total, "
         f"{paro_t['attention_s']:.1f} s in self-attention layers")
+    if not device.startswith("cuda") or backend == "torch":
+        log("  (PARO ran the torch reference op, which emulates the kernels exactly but is no faster than "
+            "dense; the speedups are the Triton kernels' on a GPU: BENCHMARKS.md)")
     metrics = compare(dense, paro)
     per_prompt = [compare(dense[i:i + 1], paro[i:i + 1]) for i in range(len(prompts))]
     for prompt, m in zip(prompts, per_prompt):

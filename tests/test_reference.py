@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from paroattn import PAROInputError, TokenLayout, paro_attention
+from paroattn.kernels import reference
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.layout import reorder_index
 from paroattn.masks import dense_mask_from_blocks, synthetic_block_mask
@@ -33,7 +34,7 @@ def _dense_mask_in_original_order(layout, orders, block_mask, bq, bk):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("D", [64, 128])
-def test_all_true_mask_equals_sdpa_for_any_orders(layout, D):
+def test_all_true_mask_equals_sdpa_for_any_orders(layout, D, reference_path):
     q, k, v = _qkv(layout, D=D)
     orders = torch.tensor([0, 3, 5, 2])
     bs = 16
@@ -44,9 +45,18 @@ def test_all_true_mask_equals_sdpa_for_any_orders(layout, D):
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.fixture(params=["fused", "loop"])
+def reference_path(request, monkeypatch):
+    """float32 unquantized calls take one masked SDPA call when the mask is small, the chunked
+    loop (what every other mode uses) otherwise: test both."""
+    if request.param == "loop":
+        monkeypatch.setattr(reference, "_SDPA_MASK_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block_size", [16, (16, 32), (32, 16)])
-def test_random_block_mask_equals_sdpa_with_dense_mask(layout, block_size):
+def test_random_block_mask_equals_sdpa_with_dense_mask(layout, block_size, reference_path):
     q, k, v = _qkv(layout, B=2, H=3, D=64, seed=1)
     bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
     n = layout.seq_len
@@ -65,7 +75,7 @@ def test_random_block_mask_equals_sdpa_with_dense_mask(layout, block_size):
     assert torch.equal(out_lists, out)
 
 
-def test_rows_without_active_blocks_output_zeros():
+def test_rows_without_active_blocks_output_zeros(reference_path):
     layout = TokenLayout(5, 2, 4, 4)
     q, k, v = _qkv(layout, B=1, H=2)
     nq = -(-layout.seq_len // 16)

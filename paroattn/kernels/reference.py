@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..layout import TokenLayout, reorder_index
+from ..layout import TokenLayout, reorder_index, reorder_indices
+from ..masks import dense_mask_from_blocks
 
 QK_MODES = ("bf16", "int8", "int4")
 PV_MODES = ("bf16", "fp8", "int8")
@@ -28,6 +30,8 @@ PV_QMAX = {"int8": 127.0, "fp8": 448.0}
 QUANT_EPS = 1e-8
 # queries per chunk of the reference loop: bounds its memory to ~CHUNK * N floats
 _QUERY_CHUNK = 1024
+# float32 without quantization goes through SDPA with a token mask of H * N * N floats up to this size
+_SDPA_MASK_ELEMENTS = 1 << 25
 
 
 def quantize_symmetric(x: torch.Tensor, dim, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +98,8 @@ def paro_attention_reference(
     B, H, N, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
+    if qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS:
+        return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
     out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
     low_precision_p = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
     index_cache: dict[int, torch.Tensor] = {}
@@ -115,13 +121,13 @@ def paro_attention_reference(
         out_h = torch.empty(B, N, D, dtype=torch.float32, device=q.device)
         for start in range(0, N, _QUERY_CHUNK):
             stop = min(start + _QUERY_CHUNK, N)
+            rows = block_mask[h, torch.arange(start, stop, device=q.device) // bq]
+            allowed = expand_block_mask(rows, bk, N)
             scores = qh[:, start:stop] @ kh.transpose(1, 2)
             if qk != "bf16":
                 row_scale = q_scale.repeat_interleave(bq, dim=1)[:, start:stop]
                 scores = scores * row_scale[:, :, None] * k_scale[:, None, :]
             scores = scores * sm_scale
-            rows = block_mask[h, torch.arange(start, stop, device=q.device) // bq]
-            allowed = expand_block_mask(rows, bk, N)
             scores = scores.masked_fill(~allowed, float("-inf"))
             row_max = scores.amax(dim=-1, keepdim=True)
             row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
@@ -134,3 +140,18 @@ def paro_attention_reference(
             out_h[:, start:stop] = torch.where(denom > 0, numer / denom.clamp_min(1e-30), torch.zeros_like(numer))
         out[:, h, index] = out_h.to(q.dtype)
     return out
+
+
+def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale) -> torch.Tensor:
+    """The float32, unquantized case in one fused call (the CPU path of `paro demo`): every head's
+    tokens gathered into its order, a token-level mask expanded from the blocks, rows without an
+    active key set to zero (SDPA would give NaN), and the rows scattered back to their positions."""
+    B, H, N, D = q.shape
+    index = reorder_indices(layout, orders, device=q.device)[None, :, :, None].expand(B, H, N, D)
+    allowed = dense_mask_from_blocks(block_mask, bq, bk, N)  # [H, N, N], reordered coordinates
+    # an additive 4-D mask takes torch's fused CPU kernel; a bool or 3-D one falls back to a slow path
+    bias = torch.zeros(1, H, N, N, dtype=q.dtype, device=q.device).masked_fill_(~allowed[None], float("-inf"))
+    gathered = [t.gather(2, index) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*gathered, attn_mask=bias, scale=sm_scale)
+    out = torch.where(allowed.any(dim=-1)[None, :, :, None], out, torch.zeros_like(out))
+    return torch.empty_like(out).scatter_(2, index, out)
