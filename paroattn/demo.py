@@ -184,6 +184,9 @@ def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 
            guidance_scale: float = DEFAULT_GUIDANCE) -> tuple[np.ndarray, dict]:
     """(frames [B, F, H, W, 3] float32 in [0, 1], {"total_s", "attention_s"})."""
     cuda = pipe.transformer.device.type == "cuda"
+    if cuda:
+        # one untimed step first: Triton compiles its kernels and cuDNN picks its plans on first use
+        pipe(prompts[:1], num_inference_steps=1, guidance_scale=guidance_scale, output_type="np")
     with attention_timer(pipe) as timer:
         if cuda:
             torch.cuda.synchronize()
