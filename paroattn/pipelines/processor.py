@@ -314,6 +314,17 @@ class PAROProcessor(_BoundProcessor):
     def attend(self, binding, attn, layer, call, attention_mask):
         if binding.static_problem or binding.call_problem:
             return self.dense(binding, attn, call, attention_mask)
+        if self._parallel_config is not None:
+            # diffusers' context/tensor parallelism hands each GPU a shard of the sequence or heads:
+            # per-head orders and block masks of the whole sequence would silently apply to the wrong tokens
+            message = (
+                "PARO does not run under diffusers' parallel attention (enable_parallelism): each GPU sees only a "
+                "shard of the sequence or heads. Run one pipeline per GPU instead"
+            )
+            if self.on_mismatch == "error":
+                raise NotImplementedError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
+            binding.warn_once("parallel", message + "; running the model's own attention (on_mismatch='dense')")
+            return self.dense(binding, attn, call, attention_mask)
         plan, layout = self.plan, binding.inputs.layout
         if bool(plan.dense[binding.bucket, layer]):
             return self.dense(binding, attn, call, attention_mask)
