@@ -56,7 +56,7 @@ def calibrate(
     width: int | None = typer.Option(None, help="generation width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
     steps: int = typer.Option(50, help="denoising steps of each calibration run"),
-    buckets: int = typer.Option(6, help="timestep buckets: the first half of the steps split into N-1, one shared by the rest"),
+    buckets: int = typer.Option(6, help="timestep buckets: timesteps above 500 split into N-1, one shared by the rest"),
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges on 0..1000, e.g. '1000,800,500,0' (overrides --buckets)"),
     stat_every: int = typer.Option(2, help="capture statistics at every k-th step (the pipeline still runs every step)"),
     metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),

@@ -76,8 +76,8 @@ def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = D
     """Run the dense pipeline on `prompts` (one batch) and accumulate the block statistics of
     softmax(QK^T) at every step, for all candidate orders and for the identity order."""
     from .calibrate import StatsAccumulator, block_stats
-    from .calibrate.driver import bucket_of
     from .pipelines import capture_attention, self_attention_layers
+    from .plan import bucket_index
 
     edges = default_bucket_edges(num_buckets)
     layers = len(self_attention_layers(pipe))
@@ -90,7 +90,7 @@ def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = D
             state["every"] = StatsAccumulator(layers, num_buckets, candidates, layout.seq_len, block_size)
             state["identity"] = StatsAccumulator(layers, num_buckets, [0], layout.seq_len, block_size)
         every, identity = state["every"], state["identity"]
-        bucket = bucket_of(edges, float(timestep))
+        bucket = bucket_index(edges, float(timestep))
         state["bucket"] = bucket
         mass, pmax, below = block_stats(q, k, layout, every.candidate_orders, block_size, backend=backend, extras=True)
         every.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
@@ -114,8 +114,9 @@ def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = D
 def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: str = "bf16", pv: str = "bf16",
                     identity: bool = False, metric: str = "mass", quant_weight: float | None = None):
     """(Plan, CalibrationResult) at `density` from captured statistics. Orders come from every
-    candidate (or FHW alone with `identity`); `quant_weight` defaults to the calibration driver's
-    choice (0.01 when QK or PV is quantized, else 0)."""
+    candidate (or FHW alone with `identity`); `quant_weight` defaults to 0.01 when QK or PV is
+    quantized (the shipped `_quant` plans; `paro calibrate` takes `--quant-weight 0.01` for the same),
+    else 0."""
     if quant_weight is None:
         quant_weight = 0.01 if (qk != "bf16" or pv != "bf16") else 0.0
     accumulator = stats.identity if identity else stats.every_order

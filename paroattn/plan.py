@@ -50,16 +50,41 @@ def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return bits.reshape(-1)[:count].to(torch.bool).reshape(shape)
 
 
-def default_bucket_edges(num_buckets: int = 6, dense_fraction_of_steps: float = 0.5) -> list[float]:
-    """Descending timestep edges on the 0..1000 scale: the first half of the schedule split into
-    `num_buckets - 1` equal buckets, the second half shared by one (the paper's scheme)."""
+def default_bucket_edges(num_buckets: int = 6, shared_fraction: float = 0.5) -> list[float]:
+    """Descending timestep edges on the 0..1000 scale: timesteps above 500 (the upper half of the
+    range) split into `num_buckets - 1` equal buckets, the rest shared by one, after the paper's
+    "first half of the steps". With a flow-shifted schedule (Wan, Flux) more than half of the steps
+    lie above t=500, so the early buckets cover more steps there; the split is in timesteps, so
+    calibration and inference agree whatever the scheduler."""
     if num_buckets < 1:
         raise ValueError("num_buckets must be >= 1")
     if num_buckets == 1:
         return [1000.0, 0.0]
-    split = 1000.0 * (1.0 - dense_fraction_of_steps)
+    split = 1000.0 * shared_fraction
     early = [1000.0 - i * (1000.0 - split) / (num_buckets - 1) for i in range(num_buckets)]
     return early + [0.0]
+
+
+def bucket_edges_problem(edges: list[float]) -> str | None:
+    """Why `edges` cannot bucket timesteps, or None: they must run from 1000 down to 0, strictly
+    descending, on the 0..1000 scale every family's timestep is brought to."""
+    if len(edges) < 2 or any(a <= b for a, b in zip(edges, edges[1:])):
+        return f"bucket_edges must be at least two strictly descending timesteps, got {list(edges)}"
+    if edges[0] != 1000.0 or edges[-1] != 0.0:
+        return (
+            f"bucket_edges {list(edges)} must run from 1000 down to 0 on the 0..1000 timestep scale "
+            "(Flux's t/1000 is multiplied by 1000 before bucketing), e.g. [1000, 800, 500, 0]"
+        )
+    return None
+
+
+def bucket_index(edges: list[float], timestep: float) -> int:
+    """Bucket of a timestep on the 0..1000 scale under descending `edges`: bucket b holds
+    `edges[b] >= t > edges[b+1]`, the last bucket also t = edges[-1]."""
+    for b in range(len(edges) - 2):
+        if timestep > edges[b + 1]:
+            return b
+    return len(edges) - 2
 
 
 @dataclass
@@ -131,11 +156,7 @@ class Plan:
 
     def bucket_of(self, timestep: float) -> int:
         """Bucket index of a timestep on the 0..1000 scale."""
-        edges = self.bucket_edges
-        for b in range(self.num_buckets - 1):
-            if timestep > edges[b + 1]:
-                return b
-        return self.num_buckets - 1
+        return bucket_index(self.bucket_edges, timestep)
 
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:
@@ -166,8 +187,9 @@ class Plan:
                 f"[buckets, layers, heads, nq, nk] = {list(expected)} from {buckets} buckets, orders "
                 f"{L}x{H}, and {self.layout.seq_len} tokens in blocks of {self.block_size}"
             )
-        if buckets < 1 or any(a <= b for a, b in zip(self.bucket_edges, self.bucket_edges[1:])):
-            raise PlanError(f"plan bucket_edges must be at least two strictly descending timesteps, got {self.bucket_edges}")
+        problem = bucket_edges_problem(self.bucket_edges)
+        if problem:
+            raise PlanError(f"plan {problem}")
         if self.density is None or tuple(self.density.shape) != (buckets, L, H):
             found = None if self.density is None else tuple(self.density.shape)
             raise PlanError(f"plan density must be [buckets, layers, heads] = {[buckets, L, H]}, got {found}")
@@ -180,6 +202,21 @@ class Plan:
             raise PlanError(
                 f"plan block_mask has an empty row (bucket {b}, layer {layer}, head {h}, query block {row}): "
                 "every query block must attend to at least its diagonal block; the plan is corrupt, recalibrate"
+            )
+        if nq == nk:
+            off_diagonal = ~self.block_mask.diagonal(dim1=-2, dim2=-1)
+            if bool(off_diagonal.any()):
+                b, layer, h, row = (int(i) for i in off_diagonal.nonzero()[0])
+                raise PlanError(
+                    f"plan block_mask lacks the diagonal block of bucket {b}, layer {layer}, head {h}, query block "
+                    f"{row}: plans always keep the diagonal; the plan is corrupt, recalibrate"
+                )
+        actual = self.block_mask.float().mean(dim=(-1, -2))
+        if not torch.allclose(self.density, actual, atol=1e-4):
+            worst = float((self.density - actual).abs().max())
+            raise PlanError(
+                f"plan density disagrees with its masks by up to {worst:.4f}: density must be each mask's "
+                "fraction of active blocks; the plan is corrupt, recalibrate"
             )
 
     # -- IO ----------------------------------------------------------------------------------

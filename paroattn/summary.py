@@ -18,7 +18,7 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
         f"quantization qk={plan.qk} pv={plan.pv}",
         f"density      target {plan.target_density:.3f}, achieved {plan.achieved_density():.3f}",
         "buckets      " + ", ".join(
-            f"{b}: ({plan.bucket_edges[b]:g}, {plan.bucket_edges[b + 1]:g}]" for b in range(plan.num_buckets)
+            f"{b}: ({plan.bucket_edges[b + 1]:g}, {plan.bucket_edges[b]:g}]" for b in range(plan.num_buckets)
         ),
     ]
     if size_on_disk is not None:

@@ -8,10 +8,8 @@ from paroattn import Plan, TokenLayout
 from paroattn.calibrate.accumulate import StatsAccumulator
 from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
-from paroattn.calibrate.driver import bucket_of
 from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
-from paroattn.plan import default_bucket_edges
 
 
 def _close(got, want, atol=2e-5):
@@ -128,15 +126,6 @@ def test_kept_mass_fraction_counts_the_best_blocks():
     assert torch.allclose(kept_mass_fraction(mass, 0.5), torch.tensor([1.0]))
 
 
-def test_bucket_of_agrees_with_plan():
-    layout = TokenLayout(0, 1, 2, 2)
-    for buckets in (1, 2, 6):
-        plan = Plan.synthetic(layout=layout, num_layers=1, num_heads=1, num_buckets=buckets, block_size=16)
-        edges = default_bucket_edges(buckets)
-        for t in (1000.0, 999.0, 900.0, 600.0, 500.0, 499.5, 1.0, 0.0):
-            assert bucket_of(edges, t) == plan.bucket_of(t)
-
-
 def test_paper_metric_is_an_option():
     layout = TokenLayout(0, 4, 8, 8)
     q, k = planted_qk(layout, [0, 1, 2], generator=torch.Generator().manual_seed(5))
@@ -227,3 +216,11 @@ def test_figures_without_stats_draw_the_masks_and_say_why(tmp_path):
         assert image.width > 2 * 100 and image.height > 100
     with pytest.raises(ValueError, match="not in the plan"):
         draw_plan_heads(plan, [(3, 0)], tmp_path)
+
+
+def test_calibration_refuses_bucket_edges_off_the_timestep_scale_before_running():
+    from paroattn.calibrate.driver import CalibrationConfig
+
+    with pytest.raises(ValueError, match="from 1000 down to 0"):
+        CalibrationConfig(bucket_edges=[1.0, 0.5, 0.0]).validate()
+    CalibrationConfig(bucket_edges=[1000.0, 800.0, 500.0, 0.0]).validate()

@@ -18,7 +18,7 @@ def test_inspect_prints_a_summary(tmp_path):
     assert "WanTransformer3DModel" in out and "10 + 2x4x6" in out
     assert "HWF:6" in out and "FHW:0" in out
     assert "dense" in out and "KiB" in out
-    assert "(1000, 500]" in out
+    assert "0: (500, 1000]" in out and "1: (0, 500]" in out
 
 
 def test_inspect_reports_bad_files_without_a_traceback(tmp_path):

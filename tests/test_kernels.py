@@ -262,3 +262,14 @@ def test_in_kernel_gathers_instead_of_reordered_copies(qk, pv):
     finally:
         triton_backend.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= BOUND[pv]
+
+
+def test_inputs_that_require_grad_are_refused_not_silently_detached():
+    q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=12)
+    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
+    kwargs = dict(layout=LAYOUT, orders=torch.tensor([0, 1]), block_size=SMALL_BLOCK, backend="triton",
+                  block_mask=torch.ones(2, n_blocks, n_blocks, dtype=torch.bool))
+    with pytest.raises(PAROInputError, match="inference-only"):
+        paro_attention(q.requires_grad_(), k, v, **kwargs)
+    with torch.no_grad():
+        assert torch.isfinite(paro_attention(q, k, v, **kwargs)).all()

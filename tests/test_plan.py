@@ -153,3 +153,22 @@ def test_synthetic_density_is_close_to_target():
         plan = _plan(layout=TokenLayout(0, 8, 16, 16), block_size=32, density=density)
         assert abs(plan.achieved_density() - density) < 0.05
     assert _plan(density=1.0).block_mask.all()
+
+
+def test_edges_off_the_timestep_scale_missing_diagonal_and_wrong_density_are_refused():
+    plan = _plan()
+    with pytest.raises(PlanError, match="from 1000 down to 0 on the 0..1000 timestep scale"):
+        Plan(**{**_fields(plan), "bucket_edges": [1.0, 0.75, 0.5, 0.0]})
+    mask = plan.block_mask.clone()
+    mask[2, 0, 1, 3, 3] = False
+    mask[2, 0, 1, 3, 0] = True  # the row stays non-empty: only the diagonal is missing
+    with pytest.raises(PlanError, match="lacks the diagonal block of bucket 2, layer 0, head 1, query block 3"):
+        Plan(**{**_fields(plan), "block_mask": mask, "density": None})
+    with pytest.raises(PlanError, match="density disagrees with its masks"):
+        Plan(**{**_fields(plan), "density": plan.density + 0.01})
+
+
+def _fields(plan):
+    from dataclasses import fields
+
+    return {f.name: getattr(plan, f.name) for f in fields(plan)}

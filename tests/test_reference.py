@@ -170,3 +170,17 @@ def test_bad_inputs_raise_clear_errors():
         paro_attention(q, k, v, **{**ok, "block_mask": mask.float()})
     with pytest.raises(PAROInputError, match="one shape"):
         paro_attention(q, k[:, :1], v, **ok)
+
+
+def test_active_blocks_reject_lists_a_kernel_would_misread():
+    mask = torch.rand(2, 4, 6, generator=torch.Generator().manual_seed(9)) < 0.5
+    mask[..., 0] = mask[..., 5] = True
+    lists = ActiveBlocks.from_mask(mask)
+    descending = lists.indices.clone()
+    descending[0, 0, : int(lists.counts[0, 0])] = descending[0, 0, : int(lists.counts[0, 0])].flip(0)
+    with pytest.raises(PAROInputError, match="strictly ascending"):
+        ActiveBlocks(lists.counts, descending, 6)
+    out_of_range = lists.indices.clone()
+    out_of_range[1, 2, 0] = 6
+    with pytest.raises(PAROInputError, match=r"key blocks in 0\.\.5"):
+        ActiveBlocks(lists.counts, out_of_range, 6)

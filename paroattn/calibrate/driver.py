@@ -20,7 +20,7 @@ import torch
 
 from ..kernels.reference import PV_MODES, QK_MODES
 from ..layout import ORDERS, TokenLayout
-from ..plan import Plan, default_bucket_edges, model_fingerprint
+from ..plan import Plan, bucket_edges_problem, bucket_index, default_bucket_edges, model_fingerprint
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .selection import METRICS
@@ -38,7 +38,7 @@ class CalibrationConfig:
     height: int | None = None  # generation size; None: the pipeline's default
     width: int | None = None
     frames: int | None = None
-    num_buckets: int = 6  # default edges: the first half of the schedule in num_buckets-1 buckets, one for the rest
+    num_buckets: int = 6  # default edges: timesteps above 500 in num_buckets-1 buckets, one for the rest
     bucket_edges: list[float] | None = None  # descending timesteps on 0..1000; overrides num_buckets
     # capture statistics at every k-th step (the pipeline still runs every step). 2 keeps a full-size
     # CogVideoX-5B or Wan2.1-1.3B calibration (2 prompts x 50 steps) under 10 minutes on one H200
@@ -67,20 +67,12 @@ class CalibrationConfig:
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
         if self.steps < 1 or self.stat_every < 1:
             raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
+        problem = bucket_edges_problem([float(e) for e in self.edges()])
+        if problem:
+            raise ValueError(problem)
 
     def edges(self) -> list[float]:
         return list(self.bucket_edges) if self.bucket_edges is not None else default_bucket_edges(self.num_buckets)
-
-    def effective_quant_weight(self) -> float:
-        return float(self.quant_weight)
-
-
-def bucket_of(edges: list[float], timestep: float) -> int:
-    """Bucket of a timestep on the 0..1000 scale under descending `edges` (as `Plan.bucket_of`)."""
-    for b in range(len(edges) - 2):
-        if timestep > edges[b + 1]:
-            return b
-    return len(edges) - 2
 
 
 class _Progress:
@@ -158,7 +150,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
     L = len(layers)
     edges = config.edges()
     # max and count below eps feed only the incoherence and block-sparse terms
-    extras = config.metric == "paper" or config.effective_quant_weight() > 0
+    extras = config.metric == "paper" or config.quant_weight > 0
     state = {"step": 0, "layout": None, "acc": None, "bucket": 0, "stats_s": 0.0, "captures": 0}
     timings = {"pipeline_s": 0.0}
 
@@ -170,7 +162,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
                 f"calibration saw two token layouts ({state['layout']} and {layout}); calibrate one "
                 "generation size at a time"
             )
-        bucket = bucket_of(edges, float(timestep))
+        bucket = bucket_index(edges, float(timestep))
         state["bucket"] = bucket
         if state["step"] % config.stat_every == 0:
             if state["acc"] is None:
@@ -219,7 +211,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
     # selection runs on the GPU even when the sums live in host memory (as timed in BENCHMARKS.md)
     compute = "cuda" if torch.cuda.is_available() else "cpu"
     result = acc.finalize(
-        config.density, layout.prefix, metric=config.metric, quant_weight=config.effective_quant_weight(),
+        config.density, layout.prefix, metric=config.metric, quant_weight=config.quant_weight,
         alpha=config.alpha, compute_device=compute, figure_layers=figure_layers,
     )
     timings["select_s"] = time.perf_counter() - start

@@ -25,6 +25,33 @@ class ActiveBlocks:
     num_key_blocks: int
     schedule: torch.Tensor | None = None  # int32 [H, nq]: query blocks of each head, heaviest first
 
+    def __post_init__(self):
+        # kernels rely on each list being ascending (only a list's last entry can be the sequence's
+        # partial last key block); checked where it costs no device sync, i.e. for lists on the host,
+        # which is where `from_mask` results and plans' lists are built
+        if self.indices.device.type == "cpu":
+            self.validate()
+
+    def validate(self) -> None:
+        """Raise PAROInputError unless every list holds distinct key blocks in ascending order."""
+        from ..errors import PAROInputError
+
+        H, nq, max_active = self.indices.shape
+        nk = self.num_key_blocks
+        if tuple(self.counts.shape) != (H, nq):
+            raise PAROInputError(f"ActiveBlocks counts must be [H, nq] = [{H}, {nq}], got {tuple(self.counts.shape)}")
+        if self.counts.numel() and (int(self.counts.min()) < 0 or int(self.counts.max()) > min(nk, max_active)):
+            raise PAROInputError(f"ActiveBlocks counts must be in 0..{min(nk, max_active)}; build lists with from_mask")
+        valid = torch.arange(max_active, device=self.indices.device) < self.counts[..., None]
+        index = self.indices.long()
+        if bool(((index < 0) | (index >= nk))[valid].any()):
+            raise PAROInputError(f"ActiveBlocks indices must be key blocks in 0..{nk - 1}; build lists with from_mask")
+        if max_active > 1 and bool((index[..., 1:] <= index[..., :-1])[valid[..., 1:]].any()):
+            raise PAROInputError(
+                "ActiveBlocks lists must be strictly ascending (the kernel masks the partial last key block only "
+                "as a list's last entry); build lists with ActiveBlocks.from_mask"
+            )
+
     @classmethod
     def from_mask(cls, block_mask: torch.Tensor) -> ActiveBlocks:
         """bool [H, nq, nk] -> lists. Padding entries repeat index 0 and are never read (count bounds the loop)."""

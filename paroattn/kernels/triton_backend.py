@@ -274,6 +274,11 @@ def paro_attention_triton(
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller."""
     check_triton_inputs(q, bq, bk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise PAROInputError(
+            "the triton backend is inference-only (no backward): q, k or v requires grad. Run under "
+            "torch.no_grad() / torch.inference_mode() (diffusers pipelines do), or use backend='torch' to train"
+        )
     device = q.device
     blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(device))
     if blocks.counts.device != device:
