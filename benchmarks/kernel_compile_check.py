@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
 
-MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
+MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
 SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2"]
 
 

@@ -39,7 +39,7 @@ SHAPES = {
     "wan2.1-14b": (1, 40, TokenLayout(0, 21, 30, 52), 128, True),
     "flux.1-dev": (1, 24, TokenLayout(512, 1, 64, 64), 128, True),
 }
-MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
+MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "bf16"), ("int4", "fp8")]
 
 
 def rel_err(out, ref):
