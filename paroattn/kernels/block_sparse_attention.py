@@ -43,6 +43,11 @@ PV_FP, PV_FP8, PV_INT8 = 0, 1, 2
 QUANT_EPS = tl.constexpr(1e-8)  # same as reference.QUANT_EPS
 
 
+# Quantization divides with IEEE round-to-nearest (`div_rn`), as torch does in the reference: Triton's
+# plain `/` on a GPU is the approximate division, and bf16 inputs can land exactly on rounding ties
+# (x / scale = k + 0.5), where an ulp of division error would round the other way.
+
+
 @triton.jit
 def _round_half_even(x):
     # exact round-to-nearest-even for |x| < 2**22 in float32: adding 1.5 * 2**23 leaves no fraction bits
@@ -82,8 +87,8 @@ def _kv_prologue_kernel(
             k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
             mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
             k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
-            scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS) / qmax
-            kq = tl.minimum(tl.maximum(_round_half_even(k / scale), -qmax), qmax).to(tl.int8)
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
+            kq = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(k, scale)), -qmax), qmax).to(tl.int8)
             tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
         else:
             HALF: tl.constexpr = HEAD_DIM // 2
@@ -96,9 +101,9 @@ def _kv_prologue_kernel(
             lo = tl.where(valid[:, None], lo.to(tl.float32) - mean_lo[None, :], 0.0)
             hi = tl.where(valid[:, None], hi.to(tl.float32) - mean_hi[None, :], 0.0)
             amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
-            scale = tl.maximum(amax, QUANT_EPS) / qmax
-            lo_q = tl.minimum(tl.maximum(_round_half_even(lo / scale), -qmax), qmax).to(tl.int32)
-            hi_q = tl.minimum(tl.maximum(_round_half_even(hi / scale), -qmax), qmax).to(tl.int32)
+            scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), qmax)
+            lo_q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(lo, scale)), -qmax), qmax).to(tl.int32)
+            hi_q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(hi, scale)), -qmax), qmax).to(tl.int32)
             packed = (hi_q * 16 + (lo_q & 15)).to(tl.int8)
             tl.store(KQ + bh64 * N_PAD * HALF + offs_n[:, None] * HALF + offs_h[None, :], packed)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
@@ -112,8 +117,9 @@ def _kv_prologue_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
         v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
-        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / (448.0 if PV_MODE == 1 else 127.0)
-        v = v.to(tl.float32) / v_scale[None, :]
+        v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
+                                 448.0 if PV_MODE == 1 else 127.0)
+        v = tl.math.div_rn(v.to(tl.float32), v_scale[None, :])
         # transposed store: VQ[bh, d, n]
         dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
         if PV_MODE == 1:
@@ -224,8 +230,8 @@ def _attention_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
         q = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS) / 127.0
-        q_a = tl.minimum(tl.maximum(_round_half_even(q / q_scale), -127.0), 127.0).to(tl.int8)
+        q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), 127.0)
+        q_a = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(q, q_scale)), -127.0), 127.0).to(tl.int8)
         q_b = q_a
         score_scale = q_scale * qk_scale
     else:
@@ -235,9 +241,9 @@ def _attention_kernel(
         lo = tl.load(ptr, mask=valid_m[:, None], other=0.0).to(tl.float32)
         hi = tl.load(ptr + HALF * stride_qd, mask=valid_m[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
-        q_scale = tl.maximum(amax, QUANT_EPS) / 7.0
-        q_a = tl.minimum(tl.maximum(_round_half_even(lo / q_scale), -7.0), 7.0).to(tl.int8)
-        q_b = tl.minimum(tl.maximum(_round_half_even(hi / q_scale), -7.0), 7.0).to(tl.int8)
+        q_scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), 7.0)
+        q_a = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(lo, q_scale)), -7.0), 7.0).to(tl.int8)
+        q_b = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(hi, q_scale)), -7.0), 7.0).to(tl.int8)
         score_scale = q_scale * qk_scale
 
     k_base = K + b64 * stride_kb + h64 * stride_kh
