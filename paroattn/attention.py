@@ -62,10 +62,11 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
         )
     if orders.shape != (H,):
         raise PAROInputError(f"orders must have shape [H] = [{H}], got {tuple(orders.shape)}")
-    # reading values syncs with the device and cannot be traced or captured: under torch.compile and
-    # CUDA-graph capture the orders are trusted (plans validate them when loaded)
-    tracing = torch.compiler.is_compiling() or (orders.is_cuda and torch.cuda.is_current_stream_capturing())
-    if orders.numel() and not tracing and (int(orders.min()) < 0 or int(orders.max()) >= len(ORDERS)):
+    # reading the values of a device tensor would sync every call (and cannot be traced or captured):
+    # orders on the device are trusted, as processors pass them from plans, which validate them when
+    # built or loaded; orders on the host are checked here
+    checkable = orders.device.type == "cpu" and not torch.compiler.is_compiling()
+    if orders.numel() and checkable and (int(orders.min()) < 0 or int(orders.max()) >= len(ORDERS)):
         raise PAROInputError(f"orders must index ORDERS (0..{len(ORDERS) - 1}), got values {orders.tolist()}")
     nq, nk = mask_shape(N, block_size)
     if isinstance(block_mask, ActiveBlocks):

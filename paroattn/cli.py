@@ -72,7 +72,6 @@ def calibrate(
         CalibrationConfig,
         default_prompts_file,
         describe_result,
-        load_pipeline,
         read_prompts,
         save_calibration,
     )
@@ -80,6 +79,7 @@ def calibrate(
         calibrate as run_calibration,
     )
     from .pipelines import family_of, resolve_transformer
+    from .pipelines.generate import load_pipeline
     from .summary import describe_plan
 
     try:
@@ -92,7 +92,11 @@ def calibrate(
         config.validate()
     except ValueError as exc:
         _fail(str(exc))
-    pipe = load_pipeline(model_dir, device=device, dtype=dtype)
+    try:
+        pipe = load_pipeline(model_dir, device=device, dtype=dtype)
+    except ValueError as exc:
+        _fail(str(exc))
+    pipe.set_progress_bar_config(disable=True)  # calibration shows its own bars
     family = family_of(resolve_transformer(pipe))
     if family is None:
         _fail(f"{model_dir} holds a {type(resolve_transformer(pipe)).__name__}; paro calibrate supports CogVideoX, Wan 2.1 and FLUX.1")

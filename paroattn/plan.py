@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import block_sizes, mask_shape
 from .errors import PlanError
 from .kernels.reference import PV_MODES, QK_MODES
 from .layout import ORDERS, TokenLayout
@@ -143,9 +144,7 @@ class Plan:
 
     @property
     def mask_blocks(self) -> tuple[int, int]:
-        bq, bk = self.block_size
-        n = self.layout.seq_len
-        return -(-n // bq), -(-n // bk)
+        return mask_shape(self.layout.seq_len, self.block_size)
 
     def achieved_density(self) -> float:
         """Mean fraction of active blocks over the layers and buckets PARO runs."""
@@ -337,9 +336,8 @@ class Plan:
             orders = torch.randint(0, len(ORDERS), (num_layers, num_heads), generator=g, dtype=torch.int8)
         elif isinstance(orders, str):
             orders = torch.full((num_layers, num_heads), ORDERS.index(orders), dtype=torch.int8)
-        bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
-        n = layout.seq_len
-        nq, nk = -(-n // bq), -(-n // bk)
+        bq, bk = block_sizes(block_size)
+        nq, nk = mask_shape(layout.seq_len, block_size)
         masks = torch.stack([
             synthetic_block_mask(num_layers * num_heads, nq, nk, density, generator=g).view(num_layers, num_heads, nq, nk)
             for _ in range(num_buckets)

@@ -19,10 +19,10 @@ would exceed `max_output_bytes`.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from ..kernels import interpreting
 from ..layout import TokenLayout
 from . import block_stats_reference as reference
 
@@ -125,12 +125,9 @@ if triton is not None:
                     tl.store(BELOW + out + js, old_below + tile_below, mask=j_valid)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def triton_available(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or _interpreting())
+    return triton is not None and (device.type == "cuda" or interpreting())
 
 
 def block_stats_triton(
@@ -153,7 +150,7 @@ def block_stats_triton(
         raise ValueError(f"the statistics kernel needs a power-of-two block_size >= 16, got {block_size}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
-    if _interpreting() and q.dtype == torch.bfloat16:
+    if interpreting() and q.dtype == torch.bfloat16:
         # the interpreter's bf16 dot is wrong; fp32 gives the same statistics
         q, k = q.float(), k.float()
     if q.stride(-1) != 1:

@@ -302,19 +302,6 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str | None = None):
-    """A diffusers pipeline from a local folder (or hub id), on `device` (default: CUDA if present)
-    in `dtype` (default: bfloat16 on CUDA, float32 on CPU)."""
-    from diffusers import DiffusionPipeline
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype is None:
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
-
-
 def describe_result(plan: Plan, result: CalibrationResult) -> str:
     """Lines for the end of `paro calibrate`: what the masks keep and what it cost."""
     t = plan.info.get("timings", {})

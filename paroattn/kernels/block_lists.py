@@ -23,9 +23,11 @@ class ActiveBlocks:
     counts: torch.Tensor  # int32 [H, nq]: active key blocks per query block
     indices: torch.Tensor  # int32 [H, nq, max_active]: active key block indices, ascending, padded with 0
     num_key_blocks: int
-    schedule: torch.Tensor | None = None  # int32 [H, nq]: query blocks of each head, heaviest first
+    schedule: torch.Tensor | None = None  # int32 [H, nq]: query blocks of each head, heaviest first (derived if None)
 
     def __post_init__(self):
+        if self.schedule is None:
+            self.schedule = heaviest_first(self.counts)
         # kernels rely on each list being ascending (only a list's last entry can be the sequence's
         # partial last key block); checked where it costs no device sync, i.e. for lists on the host,
         # which is where `from_mask` results and plans' lists are built
@@ -64,7 +66,7 @@ class ActiveBlocks:
         order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices[..., :max_active]
         valid = torch.arange(max_active, device=block_mask.device) < counts[..., None]
         indices = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)
-        return cls(counts.contiguous(), indices.contiguous(), nk, heaviest_first(counts))
+        return cls(counts.contiguous(), indices.contiguous(), nk)
 
     def to_mask(self) -> torch.Tensor:
         H, nq, max_active = self.indices.shape
@@ -82,18 +84,16 @@ class ActiveBlocks:
 
     @property
     def nbytes(self) -> int:
-        return self.counts.numel() * 4 + self.indices.numel() * 4
+        return (self.counts.numel() + self.indices.numel() + self.schedule.numel()) * 4
 
     def to(self, device, non_blocking: bool = False) -> ActiveBlocks:
-        schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
         return ActiveBlocks(
             self.counts.to(device, non_blocking=non_blocking),
             self.indices.to(device, non_blocking=non_blocking),
             self.num_key_blocks,
-            schedule.to(device, non_blocking=non_blocking),
+            self.schedule.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> ActiveBlocks:
-        schedule = self.schedule if self.schedule is not None else heaviest_first(self.counts)
         return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks,
-                            schedule.pin_memory())
+                            self.schedule.pin_memory())

@@ -19,7 +19,8 @@ import torch
 
 from ..errors import PAROInputError
 from ..layout import TokenLayout
-from .block_lists import ActiveBlocks, heaviest_first
+from . import interpreting
+from .block_lists import ActiveBlocks
 from .block_sparse_attention import (
     PV_FP,
     PV_FP8,
@@ -37,8 +38,6 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,11 +90,10 @@ _MEASURED: dict[tuple, KernelConfig] = {
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
 
-def _rule(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
-    # measured (H200): 8 warps on a 64-row tile is 1.7x slower than 4, and 4 warps won most 128-row
-    # sweeps too; reordered K/V copies beat in-kernel gathers by 1.3-1.5x (index arithmetic per key
-    # row, scattered rows)
-    return KernelConfig(4, 3, gather_kv=False)
+# for keys not in the table. Measured (H200): 8 warps on a 64-row tile is 1.7x slower than 4, and 4
+# warps won most 128-row sweeps too; reordered K/V copies beat in-kernel gathers by 1.3-1.5x (index
+# arithmetic per key row, scattered rows)
+_DEFAULT_CONFIG = KernelConfig(4, 3, gather_kv=False)
 
 
 def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
@@ -107,7 +105,7 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
             warps, stages, *gather = (int(x) for x in override.split(","))
             config = KernelConfig(warps, stages, bool(gather[0]) if gather else False)
         else:
-            config = _MEASURED.get(key) or _rule(*key)
+            config = _MEASURED.get(key, _DEFAULT_CONFIG)
         _CHOSEN[key] = config
     return config
 
@@ -248,12 +246,12 @@ def check_triton_inputs(q: torch.Tensor, bq: int, bk: int) -> None:
         )
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise PAROInputError(f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype}. Cast them first.")
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or interpreting()):
         raise PAROInputError(
             f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}. "
             "Use backend='torch' on the CPU."
         )
-    allowed = (16, 32, 64, 128) if _interpreting() else (32, 64, 128)
+    allowed = (16, 32, 64, 128) if interpreting() else (32, 64, 128)
     if bq not in allowed or bk not in allowed:
         raise PAROInputError(f"the triton backend supports block sizes {allowed}; got (bq, bk) = ({bq}, {bk})")
 
@@ -283,7 +281,7 @@ def paro_attention_triton(
     blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(device))
     if blocks.counts.device != device:
         blocks = blocks.to(device)
-    schedule = blocks.schedule if blocks.schedule is not None else heaviest_first(blocks.counts)
+    schedule = blocks.schedule
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     args = (q, k, v, _device_orders(orders, device), blocks.counts, blocks.indices, schedule,

@@ -112,15 +112,13 @@ def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: s
     (with on_mismatch="dense": warns and leaves the model as it is); a call at another resolution or
     frame count raises PlanError when it runs (or runs dense with a warning)."""
     transformer = resolve_transformer(pipe_or_transformer)
-    family = require_family(transformer)
     processor = PAROProcessor(plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
                               prefetch_slots=prefetch_slots)
     binding = processor.bind(transformer)
     if binding.static_problem:
         processor.unbind(binding)
         return PAROHandle(transformer, None, None, None)
-    keys = family.self_attention_layers(transformer)
-    originals = _install(transformer, processor, keys)
+    originals = _install(transformer, processor, binding.keys)
     return PAROHandle(transformer, processor, binding, originals)
 
 
@@ -131,10 +129,9 @@ def capture_attention(pipe_or_transformer, callback):
     TokenLayout, `timestep` on the 0..1000 scale (Wan calls twice per step: cond, then uncond).
     The original processors come back on exit. Yields the list of self-attention processor keys."""
     transformer = resolve_transformer(pipe_or_transformer)
-    family = require_family(transformer)
     processor = CaptureProcessor(callback)
     binding = processor.bind(transformer)
-    keys = family.self_attention_layers(transformer)
+    keys = binding.keys
     try:
         originals = _install(transformer, processor, keys)
     except Exception:

@@ -25,11 +25,6 @@ from ..plan import Plan
 RESIDENT_LIMIT_BYTES = 64 << 20
 
 
-def _nbytes(blocks: ActiveBlocks) -> int:
-    schedule = blocks.schedule.numel() * 4 if blocks.schedule is not None else 0
-    return blocks.counts.numel() * 4 + blocks.indices.numel() * 4 + schedule
-
-
 class MaskStore:
     def __init__(
         self,
@@ -96,7 +91,7 @@ class MaskStore:
     # -- sizes -------------------------------------------------------------------------------
     @property
     def host_bytes(self) -> int:
-        return sum(_nbytes(blocks) for blocks in self.host.values())
+        return sum(blocks.nbytes for blocks in self.host.values())
 
     @property
     def gpu_bytes(self) -> int:
@@ -106,7 +101,7 @@ class MaskStore:
         if self.device.type != "cuda":
             return 0
         if self.resident:
-            return sum(_nbytes(blocks) for blocks in self._gpu.values())
+            return sum(blocks.nbytes for blocks in self._gpu.values())
         return sum(t.numel() * 4 for t in self._counts + self._indices + self._schedule)
 
     def stats(self) -> dict:

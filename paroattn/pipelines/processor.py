@@ -18,16 +18,15 @@ import weakref
 
 import torch
 
-from ..attention import paro_attention
+from ..attention import BACKENDS, paro_attention
 from ..errors import PlanError
 from ..plan import Plan, model_fingerprint
 from .base import CallInputs, FamilyAdapter, SelfAttentionCall
 from .prefetch import MaskStore
-from .registry import FAMILIES, family_of
+from .registry import family_of, require_family
 from .timesteps import ForwardTracker
 
 ON_MISMATCH = ("error", "dense")
-BACKENDS = ("auto", "triton", "torch")
 
 
 class Binding:
@@ -103,13 +102,7 @@ class _BoundProcessor:
         for binding in self._bindings:
             if binding.transformer is transformer:
                 return binding
-        family = family_of(transformer)
-        if family is None:
-            supported = ", ".join(n for f in FAMILIES for n in f.transformer_classes)
-            raise TypeError(
-                f"{type(self).__name__} supports {supported}; got {type(transformer).__name__}"
-            )
-        binding = Binding(self, transformer, family)
+        binding = Binding(self, transformer, require_family(transformer))
         for layer, module in enumerate(binding.modules):
             self._entries[module] = (binding, layer)
         self._bindings.append(binding)

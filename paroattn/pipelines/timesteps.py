@@ -2,7 +2,7 @@
 
 Pipelines pass the timestep as a keyword (CogVideoX int 0..999, Wan float 0..1000 once per CFG
 branch, Flux t/1000); the adapter maps the call's arguments to `CallInputs` on the 0..1000 scale.
-Processors then read `tracker.current` instead of guessing.
+It hands each call's `CallInputs` to the processor's binding (`on_call`) instead of guessing.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ class ForwardTracker:
     def __init__(self, transformer, family: FamilyAdapter, on_call: Callable[[CallInputs], None] | None = None):
         self.family = family
         self.on_call = on_call
-        self.current: CallInputs | None = None
-        self.calls = 0
         self._signature = inspect.signature(transformer.forward)
         self._handle = transformer.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
 
@@ -28,8 +26,6 @@ class ForwardTracker:
         return None
 
     def set(self, inputs: CallInputs) -> None:
-        self.current = inputs
-        self.calls += 1
         if self.on_call is not None:
             self.on_call(inputs)
 
