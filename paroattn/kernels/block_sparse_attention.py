@@ -55,6 +55,12 @@ def _round_half_even(x):
 
 
 @triton.jit
+def _quantize(x, scale, qmax):
+    # the reference's grid (reference.quantize_symmetric): x / scale rounded to nearest, in [-qmax, qmax]
+    return tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -qmax), qmax)
+
+
+@triton.jit
 def _kv_prologue_kernel(
     K, V, KSum, VAmax, KQ, KScale, VQ,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -88,7 +94,7 @@ def _kv_prologue_kernel(
             mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
             k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
             scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
-            kq = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(k, scale)), -qmax), qmax).to(tl.int8)
+            kq = _quantize(k, scale, qmax).to(tl.int8)
             tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
         else:
             HALF: tl.constexpr = HEAD_DIM // 2
@@ -102,8 +108,8 @@ def _kv_prologue_kernel(
             hi = tl.where(valid[:, None], hi.to(tl.float32) - mean_hi[None, :], 0.0)
             amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
             scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), qmax)
-            lo_q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(lo, scale)), -qmax), qmax).to(tl.int32)
-            hi_q = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(hi, scale)), -qmax), qmax).to(tl.int32)
+            lo_q = _quantize(lo, scale, qmax).to(tl.int32)
+            hi_q = _quantize(hi, scale, qmax).to(tl.int32)
             packed = (hi_q * 16 + (lo_q & 15)).to(tl.int8)
             tl.store(KQ + bh64 * N_PAD * HALF + offs_n[:, None] * HALF + offs_h[None, :], packed)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
@@ -231,7 +237,7 @@ def _attention_kernel(
         q = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
         q = q.to(tl.float32)
         q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), 127.0)
-        q_a = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(q, q_scale)), -127.0), 127.0).to(tl.int8)
+        q_a = _quantize(q, q_scale, 127.0).to(tl.int8)
         q_b = q_a
         score_scale = q_scale * qk_scale
     else:
@@ -242,8 +248,8 @@ def _attention_kernel(
         hi = tl.load(ptr + HALF * stride_qd, mask=valid_m[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
         q_scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), 7.0)
-        q_a = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(lo, q_scale)), -7.0), 7.0).to(tl.int8)
-        q_b = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(hi, q_scale)), -7.0), 7.0).to(tl.int8)
+        q_a = _quantize(lo, q_scale, 7.0).to(tl.int8)
+        q_b = _quantize(hi, q_scale, 7.0).to(tl.int8)
         score_scale = q_scale * qk_scale
 
     k_base = K + b64 * stride_kb + h64 * stride_kh
