@@ -17,6 +17,7 @@ the speedup is SDPA default time / time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -134,7 +135,7 @@ def _host_overhead(call, sets, calls=200) -> dict:
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False) -> dict:
     import triton
 
     shapes = shapes or list(SHAPES)
@@ -147,6 +148,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
         "block": [block_q, block_k],
+        "tma": tma,
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -222,6 +224,10 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                 else:
                     record("flex", density, timed[0], None, mask_density=actual, rel_err_vs_paro_bf16=timed[1])
             for qk, pv in modes:
+                if tma:
+                    config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
+                    triton_backend.set_kernel_config(D, block_q, block_k, qk, pv, dataclasses.replace(config, tma=True))
+
                 def paro(q, k, v, qk=qk, pv=pv):
                     return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk, pv=pv,
                                           block_size=(block_q, block_k), backend="triton")
@@ -274,6 +280,7 @@ def _write(results: dict, out_dir) -> Path | None:
     slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")
     block_q, block_k = results["block"] if isinstance(results["block"], list) else (results["block"],) * 2
     suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}" + ("" if block_k == BLOCK else f"-bk{block_k}")
+    suffix += "-tma" if results.get("tma") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -367,6 +374,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-q", type=int, default=BLOCK, choices=(64, 128),
                         help="query block (tile rows)")
     parser.add_argument("--block-k", type=int, default=BLOCK, choices=(64, 128), help="key block")
+    parser.add_argument("--tma", action="store_true",
+                        help="read K/V tiles through tensor descriptors (KernelConfig.tma) in every paro config")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:
@@ -383,6 +392,7 @@ def main(argv=None) -> dict:
         rep=args.rep,
         block_q=args.block_q,
         block_k=args.block_k,
+        tma=args.tma,
     )
 
 

@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
 
 MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
-SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2"]
+SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP"]
 
 
 def _buffers(qk_mode, pv_mode, gather):
@@ -74,15 +74,27 @@ def main() -> int:
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                  "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
     failures = 0
-    for (qk_mode, pv_mode), head_dim, gather, even in itertools.product(MODES, (64, 128), (False, True), (True, False)):
+    variants = itertools.product(MODES, (64, 128), (False, True), (True, False), (False, True), (False, True))
+    for (qk_mode, pv_mode), head_dim, gather, even, tma, overlap in variants:
+        if gather and (tma or overlap):
+            continue  # descriptors read the prologue's buffers, which gathers skip; overlap: not tuned with gathers
         kq, vq = _buffers(qk_mode, pv_mode, gather)
-        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even}"
+        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even} tma={tma} overlap={overlap}"
         pointers = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
                         VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
+        if tma:
+            k_width = head_dim // 2 if qk_mode == 2 else head_dim
+            pointers["KDesc"] = f"tensordesc<{kq[1:]}[{args.block}, {k_width}]>"
+            v_block = f"[{head_dim}, {args.block}]" if pv_mode else f"[{args.block}, {head_dim}]"
+            pointers["VDesc"] = f"tensordesc<{vq[1:]}{v_block}>"
+        else:
+            pointers.update(KDesc=kq, VDesc=vq)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=args.block, QK_MODE=qk_mode,
-                         PV_MODE=pv_mode, EVEN_N=even, GATHER_KV=gather, **{n: 1 for n in unit})
+                         PV_MODE=pv_mode, EVEN_N=even, GATHER_KV=gather, USE_TMA=tma, OVERLAP_QK=overlap,
+                         P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
-            kernel = _compile(kernels._attention_kernel, pointers, constants, divisible + list(pointers),
+            kernel = _compile(kernels._attention_kernel, pointers, constants,
+                              divisible + [n for n in pointers if not n.endswith("Desc")],
                               dict(num_warps=args.warps, num_stages=args.stages))
             if args.sass and even:
                 print(f"attention {label}: shared {kernel.metadata.shared} B, {_sass_counts(kernel)}")

@@ -9,6 +9,8 @@ comes back in q's shape, dtype and original token order. A query with no active 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .errors import PAROInputError
@@ -103,7 +105,16 @@ def paro_attention(
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend)
     bq, bk = block_sizes(block_size)
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+        backend = "torch"
+        if q.is_cuda:
+            from .kernels import triton_backend
+
+            reason = triton_backend.unsupported_reason(q, bq, bk)
+            if reason is None:
+                backend = "triton"
+            else:  # correct but slow: say so (once per call site, the warnings default)
+                warnings.warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
+                              stacklevel=2)
     if backend == "triton":
         from .kernels import triton_backend
 

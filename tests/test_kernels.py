@@ -264,6 +264,29 @@ def test_in_kernel_gathers_instead_of_reordered_copies(qk, pv):
     assert rel_err(out, ref) <= BOUND[pv]
 
 
+@pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")])
+def test_kernel_config_variants_match_reference(qk, pv, flags):
+    """KernelConfig(tma=True): K/V tiles read through tensor descriptors (TMA on Hopper), including the
+    transposed 8-bit V buffer and the packed int4 K. overlap_qk=True: the loop computes the next key
+    block's scores one iteration ahead. B > 1, a ragged last block, rows with 0 and 1 active blocks."""
+    q, k, v = make_inputs(2, 3, LAYOUT.seq_len, 64, seed=13)
+    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
+    mask = synthetic_block_mask(3, n_blocks, n_blocks, 0.5, generator=torch.Generator().manual_seed(13))
+    mask[0, 0] = False  # an empty row
+    mask[1, -1] = False
+    mask[1, -1, -1] = True  # a row whose only block is the ragged tail
+    mask[2, 0] = False
+    mask[2, 0, 0] = True  # a row with one unmasked block
+    key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, **flags))
+    try:
+        out, ref = both(q, k, v, LAYOUT, torch.tensor([3, 0, 4]), mask, SMALL_BLOCK, qk, pv)
+    finally:
+        triton_backend.set_kernel_config(*key, None)
+    assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
+
+
 def test_inputs_that_require_grad_are_refused_not_silently_detached():
     q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=12)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)

@@ -126,6 +126,34 @@ def test_query_tiles_of_128_match_reference(name):
             assert err <= BOUND[pv]
 
 
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("name", ["cogvideox-5b", "wan2.1-1.3b"])
+def test_descriptor_loads_match_pointer_loads(name, block):
+    """KernelConfig(tma=True) reads the same K/V tiles through TMA: same result as pointer loads
+    (which the tests above compare with the reference), every buffer layout (bf16 rows, int8 K,
+    packed int4 K, transposed 8-bit V), 64- and 128-token tiles."""
+    B, H, layout, D, seq_major = SHAPES[name]
+    N = layout.seq_len
+    q, k, v = inputs(B, H, N, D, seq_major, seed=9)
+    nb = -(-N // block)
+    blocks = ActiveBlocks.from_mask(
+        synthetic_block_mask(H, nb, nb, 0.5, generator=torch.Generator().manual_seed(9))).to("cuda")
+    orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(9))
+    for qk, pv in [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]:
+        kwargs = dict(layout=layout, orders=orders, block_mask=blocks, block_size=block, qk=qk, pv=pv, backend="triton")
+        key = (D, block, block, qk, pv)
+        plain = triton_backend.kernel_config(*key)
+        expected = paro_attention(q, k, v, **kwargs)
+        triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(plain.num_warps, plain.num_stages, tma=True))
+        try:
+            out = paro_attention(q, k, v, **kwargs)
+        finally:
+            triton_backend.set_kernel_config(*key, None)
+        err = rel_err(out, expected)
+        print(f"{name} block {block} {qk}/{pv} tma vs pointer loads: rel err {err:.2e}")
+        assert err <= 1e-3
+
+
 def test_compute_sanitizer_memcheck_clean():
     tool = shutil.which("compute-sanitizer")
     if tool is None:
@@ -189,3 +217,17 @@ def test_compile_fullgraph_and_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(graph_out, layer(q2, k2, v2)) <= 1e-6
+
+
+def test_auto_backend_runs_the_reference_with_a_warning_where_the_kernels_do_not_fit():
+    """backend='auto' on CUDA: the Triton kernels when they support the call; otherwise (head dim 16,
+    float32: the tiny test models) the torch reference, with a warning that says why. Never an error."""
+    layout = TokenLayout(3, 2, 3, 5)
+    q, k, v = inputs(1, 2, layout.seq_len, 16, False, dtype=torch.float32)
+    kwargs = dict(layout=layout, orders=torch.tensor([0, 4]), block_size=32,
+                  block_mask=torch.ones(2, 2, 2, dtype=torch.bool))
+    with pytest.warns(UserWarning, match="head dims"):
+        out = paro_attention(q, k, v, backend="auto", **kwargs)
+    assert torch.equal(out, paro_attention(q, k, v, backend="torch", **kwargs))
+    with pytest.raises(Exception, match="head dims"):
+        paro_attention(q, k, v, backend="triton", **kwargs)

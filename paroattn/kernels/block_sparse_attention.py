@@ -41,6 +41,8 @@ QK_FP, QK_INT8, QK_INT4 = 0, 1, 2
 # PV modes
 PV_FP, PV_FP8, PV_INT8 = 0, 1, 2
 QUANT_EPS = tl.constexpr(1e-8)  # same as reference.QUANT_EPS
+# log2 of P's quantization multiplier per PV mode (none, fp8 e4m3 448, int8 127)
+P_LOG2_SCALES = (0.0, 8.807354922057604, 6.988684686772166)
 
 
 # Quantization divides with IEEE round-to-nearest (`div_rn`), as torch does in the reference: Triton's
@@ -52,6 +54,20 @@ QUANT_EPS = tl.constexpr(1e-8)  # same as reference.QUANT_EPS
 def _round_half_even(x):
     # exact round-to-nearest-even for |x| < 2**22 in float32: adding 1.5 * 2**23 leaves no fraction bits
     return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _int_to_float(x):
+    # exact int32 -> float32 for |x| < 2**22 without I2F, which Hopper issues at the exp2 unit's
+    # quarter rate: x + bits(1.5 * 2**23) read as a float is 1.5 * 2**23 + x. Integer QK sums stay
+    # below 2**21 (128 channels x 127 x 127), so this is the same value as .to(tl.float32).
+    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _round_to_int(x):
+    # round-to-nearest-even float32 -> int32 for |x| < 2**22 without F2I (quarter rate as I2F)
+    return (x + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit
@@ -135,72 +151,110 @@ def _kv_prologue_kernel(
 
 
 @triton.jit
-def _attend_key_block(
-    acc, l_i, m_i, q_a, q_b, score_scale, kb,
-    k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
-    KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    GATHER_KV: tl.constexpr, MASK_N: tl.constexpr,
-):
-    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if GATHER_KV and (QK_MODE == 0 or PV_MODE == 0):
-        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
+def _load_key_rows(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, USE_TMA: tl.constexpr):
+    # key block kb of a prologue buffer [B*H, N_PAD, WIDTH]: [BLOCK_N, WIDTH]
+    if USE_TMA:
+        tile = Desc.load([bh * N_PAD + kb * BLOCK_N, 0])
+    else:
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.load(Buf_bh + offs_n[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :])
+    return tile
 
-    # scores, in log2 units
+
+@triton.jit
+def _load_key_columns(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      USE_TMA: tl.constexpr):
+    # key block kb of a transposed prologue buffer [B*H, HEAD_DIM, N_PAD] (8-bit V): [BLOCK_N, HEAD_DIM]
+    if USE_TMA:
+        tile = Desc.load([bh * HEAD_DIM, kb * BLOCK_N]).T
+    else:
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.load(Buf_bh + tl.arange(0, HEAD_DIM)[None, :] * N_PAD + offs_n[:, None])
+    return tile
+
+
+@triton.jit
+def _key_block_scores(
+    q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+    order, prefix, frames, height, width,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
+    MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    # raw scores of key block kb, and the one multiplier that takes them to log2 units (softmax
+    # scale, log2(e) and the Q/K dequantization scales): the update applies it inside exp2's
+    # argument, so scaling and subtracting the row max are one FMA per score
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if QK_MODE == 0 and not GATHER_KV:
-        k = tl.load(KQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-        s = tl.dot(q_a, tl.trans(k)) * score_scale
+        k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
+        s = tl.dot(q_a, tl.trans(k))
+        scale = score_scale
     elif QK_MODE == 0:
-        k_ptr = k_base + orig_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
+        k_ptr = k_base + orig_n[:, None] * stride_kn + tl.arange(0, HEAD_DIM)[None, :] * stride_kd
         if MASK_N:
             k = tl.load(k_ptr, mask=(offs_n < N)[:, None], other=0.0)
         else:
             k = tl.load(k_ptr)
-        s = tl.dot(q_a, tl.trans(k)) * score_scale
+        s = tl.dot(q_a, tl.trans(k))
+        scale = score_scale
     elif QK_MODE == 1:
-        k = tl.load(KQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-        s = tl.dot(q_a, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
+        k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
+        s = _int_to_float(tl.dot(q_a, tl.trans(k), out_dtype=tl.int32))
+        scale = score_scale * tl.load(KScale_bh + kb)
     else:
         HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, HALF)
-        packed = tl.load(KQ_bh + offs_n[:, None] * HALF + offs_h[None, :])
+        packed = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HALF, USE_TMA)
         k_lo = (packed << 4) >> 4
         k_hi = packed >> 4
-        s_int = tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo), out_dtype=tl.int32), out_dtype=tl.int32)
-        s = s_int.to(tl.float32) * (score_scale * tl.load(KScale_bh + kb))
+        s = _int_to_float(tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo), out_dtype=tl.int32),
+                                 out_dtype=tl.int32))
+        scale = score_scale * tl.load(KScale_bh + kb)
     if MASK_N:
         s = tl.where((offs_n < N)[None, :], s, float("-inf"))
+    return s, scale
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+
+@triton.jit
+def _key_block_update(
+    acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
+    order, prefix, frames, height, width,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
+    MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    # online softmax over key block kb's scores, then the P V product
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)  # scale > 0, so the max commutes with it
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    # P's quantization multiplier (448 for fp8, 127 for int8) rides in the exponent: p is P * c, and so
+    # is the row sum l, which the epilogue divides by
+    p_shift = m_new - P_LOG2_SCALE
+    p = tl.math.exp2(s * scale - p_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
     if PV_MODE == 0 and not GATHER_KV:
-        v = tl.load(VQ_bh + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        v = _load_key_rows(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 0:
-        v_ptr = v_base + orig_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
+        v_ptr = v_base + orig_n[:, None] * stride_vn + tl.arange(0, HEAD_DIM)[None, :] * stride_vd
         if MASK_N:
             v = tl.load(v_ptr, mask=(offs_n < N)[:, None], other=0.0)
         else:
             v = tl.load(v_ptr)
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 1:
-        v = tl.load(VQ_bh + offs_d[None, :] * N_PAD + offs_n[:, None])
-        acc = tl.dot((p * 448.0).to(tl.float8e4nv), v, acc=acc)
+        v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
+        acc = tl.dot(p.to(tl.float8e4nv), v, acc=acc)
     else:
-        v = tl.load(VQ_bh + offs_d[None, :] * N_PAD + offs_n[:, None])
-        p8 = _round_half_even(p * 127.0).to(tl.int8)
-        acc += tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32)
+        v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
+        acc += _int_to_float(tl.dot(_round_to_int(p).to(tl.int8), v, out_dtype=tl.int32))
     return acc, l_i, m_new
 
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, KQ, KScale, VQ, VAmax,
+    Q, K, V, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc,
     Orders, Counts, Indices, Schedule,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -209,6 +263,7 @@ def _attention_kernel(
     N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr, GATHER_KV: tl.constexpr,
+    P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -270,29 +325,50 @@ def _attention_kernel(
         last = tl.load(active + tl.maximum(count - 1, 0))
         has_tail = (count > 0) & (last == NK - 1)
         n_unmasked = count - has_tail.to(tl.int32)
-    for i in range(0, n_unmasked):
-        kb = tl.load(active + i)
-        acc, l_i, m_i = _attend_key_block(
-            acc, l_i, m_i, q_a, q_b, score_scale, kb,
-            k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
-            KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
-            HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, GATHER_KV, False,
-        )
+    if OVERLAP_QK:
+        # software-pipelined by one key block: the scores of block i+1 are issued before block i's
+        # softmax, so the (asynchronous) QK product runs under the exp2 work. The last iteration
+        # computes one product it does not use (its own block again).
+        kb = tl.load(active)
+        s, scale = _key_block_scores(
+            q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+            order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+        for i in range(0, n_unmasked):
+            kb_next = tl.load(active + tl.minimum(i + 1, n_unmasked - 1))
+            s_next, scale_next = _key_block_scores(
+                q_a, q_b, score_scale, kb_next, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N,
+                N_PAD, order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+            acc, l_i, m_i = _key_block_update(
+                acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
+                USE_TMA)
+            s, scale, kb = s_next, scale_next, kb_next
+    else:
+        for i in range(0, n_unmasked):
+            kb = tl.load(active + i)
+            s, scale = _key_block_scores(
+                q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+            acc, l_i, m_i = _key_block_update(
+                acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
+                USE_TMA)
     if not EVEN_N:
         if has_tail:
-            acc, l_i, m_i = _attend_key_block(
-                acc, l_i, m_i, q_a, q_b, score_scale, NK - 1,
-                k_base, stride_kn, stride_kd, v_base, stride_vn, stride_vd,
-                KQ_bh, KScale_bh, VQ_bh, N, N_PAD, order, prefix, frames, height, width,
-                HEAD_DIM, BLOCK_N, QK_MODE, PV_MODE, GATHER_KV, True,
-            )
+            s, scale = _key_block_scores(
+                q_a, q_b, score_scale, NK - 1, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, True, USE_TMA)
+            acc, l_i, m_i = _key_block_update(
+                acc, l_i, m_i, s, scale, NK - 1, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, True, P_LOG2_SCALE,
+                USE_TMA)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if PV_MODE != 0:
-        qmax = 448.0 if PV_MODE == 1 else 127.0
-        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / qmax
-        out = out * (v_scale / qmax)[None, :]
+        # l carries P's multiplier, so only V's per-channel scale is left
+        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / (448.0 if PV_MODE == 1 else 127.0)
+        out = out * v_scale[None, :]
     o_ptr = Out + b64 * stride_ob + h64 * stride_oh + orig_m[:, None] * stride_on + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=valid_m[:, None])

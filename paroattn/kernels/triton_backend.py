@@ -16,12 +16,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import PAROInputError
 from ..layout import TokenLayout
 from . import interpreting
 from .block_lists import ActiveBlocks
 from .block_sparse_attention import (
+    P_LOG2_SCALES,
     PV_FP,
     PV_FP8,
     PV_INT8,
@@ -38,8 +40,6 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Tile configs. The tiles are the mask blocks (BLOCK_M = bq, BLOCK_N = bk); what remains to choose
 # is warps and pipeline depth, per (head dim, block sizes, QK mode, PV mode). The table holds the
@@ -54,23 +54,34 @@ class KernelConfig:
     # bf16/fp16 K and V: gather them from the caller's tensors in the attention kernel (True), or
     # let the prologue write reordered copies that the kernel reads contiguously (False)
     gather_kv: bool = False
+    # read the prologue's K/V tiles with the Hopper tensor-memory accelerator (descriptor loads)
+    # instead of per-thread pointer loads; needs gather_kv=False
+    tma: bool = False
+    # issue the QK product of the next key block before this block's softmax (software pipelining
+    # by one block, so the asynchronous wgmma overlaps the exp2 work)
+    overlap_qk: bool = False
 
 
-# (head_dim, bq, bk, qk, pv) -> config: the fastest of 4 warps x {2, 3, 4} stages at d=0.5 in the
-# sweep of benchmarks/attention.py on an H200 (2026-11-21; CogVideoX shape for D=64, Wan-1.3B for D=128;
-# differences between stages were within 1-3% except int8 PV at D=64, where 2 stages lost 10%)
+# (head_dim, bq, bk, qk, pv) -> config, measured on an H200 (benchmarks/attention.py sweeps, 2026-11-21).
+# 64 x 64 tiles: the fastest of {4 warps x 2/3/4 stages} x {pointer loads, TMA} x {overlap_qk or not}
+# over d = 1.0 and 0.2 on the CogVideoX-5B shape (D=64) and Wan2.1-1.3B / FLUX.1-dev (D=128); where the
+# two D=128 shapes disagreed, Wan's choice (the longer sequence) is kept (Flux loses <= 10%). int8 QK +
+# bf16 PV was not in that sweep: its entries are the earlier 4-warp sweep.
+T, O = dict(tma=True), dict(overlap_qk=True)
 _MEASURED: dict[tuple, KernelConfig] = {
-    (64, 64, 64, "bf16", "bf16"): KernelConfig(4, 3),
+    (64, 64, 64, "bf16", "bf16"): KernelConfig(4, 4, **T),
     (64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
-    (64, 64, 64, "int8", "fp8"): KernelConfig(4, 3),
-    (64, 64, 64, "int8", "int8"): KernelConfig(4, 4),
-    (128, 64, 64, "bf16", "bf16"): KernelConfig(4, 4),
+    (64, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **O),
+    (64, 64, 64, "int8", "int8"): KernelConfig(4, 3),
+    (64, 64, 64, "int4", "fp8"): KernelConfig(4, 2, **T, **O),
+    (128, 64, 64, "bf16", "bf16"): KernelConfig(4, 2, **T, **O),
     (128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
-    (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3),
-    (128, 64, 64, "int8", "int8"): KernelConfig(4, 2),
+    (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **T, **O),
+    (128, 64, 64, "int8", "int8"): KernelConfig(4, 3, **O),
+    (128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **T, **O),
     # 128-row query tiles, 64-key blocks: the fastest of {8 warps x 2/3 stages, 4 warps x 3 stages} at
-    # d=0.5 (H200, 2026-11-21, benchmarks/attention.py --block-q 128 --sweep). 4 warps (one warpgroup
-    # issuing two m64 products) won everywhere but D=64 bf16 and D=128 int8 PV.
+    # d=0.5 (an earlier sweep, before TMA and overlap_qk existed). 4 warps (one warpgroup issuing two
+    # m64 products) won everywhere but D=64 bf16 and D=128 int8 PV.
     (64, 128, 64, "bf16", "bf16"): KernelConfig(8, 3),
     (64, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
     (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
@@ -81,12 +92,14 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
     (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
-    # 128 x 128 tiles (a plan with block_size=128), same sweep and date; at D=128 4 warps is 2x slower
-    (64, 128, 128, "bf16", "bf16"): KernelConfig(4, 3),
-    (64, 128, 128, "int8", "fp8"): KernelConfig(4, 3),
-    (128, 128, 128, "bf16", "bf16"): KernelConfig(8, 3),
-    (128, 128, 128, "int8", "fp8"): KernelConfig(8, 3),
+    # 128 x 128 tiles (a plan with block_size=128): the fastest of {8 warps x 3 stages} x {TMA, overlap_qk}
+    # and 8 warps x 2 stages with TMA, same sweep as the 64 x 64 entries; 4 warps was 2x slower at D=128
+    (64, 128, 128, "bf16", "bf16"): KernelConfig(8, 3, **T, **O),
+    (64, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **O),
+    (128, 128, 128, "bf16", "bf16"): KernelConfig(8, 2, **T),
+    (128, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **O),
 }
+del T, O
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
 
@@ -100,10 +113,12 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
     key = (head_dim, bq, bk, qk, pv)
     config = _CHOSEN.get(key)
     if config is None:
-        override = os.environ.get("PARO_KERNEL_CONFIG")  # "warps,stages": for sweeps
+        override = os.environ.get("PARO_KERNEL_CONFIG")  # for sweeps
         if override:
-            warps, stages, *gather = (int(x) for x in override.split(","))
-            config = KernelConfig(warps, stages, bool(gather[0]) if gather else False)
+            # "warps,stages[,gather[,tma[,overlap]]]"
+            warps, stages, *flags = (int(x) for x in override.split(","))
+            flags += [0, 0, 0]
+            config = KernelConfig(warps, stages, bool(flags[0]), bool(flags[1]), bool(flags[2]))
         else:
             config = _MEASURED.get(key, _DEFAULT_CONFIG)
         _CHOSEN[key] = config
@@ -177,6 +192,17 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
     return kq, k_scale, vq, v_amax if v_amax is not None else placeholder
 
 
+def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
+    """Tensor descriptors of the prologue's K and V buffers, seen as 2-D [rows, width] so one
+    descriptor serves every (batch, head): K [B*H*N_PAD, D (D/2 for int4)], V the same in bf16 or,
+    8-bit and transposed, [B*H*D, N_PAD]."""
+    k2 = kq.reshape(-1, kq.shape[-1])
+    k_desc = TensorDescriptor.from_tensor(k2, [bk, k2.shape[1]])
+    v2 = vq.reshape(-1, vq.shape[-1])
+    v_desc = TensorDescriptor.from_tensor(v2, [bk, D] if pv == "bf16" else [D, bk])
+    return k_desc, v_desc
+
+
 def launch(
     q, k, v, orders, counts, indices, schedule,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
@@ -192,13 +218,16 @@ def launch(
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     kq, k_scale, vq, v_amax = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
+    use_tma = config.tma and not config.gather_kv
+    k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
     _attention_kernel[(nq, B * H)](
-        q, k, v, out, kq, k_scale, vq, v_amax,
+        q, k, v, out, kq, k_scale, vq, v_amax, k_desc, v_desc,
         orders, counts, indices, schedule,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
-        GATHER_KV=config.gather_kv, num_warps=config.num_warps, num_stages=config.num_stages,
+        GATHER_KV=config.gather_kv, P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=use_tma,
+        OVERLAP_QK=config.overlap_qk, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
@@ -238,22 +267,25 @@ def _device_orders(orders: torch.Tensor, device: torch.device) -> torch.Tensor:
     return orders.to(device=device, dtype=torch.int32)
 
 
-def check_triton_inputs(q: torch.Tensor, bq: int, bk: int) -> None:
+def unsupported_reason(q: torch.Tensor, bq: int, bk: int) -> str | None:
+    """Why the Triton kernels cannot run this call (None when they can)."""
     D = q.shape[-1]
     if D not in HEAD_DIMS:
-        raise PAROInputError(
-            f"the triton backend supports head dims {HEAD_DIMS}; got D={D}. Use backend='torch' for other head dims."
-        )
+        return f"the triton backend supports head dims {HEAD_DIMS}; got D={D}"
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise PAROInputError(f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype}. Cast them first.")
+        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype}"
     if not (q.is_cuda or interpreting()):
-        raise PAROInputError(
-            f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}. "
-            "Use backend='torch' on the CPU."
-        )
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}"
     allowed = (16, 32, 64, 128) if interpreting() else (32, 64, 128)
     if bq not in allowed or bk not in allowed:
-        raise PAROInputError(f"the triton backend supports block sizes {allowed}; got (bq, bk) = ({bq}, {bk})")
+        return f"the triton backend supports block sizes {allowed}; got (bq, bk) = ({bq}, {bk})"
+    return None
+
+
+def check_triton_inputs(q: torch.Tensor, bq: int, bk: int) -> None:
+    reason = unsupported_reason(q, bq, bk)
+    if reason is not None:
+        raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
 
 
 def paro_attention_triton(
@@ -291,4 +323,7 @@ def paro_attention_triton(
     return launch(*args)  # eager: the same function without the custom-op dispatch (~tens of us)
 
 
-__all__ = ["KernelConfig", "block_sparse_attention", "kernel_config", "paro_attention_triton", "set_kernel_config"]
+__all__ = [
+    "KernelConfig", "block_sparse_attention", "kernel_config", "paro_attention_triton", "set_kernel_config",
+    "unsupported_reason",
+]

@@ -195,7 +195,8 @@ class CaptureProcessor(_BoundProcessor):
 class PAROProcessor(_BoundProcessor):
     """Runs each self-attention layer with the plan's per-head orders and per-bucket block masks.
 
-    `backend`: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+    `backend`: "auto" (the Triton kernels on CUDA where they fit the call: head dim 64 or 128, fp16 or
+    bf16; otherwise the torch reference, with a warning), "triton" or "torch".
     `on_mismatch`: "error" raises PlanError when the plan does not fit the model or the call;
     "dense" warns once and runs the model's own attention instead.
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
@@ -286,15 +287,15 @@ class PAROProcessor(_BoundProcessor):
             binding.masks.begin(binding.bucket)
 
     # -- the call ----------------------------------------------------------------------------
-    def resolved_backend(self, device: torch.device) -> str:
-        if self.backend == "auto":
-            return "triton" if device.type == "cuda" else "torch"
-        return self.backend
+    def uses_block_lists(self, device: torch.device) -> bool:
+        # active-block lists feed the Triton kernels ("auto" picks them on CUDA when the call fits them;
+        # the torch backend takes lists too, expanding them)
+        return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
 
     def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
         if binding.masks is None or binding.masks.device != device:
             binding.masks = MaskStore(
-                self.plan, device, lists=self.resolved_backend(device) == "triton",
+                self.plan, device, lists=self.uses_block_lists(device),
                 resident=self.resident, slots=self.prefetch_slots,
             )
             binding.masks.begin(binding.bucket)
@@ -344,5 +345,5 @@ class PAROProcessor(_BoundProcessor):
             block_size=plan.block_size,
             qk=plan.qk,
             pv=plan.pv,
-            backend=self.resolved_backend(device),
+            backend=self.backend,
         )
