@@ -11,6 +11,9 @@ from paroattn.calibrate.block_stats_reference import block_stats_naive, block_st
 from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
 
+# the Triton statistics kernel runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _close(got, want, atol=2e-5):
     for name, a, b in zip(("mass", "pmax", "below"), got, want):
@@ -26,7 +29,8 @@ def test_triton_block_stats_match_naive(layout, dtype):
     k = (torch.randn(2, 2, layout.seq_len, 24, generator=g) * 2).to(dtype)
     orders = list(layout.distinct_orders())
     want = block_stats_naive(q.float(), k.float(), layout, orders, 16, eps=1e-2)
-    got = block_stats(q, k, layout, orders, 16, eps=1e-2, backend="triton")
+    got = block_stats(q.to(KERNEL_DEVICE), k.to(KERNEL_DEVICE), layout, orders, 16, eps=1e-2, backend="triton")
+    got = [t.cpu() for t in got]
     # fp16 inputs: the kernel multiplies fp16 values exactly in fp32, as the naive form does after .float();
     # entries of P right at eps may still land on either side
     _close(got[:2], want[:2], atol=1e-4)
@@ -86,7 +90,8 @@ def test_planted_locality_with_the_triton_kernel():
     q, k = planted_qk(layout, axes, head_dim=16, generator=g)
     orders = list(layout.distinct_orders())
     acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16)
-    acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="triton"), batch=1)
+    stats = block_stats(q.to(KERNEL_DEVICE), k.to(KERNEL_DEVICE), layout, orders, 16, backend="triton")
+    acc.add(0, 0, *(t.cpu() for t in stats), batch=1)
     result = acc.finalize(0.5, layout.prefix)
     assert [innermost_axis(int(o)) for o in result.orders[0]] == axes
 
