@@ -141,7 +141,9 @@ def _kv_prologue_kernel(
         v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
                                  448.0 if PV_MODE == 1 else 127.0)
-        v = tl.math.div_rn(v.to(tl.float32), v_scale[None, :])
+        # one IEEE reciprocal per channel, then products (as the reference): a division per element
+        # made this prologue 20-30% slower on an H200
+        v = v.to(tl.float32) * tl.math.div_rn(1.0, v_scale)[None, :]
         # transposed store: VQ[bh, d, n]
         dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
         if PV_MODE == 1:

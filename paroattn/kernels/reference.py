@@ -7,7 +7,8 @@ Quantization is emulated in float32 with exactly the grid a kernel uses:
   subtracted first (softmax is invariant to it), then symmetric per block of `bk` keys.
   Ranges: int8 +-127, int4 +-7. scale = max(amax, QUANT_EPS) / qmax, values rounded to nearest.
 - P (after the row-max shift, so in [0, 1]): int8 with the fixed scale 1/127, or fp8 e4m3 as
-  P * 448. V: symmetric per channel (over all tokens of a (batch, head)), int8 +-127 or e4m3 +-448.
+  P * 448. V: symmetric per channel (over all tokens of a (batch, head)), int8 +-127 or e4m3 +-448,
+  as V times the reciprocal of the channel's scale.
 - The softmax denominator always uses the unquantized P.
 A kernel subtracts a running row max (online softmax) where this reference subtracts the final row
 max, so quantized-P modes agree with kernels to within the rounding of P, not bit for bit.
@@ -66,12 +67,14 @@ def fake_quantize_v(v: torch.Tensor, pv: str) -> torch.Tensor:
     """V [B, N, D] after per-channel quantization and dequantization."""
     if pv == "bf16":
         return v
+    # values are v times the per-channel reciprocal of the scale (what a kernel computes once per
+    # channel, instead of one IEEE division per element)
+    qmax = 127.0 if pv == "int8" else 448.0
+    scale = v.abs().amax(dim=1, keepdim=True).clamp_min(QUANT_EPS) / qmax
+    scaled = v * (1.0 / scale)
     if pv == "int8":
-        values, scale = quantize_symmetric(v, dim=1, qmax=127.0)
-        return values * scale
-    amax = v.abs().amax(dim=1, keepdim=True)
-    scale = amax.clamp_min(QUANT_EPS) / 448.0
-    return (v / scale).to(torch.float8_e4m3fn).float() * scale
+        return torch.round(scaled).clamp_(-qmax, qmax) * scale
+    return scaled.to(torch.float8_e4m3fn).float() * scale
 
 
 def expand_block_mask(block_mask_rows: torch.Tensor, bk: int, n: int) -> torch.Tensor:
