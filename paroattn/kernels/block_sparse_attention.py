@@ -71,31 +71,6 @@ def _round_to_int(x):
 
 
 @triton.jit
-def _exp2_fma(x):
-    # 2**x for x <= 0 on the FMA units (FlashAttention-4's trick): x = j + f with j = round(x),
-    # |f| <= 1/2; a degree-3 fit of 2**f (relative error 7.5e-5, below bf16's 3.9e-3), and j added to
-    # the exponent bits. Clamped at -125 so the result stays a normal float (~2**-125 stands in for 0).
-    x = tl.maximum(x, -125.0)
-    t = x + 12582912.0  # rounds x to an integer j: t's bits are 0x4B400000 + j
-    f = x - (t - 12582912.0)
-    poly = 0.055171668754576575 * f + 0.24261114787053153
-    poly = poly * f + 0.6932609877583417
-    poly = poly * f + 0.9999280720307991
-    # j << 23 is (t's bits) << 23: 0x4B400000 << 23 overflows to 0
-    bits = poly.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # half of the scores (odd columns) through _exp2_fma, half through the exp2 unit, so neither the
-    # quarter-rate exp2 unit nor the FMA pipe carries all of them. A thread holds column pairs in the
-    # MMA accumulator layout, so splitting pairs moves no data.
-    even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))
-    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [BLOCK_M, BLOCK_N])
-
-
-@triton.jit
 def _quantize(x, scale, qmax):
     # the reference's grid (reference.quantize_symmetric): x / scale rounded to nearest, in [-qmax, qmax]
     return tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x, scale)), -qmax), qmax)
@@ -245,9 +220,8 @@ def _key_block_scores(
 def _key_block_update(
     acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
     order, prefix, frames, height, width,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr,
-    GATHER_KV: tl.constexpr, MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
-    EXP2_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
+    MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # online softmax over key block kb's scores, then the P V product
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)  # scale > 0, so the max commutes with it
@@ -255,10 +229,7 @@ def _key_block_update(
     # P's quantization multiplier (448 for fp8, 127 for int8) rides in the exponent: p is P * c, and so
     # is the row sum l, which the epilogue divides by
     p_shift = m_new - P_LOG2_SCALE
-    if EXP2_SPLIT:
-        p = _exp2_split(s * scale - p_shift[:, None], BLOCK_M, BLOCK_N)
-    else:
-        p = tl.math.exp2(s * scale - p_shift[:, None])
+    p = tl.math.exp2(s * scale - p_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
@@ -294,7 +265,7 @@ def _attention_kernel(
     N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr, GATHER_KV: tl.constexpr,
-    P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, EXP2_SPLIT: tl.constexpr,
+    P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -371,8 +342,8 @@ def _attention_kernel(
                 N_PAD, order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_M, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA, EXP2_SPLIT)
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
+                USE_TMA)
             s, scale, kb = s_next, scale_next, kb_next
     else:
         for i in range(0, n_unmasked):
@@ -382,8 +353,8 @@ def _attention_kernel(
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_M, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA, EXP2_SPLIT)
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
+                USE_TMA)
     if not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
@@ -391,8 +362,8 @@ def _attention_kernel(
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, True, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, NK - 1, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_M, BLOCK_N, PV_MODE, GATHER_KV, True, P_LOG2_SCALE,
-                USE_TMA, EXP2_SPLIT)
+                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, True, P_LOG2_SCALE,
+                USE_TMA)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)

@@ -60,8 +60,6 @@ class KernelConfig:
     # issue the QK product of the next key block before this block's softmax (software pipelining
     # by one block, so the asynchronous wgmma overlaps the exp2 work)
     overlap_qk: bool = False
-    # half of the exponentials by a polynomial on the FMA units, half on the exp2 unit
-    exp2_split: bool = False
 
 
 # (head_dim, bq, bk, qk, pv) -> config, measured on an H200 (benchmarks/attention.py sweeps, 2026-11-21).
@@ -117,10 +115,10 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
     if config is None:
         override = os.environ.get("PARO_KERNEL_CONFIG")  # for sweeps
         if override:
-            # "warps,stages[,gather[,tma[,overlap[,exp2_split]]]]"
+            # "warps,stages[,gather[,tma[,overlap]]]"
             warps, stages, *flags = (int(x) for x in override.split(","))
-            flags += [0, 0, 0, 0]
-            config = KernelConfig(warps, stages, *(bool(f) for f in flags[:4]))
+            flags += [0, 0, 0]
+            config = KernelConfig(warps, stages, bool(flags[0]), bool(flags[1]), bool(flags[2]))
         else:
             config = _MEASURED.get(key, _DEFAULT_CONFIG)
         _CHOSEN[key] = config
@@ -229,7 +227,7 @@ def launch(
         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
         GATHER_KV=config.gather_kv, P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=use_tma,
-        OVERLAP_QK=config.overlap_qk, EXP2_SPLIT=config.exp2_split, num_warps=config.num_warps, num_stages=config.num_stages,
+        OVERLAP_QK=config.overlap_qk, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
