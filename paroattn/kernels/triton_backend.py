@@ -42,7 +42,7 @@ LOG2E = 1.4426950408889634
 
 # ---------------------------------------------------------------------------------------------
 # Tile configs. The tiles are the mask blocks (BLOCK_M = bq, BLOCK_N = bk); what remains to choose
-# is warps and pipeline depth, per (head dim, block sizes, QK mode, PV mode). The table holds the
+# is warps, pipeline depth and the load/overlap options, per (head dim, block sizes, QK mode, PV mode). The table holds the
 # choice measured on an H100/H200 (benchmarks/attention.py --sweep); anything not in it falls back to
 # a rule. Looked up once per key and cached: never re-tuned per call.
 
