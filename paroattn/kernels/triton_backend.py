@@ -192,6 +192,19 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
     return kq, k_scale, vq, v_amax if v_amax is not None else placeholder
 
 
+_TMA_DEVICES: dict[torch.device, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer (the configs were tuned on an H200; older GPUs read the same tiles by pointer)."""
+    if interpreting():
+        return True
+    has = _TMA_DEVICES.get(device)
+    if has is None:
+        has = _TMA_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return has
+
+
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
     """Tensor descriptors of the prologue's K and V buffers, seen as 2-D [rows, width] so one
     descriptor serves every (batch, head): K [B*H*N_PAD, D (D/2 for int4)], V the same in bf16 or,
@@ -218,7 +231,7 @@ def launch(
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     kq, k_scale, vq, v_amax = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
-    use_tma = config.tma and not config.gather_kv
+    use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
     _attention_kernel[(nq, B * H)](
         q, k, v, out, kq, k_scale, vq, v_amax, k_desc, v_desc,
@@ -273,7 +286,7 @@ def unsupported_reason(q: torch.Tensor, bq: int, bk: int) -> str | None:
     if D not in HEAD_DIMS:
         return f"the triton backend supports head dims {HEAD_DIMS}; got D={D}"
     if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype}"
+        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype} (cast them)"
     if not (q.is_cuda or interpreting()):
         return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}"
     allowed = (16, 32, 64, 128) if interpreting() else (32, 64, 128)
