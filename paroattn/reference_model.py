@@ -106,6 +106,9 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     0..1000 scale. No VAE: the denoised tensor is the video."""
 
     model_cpu_offload_seq = "text_encoder->transformer"
+    # no VAE: a latent position is a pixel and a latent frame a frame (what paroattn's size messages use)
+    vae_scale_factor_spatial = 1
+    vae_scale_factor_temporal = 1
 
     def __init__(self, transformer: WanTransformer3DModel, text_encoder: WordTextEncoder,
                  scheduler: FlowMatchEulerDiscreteScheduler):

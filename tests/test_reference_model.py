@@ -112,6 +112,23 @@ def test_shipped_plans_fit_the_shipped_model(reference_pipe):
             assert shipped_plan_path(density, quantized).with_name(plan.info["stats_file"]["name"]).is_file()
 
 
+def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(reference_pipe):
+    """The reference model has no VAE: the mismatch message and the recalibration command give its
+    sizes in pixels and frames as the pipeline takes them (not through a video VAE's 8x / 4x)."""
+    from paroattn import PlanError
+    from paroattn.demo import SHIPPED_DENSITIES, shipped_plan_path
+    from paroattn.pipelines import apply, layout_for
+
+    assert layout_for(reference_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
+    plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0], False))  # 8 frames of 32x32
+    with apply(reference_pipe, plan, backend="torch"):
+        with pytest.raises(PlanError) as error:
+            _small_run(reference_pipe)  # 2 frames of 16x16
+    message = str(error.value)
+    assert "8 frames of 32x32" in message and "2 frames of 16x16" in message, message
+    assert "--height 16 --width 16 --frames 2" in message, message
+
+
 def _training_script():
     spec = importlib.util.spec_from_file_location("train_reference", ROOT / "scripts" / "train_reference.py")
     module = importlib.util.module_from_spec(spec)

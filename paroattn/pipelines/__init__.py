@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from ..layout import TokenLayout
 from ..plan import Plan
-from .base import CallInputs, FamilyAdapter
+from .base import CallInputs, FamilyAdapter, pixel_scale_of
 from .processor import Binding, CaptureProcessor, PAROProcessor
 from .registry import family_of, require_family, resolve_transformer
 
@@ -48,10 +48,12 @@ def self_attention_layers(pipe_or_transformer) -> list[str]:
 def layout_for(pipe_or_transformer, *, height: int, width: int, frames: int | None = None,
                text_tokens: int | None = None) -> TokenLayout:
     """TokenLayout of a generation of `height` x `width` pixels (and `frames` frames for video).
-    `text_tokens` defaults to the model's text length (CogVideoX config, 512 for Flux, none for Wan)."""
+    `text_tokens` defaults to the model's text length (CogVideoX config, 512 for Flux, none for Wan).
+    A pipeline's own VAE factors are used; a bare transformer gets the released VAEs' (8, and 4 in time)."""
     transformer = resolve_transformer(pipe_or_transformer)
     return require_family(transformer).layout_for(
-        transformer, height=height, width=width, frames=frames, text_tokens=text_tokens
+        transformer, height=height, width=width, frames=frames, text_tokens=text_tokens,
+        scale=pixel_scale_of(pipe_or_transformer),
     )
 
 
@@ -113,7 +115,7 @@ def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: s
     frame count raises PlanError when it runs (or runs dense with a warning)."""
     transformer = resolve_transformer(pipe_or_transformer)
     processor = PAROProcessor(plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
-                              prefetch_slots=prefetch_slots)
+                              prefetch_slots=prefetch_slots, pixel_scale=pixel_scale_of(pipe_or_transformer))
     binding = processor.bind(transformer)
     if binding.static_problem:
         processor.unbind(binding)

@@ -27,6 +27,28 @@ VAE_SPATIAL = 8
 VAE_TEMPORAL = 4
 
 
+@dataclass(frozen=True)
+class PixelScale:
+    """Pixels per latent position (`spatial`) and frames per latent frame (`temporal`) of a pipeline:
+    its VAE's factors; 1 and 1 for a model that works in pixel space (the reference model)."""
+
+    temporal: int = VAE_TEMPORAL
+    spatial: int = VAE_SPATIAL
+
+
+STANDARD_VAE = PixelScale()
+
+
+def pixel_scale_of(pipe_or_transformer) -> PixelScale:
+    """The pipeline's VAE factors (diffusers' `vae_scale_factor_temporal` / `vae_scale_factor_spatial`,
+    or `vae_scale_factor` for image pipelines); the released VAEs' for a bare transformer."""
+    spatial = getattr(pipe_or_transformer, "vae_scale_factor_spatial", None)
+    if spatial is None:
+        spatial = getattr(pipe_or_transformer, "vae_scale_factor", VAE_SPATIAL)
+    temporal = getattr(pipe_or_transformer, "vae_scale_factor_temporal", VAE_TEMPORAL)
+    return PixelScale(int(temporal), int(spatial))
+
+
 @dataclass
 class CallInputs:
     """What one transformer forward call means for PARO: its timestep on the 0..1000 scale and
@@ -104,10 +126,10 @@ class FamilyAdapter:
 
     # -- geometry ----------------------------------------------------------------------------
     def layout_for(self, transformer, *, height: int, width: int, frames: int | None = None,
-                   text_tokens: int | None = None) -> TokenLayout:
+                   text_tokens: int | None = None, scale: PixelScale = STANDARD_VAE) -> TokenLayout:
         raise NotImplementedError
 
-    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
         """Smallest generation size (pixels, frames) whose tokens have this layout."""
         raise NotImplementedError
 
@@ -131,16 +153,16 @@ class FamilyAdapter:
             raise TypeError(f"no default processor known for {type(attn).__name__}")
         return cls()
 
-    def describe_size(self, transformer, layout: TokenLayout) -> str:
-        size = self.pixel_size(transformer, layout)
+    def describe_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> str:
+        size = self.pixel_size(transformer, layout, scale)
         if "frames" in size:
             return f"{size['frames']} frames of {size['height']}x{size['width']}"
         return f"{size['height']}x{size['width']}"
 
-    def calibrate_command(self, transformer, layout: TokenLayout | None) -> str:
+    def calibrate_command(self, transformer, layout: TokenLayout | None, scale: PixelScale = STANDARD_VAE) -> str:
         args = ""
         if layout is not None:
-            size = self.pixel_size(transformer, layout)
+            size = self.pixel_size(transformer, layout, scale)
             args = f" --height {size['height']} --width {size['width']}"
             if "frames" in size:
                 args += f" --frames {size['frames']}"

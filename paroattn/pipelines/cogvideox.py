@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from .base import VAE_SPATIAL, VAE_TEMPORAL, CallInputs, FamilyAdapter, SelfAttentionCall, timestep_value
+from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall, timestep_value
 
 
 class CogVideoXAdapter(FamilyAdapter):
@@ -51,26 +51,27 @@ class CogVideoXAdapter(FamilyAdapter):
         return CallInputs(timestep_value(f_locals["timestep"]), layout, problem)
 
     # -- geometry ----------------------------------------------------------------------------
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None) -> TokenLayout:
+    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
+                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
         config = transformer.config
         if frames is None:
             frames = int(config.sample_frames)
-        latent_frames = (int(frames) - 1) // VAE_TEMPORAL + 1
+        latent_frames = (int(frames) - 1) // scale.temporal + 1
         pt = config.patch_size_t
         if pt:
             latent_frames = -(-latent_frames // pt) * pt  # the pipeline pads to a multiple of patch_size_t
         text = int(config.max_text_seq_length) if text_tokens is None else int(text_tokens)
-        layout, problem = self._layout(transformer, text, latent_frames, height // VAE_SPATIAL, width // VAE_SPATIAL)
+        layout, problem = self._layout(transformer, text, latent_frames, height // scale.spatial, width // scale.spatial)
         if layout is None:
             raise ValueError(problem)
         return layout
 
-    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
         p = int(transformer.config.patch_size)
         pt = transformer.config.patch_size_t or 1
         # smallest frame count whose padded latent frames give layout.frames patches
-        frames = (layout.frames - 1) * pt * VAE_TEMPORAL + 1
-        return {"frames": frames, "height": layout.height * p * VAE_SPATIAL, "width": layout.width * p * VAE_SPATIAL}
+        frames = (layout.frames - 1) * pt * scale.temporal + 1
+        return {"frames": frames, "height": layout.height * p * scale.spatial, "width": layout.width * p * scale.spatial}
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import TokenLayout
-from .base import VAE_SPATIAL, CallInputs, FamilyAdapter, SelfAttentionCall, dispatch_dense, timestep_value
+from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall, dispatch_dense, timestep_value
 
 # Flux packs 2x2 latent pixels into one token before its own patch embedding
 _PACK = 2
@@ -67,15 +67,16 @@ class FluxAdapter(FamilyAdapter):
         return self._inputs(text_tokens, f_locals["img_ids"], timestep_value(f_locals["timestep"]))
 
     # -- geometry ----------------------------------------------------------------------------
-    def _tokens_per_side(self, transformer) -> int:
-        return VAE_SPATIAL * _PACK * int(transformer.config.patch_size)
+    def _tokens_per_side(self, transformer, scale: PixelScale) -> int:
+        return scale.spatial * _PACK * int(transformer.config.patch_size)
 
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None) -> TokenLayout:
-        side = self._tokens_per_side(transformer)
+    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
+                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
+        side = self._tokens_per_side(transformer, scale)
         return TokenLayout(512 if text_tokens is None else int(text_tokens), 1, height // side, width // side)
 
-    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
-        side = self._tokens_per_side(transformer)
+    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
+        side = self._tokens_per_side(transformer, scale)
         return {"height": layout.height * side, "width": layout.width * side}
 
     # -- per self-attention call -------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from ..attention import BACKENDS, paro_attention
 from ..errors import PlanError
 from ..plan import Plan, model_fingerprint
-from .base import CallInputs, FamilyAdapter, SelfAttentionCall
+from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
 from .prefetch import MaskStore
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
@@ -200,10 +200,12 @@ class PAROProcessor(_BoundProcessor):
     `on_mismatch`: "error" raises PlanError when the plan does not fit the model or the call;
     "dense" warns once and runs the model's own attention instead.
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
+    `pixel_scale`: the pipeline's VAE factors, for the sizes that mismatch messages name (`apply` passes
+    the pipeline's; the released VAEs' by default).
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
-                 resident: bool | str = "auto", prefetch_slots: int = 3):
+                 resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale = STANDARD_VAE):
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
@@ -216,6 +218,7 @@ class PAROProcessor(_BoundProcessor):
         self.on_mismatch = on_mismatch
         self.resident = resident
         self.prefetch_slots = prefetch_slots
+        self.pixel_scale = pixel_scale
 
     # -- checks ------------------------------------------------------------------------------
     def plan_problems(self, binding: Binding) -> list[str]:
@@ -244,7 +247,7 @@ class PAROProcessor(_BoundProcessor):
         problems = self.plan_problems(binding)
         if not problems:
             return
-        command = binding.family.calibrate_command(binding.transformer, self.plan.layout)
+        command = binding.family.calibrate_command(binding.transformer, self.plan.layout, self.pixel_scale)
         message = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
         if self.on_mismatch == "error":
             self.unbind(binding)
@@ -254,7 +257,7 @@ class PAROProcessor(_BoundProcessor):
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
         plan_layout = self.plan.layout
-        family, transformer = binding.family, binding.transformer
+        family, transformer, scale = binding.family, binding.transformer, self.pixel_scale
         if inputs.layout is None:
             return f"this call has no PARO token layout: {inputs.problem}"
         if inputs.layout == plan_layout:
@@ -266,12 +269,12 @@ class PAROProcessor(_BoundProcessor):
             return (
                 f"plan was calibrated with {plan_layout.prefix} text tokens; this call has {inputs.layout.prefix}: "
                 f"pass max_sequence_length={plan_layout.prefix} to the pipeline, or run "
-                f"`{family.calibrate_command(transformer, inputs.layout)}` with the pipeline's text length"
+                f"`{family.calibrate_command(transformer, inputs.layout, scale)}` with the pipeline's text length"
             )
         return (
-            f"plan was calibrated for {plan_layout} tokens ({family.describe_size(transformer, plan_layout)}); "
-            f"this call has {inputs.layout} ({family.describe_size(transformer, inputs.layout)}): run "
-            f"`{family.calibrate_command(transformer, inputs.layout)}` for this size"
+            f"plan was calibrated for {plan_layout} tokens ({family.describe_size(transformer, plan_layout, scale)}); "
+            f"this call has {inputs.layout} ({family.describe_size(transformer, inputs.layout, scale)}): run "
+            f"`{family.calibrate_command(transformer, inputs.layout, scale)}` for this size"
         )
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:

@@ -11,10 +11,10 @@ import torch
 
 from ..layout import TokenLayout
 from .base import (
-    VAE_SPATIAL,
-    VAE_TEMPORAL,
+    STANDARD_VAE,
     CallInputs,
     FamilyAdapter,
+    PixelScale,
     SelfAttentionCall,
     dispatch_dense,
     timestep_value,
@@ -58,18 +58,19 @@ class WanAdapter(FamilyAdapter):
         return CallInputs(timestep_value(f_locals["timestep"]), layout)
 
     # -- geometry ----------------------------------------------------------------------------
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None) -> TokenLayout:
+    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
+                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
         if frames is None:
             frames = 81
-        latent_frames = (int(frames) - 1) // VAE_TEMPORAL + 1
-        return self._layout(transformer, latent_frames, height // VAE_SPATIAL, width // VAE_SPATIAL)
+        latent_frames = (int(frames) - 1) // scale.temporal + 1
+        return self._layout(transformer, latent_frames, height // scale.spatial, width // scale.spatial)
 
-    def pixel_size(self, transformer, layout: TokenLayout) -> dict[str, int]:
+    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
         p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
         return {
-            "frames": (layout.frames * p_t - 1) * VAE_TEMPORAL + 1,
-            "height": layout.height * p_h * VAE_SPATIAL,
-            "width": layout.width * p_w * VAE_SPATIAL,
+            "frames": (layout.frames * p_t - 1) * scale.temporal + 1,
+            "height": layout.height * p_h * scale.spatial,
+            "width": layout.width * p_w * scale.spatial,
         }
 
     # -- per self-attention call -------------------------------------------------------------
