@@ -143,6 +143,30 @@ def test_paper_metric_is_an_option():
         acc.finalize(0.3, 0, metric="nope")
 
 
+def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
+    """The store keeps float16 means, folded in when the bucket changes: after prompts that visit the
+    buckets in turn, each stored mean is the float32 average of every map added to it (weighted by
+    batch items), to float16 precision."""
+    g = torch.Generator().manual_seed(6)
+    acc = StatsAccumulator(2, 3, [0, 1], seq_len=64, block_size=16)
+    added, items = {}, {}
+    # steps of each prompt, timestep buckets in order; prompts differ in steps and batch size, so a
+    # plain average of per-fold means would be off
+    for steps, batch in [((0, 0, 0, 1, 2), 1), ((0, 1, 1, 1, 2, 2), 2), ((0, 1, 2, 2, 2, 2), 3)]:
+        for bucket in steps:
+            for layer in range(2):
+                mass = torch.rand(2, 2, 4, 4, generator=g) * 16 * batch  # per item at most the block size
+                acc.add(layer, bucket, mass, None, None, batch=batch)
+                added.setdefault((bucket, layer), []).append(mass)
+                items[(bucket, layer)] = items.get((bucket, layer), 0) + batch
+    acc.flush()
+    for (bucket, layer), maps in added.items():
+        stored = acc.mass[(bucket, layer)]
+        assert stored.dtype == torch.float16
+        expected = torch.stack(maps).sum(0) / items[(bucket, layer)]
+        assert torch.allclose(acc._mean_map(bucket, layer), expected, rtol=2e-3, atol=1e-3)
+
+
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):

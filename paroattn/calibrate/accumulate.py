@@ -1,13 +1,14 @@
 """Averaging block statistics over prompts and denoising steps, then deciding orders and masks.
 
-Per (timestep bucket, layer) the accumulator keeps the sum of the block-mass maps of every
-candidate order, [H, O, nb, nb] float32, and how many (batch item, step) maps went into it. The
-per-step maxima and counts below eps are only needed as per-head scalars (incoherence, block-sparse
-score) and are reduced at once. Memory: buckets * L * H * O * nb^2 * 4 bytes (CogVideoX-5B with 6
-buckets: 22 GB; Wan2.1-1.3B: 14 GB), kept in `store_device` (host memory by default on CUDA when it
-would not fit comfortably on the GPU). Maps of the bucket currently being captured are staged on
-the device that computed them and moved to the store when the bucket changes, so a step costs no
-host transfer.
+Per (timestep bucket, layer) the accumulator keeps the mean of the block-mass maps of every
+candidate order, [H, O, nb, nb], and how many (batch item, step) maps went into it. The per-step
+maxima and counts below eps are only needed as per-head scalars (incoherence, block-sparse score) and
+are reduced at once. Maps of the bucket currently being captured are summed in float32 on the device
+that computed them and folded into the stored mean when the bucket changes (a few times per prompt),
+so a step costs no host transfer. The stored means are float16 (each entry is at most the block
+size, and one rounding per fold keeps them within ~1e-3 of the float32 mean): memory is
+buckets * L * H * O * nb^2 * 2 bytes (CogVideoX-5B with 6 buckets: 11 GB; Wan2.1-1.3B: 7 GB), kept in
+`store_device` (host memory by default on CUDA when it would not fit comfortably on the GPU).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StatsAccumulator:
         seq_len: int,
         block_size: int,
         store_device: torch.device | str = "cpu",
+        store_dtype: torch.dtype = torch.float16,
     ):
         self.num_layers = num_layers
         self.num_buckets = num_buckets
@@ -51,13 +53,15 @@ class StatsAccumulator:
         self.seq_len = seq_len
         self.block_size = block_size
         self.store_device = torch.device(store_device)
-        self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] sums
-        self.weight = torch.zeros(num_buckets, num_layers)  # maps summed into mass, batch items counted
+        self.store_dtype = store_dtype
+        self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] means
+        self.weight = torch.zeros(num_buckets, num_layers)  # maps averaged into mass, batch items counted
         self.incoherence_sum: dict[int, torch.Tensor] = {}  # layer -> [H, O]
         self.sparse_sum: dict[int, torch.Tensor] = {}
         self.scalar_count = torch.zeros(num_layers)
         self.steps_per_bucket = [0] * num_buckets
-        self._staging: dict[int, torch.Tensor] = {}
+        self._staging: dict[int, torch.Tensor] = {}  # layer -> float32 sum of this bucket's maps so far
+        self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
 
@@ -71,6 +75,7 @@ class StatsAccumulator:
             self._staging[layer] += mass
         else:
             self._staging[layer] = mass.float().clone()
+        self._staged_weight[layer] = self._staged_weight.get(layer, 0.0) + batch
         self.weight[bucket, layer] += batch
         entries = self._entries.get(mass.device)
         if entries is None:
@@ -92,23 +97,27 @@ class StatsAccumulator:
         self.steps_per_bucket[bucket] += 1
 
     def flush(self) -> None:
-        """Move the staged maps of the current bucket into the store."""
+        """Fold the staged sums of the current bucket into the stored means."""
         bucket = self._staging_bucket
-        for layer, mass in self._staging.items():
+        for layer, staged in self._staging.items():
             key = (bucket, layer)
-            mass = mass.to(self.store_device)
+            total = float(self.weight[bucket, layer])  # already counts the staged maps
+            # blend where the staged sums are (the GPU during a calibration): the store moves in
+            # float16 both ways, as many bytes as the float32 sums alone would take one way
             if key in self.mass:
-                self.mass[key] += mass
+                earlier = total - self._staged_weight[layer]
+                mean = (self.mass[key].to(staged.device).float() * earlier + staged) / total
             else:
-                self.mass[key] = mass
-        self._staging = {}
+                mean = staged / total
+            self.mass[key] = mean.to(self.store_dtype).to(self.store_device)
+        self._staging, self._staged_weight = {}, {}
         self._staging_bucket = None
 
     # -----------------------------------------------------------------------------------------
     def _mean_map(self, bucket: int, layer: int) -> torch.Tensor | None:
         if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
             return None
-        return self.mass[(bucket, layer)] / float(self.weight[bucket, layer])
+        return self.mass[(bucket, layer)].float()
 
     def finalize(
         self,
