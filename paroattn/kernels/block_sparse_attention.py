@@ -79,6 +79,13 @@ def _quantize(x, scale, qmax):
 
 
 @triton.jit
+def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
+    # the rows `orig` (original token positions) of one (batch, head) of the caller's q, k or v, columns
+    # offs_d; rows past the sequence read as 0
+    return tl.load(base + orig[:, None] * stride_n + offs_d[None, :] * stride_d, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _kv_prologue_kernel(
     K, V, KSum, VAmax, KQ, KScale, VQ,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -97,18 +104,17 @@ def _kv_prologue_kernel(
     orig = reordered_to_original(offs_n, order, prefix, frames, height, width)
     bh64 = bh.to(tl.int64)
 
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    offs_d = tl.arange(0, HEAD_DIM)
     if QK_MODE == 0 and not GATHER_KV:
         # reordered copy in the input dtype, [bh, n, d]
-        offs_d = tl.arange(0, HEAD_DIM)
-        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-        k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k)
     if QK_MODE != 0:
         qmax = 127.0 if QK_MODE == 1 else 7.0
-        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
         if QK_MODE == 1:
-            offs_d = tl.arange(0, HEAD_DIM)
-            k = tl.load(k_base + orig[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+            k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
             mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
             k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
             scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
@@ -117,9 +123,8 @@ def _kv_prologue_kernel(
         else:
             HALF: tl.constexpr = HEAD_DIM // 2
             offs_h = tl.arange(0, HALF)
-            ptr = k_base + orig[:, None] * stride_kn + offs_h[None, :] * stride_kd
-            lo = tl.load(ptr, mask=valid[:, None], other=0.0)
-            hi = tl.load(ptr + HALF * stride_kd, mask=valid[:, None], other=0.0)
+            lo = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_h)
+            hi = _gather_rows(k_base + HALF * stride_kd, orig, valid, stride_kn, stride_kd, offs_h)
             mean_lo = tl.load(KSum + bh64 * HEAD_DIM + offs_h) / N
             mean_hi = tl.load(KSum + bh64 * HEAD_DIM + HALF + offs_h) / N
             lo = tl.where(valid[:, None], lo.to(tl.float32) - mean_lo[None, :], 0.0)
@@ -133,14 +138,10 @@ def _kv_prologue_kernel(
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
 
     if PV_MODE == 0 and not GATHER_KV:
-        offs_d = tl.arange(0, HEAD_DIM)
-        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-        v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
         tl.store(VQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v)
     if PV_MODE != 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-        v = tl.load(v_base + orig[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
                                  448.0 if PV_MODE == 1 else 127.0)
         # one IEEE reciprocal per channel, then products (as the reference): with a division per
@@ -288,13 +289,12 @@ def _attention_kernel(
     # the query block, quantized per block in registers for integer QK
     if QK_MODE == 0:
         offs_d = tl.arange(0, HEAD_DIM)
-        q_a = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
+        q_a = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
         q_b = q_a
         score_scale = qk_scale
     elif QK_MODE == 1:
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_base + orig_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=valid_m[:, None], other=0.0)
-        q = q.to(tl.float32)
+        q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d).to(tl.float32)
         q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), 127.0)
         q_a = _quantize(q, q_scale, 127.0).to(tl.int8)
         q_b = q_a
@@ -302,9 +302,8 @@ def _attention_kernel(
     else:
         HALF: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, HALF)
-        ptr = q_base + orig_m[:, None] * stride_qn + offs_h[None, :] * stride_qd
-        lo = tl.load(ptr, mask=valid_m[:, None], other=0.0).to(tl.float32)
-        hi = tl.load(ptr + HALF * stride_qd, mask=valid_m[:, None], other=0.0).to(tl.float32)
+        lo = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_h).to(tl.float32)
+        hi = _gather_rows(q_base + HALF * stride_qd, orig_m, valid_m, stride_qn, stride_qd, offs_h).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
         q_scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), 7.0)
         q_a = _quantize(lo, q_scale, 7.0).to(tl.int8)
