@@ -1,7 +1,7 @@
 """Attention kernel benchmark: SDPA (default and flash), flex_attention with the same block mask,
 sageattn (if importable) and paro_attention for densities x modes, at the shapes of issue 4.
 
-    python benchmarks/attention.py [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--out DIR]
+    python benchmarks/attention.py [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--out DIR]
     paro bench ...                  (same options)
 
 Every method gets the same contiguous [B, H, N, D] bf16 inputs; each timing is the median of
@@ -11,7 +11,9 @@ included) with a prebuilt `ActiveBlocks` (what a processor passes) and a per-hea
 flex_attention gets the same block mask (64 x 64 blocks, all "full", in the same coordinates) on
 the same tensors: the reordering paro does inside its kernel is free for flex here.
 Effective TFLOP/s is the DENSE attention work 4*B*H*N^2*D over the time, so it compares methods;
-the speedup is SDPA default time / time.
+the speedup is SDPA default time / time. `--rope` also times each paro mode with the model's RoPE
+fused into the op (`rotary=`, rows "paro-...-rope"): what the fusion costs inside the kernels (what it
+saves, the model's own RoPE, is in benchmarks/e2e.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # gathers losing everywhere
 SWEEP_CONFIGS = {64: [(4, 2, False), (4, 3, False), (4, 4, False)], 128: [(8, 2, False), (8, 3, False), (4, 3, False)]}
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim
+ROPE_ON_TEXT = {"flux.1-dev"}  # Flux rotates its text tokens too; CogVideoX only the grid after them
 
 
 def _median_ms(fn, sets, warmup=25, rep=100) -> float:
@@ -135,7 +138,7 @@ def _host_overhead(call, sets, calls=200) -> dict:
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK, tma=False) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False) -> dict:
     import triton
 
     shapes = shapes or list(SHAPES)
@@ -170,6 +173,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         orders_cpu = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1))
         nq, nk = -(-N // block_q), -(-N // block_k)
         flex_tiles = {"BLOCK_M": block_q, "BLOCK_N": block_k}
+        rotated = N if name in ROPE_ON_TEXT else layout.grid_tokens
+        angles = torch.rand(rotated, D // 2, device="cuda", generator=g).repeat_interleave(2, dim=-1) * 6.28
+        rotary = (angles.cos(), angles.sin())
 
         def record(method, density, ms, error=None, **extra):
             row = {"shape": name, "B": B, "H": H, "N": N, "D": D, "method": method, "density": density,
@@ -228,15 +234,17 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                     config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
                     triton_backend.set_kernel_config(D, block_q, block_k, qk, pv, dataclasses.replace(config, tma=True))
 
-                def paro(q, k, v, qk=qk, pv=pv):
-                    return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk, pv=pv,
-                                          block_size=(block_q, block_k), backend="triton")
+                variants = [("", None)] + ([("-rope", rotary)] if rope else [])
+                for suffix, tables in variants:
+                    def paro(q, k, v, qk=qk, pv=pv, tables=tables):
+                        return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk,
+                                              pv=pv, block_size=(block_q, block_k), backend="triton", rotary=tables)
 
-                ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
-                row = record(f"paro-{qk}-{pv}", density, ms, err, mask_density=actual,
-                             config=vars(triton_backend.kernel_config(D, block_q, block_k, qk, pv)))
-                if sdpa_ms and ms:
-                    row["speedup_vs_sdpa"] = sdpa_ms / ms
+                    ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
+                    row = record(f"paro-{qk}-{pv}{suffix}", density, ms, err, mask_density=actual,
+                                 config=vars(triton_backend.kernel_config(D, block_q, block_k, qk, pv)))
+                    if sdpa_ms and ms:
+                        row["speedup_vs_sdpa"] = sdpa_ms / ms
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
@@ -376,6 +384,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-k", type=int, default=BLOCK, choices=(64, 128), help="key block")
     parser.add_argument("--tma", action="store_true",
                         help="read K/V tiles through tensor descriptors (KernelConfig.tma) in every paro config")
+    parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE fused (rotary=)")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:
@@ -393,6 +402,7 @@ def main(argv=None) -> dict:
         block_q=args.block_q,
         block_k=args.block_k,
         tma=args.tma,
+        rope=args.rope,
     )
 
 

@@ -8,7 +8,8 @@ weight values. One "step" is one transformer forward at the model's default size
 - FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens.
 Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
 fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
-time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident.
+time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
+"model-rope" rows apply the model's own RoPE before the op (fuse_rope=False) instead of inside it.
 
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--json results.json]
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
@@ -154,10 +155,12 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     dense_s = None
     masks_by_density: dict[float, torch.Tensor] = {}
     for label, density, qk, pv in MODES:
-        runs = [("resident", True)]
-        if density == 0.2:  # prefetch overhead: the same plan with masks streamed per layer
-            runs = [("resident", True), ("streamed", False)]
-        for how, resident in runs:
+        runs = [("resident", True, True)]
+        if density == 0.2:
+            # prefetch overhead: the same plan with masks streamed per layer; what fusing RoPE into the
+            # op buys: the same plan with the model's own RoPE applied first (fuse_rope=False)
+            runs = [("resident", True, True), ("streamed", False, True), ("model-rope", True, False)]
+        for how, resident, fuse_rope in runs:
           try:
             handle = None
             if density is not None:
@@ -165,7 +168,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                     masks_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block).block_mask
                 plan = synthetic_plan(transformer, layout, density, qk, pv, block)
                 plan = Plan(**{**plan.__dict__, "block_mask": masks_by_density[density], "density": None})
-                handle = apply(transformer, plan, backend=backend, resident=resident)
+                handle = apply(transformer, plan, backend=backend, resident=resident, fuse_rope=fuse_rope)
                 handle.processor.prepare(handle.binding, device)
             if device.type == "cuda":
                 gc.collect()
@@ -202,6 +205,10 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
             overhead = (pair["streamed"]["step_s"] - pair["resident"]["step_s"]) / pair["resident"]["step_s"]
             pair["streamed"]["prefetch_overhead"] = overhead
             print(f"  prefetch overhead ({label}, streamed vs resident): {overhead * 100:+.2f}% of a step", flush=True)
+        if "model-rope" in pair and "resident" in pair:
+            saved = pair["model-rope"]["step_s"] - pair["resident"]["step_s"]
+            pair["resident"]["fused_rope_saves_s"] = saved
+            print(f"  fused RoPE ({label}) saves {saved * 1000:.1f} ms per step over the model's own", flush=True)
     del transformer, inputs
     gc.collect()
     if device.type == "cuda":

@@ -5,6 +5,9 @@ reordered by its order (prefix tokens stay first), attention runs over the activ
 `block_mask` (reordered coordinates) with optional INT8/INT4 QK and FP8/INT8 PV, and the output
 comes back in q's shape, dtype and original token order. A query with no active block outputs 0.
 `block_mask` may also be prebuilt `ActiveBlocks` (what processors pass, built once per layer).
+`rotary=(cos, sin)` applies the model's RoPE to q and k first (`kernels.reference.apply_rotary`); the
+Triton backend does it in one pass over q and k (`kernels/rotary.py`) instead of the models' own chain
+of float32 elementwise kernels.
 """
 
 from __future__ import annotations
@@ -34,7 +37,25 @@ def mask_shape(n: int, block_size: int | tuple[int, int]) -> tuple[int, int]:
     return -(-n // bq), -(-n // bk)
 
 
-def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend) -> None:
+def check_rotary(rotary, q: torch.Tensor) -> None:
+    if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2 and all(isinstance(t, torch.Tensor) for t in rotary)):
+        raise PAROInputError(f"rotary must be a pair of tensors (cos, sin), got {type(rotary).__name__}")
+    cos, sin = rotary
+    B, H, N, D = q.shape
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or not 0 < cos.shape[0] <= N:
+        raise PAROInputError(
+            f"rotary tables must both be [S, D] with D={D} and 0 < S <= N={N} (they rotate the last S tokens); "
+            f"got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise PAROInputError(f"rotary tables must be float32; got {cos.dtype}, {sin.dtype} (pass cos.float())")
+    if cos.device != q.device or sin.device != q.device:
+        raise PAROInputError(f"rotary tables must be on q's device {q.device}; got {cos.device}, {sin.device}")
+    if D % 2:
+        raise PAROInputError(f"RoPE rotates pairs of channels; head dim {D} is odd")
+
+
+def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
     if qk not in QK_MODES:
         raise PAROInputError(f"qk={qk!r} is not a QK mode; expected one of {QK_MODES}")
@@ -57,6 +78,8 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
     if not (q.device == k.device == v.device):
         raise PAROInputError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     B, H, N, D = q.shape
+    if rotary is not None:
+        check_rotary(rotary, q)
     if N != layout.seq_len:
         raise PAROInputError(
             f"sequence length {N} does not match the layout {layout} ({layout.seq_len} tokens): "
@@ -100,9 +123,10 @@ def paro_attention(
     pv: str = "bf16",
     sm_scale: float | None = None,
     backend: str = "auto",
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention over per-head reordered tokens; see the module docstring."""
-    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend)
+    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary)
     bq, bk = block_sizes(block_size)
     if backend == "auto":
         backend = "torch"
@@ -120,10 +144,10 @@ def paro_attention(
 
         return triton_backend.paro_attention_triton(
             q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
-            qk=qk, pv=pv, sm_scale=sm_scale,
+            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary,
         )
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
     return paro_attention_reference(
-        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale
+        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale, rotary
     )

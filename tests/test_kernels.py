@@ -296,3 +296,77 @@ def test_inputs_that_require_grad_are_refused_not_silently_detached():
         paro_attention(q.requires_grad_(), k, v, **kwargs)
     with torch.no_grad():
         assert torch.isfinite(paro_attention(q, k, v, **kwargs)).all()
+
+
+def rope_tables(S, D, seed, interleaved=False):
+    """Random-angle RoPE tables [S, D] float32 (not repeat-interleaved unless asked, so each column's
+    own cos/sin is what the convention must read)."""
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(S, D // 2 if interleaved else D, generator=g) * 2 * math.pi
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "bf16"), ("int4", "int8")])
+@pytest.mark.parametrize("tail", [True, False])
+def test_fused_rope_matches_reference(qk, pv, D, tail):
+    """rotary=(cos, sin): the op with the Triton RoPE pass equals the reference, which rotates with torch
+    (K smoothing then sees the rotated keys in both). tail=True rotates only the grid tokens after the
+    5-token prefix (CogVideoX), False all tokens (Flux, Wan); B=2, mixed orders, [B, N, H, D] storage."""
+    B, H = 2, 3
+    q, k, v = make_inputs(B, H, LAYOUT.seq_len, D, seq_major=True, seed=21 + D)
+    S = LAYOUT.grid_tokens if tail else LAYOUT.seq_len
+    rotary = rope_tables(S, D, seed=D + tail)
+    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
+    mask = synthetic_block_mask(H, n_blocks, n_blocks, 0.6, generator=torch.Generator().manual_seed(D))
+    kwargs = dict(layout=LAYOUT, orders=torch.tensor([2, 0, 5]), block_mask=mask, block_size=SMALL_BLOCK, qk=qk, pv=pv)
+    out = paro_attention(q, k, v, backend="triton", rotary=rotary, **kwargs)
+    ref = paro_attention(q, k, v, backend="torch", rotary=rotary, **kwargs)
+    unrotated = paro_attention(q, k, v, backend="torch", **kwargs)
+    bound = max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv]
+    assert rel_err(out, ref) <= bound, rel_err(out, ref)
+    assert rel_err(unrotated, ref) > 10 * bound  # the rotation matters, so the test can fail
+
+
+def test_fused_rope_with_in_kernel_gathers_still_rotates():
+    """In-kernel K/V gathers (a config option) read the rotated copies."""
+    q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=30)
+    rotary = rope_tables(LAYOUT.seq_len, 64, seed=30, interleaved=True)
+    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
+    mask = torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)
+    key = (64, SMALL_BLOCK, SMALL_BLOCK, "bf16", "bf16")
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=True))
+    try:
+        kwargs = dict(layout=LAYOUT, orders=torch.tensor([1, 4]), block_mask=mask, block_size=SMALL_BLOCK,
+                      rotary=rotary)
+        out = paro_attention(q, k, v, backend="triton", **kwargs)
+    finally:
+        triton_backend.set_kernel_config(*key, None)
+    assert rel_err(out, paro_attention(q, k, v, backend="torch", **kwargs)) <= BOUND["bf16"]
+
+
+
+@pytest.mark.parametrize("B,H,N,D,S", [(2, 3, 70, 64, 61), (1, 4, 200, 128, 200), (2, 8, 40, 64, 33)])
+@pytest.mark.parametrize("target_programs", [1, 4, 10**6])
+def test_rotate_pass_equals_apply_rotary(B, H, N, D, S, target_programs, monkeypatch):
+    """The RoPE pass with all heads in one program, groups of heads, or one head per program, a text
+    prefix that is copied (S < N) or none, [B, N, H, D] storage, B > 1: equal to `apply_rotary` to
+    float32 rounding (contracted multiply-adds may differ in the last bit before the cast)."""
+    from paroattn.kernels import rotary
+    from paroattn.kernels.reference import apply_rotary
+    from paroattn.kernels.rotary import heads_per_program, rotate_qk
+
+    monkeypatch.setattr(rotary, "_TARGET_PROGRAMS", target_programs)
+    assert heads_per_program(1024, 1, 8) == (8 if target_programs <= 1024 else 1)
+    assert heads_per_program(1, 1, 3) == (3 if target_programs == 1 else 1)
+
+    q, k, _ = make_inputs(B, H, N, D, seq_major=True, seed=N)
+    cos, sin = rope_tables(S, D, seed=S)
+    q_rot, k_rot = rotate_qk(q, k, cos, sin)
+    assert q_rot.is_contiguous() and q_rot.shape == q.shape
+    for x, rotated in ((q, q_rot), (k, k_rot)):
+        expected = apply_rotary(x, cos, sin)
+        torch.testing.assert_close(rotated, expected, rtol=1e-3, atol=1e-3)
+        assert torch.equal(rotated[:, :, : N - S], x[:, :, : N - S])  # the prefix is copied exactly

@@ -110,6 +110,19 @@ def test_all_true_mask_equals_default(model, orders):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_rope_equals_the_models_own_rope(model):
+    """The processor hands the model's RoPE to the op (fuse_rope=True, the default) instead of applying it
+    with the model's code first: same outputs on a sparse plan, where the rotation matters."""
+    name, transformer, inputs, reference = model
+    plan = make_plan(transformer, inputs, density=0.5, orders="random")
+    outs = []
+    for fuse_rope in (True, False):
+        with apply(transformer, plan, backend="torch", fuse_rope=fuse_rope):
+            outs.append(run(transformer, inputs))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert (outs[0] - reference).abs().max() > 1e-3
+
+
 def test_sparse_plan_differs_finitely_and_remove_is_bit_exact(model):
     name, transformer, inputs, reference = model
     plan = make_plan(transformer, inputs, density=0.4, orders="random")
@@ -332,10 +345,10 @@ def test_wan_pipeline_capture_sees_each_step_twice():
 # -- the Triton path: active-block lists, prefetch ----------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["cogvideox"])
+@pytest.mark.parametrize("family", ["cogvideox"] + (["wan", "flux"] if torch.cuda.is_available() else []))
 def test_triton_backend_through_the_processor_matches_torch(family):
-    """Active-block lists built by the processor drive the Triton kernel (interpreted on CPU, so one
-    family only: the lists do not depend on the family)."""
+    """Active-block lists built by the processor drive the Triton kernel, RoPE fused (interpreted on CPU,
+    so one family only there: the lists do not depend on the family; CogVideoX rotates after a text prefix)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     transformer = tiny_transformer(family, dtype=torch.float16, head_dim=64).to(device)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in tiny_forward_inputs(transformer).items()}

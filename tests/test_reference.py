@@ -184,3 +184,40 @@ def test_active_blocks_reject_lists_a_kernel_would_misread():
     out_of_range[1, 2, 0] = 6
     with pytest.raises(PAROInputError, match=r"key blocks in 0\.\.5"):
         ActiveBlocks(lists.counts, out_of_range, 6)
+
+
+def test_apply_rotary_is_the_models_rope_bit_for_bit():
+    """`apply_rotary` (the op's convention) equals diffusers' apply_rotary_emb (CogVideoX, Flux) and, with
+    the adapter's tables, Wan's rotation, on random (not pair-repeated) tables, bf16 and float32."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from paroattn.kernels.reference import apply_rotary
+    from paroattn.pipelines.wan import _op_tables, _rotate
+
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D, S = 2, 3, 40, 64, 33
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(B, H, N, D, generator=g).to(dtype)
+        cos, sin = torch.randn(S, D, generator=g), torch.randn(S, D, generator=g)
+        expected = x.clone()
+        expected[:, :, N - S:] = apply_rotary_emb(x[:, :, N - S:], (cos, sin))  # CogVideoX: after the text
+        assert torch.equal(apply_rotary(x, cos, sin), expected)
+        wan_cos, wan_sin = torch.randn(1, N, 1, D, generator=g), torch.randn(1, N, 1, D, generator=g)
+        wan = _rotate(x.transpose(1, 2), wan_cos, wan_sin).transpose(1, 2)  # Wan holds [B, S, H, D]
+        assert torch.equal(apply_rotary(x, *_op_tables(wan_cos, wan_sin)), wan)
+
+
+def test_bad_rotary_tables_raise_clear_errors():
+    layout = TokenLayout(3, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    ok = dict(layout=layout, orders=torch.tensor([0, 1]), block_mask=torch.ones(2, 3, 3, dtype=torch.bool), block_size=16)
+    N, D = q.shape[2], q.shape[3]
+    table = torch.ones(N, D)
+    with pytest.raises(PAROInputError, match="S <= N"):
+        paro_attention(q, k, v, rotary=(torch.ones(N + 1, D), torch.ones(N + 1, D)), **ok)
+    with pytest.raises(PAROInputError, match=f"D={D}"):
+        paro_attention(q, k, v, rotary=(torch.ones(N, D // 2), torch.ones(N, D // 2)), **ok)
+    with pytest.raises(PAROInputError, match="float32"):
+        paro_attention(q, k, v, rotary=(table.half(), table.half()), **ok)
+    with pytest.raises(PAROInputError, match="pair of tensors"):
+        paro_attention(q, k, v, rotary=table, **ok)

@@ -77,6 +77,18 @@ def fake_quantize_v(v: torch.Tensor, pv: str) -> torch.Tensor:
     return scaled.to(torch.float8_e4m3fn).float() * scale
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs of the last S tokens of x [B, H, N, D] (cos, sin: [S, D]), the
+    convention of CogVideoX, Wan 2.1 and FLUX.1: x * cos + pairs_rotated(x) * sin in float32, rounded
+    to x's dtype, where pairs_rotated(x)[2i] = -x[2i + 1] and pairs_rotated(x)[2i + 1] = x[2i]."""
+    start = x.shape[2] - cos.shape[0]
+    tail = x[:, :, start:]
+    pairs = tail.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    out = (tail.float() * cos.float() + rotated.float() * sin.float()).to(x.dtype)
+    return torch.cat([x[:, :, :start], out], dim=2) if start else out
+
+
 def expand_block_mask(block_mask_rows: torch.Tensor, bk: int, n: int) -> torch.Tensor:
     """[rows_in_blocks, nk] -> dense key mask [rows_in_blocks, n] (each key's block)."""
     key_block = torch.arange(n, device=block_mask_rows.device) // bk
@@ -95,12 +107,16 @@ def paro_attention_reference(
     qk: str = "bf16",
     pv: str = "bf16",
     sm_scale: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q, k, v: [B, H, N, D]; orders [H]; block_mask bool [H, ceil(N/bq), ceil(N/bk)] in reordered
-    coordinates. Returns [B, H, N, D] in q's dtype and original token order."""
+    coordinates; rotary: RoPE tables (cos, sin) [S, D] for the last S tokens of q and k (`apply_rotary`),
+    applied before everything else. Returns [B, H, N, D] in q's dtype and original token order."""
     B, H, N, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     if qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS:
         return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
     out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)

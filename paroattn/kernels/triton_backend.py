@@ -1,7 +1,8 @@
 """`backend="triton"` of `paroattn.paro_attention`: input checks, tile configs, the launches, and
 the `torch.library` custom op that makes the call opaque to torch.compile and CUDA-graph friendly.
 
-The kernels are in `block_sparse_attention.py`; their definition is `reference.py`.
+The kernels are in `block_sparse_attention.py` (and the RoPE pass in `rotary.py`); their definition
+is `reference.py`.
 
 Host-side work per call is kept small and sync-free when the caller passes what a processor has:
 device `orders` (or CPU orders, converted once and cached) and prebuilt `ActiveBlocks` on the GPU.
@@ -33,6 +34,7 @@ from .block_sparse_attention import (
     _attention_kernel,
     _kv_prologue_kernel,
 )
+from .rotary import rotate_qk
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
 PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}
@@ -219,15 +221,18 @@ def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
 def launch(
     q, k, v, orders, counts, indices, schedule,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
-    out: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run the prologue (quantized modes) and the attention kernel. Inputs are checked already.
-    `out` (tests poison it) defaults to a new tensor shaped and strided like q."""
+    """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and
+    the attention kernel. Inputs are checked already. `out` (tests poison it) defaults to a new tensor
+    shaped and strided like q."""
     B, H, N, D = q.shape
     if out is None:
         out = torch.empty_like(q)
     if out.numel() == 0:
         return out
+    if cos is not None:
+        q, k = rotate_qk(q, k, cos, sin)
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     kq, k_scale, vq, v_amax = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
@@ -250,15 +255,17 @@ def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule).
-    One opaque node for torch.compile; its output has q's shape, dtype and strides."""
-    return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale)
+    """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
+    float32 RoPE tables). One opaque node for torch.compile; its output has q's shape, dtype and strides."""
+    return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
+                  cos, sin)
 
 
 @block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
-                                 bq, bk, qk, pv, sm_scale):
+                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None):
     return torch.empty_like(q)
 
 
@@ -314,6 +321,7 @@ def paro_attention_triton(
     qk: str = "bf16",
     pv: str = "bf16",
     sm_scale: float | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller."""
     check_triton_inputs(q, bq, bk)
@@ -330,7 +338,8 @@ def paro_attention_triton(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     args = (q, k, v, _device_orders(orders, device), blocks.counts, blocks.indices, schedule,
-            layout.prefix, layout.frames, layout.height, layout.width, bq, bk, qk, pv, float(sm_scale))
+            layout.prefix, layout.frames, layout.height, layout.width, bq, bk, qk, pv, float(sm_scale),
+            *(rotary if rotary is not None else (None, None)))
     if torch.compiler.is_compiling():
         return block_sparse_attention(*args)  # one opaque node in the graph
     return launch(*args)  # eager: the same function without the custom-op dispatch (~tens of us)

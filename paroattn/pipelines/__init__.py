@@ -107,15 +107,17 @@ class PAROHandle:
 
 
 def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: str = "error", *,
-          resident: bool | str = "auto", prefetch_slots: int = 3) -> PAROHandle:
+          resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True) -> PAROHandle:
     """Run every self-attention layer of the pipeline's transformer with `plan`.
 
     Raises PlanError when the plan was made for another model class, config, head or layer count
     (with on_mismatch="dense": warns and leaves the model as it is); a call at another resolution or
-    frame count raises PlanError when it runs (or runs dense with a warning)."""
+    frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
+    `prefetch_slots`, `fuse_rope`: see PAROProcessor."""
     transformer = resolve_transformer(pipe_or_transformer)
     processor = PAROProcessor(plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
-                              prefetch_slots=prefetch_slots, pixel_scale=pixel_scale_of(pipe_or_transformer))
+                              prefetch_slots=prefetch_slots, pixel_scale=pixel_scale_of(pipe_or_transformer),
+                              fuse_rope=fuse_rope)
     binding = processor.bind(transformer)
     if binding.static_problem:
         processor.unbind(binding)

@@ -5,16 +5,19 @@ An adapter knows three things about one diffusers transformer family:
 - how one forward call's token layout and timestep follow from the transformer's arguments
   (`call_inputs`, used by the forward pre-hook) or, once, from its running frame (`call_inputs_from_locals`,
   used when a lone `PAROProcessor` binds itself in the middle of a forward);
-- how the model's own processor computes a self-attention call, split in three so that the
-  attention in the middle can be swapped: `qkv` (projections, norms, RoPE, text concat) ->
-  `dense` (the exact call the default processor makes) or `paro_attention` -> `finish`
-  (output projections, text split).
-`qkv` returns q, k, v as [B, H, N, D] (views of the model's own layout where it is [B, N, H, D]),
-so `dense` sees the very tensors the default processor would and gives bit-identical outputs.
+- how the model's own processor computes a self-attention call, split so that the attention in the
+  middle can be swapped: `qkv` (projections, norms, text concat) -> `rotate` (the model's RoPE) ->
+  `dense` (the exact call the default processor makes), or `qkv` -> `paro_attention(rotary=...)`,
+  which applies the same RoPE inside its kernels -> `finish` (output projections, text split).
+`qkv` returns q, k, v as [B, H, N, D] (views of the model's own layout where it is [B, N, H, D]) with
+the RoPE still to apply, so `rotate` + `dense` see the very tensors the default processor would and
+give bit-identical outputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +71,33 @@ class SelfAttentionCall:
     v: torch.Tensor
     text_tokens: int | None  # tokens before the grid that this call itself reveals (None: unknown here)
     extra: dict[str, Any]
+    # RoPE that q and k still need (None: none, or applied): the model's own embedding, for the family's
+    # `rotate`, and the same rotation as float32 [S, D] tables for `paro_attention(rotary=...)`
+    rotary_emb: Any = None
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class RotaryTables:
+    """`paro_attention`'s rotary tables for a model's RoPE embedding, converted once per embedding: a
+    transformer passes the same tensors to every layer of a forward (CogVideoX: of every step)."""
+
+    def __init__(self, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+        self._convert = convert
+        self._source: tuple | None = None  # held, so that `is` cannot match a recycled tensor
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, embedding) -> tuple[torch.Tensor, torch.Tensor]:
+        source = tuple(embedding)
+        if self._source is None or len(source) != len(self._source) or any(
+                a is not b for a, b in zip(source, self._source)):
+            self._tables = self._convert(*source)
+            self._source = source
+        return self._tables
+
+
+def without_rotary(call: SelfAttentionCall, q: torch.Tensor, k: torch.Tensor) -> SelfAttentionCall:
+    """`call` with q and k replaced by their rotated versions."""
+    return dataclasses.replace(call, q=q, k=k, rotary_emb=None, rotary=None)
 
 
 def timestep_value(timestep) -> float:
@@ -135,6 +165,11 @@ class FamilyAdapter:
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
+        """q, k, v after projections and norms; RoPE left pending in `rotary_emb` / `rotary`."""
+        raise NotImplementedError
+
+    def rotate(self, call: SelfAttentionCall) -> SelfAttentionCall:
+        """Apply the pending RoPE the way the model's own processor does (no-op when none is pending)."""
         raise NotImplementedError
 
     def dense(self, attn, call: SelfAttentionCall, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:

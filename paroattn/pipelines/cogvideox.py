@@ -12,13 +12,37 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import TokenLayout
-from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall, timestep_value
+from .base import (
+    STANDARD_VAE,
+    CallInputs,
+    FamilyAdapter,
+    PixelScale,
+    RotaryTables,
+    SelfAttentionCall,
+    timestep_value,
+    without_rotary,
+)
+
+
+def _apply_rotary_emb(x, emb):
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(x, emb)
+
+
+def _op_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # diffusers' apply_rotary_emb is the op's convention already ([S_video, D], the video tokens
+    # after the text); it multiplies in float32 whatever the tables' dtype, so float32 tables are exact
+    return cos.float().contiguous(), sin.float().contiguous()
 
 
 class CogVideoXAdapter(FamilyAdapter):
     name = "cogvideox"
     transformer_classes = ("CogVideoXTransformer3DModel",)
     attention_classes = ("Attention",)
+
+    def __init__(self):
+        self._tables = RotaryTables(_op_tables)
 
     def self_attention_layers(self, transformer) -> list[str]:
         return [f"transformer_blocks.{i}.attn1.processor" for i in range(len(transformer.transformer_blocks))]
@@ -75,8 +99,6 @@ class CogVideoXAdapter(FamilyAdapter):
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
-        from diffusers.models.embeddings import apply_rotary_emb
-
         text_tokens = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         batch, _, _ = hidden_states.shape
@@ -95,11 +117,22 @@ class CogVideoXAdapter(FamilyAdapter):
             query = attn.norm_q(query)
         if attn.norm_k is not None:
             key = attn.norm_k(key)
-        if image_rotary_emb is not None:
-            query[:, :, text_tokens:] = apply_rotary_emb(query[:, :, text_tokens:], image_rotary_emb)
-            if not attn.is_cross_attention:
-                key[:, :, text_tokens:] = apply_rotary_emb(key[:, :, text_tokens:], image_rotary_emb)
-        return SelfAttentionCall(query, key, value, text_tokens, {"batch": batch, "head_dim": head_dim})
+        if image_rotary_emb is not None and attn.is_cross_attention:
+            # the default processor rotates q alone here (not a self-attention call PARO would run)
+            query[:, :, text_tokens:] = _apply_rotary_emb(query[:, :, text_tokens:], image_rotary_emb)
+            image_rotary_emb = None
+        return SelfAttentionCall(
+            query, key, value, text_tokens, {"batch": batch, "head_dim": head_dim}, rotary_emb=image_rotary_emb,
+            rotary=None if image_rotary_emb is None else self._tables(image_rotary_emb),
+        )
+
+    def rotate(self, call: SelfAttentionCall) -> SelfAttentionCall:
+        if call.rotary_emb is None:
+            return call
+        text_tokens, query, key = call.text_tokens, call.q, call.k
+        query[:, :, text_tokens:] = _apply_rotary_emb(query[:, :, text_tokens:], call.rotary_emb)
+        key[:, :, text_tokens:] = _apply_rotary_emb(key[:, :, text_tokens:], call.rotary_emb)
+        return without_rotary(call, query, key)
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
         if attention_mask is not None:

@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 
 from ..layout import TokenLayout
-from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall, dispatch_dense, timestep_value
+from .base import (
+    STANDARD_VAE,
+    CallInputs,
+    FamilyAdapter,
+    PixelScale,
+    RotaryTables,
+    SelfAttentionCall,
+    dispatch_dense,
+    timestep_value,
+    without_rotary,
+)
 
 # Flux packs 2x2 latent pixels into one token before its own patch embedding
 _PACK = 2
@@ -25,6 +35,8 @@ class FluxAdapter(FamilyAdapter):
 
     def __init__(self):
         self._grid_cache: tuple[torch.Tensor, tuple[int, int] | None, str | None] | None = None
+        # diffusers' apply_rotary_emb is the op's convention ([S, D] over the whole text + image sequence)
+        self._tables = RotaryTables(lambda cos, sin: (cos.float().contiguous(), sin.float().contiguous()))
 
     def self_attention_layers(self, transformer) -> list[str]:
         dual = [f"transformer_blocks.{i}.attn.processor" for i in range(len(transformer.transformer_blocks))]
@@ -81,8 +93,6 @@ class FluxAdapter(FamilyAdapter):
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
-        from diffusers.models.embeddings import apply_rotary_emb
-
         with_text = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
         if getattr(attn, "fused_projections", False):
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
@@ -106,11 +116,20 @@ class FluxAdapter(FamilyAdapter):
             key = torch.cat([text_k, key], dim=1)
             value = torch.cat([text_v, value], dim=1)
             text_tokens = encoder_hidden_states.shape[1]
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
         extra = {"encoder_hidden_states": encoder_hidden_states}
-        return SelfAttentionCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), text_tokens, extra)
+        return SelfAttentionCall(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), text_tokens, extra,
+            rotary_emb=image_rotary_emb, rotary=None if image_rotary_emb is None else self._tables(image_rotary_emb),
+        )
+
+    def rotate(self, call: SelfAttentionCall) -> SelfAttentionCall:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        if call.rotary_emb is None:
+            return call
+        query = apply_rotary_emb(call.q.transpose(1, 2), call.rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(call.k.transpose(1, 2), call.rotary_emb, sequence_dim=1)
+        return without_rotary(call, query.transpose(1, 2), key.transpose(1, 2))
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
         return dispatch_dense(call, attention_mask, backend, parallel_config)

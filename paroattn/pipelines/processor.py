@@ -170,6 +170,7 @@ class _BoundProcessor:
         return binding.family.finish(attn, out, call)
 
     def dense(self, binding: Binding, attn, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
+        call = binding.family.rotate(call)
         return binding.family.dense(attn, call, attention_mask, self._attention_backend, self._parallel_config)
 
     def attend(self, binding: Binding, attn, layer: int, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
@@ -188,6 +189,7 @@ class CaptureProcessor(_BoundProcessor):
         inputs = binding.inputs
         if inputs.layout is None:
             raise PlanError(f"cannot capture attention of this call: {inputs.problem}")
+        call = binding.family.rotate(call)
         self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep)
         return self.dense(binding, attn, call, attention_mask)
 
@@ -202,10 +204,13 @@ class PAROProcessor(_BoundProcessor):
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
     `pixel_scale`: the pipeline's VAE factors, for the sizes that mismatch messages name (`apply` passes
     the pipeline's; the released VAEs' by default).
+    `fuse_rope`: hand the model's RoPE to the op, which applies it as its kernels load q and k (True), or
+    apply it first with the model's own code, as the default processor does (False: slower; for A/B).
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
-                 resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale = STANDARD_VAE):
+                 resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale = STANDARD_VAE,
+                 fuse_rope: bool = True):
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
@@ -219,6 +224,7 @@ class PAROProcessor(_BoundProcessor):
         self.resident = resident
         self.prefetch_slots = prefetch_slots
         self.pixel_scale = pixel_scale
+        self.fuse_rope = fuse_rope
 
     # -- checks ------------------------------------------------------------------------------
     def plan_problems(self, binding: Binding) -> list[str]:
@@ -340,6 +346,8 @@ class PAROProcessor(_BoundProcessor):
         masks = self._masks(binding, device)
         if binding.orders_device is None or binding.orders_device.device != device:
             binding.orders_device = plan.orders.to(device=device, dtype=torch.int32)
+        if not self.fuse_rope:
+            call = binding.family.rotate(call)
         return paro_attention(
             call.q, call.k, call.v,
             layout=layout,
@@ -349,4 +357,5 @@ class PAROProcessor(_BoundProcessor):
             qk=plan.qk,
             pv=plan.pv,
             backend=self.backend,
+            rotary=call.rotary,
         )

@@ -1,8 +1,8 @@
 """Wan 2.1 (T2V and I2V): `WanAttnProcessor` of the self-attention `attn1` split around its attention.
 
 Sequence of `attn1`: the F x H x W video tokens only (no text). q/k RMSNorm over heads*dim before
-the head split, RoPE on all tokens (passed positionally as the 5th argument), `dispatch_attention_fn`
-on [B, S, H, D]. `attn2` is cross-attention to the text (+ image for I2V) and keeps its processor.
+the head split, RoPE on all tokens (passed positionally as the 5th argument; `_rotate` reproduces
+diffusers' function), `dispatch_attention_fn` on [B, S, H, D]. `attn2` is cross-attention to the text (+ image for I2V) and keeps its processor.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from .base import (
     CallInputs,
     FamilyAdapter,
     PixelScale,
+    RotaryTables,
     SelfAttentionCall,
     dispatch_dense,
     timestep_value,
+    without_rotary,
 )
 
 
@@ -32,10 +34,22 @@ def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -
     return out.type_as(x)
 
 
+def _op_tables(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rotate`'s rotation as `paro_attention`'s tables: pair i turns by cos[2i] and sin[2i + 1], so
+    both columns of the pair get those. [1, S, 1, D] -> float32 [S, D]. `_rotate` multiplies in the
+    tables' dtype (bf16 once the model is cast): the op's float32 products round once, not twice."""
+    cos = freqs_cos.flatten(0, -2)[:, 0::2].float().repeat_interleave(2, dim=-1)
+    sin = freqs_sin.flatten(0, -2)[:, 1::2].float().repeat_interleave(2, dim=-1)
+    return cos, sin
+
+
 class WanAdapter(FamilyAdapter):
     name = "wan"
     transformer_classes = ("WanTransformer3DModel",)
     attention_classes = ("WanAttention",)
+
+    def __init__(self):
+        self._tables = RotaryTables(_op_tables)
 
     def self_attention_layers(self, transformer) -> list[str]:
         return [f"blocks.{i}.attn1.processor" for i in range(len(transformer.blocks))]
@@ -86,13 +100,19 @@ class WanAdapter(FamilyAdapter):
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        if image_rotary_emb is not None:
-            query = _rotate(query, *image_rotary_emb)
-            key = _rotate(key, *image_rotary_emb)
         # [B, S, H, D] -> [B, H, S, D] views; `dense` transposes back to the very same tensors
         return SelfAttentionCall(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0, {"dtype": query.dtype}
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0, {"dtype": query.dtype},
+            rotary_emb=image_rotary_emb,
+            rotary=None if image_rotary_emb is None else self._tables(image_rotary_emb),
         )
+
+    def rotate(self, call: SelfAttentionCall) -> SelfAttentionCall:
+        if call.rotary_emb is None:
+            return call
+        query = _rotate(call.q.transpose(1, 2), *call.rotary_emb)
+        key = _rotate(call.k.transpose(1, 2), *call.rotary_emb)
+        return without_rotary(call, query.transpose(1, 2), key.transpose(1, 2))
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
         return dispatch_dense(call, attention_mask, backend, parallel_config)
