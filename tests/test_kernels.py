@@ -229,6 +229,9 @@ def test_custom_op_schema_and_fake_tensor():
     args = (q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix, layout.frames,
             layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", 0.125)
     torch.library.opcheck(triton_backend.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
+    rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
+    torch.library.opcheck(triton_backend.block_sparse_attention, args + rotary,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compile_fullgraph_has_no_graph_break():
@@ -239,9 +242,11 @@ def test_compile_fullgraph_has_no_graph_break():
     blocks = ActiveBlocks.from_mask(torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)).to(DEVICE)
     orders = torch.tensor([3, 5], device=DEVICE)
 
+    rotary = rope_tables(layout.seq_len, 64, seed=10)
+
     def layer(q, k, v, orders):
         out = paro_attention(q * 1.0, k, v, layout=layout, orders=orders, block_mask=blocks,
-                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton")
+                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton", rotary=rotary)
         return out + 1
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if INTERPRETED else "inductor")

@@ -8,7 +8,7 @@ An adapter knows three things about one diffusers transformer family:
 - how the model's own processor computes a self-attention call, split so that the attention in the
   middle can be swapped: `qkv` (projections, norms, text concat) -> `rotate` (the model's RoPE) ->
   `dense` (the exact call the default processor makes), or `qkv` -> `paro_attention(rotary=...)`,
-  which applies the same RoPE inside its kernels -> `finish` (output projections, text split).
+  which applies the same RoPE in one pass of its own -> `finish` (output projections, text split).
 `qkv` returns q, k, v as [B, H, N, D] (views of the model's own layout where it is [B, N, H, D]) with
 the RoPE still to apply, so `rotate` + `dense` see the very tensors the default processor would and
 give bit-identical outputs.
@@ -93,6 +93,12 @@ class RotaryTables:
             self._tables = self._convert(*source)
             self._source = source
         return self._tables
+
+
+def float32_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for models whose RoPE is diffusers' `apply_rotary_emb` on interleaved pairs ([S, D], the op's
+    convention already): it multiplies in float32 whatever the tables' dtype, so float32 copies are exact."""
+    return cos.float().contiguous(), sin.float().contiguous()
 
 
 def without_rotary(call: SelfAttentionCall, q: torch.Tensor, k: torch.Tensor) -> SelfAttentionCall:

@@ -19,6 +19,7 @@ from .base import (
     PixelScale,
     RotaryTables,
     SelfAttentionCall,
+    float32_tables,
     timestep_value,
     without_rotary,
 )
@@ -30,19 +31,13 @@ def _apply_rotary_emb(x, emb):
     return apply_rotary_emb(x, emb)
 
 
-def _op_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # diffusers' apply_rotary_emb is the op's convention already ([S_video, D], the video tokens
-    # after the text); it multiplies in float32 whatever the tables' dtype, so float32 tables are exact
-    return cos.float().contiguous(), sin.float().contiguous()
-
-
 class CogVideoXAdapter(FamilyAdapter):
     name = "cogvideox"
     transformer_classes = ("CogVideoXTransformer3DModel",)
     attention_classes = ("Attention",)
 
     def __init__(self):
-        self._tables = RotaryTables(_op_tables)
+        self._tables = RotaryTables(float32_tables)  # [S_video, D]: the video tokens after the text
 
     def self_attention_layers(self, transformer) -> list[str]:
         return [f"transformer_blocks.{i}.attn1.processor" for i in range(len(transformer.transformer_blocks))]

@@ -19,6 +19,7 @@ from .base import (
     RotaryTables,
     SelfAttentionCall,
     dispatch_dense,
+    float32_tables,
     timestep_value,
     without_rotary,
 )
@@ -35,8 +36,7 @@ class FluxAdapter(FamilyAdapter):
 
     def __init__(self):
         self._grid_cache: tuple[torch.Tensor, tuple[int, int] | None, str | None] | None = None
-        # diffusers' apply_rotary_emb is the op's convention ([S, D] over the whole text + image sequence)
-        self._tables = RotaryTables(lambda cos, sin: (cos.float().contiguous(), sin.float().contiguous()))
+        self._tables = RotaryTables(float32_tables)  # [S, D] over the whole text + image sequence
 
     def self_attention_layers(self, transformer) -> list[str]:
         dual = [f"transformer_blocks.{i}.attn.processor" for i in range(len(transformer.transformer_blocks))]

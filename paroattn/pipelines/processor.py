@@ -204,8 +204,9 @@ class PAROProcessor(_BoundProcessor):
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
     `pixel_scale`: the pipeline's VAE factors, for the sizes that mismatch messages name (`apply` passes
     the pipeline's; the released VAEs' by default).
-    `fuse_rope`: hand the model's RoPE to the op, which applies it as its kernels load q and k (True), or
-    apply it first with the model's own code, as the default processor does (False: slower; for A/B).
+    `fuse_rope`: hand the model's RoPE tables to the op, which rotates q and k in one Triton pass (True),
+    or apply the RoPE first with the model's own code, as the default processor does (False: slower, the
+    models' code is a chain of float32 kernels; for A/B).
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
