@@ -83,8 +83,7 @@ def main() -> int:
         pointers = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
                         VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
         if tma:
-            k_width = head_dim // 2 if qk_mode == 2 else head_dim
-            pointers["KDesc"] = f"tensordesc<{kq[1:]}[{args.block}, {k_width}]>"
+            pointers["KDesc"] = f"tensordesc<{kq[1:]}[{args.block}, {head_dim}]>"
             v_block = f"[{head_dim}, {args.block}]" if pv_mode else f"[{args.block}, {head_dim}]"
             pointers["VDesc"] = f"tensordesc<{vq[1:]}{v_block}>"
         else:

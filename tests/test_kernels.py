@@ -273,7 +273,7 @@ def test_in_kernel_gathers_instead_of_reordered_copies(qk, pv):
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")])
 def test_kernel_config_variants_match_reference(qk, pv, flags):
     """KernelConfig(tma=True): K/V tiles read through tensor descriptors (TMA on Hopper), including the
-    transposed 8-bit V buffer and the packed int4 K. overlap_qk=True: the loop computes the next key
+    transposed 8-bit V buffer and int4 K values. overlap_qk=True: the loop computes the next key
     block's scores one iteration ahead. B > 1, a ragged last block, rows with 0 and 1 active blocks."""
     q, k, v = make_inputs(2, 3, LAYOUT.seq_len, 64, seed=13)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)

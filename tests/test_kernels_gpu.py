@@ -131,7 +131,7 @@ def test_query_tiles_of_128_match_reference(name):
 def test_descriptor_loads_match_pointer_loads(name, block):
     """KernelConfig(tma=True) reads the same K/V tiles through TMA: same result as pointer loads
     (which the tests above compare with the reference), every buffer layout (bf16 rows, int8 K,
-    packed int4 K, transposed 8-bit V), 64- and 128-token tiles."""
+    transposed 8-bit V), 64- and 128-token tiles."""
     B, H, layout, D, seq_major = SHAPES[name]
     N = layout.seq_len
     q, k, v = inputs(B, H, N, D, seq_major, seed=9)

@@ -8,9 +8,10 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    (fp8/int8 PV; the scale max(amax, eps) / qmax is formed where it is used).
 2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
-   contiguously: K in the input dtype, or with the mean subtracted and quantized per block (int8, or
-   int4 packed two per byte: byte j holds channel j in its low nibble and channel j + D/2 in its high
-   nibble); V in the input dtype, or quantized per channel (fp8 e4m3 or int8, stored transposed
+   contiguously: K in the input dtype, or with the mean subtracted and quantized per block to int8 or
+   int4 values, both stored one per byte (Hopper has no INT4 matrix instruction, so int4 values run
+   the int8 product; nibble packing, which needs an unpack and two half-depth products per tile, was
+   measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or int8, stored transposed
    [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
    `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
    those rows itself (measured 1.3-1.5x slower on an H200, so not the default).
@@ -113,28 +114,12 @@ def _kv_prologue_kernel(
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k)
     if QK_MODE != 0:
         qmax = 127.0 if QK_MODE == 1 else 7.0
-        if QK_MODE == 1:
-            k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
-            mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
-            k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
-            kq = _quantize(k, scale, qmax).to(tl.int8)
-            tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
-        else:
-            HALF: tl.constexpr = HEAD_DIM // 2
-            offs_h = tl.arange(0, HALF)
-            lo = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_h)
-            hi = _gather_rows(k_base + HALF * stride_kd, orig, valid, stride_kn, stride_kd, offs_h)
-            mean_lo = tl.load(KSum + bh64 * HEAD_DIM + offs_h) / N
-            mean_hi = tl.load(KSum + bh64 * HEAD_DIM + HALF + offs_h) / N
-            lo = tl.where(valid[:, None], lo.to(tl.float32) - mean_lo[None, :], 0.0)
-            hi = tl.where(valid[:, None], hi.to(tl.float32) - mean_hi[None, :], 0.0)
-            amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
-            scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), qmax)
-            lo_q = _quantize(lo, scale, qmax).to(tl.int32)
-            hi_q = _quantize(hi, scale, qmax).to(tl.int32)
-            packed = (hi_q * 16 + (lo_q & 15)).to(tl.int8)
-            tl.store(KQ + bh64 * N_PAD * HALF + offs_n[:, None] * HALF + offs_h[None, :], packed)
+        k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
+        mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
+        k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
+        kq = _quantize(k, scale, qmax).to(tl.int8)
+        tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
 
     if PV_MODE == 0 and not GATHER_KV:
@@ -180,7 +165,7 @@ def _load_key_columns(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, HEAD_D
 
 @triton.jit
 def _key_block_scores(
-    q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+    q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
     order, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
     MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
@@ -191,7 +176,7 @@ def _key_block_scores(
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if QK_MODE == 0 and not GATHER_KV:
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        s = tl.dot(q_a, tl.trans(k))
+        s = tl.dot(q, tl.trans(k))
         scale = score_scale
     elif QK_MODE == 0:
         orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
@@ -200,19 +185,11 @@ def _key_block_scores(
             k = tl.load(k_ptr, mask=(offs_n < N)[:, None], other=0.0)
         else:
             k = tl.load(k_ptr)
-        s = tl.dot(q_a, tl.trans(k))
+        s = tl.dot(q, tl.trans(k))
         scale = score_scale
-    elif QK_MODE == 1:
+    else:  # int8 or int4 values, one per byte
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        s = _int_to_float(tl.dot(q_a, tl.trans(k), out_dtype=tl.int32))
-        scale = score_scale * tl.load(KScale_bh + kb)
-    else:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        packed = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HALF, USE_TMA)
-        k_lo = (packed << 4) >> 4
-        k_hi = packed >> 4
-        s = _int_to_float(tl.dot(q_b, tl.trans(k_hi), acc=tl.dot(q_a, tl.trans(k_lo), out_dtype=tl.int32),
-                                 out_dtype=tl.int32))
+        s = _int_to_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
         scale = score_scale * tl.load(KScale_bh + kb)
     if MASK_N:
         s = tl.where((offs_n < N)[None, :], s, float("-inf"))
@@ -286,33 +263,20 @@ def _attention_kernel(
     orig_m = reordered_to_original(offs_m, order, prefix, frames, height, width)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
 
-    # the query block, quantized per block in registers for integer QK
-    if QK_MODE == 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q_a = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
-        q_b = q_a
-        score_scale = qk_scale
-    elif QK_MODE == 1:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d).to(tl.float32)
-        q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), 127.0)
-        q_a = _quantize(q, q_scale, 127.0).to(tl.int8)
-        q_b = q_a
-        score_scale = q_scale * qk_scale
-    else:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, HALF)
-        lo = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_h).to(tl.float32)
-        hi = _gather_rows(q_base + HALF * stride_qd, orig_m, valid_m, stride_qn, stride_qd, offs_h).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.max(tl.abs(lo), axis=1), axis=0), tl.max(tl.max(tl.abs(hi), axis=1), axis=0))
-        q_scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS), 7.0)
-        q_a = _quantize(lo, q_scale, 7.0).to(tl.int8)
-        q_b = _quantize(hi, q_scale, 7.0).to(tl.int8)
+    # the query block, quantized per block in registers for integer QK (int8 or int4 values in int8)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
+    score_scale = qk_scale
+    if QK_MODE != 0:
+        qmax = 127.0 if QK_MODE == 1 else 7.0
+        q = q.to(tl.float32)
+        q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), qmax)
+        q = _quantize(q, q_scale, qmax).to(tl.int8)
         score_scale = q_scale * qk_scale
 
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh
-    KQ_bh = KQ + bh64 * N_PAD * (HEAD_DIM // 2 if QK_MODE == 2 else HEAD_DIM)
+    KQ_bh = KQ + bh64 * N_PAD * HEAD_DIM
     KScale_bh = KScale + bh64 * NK
     VQ_bh = VQ + bh64 * HEAD_DIM * N_PAD
 
@@ -334,12 +298,12 @@ def _attention_kernel(
         # computes one product it does not use (its own block again).
         kb = tl.load(active)
         s, scale = _key_block_scores(
-            q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+            q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
             order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
         for i in range(0, n_unmasked):
             kb_next = tl.load(active + tl.minimum(i + 1, n_unmasked - 1))
             s_next, scale_next = _key_block_scores(
-                q_a, q_b, score_scale, kb_next, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N,
+                q, score_scale, kb_next, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N,
                 N_PAD, order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
@@ -350,7 +314,7 @@ def _attention_kernel(
         for i in range(0, n_unmasked):
             kb = tl.load(active + i)
             s, scale = _key_block_scores(
-                q_a, q_b, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+                q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
@@ -359,7 +323,7 @@ def _attention_kernel(
     if not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
-                q_a, q_b, score_scale, NK - 1, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+                q, score_scale, NK - 1, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, True, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, NK - 1, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,

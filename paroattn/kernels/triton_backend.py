@@ -75,12 +75,12 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
     (64, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **O),
     (64, 64, 64, "int8", "int8"): KernelConfig(4, 3),
-    (64, 64, 64, "int4", "fp8"): KernelConfig(4, 2, **T, **O),
+    (64, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **O),  # int4 values run the int8 kernel: its configs
     (128, 64, 64, "bf16", "bf16"): KernelConfig(4, 2, **T, **O),
     (128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
     (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **T, **O),
     (128, 64, 64, "int8", "int8"): KernelConfig(4, 3, **O),
-    (128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **T, **O),
+    (128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **T, **O),  # (the int8 + fp8 entry)
     # 128-row query tiles, 64-key blocks: the fastest of {8 warps x 2/3 stages, 4 warps x 3 stages} at
     # d=0.5 (an earlier sweep, before TMA and overlap_qk existed). 4 warps (one warpgroup issuing two
     # m64 products) won everywhere but D=64 bf16 and D=128 int8 PV.
@@ -174,7 +174,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
     placeholder = _placeholder(device)
     kq = k_scale = vq = placeholder
     if qk_code != QK_FP:
-        kq = torch.empty(B * H, n_pad, D // 2 if qk_code == QK_INT4 else D, dtype=torch.int8, device=device)
+        kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
         k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
     elif not gather_kv:
         kq = torch.empty(B * H, n_pad, D, dtype=k.dtype, device=device)
@@ -209,7 +209,7 @@ def _has_tma(device: torch.device) -> bool:
 
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
     """Tensor descriptors of the prologue's K and V buffers, seen as 2-D [rows, width] so one
-    descriptor serves every (batch, head): K [B*H*N_PAD, D (D/2 for int4)], V the same in bf16 or,
+    descriptor serves every (batch, head): K [B*H*N_PAD, D], V the same in bf16 or,
     8-bit and transposed, [B*H*D, N_PAD]."""
     k2 = kq.reshape(-1, kq.shape[-1])
     k_desc = TensorDescriptor.from_tensor(k2, [bk, k2.shape[1]])
