@@ -123,6 +123,20 @@ def test_fused_rope_equals_the_models_own_rope(model):
     assert (outs[0] - reference).abs().max() > 1e-3
 
 
+def test_rotary_tables_are_converted_once_per_embedding():
+    """The op's tables are built on the first layer of a forward and reused by the others; a new
+    embedding (next forward, other size) is converted again."""
+    from paroattn.pipelines.base import RotaryTables
+
+    calls = []
+    tables = RotaryTables(lambda cos, sin: calls.append(1) or (cos.float(), sin.float()))
+    first = (torch.ones(4, 8), torch.zeros(4, 8))
+    assert tables(first) is tables(first) and len(calls) == 1
+    second = (first[0].clone(), first[1])  # equal values, another tensor: converted again
+    tables(second)
+    assert len(calls) == 2
+
+
 def test_sparse_plan_differs_finitely_and_remove_is_bit_exact(model):
     name, transformer, inputs, reference = model
     plan = make_plan(transformer, inputs, density=0.4, orders="random")
