@@ -203,7 +203,7 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
             acc.weight[b] = acc.weight[0]
         for b in range(buckets):
             acc.steps_per_bucket[b] = 1
-        record["accumulator_host_gb"] = buckets * sum(t.numel() * 4 for (b, _), t in acc.mass.items() if b == 0) / 1e9
+        record["accumulator_host_gb"] = buckets * sum(t.numel() * t.element_size() for (b, _), t in acc.mass.items() if b == 0) / 1e9
         compute = "cuda" if torch.cuda.is_available() else "cpu"
         t0 = time.perf_counter()
         result = acc.finalize(0.3, layout.prefix, compute_device=compute, figure_layers=[0, L // 2, L - 1])
