@@ -114,10 +114,12 @@ class StatsAccumulator:
         self._staging_bucket = None
 
     # -----------------------------------------------------------------------------------------
-    def _mean_map(self, bucket: int, layer: int) -> torch.Tensor | None:
+    def _mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
+        # moved in the stored float16 and widened where the selection runs (the GPU during a
+        # calibration), not widened in host memory first: half the bytes over the bus, no host pass
         if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
             return None
-        return self.mass[(bucket, layer)].float()
+        return self.mass[(bucket, layer)].to(device).float()
 
     def finalize(
         self,
@@ -152,15 +154,15 @@ class StatsAccumulator:
         fig_original, fig_reordered = [], []
         original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
         for layer in range(L):
-            maps = [self._mean_map(b, layer) for b in range(B)]
+            maps = [self._mean_map(b, layer, compute_device) for b in range(B)]
             captured = [m for m in maps if m is not None]
-            overall = sum(m.to(compute_device) for m in captured) / len(captured)
+            overall = sum(captured) / len(captured)
             kept = torch.zeros(overall.shape[:2])
             used = 0.0
             for b, m in enumerate(maps):
                 if m is None:
                     continue
-                kept += float(step_weight[b]) * kept_mass_fraction(m.to(compute_device), density).cpu()
+                kept += float(step_weight[b]) * kept_mass_fraction(m, density).cpu()
                 used += float(step_weight[b])
             kept /= used
             count = float(self.scalar_count[layer])
@@ -173,7 +175,7 @@ class StatsAccumulator:
             per_layer_orders.append(torch.tensor(self.candidate_orders)[slot])
             heads = torch.arange(slot.numel())
             for b in range(B):
-                m = maps[b].to(compute_device) if maps[b] is not None else overall
+                m = maps[b] if maps[b] is not None else overall
                 bucket_maps[b].append(m[heads, slot.to(m.device)])
             if layer in figure_layers:
                 fig_original.append(overall[:, original_slot].half().cpu())
