@@ -11,9 +11,9 @@ included) with a prebuilt `ActiveBlocks` (what a processor passes) and a per-hea
 flex_attention gets the same block mask (64 x 64 blocks, all "full", in the same coordinates) on
 the same tensors: the reordering paro does inside its kernel is free for flex here.
 Effective TFLOP/s is the DENSE attention work 4*B*H*N^2*D over the time, so it compares methods;
-the speedup is SDPA default time / time. `--rope` also times each paro mode with the model's RoPE
-fused into the op (`rotary=`, rows "paro-...-rope"): what the fusion costs inside the kernels (what it
-saves, the model's own RoPE, is in benchmarks/e2e.py).
+the speedup is SDPA default time / time. `--rope` also times each paro mode with RoPE tables handed
+to the op (`rotary=`, rows "paro-...-rope"): what the op's RoPE pass costs (what it saves, the
+model's own RoPE code, is in benchmarks/e2e.py).
 """
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--block-k", type=int, default=BLOCK, choices=(64, 128), help="key block")
     parser.add_argument("--tma", action="store_true",
                         help="read K/V tiles through tensor descriptors (KernelConfig.tma) in every paro config")
-    parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE fused (rotary=)")
+    parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE in the op (rotary=)")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:

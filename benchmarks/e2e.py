@@ -9,7 +9,7 @@ weight values. One "step" is one transformer forward at the model's default size
 Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
 fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
 time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
-"model-rope" rows apply the model's own RoPE before the op (fuse_rope=False) instead of inside it.
+"model-rope" rows apply the model's own RoPE code before the op (fuse_rope=False) instead of the op's pass.
 
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--json results.json]
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
@@ -157,8 +157,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     for label, density, qk, pv in MODES:
         runs = [("resident", True, True)]
         if density == 0.2:
-            # prefetch overhead: the same plan with masks streamed per layer; what fusing RoPE into the
-            # op buys: the same plan with the model's own RoPE applied first (fuse_rope=False)
+            # prefetch overhead: the same plan with masks streamed per layer; what the op's RoPE pass
+            # buys: the same plan with the model's own RoPE code applied first (fuse_rope=False)
             runs = [("resident", True, True), ("streamed", False, True), ("model-rope", True, False)]
         for how, resident, fuse_rope in runs:
           try:
@@ -208,7 +208,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         if "model-rope" in pair and "resident" in pair:
             saved = pair["model-rope"]["step_s"] - pair["resident"]["step_s"]
             pair["resident"]["fused_rope_saves_s"] = saved
-            print(f"  fused RoPE ({label}) saves {saved * 1000:.1f} ms per step over the model's own", flush=True)
+            print(f"  the op's RoPE pass ({label}) saves {saved * 1000:.1f} ms per step over the model's own", flush=True)
     del transformer, inputs
     gc.collect()
     if device.type == "cuda":
