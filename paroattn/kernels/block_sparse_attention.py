@@ -11,8 +11,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    contiguously: K in the input dtype, or with the mean subtracted and quantized per block to int8 or
    int4 values, both stored one per byte (Hopper has no INT4 matrix instruction, so int4 values run
    the int8 product; nibble packing, which needs an unpack and two half-depth products per tile, was
-   measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or int8, stored transposed
-   [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
+   measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
+   int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
    `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
    those rows itself (measured 1.3-1.5x slower on an H200, so not the default).
 3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
@@ -80,6 +80,15 @@ def _quantize(x, scale, qmax):
 
 
 @triton.jit
+def _quantize_block(x, QK_MODE: tl.constexpr):
+    # a float32 tile on the per-block grid of integer QK (int8 +-127, int4 +-7 held in int8): the
+    # values and their scale max(max|x|, eps) / qmax, as the reference's quantize_per_block
+    qmax = 127.0 if QK_MODE == 1 else 7.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), QUANT_EPS), qmax)
+    return _quantize(x, scale, qmax).to(tl.int8), scale
+
+
+@triton.jit
 def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
     # the rows `orig` (original token positions) of one (batch, head) of the caller's q, k or v, columns
     # offs_d; rows past the sequence read as 0
@@ -113,12 +122,10 @@ def _kv_prologue_kernel(
         k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k)
     if QK_MODE != 0:
-        qmax = 127.0 if QK_MODE == 1 else 7.0
         k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         mean = tl.load(KSum + bh64 * HEAD_DIM + offs_d) / N
         k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), QUANT_EPS), qmax)
-        kq = _quantize(k, scale, qmax).to(tl.int8)
+        kq, scale = _quantize_block(k, QK_MODE)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
 
@@ -164,6 +171,21 @@ def _load_key_columns(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, HEAD_D
 
 
 @triton.jit
+def _gather_key_block(base, kb, stride_n, stride_d, N, order, prefix, frames, height, width,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
+    # gather_kv: key block kb of the reordered sequence straight from the caller's k or v; only the
+    # sequence's last block (MASK_N) holds positions >= N
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
+    ptr = base + orig_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :] * stride_d
+    if MASK_N:
+        tile = tl.load(ptr, mask=(offs_n < N)[:, None], other=0.0)
+    else:
+        tile = tl.load(ptr)
+    return tile
+
+
+@triton.jit
 def _key_block_scores(
     q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
     order, prefix, frames, height, width,
@@ -179,12 +201,8 @@ def _key_block_scores(
         s = tl.dot(q, tl.trans(k))
         scale = score_scale
     elif QK_MODE == 0:
-        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
-        k_ptr = k_base + orig_n[:, None] * stride_kn + tl.arange(0, HEAD_DIM)[None, :] * stride_kd
-        if MASK_N:
-            k = tl.load(k_ptr, mask=(offs_n < N)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptr)
+        k = _gather_key_block(k_base, kb, stride_kn, stride_kd, N, order, prefix, frames, height, width,
+                              HEAD_DIM, BLOCK_N, MASK_N)
         s = tl.dot(q, tl.trans(k))
         scale = score_scale
     else:  # int8 or int4 values, one per byte
@@ -217,13 +235,8 @@ def _key_block_update(
         v = _load_key_rows(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 0:
-        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
-        v_ptr = v_base + orig_n[:, None] * stride_vn + tl.arange(0, HEAD_DIM)[None, :] * stride_vd
-        if MASK_N:
-            v = tl.load(v_ptr, mask=(offs_n < N)[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptr)
+        v = _gather_key_block(v_base, kb, stride_vn, stride_vd, N, order, prefix, frames, height, width,
+                              HEAD_DIM, BLOCK_N, MASK_N)
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 1:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -268,10 +281,7 @@ def _attention_kernel(
     q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
     score_scale = qk_scale
     if QK_MODE != 0:
-        qmax = 127.0 if QK_MODE == 1 else 7.0
-        q = q.to(tl.float32)
-        q_scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), QUANT_EPS), qmax)
-        q = _quantize(q, q_scale, qmax).to(tl.int8)
+        q, q_scale = _quantize_block(q.to(tl.float32), QK_MODE)
         score_scale = q_scale * qk_scale
 
     k_base = K + b64 * stride_kb + h64 * stride_kh
