@@ -32,14 +32,14 @@ from .reference_model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 PLANS_DIR = ASSETS / "plans"
 SHIPPED_DENSITIES = (0.5, 0.3, 0.2)
 CALIBRATION_PROMPTS = [
-    "red circle moving right quickly and green square rotating slowly, pan left, striped background",
-    "white ring moving up slowly and blue triangle moving left quickly, zoom in, checkered background",
+    "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
+    "white ring moving up slowly and blue triangle moving left quickly, zoom in, plain background",
 ]
 # the fixed evaluation set of QUALITY.md; the demo uses the first --prompts of them
 EVAL_PROMPTS = [
     "yellow square moving right slowly, pan up, dotted background",
-    "magenta circle rotating quickly and cyan ring moving down slowly, striped background",
-    "orange triangle moving left quickly, zoom out, checkered background",
+    "magenta circle rotating quickly and cyan ring moving down slowly, cloudy background",
+    "orange triangle moving left quickly, zoom out, plain background",
     "green circle moving up quickly and red square moving right slowly, pan right, dotted background",
 ]
 QUANT_MODES = {  # label -> (qk, pv)

@@ -1,12 +1,14 @@
 """Procedural videos with captions: the training data of the reference model (`paro demo`).
 
-Each video shows one or two textured shapes moving or rotating over a patterned background, seen
-by a camera that may pan or zoom. Everything is drawn from a seed, so batch `i` of seed `s` is the
+Each video shows one or two textured shapes moving or rotating over a background (a soft gradient,
+smooth clouds, or dots scattered at random), seen by a camera that may pan or zoom. No background
+repeats itself: a periodic pattern would reward attending to far tokens of the same phase, which
+natural video does not, and the point of this model is attention with the locality of real video. Everything is drawn from a seed, so batch `i` of seed `s` is the
 same on every run (`make_batch(seed, i, ...)`); the renderer is vectorized torch and runs on the
 GPU while training. Pixels are in [-1, 1], videos are [B, 3, frames, height, width].
 
 A caption names what is in the video with words from `VOCABULARY`:
-    "red circle moving left quickly and blue square rotating slowly, pan right, checkered background"
+    "red circle moving left quickly and blue square rotating slowly, pan right, cloudy background"
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ SHAPES = ("circle", "square", "triangle", "ring")
 MOTIONS = ("left", "right", "up", "down", "rotating")  # the first four are "moving <direction>"
 SPEEDS = ("slowly", "quickly")
 CAMERAS = ("static", "pan left", "pan right", "pan up", "pan down", "zoom in", "zoom out")
-BACKGROUNDS = ("striped", "checkered", "dotted")
+BACKGROUNDS = ("plain", "cloudy", "dotted")
 
 PAD = "<pad>"
 VOCABULARY = (
@@ -45,6 +47,13 @@ _SPIN = (0.22, 0.45)
 _PAN_SPEED = 0.09
 _ZOOM_RATE = 0.07
 _DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
+# backgrounds: waves summed into the clouds, and dots scattered over the world the camera can see
+# (pans move the view by up to ~0.3 and zooming out widens it by ~1.3x, hence the +-1.8 square)
+_CLOUD_WAVES = 5
+_CLOUD_FREQ = (2.0, 5.0)  # radians per world unit: about 0.6 to 1.6 cycles across the frame
+_DOTS = 20
+_DOT_EXTENT = 1.8
+_DOT_RADIUS = (0.08, 0.16)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,7 @@ def parse_caption(caption: str) -> VideoSpec:
     ground truth. Raises ValueError naming the caption grammar when the caption does not fit it."""
     grammar = (
         "expected '<color> <shape> (moving <left|right|up|down>|rotating) <slowly|quickly>"
-        "[ and <second object>][, pan <direction>|, zoom <in|out>], <striped|checkered|dotted> background'"
+        "[ and <second object>][, pan <direction>|, zoom <in|out>], <plain|cloudy|dotted> background'"
     )
     pieces = [p.strip() for p in caption.split(",")]
     objects = [o.split() for o in pieces[0].split(" and ")]
@@ -146,9 +155,12 @@ def render(spec: VideoSpec, generator: torch.Generator, frames: int = 8, height:
     # continuous parameters, drawn on the CPU generator so a seed means the same video everywhere
     bg_dark = uniform(B, 3, low=0.02, high=0.30)
     bg_light = bg_dark + uniform(B, 3, low=0.10, high=0.30)
-    bg_freq = uniform(B, low=5.0, high=9.0)
-    bg_angle = uniform(B, low=0.0, high=math.pi)
-    bg_phase = uniform(B, 2, low=0.0, high=2 * math.pi)
+    bg_angle = uniform(B, low=0.0, high=2 * math.pi)  # direction of the gradient
+    wave_freq = uniform(B, _CLOUD_WAVES, low=_CLOUD_FREQ[0], high=_CLOUD_FREQ[1])
+    wave_angle = uniform(B, _CLOUD_WAVES, low=0.0, high=2 * math.pi)
+    wave_phase = uniform(B, _CLOUD_WAVES, low=0.0, high=2 * math.pi)
+    dot_center = uniform(B, _DOTS, 2, low=-_DOT_EXTENT, high=_DOT_EXTENT)
+    dot_radius = uniform(B, _DOTS, low=_DOT_RADIUS[0], high=_DOT_RADIUS[1])
     obj_mid = uniform(B, 2, 2, low=-0.35, high=0.35)  # object position at the middle frame
     obj_size = uniform(B, 2, low=0.26, high=0.40)
     obj_tilt = uniform(B, 2, low=-0.3, high=0.3)
@@ -175,17 +187,18 @@ def render(spec: VideoSpec, generator: torch.Generator, frames: int = 8, height:
     wx = center_x + xs / zoom  # [B, F, H, W]
     wy = center_y + ys / zoom
 
-    # background pattern in world coordinates, soft-edged so it does not alias at 32 px
-    freq = bg_freq.view(B, 1, 1, 1)
-    angle = bg_angle.view(B, 1, 1, 1)
-    u = wx * torch.cos(angle) + wy * torch.sin(angle)
-    v = -wx * torch.sin(angle) + wy * torch.cos(angle)
-    striped = torch.sin(freq * u + bg_phase[:, 0].view(B, 1, 1, 1))
-    checkered = torch.sin(freq * u + bg_phase[:, 0].view(B, 1, 1, 1)) * torch.sin(freq * v + bg_phase[:, 1].view(B, 1, 1, 1))
-    dotted = torch.cos(freq * u + bg_phase[:, 0].view(B, 1, 1, 1)) * torch.cos(freq * v + bg_phase[:, 1].view(B, 1, 1, 1)) - 0.4
+    # backgrounds in world coordinates, so they move with the camera
+    gradient = torch.sigmoid(1.2 * (wx * torch.cos(bg_angle).view(B, 1, 1, 1) + wy * torch.sin(bg_angle).view(B, 1, 1, 1)))
+    along = (wx.unsqueeze(1) * torch.cos(wave_angle).view(B, -1, 1, 1, 1)
+             + wy.unsqueeze(1) * torch.sin(wave_angle).view(B, -1, 1, 1, 1))  # [B, waves, F, H, W]
+    field = torch.cos(wave_freq.view(B, -1, 1, 1, 1) * along + wave_phase.view(B, -1, 1, 1, 1)).sum(1)
+    clouds = torch.sigmoid(2.5 * field / math.sqrt(_CLOUD_WAVES))
+    distance = torch.sqrt((wx.unsqueeze(1) - dot_center[:, :, 0].view(B, -1, 1, 1, 1)) ** 2
+                          + (wy.unsqueeze(1) - dot_center[:, :, 1].view(B, -1, 1, 1, 1)) ** 2)  # [B, dots, F, H, W]
+    coverage = (0.5 + (dot_radius.view(B, -1, 1, 1, 1) - distance) * zoom.unsqueeze(1) * pixels_per_unit).clamp(0.0, 1.0)
+    dots = coverage.amax(dim=1)
     kind = spec.background.to(device).view(B, 1, 1, 1)
-    pattern = torch.where(kind == 0, striped, torch.where(kind == 1, checkered, dotted))
-    mix = torch.sigmoid(4.0 * pattern).unsqueeze(1)  # [B, 1, F, H, W]
+    mix = torch.where(kind == 0, gradient, torch.where(kind == 1, clouds, dots)).unsqueeze(1)  # [B, 1, F, H, W]
     video = bg_dark.view(B, 3, 1, 1, 1) + (bg_light - bg_dark).view(B, 3, 1, 1, 1) * mix
 
     palette = torch.tensor(list(COLORS.values()), device=device)

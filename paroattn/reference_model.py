@@ -7,7 +7,7 @@ It is the real diffusers Wan class (3-D RoPE, RMSNorm across heads, `WanAttnProc
 T5 states. Trained by `scripts/train_reference.py`; weights ship in `assets/reference/`.
 
     pipe = load_reference_pipeline()                       # assets/reference, CPU, float32
-    frames = pipe("red circle moving left quickly, striped background").frames  # [B, F, H, W, 3]
+    frames = pipe("red circle moving left quickly, cloudy background").frames  # [B, F, H, W, 3]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TRANSFORMER_CONFIG = {
     "text_dim": 64,
     "freq_dim": 64,
     "ffn_dim": 768,
-    "num_layers": 6,
+    "num_layers": 8,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
     "rope_max_seq_len": 64,
