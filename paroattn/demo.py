@@ -50,10 +50,11 @@ QUANT_MODES = {  # label -> (qk, pv)
 }
 
 
-def shipped_plan_path(density: float, quantized: bool = False) -> Path:
-    """assets/reference/plans/d0.30.safetensors (orders chosen for bf16) or d0.30_quant.safetensors
-    (orders chosen with the incoherence term, for quantized QK/PV)."""
-    return PLANS_DIR / f"d{density:.2f}{'_quant' if quantized else ''}.safetensors"
+def shipped_plan_path(density: float) -> Path:
+    """assets/reference/plans/d0.30.safetensors: one plan per density, for every quantization (its
+    qk/pv are replaced by the run's; QUALITY.md measured orders chosen with the incoherence term
+    for quantized runs, and they were worse)."""
+    return PLANS_DIR / f"d{density:.2f}.safetensors"
 
 
 # -- capture --------------------------------------------------------------------------------------
@@ -112,13 +113,10 @@ def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = D
 
 
 def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: str = "bf16", pv: str = "bf16",
-                    identity: bool = False, metric: str = "mass", quant_weight: float | None = None):
+                    identity: bool = False, metric: str = "mass", quant_weight: float = 0.0):
     """(Plan, CalibrationResult) at `density` from captured statistics. Orders come from every
-    candidate (or FHW alone with `identity`); `quant_weight` defaults to 0.01 when QK or PV is
-    quantized (the shipped `_quant` plans; `paro calibrate` takes `--quant-weight 0.01` for the same),
-    else 0."""
-    if quant_weight is None:
-        quant_weight = 0.01 if (qk != "bf16" or pv != "bf16") else 0.0
+    candidate (or FHW alone with `identity`); `quant_weight` weighs the incoherence term as
+    `paro calibrate --quant-weight` does (default 0, as there)."""
     accumulator = stats.identity if identity else stats.every_order
     figure_layers = sorted({0, accumulator.num_layers // 2, accumulator.num_layers - 1})
     result = accumulator.finalize(density, stats.layout.prefix, metric=metric, quant_weight=quant_weight,
@@ -247,11 +245,10 @@ def write_gif(frames: list[np.ndarray], path: Path, fps: int = 6) -> Path:
 
 def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
                  calibration_steps: int = DEFAULT_STEPS, out: Path | None = None) -> tuple[Plan, Path | None]:
-    """The shipped plan for `density` (bf16 or quantized orders) with this run's qk/pv, or a fresh
-    calibration when none was shipped for that density (saved as `out/plan.safetensors` with its
-    stats file). Returns the plan and its stats file."""
-    quantized = qk != "bf16" or pv != "bf16"
-    path = shipped_plan_path(density, quantized)
+    """The shipped plan for `density` with this run's qk/pv, or a fresh calibration when none was
+    shipped for that density (saved as `out/plan.safetensors` with its stats file). Returns the
+    plan and its stats file."""
+    path = shipped_plan_path(density)
     if path.is_file():
         plan = Plan.load(path)
         log(f"plan: {path.relative_to(ASSETS.parent.parent)} (achieved density {plan.achieved_density():.3f})")

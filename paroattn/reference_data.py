@@ -239,6 +239,20 @@ def render(spec: VideoSpec, generator: torch.Generator, frames: int = 8, height:
     return video.clamp(0.0, 1.0) * 2 - 1
 
 
+def color_centroids(video: torch.Tensor, color: str, tolerance: float = 0.5) -> torch.Tensor:
+    """Per frame, the (x, y) pixel centroid of the pixels within `tolerance` of `color` in every
+    channel: [F, 2], NaN in frames without such pixels. `video` is [3, F, H, W] in [-1, 1]. How
+    the tests and `scripts/reference_samples.py` follow an object of a known color."""
+    target = torch.tensor(COLORS[color], dtype=video.dtype).view(3, 1, 1, 1) * 2 - 1
+    near = ((video - target).abs().amax(dim=0) < tolerance).float()  # [F, H, W]
+    count = near.sum(dim=(1, 2))
+    xs = torch.arange(video.shape[-1], dtype=video.dtype)
+    ys = torch.arange(video.shape[-2], dtype=video.dtype)
+    x = (near.sum(dim=1) * xs).sum(dim=-1) / count
+    y = (near.sum(dim=2) * ys).sum(dim=-1) / count
+    return torch.stack([x, y], dim=1)
+
+
 def batch_generator(seed: int, index: int) -> torch.Generator:
     """The generator of batch `index` of a run seeded with `seed`: batches are independent of each
     other, so a resumed run draws exactly what an uninterrupted one would have."""

@@ -9,7 +9,7 @@ seed, compared with the dense videos (PSNR / SSIM / cosine, mean over the prompt
     python scripts/quality_reference.py --out /tmp/q --quick                              # CPU smoke: seconds
 
 Writes `quality.json` and `quality_table.md` into --out; with --ship, the plans for densities
-0.5 / 0.3 / 0.2 (bf16 orders and quantization-aware orders) with their stats files.
+0.5 / 0.3 / 0.2 with their stats files.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES), help="comma-separated densities")
     p.add_argument("--quants", default=",".join(demo.QUANT_MODES), help=f"comma-separated, from {list(demo.QUANT_MODES)}")
     p.add_argument("--no-paper", action="store_true", help="skip the rows with the paper's order metric")
+    p.add_argument("--quant-weight", type=float, default=0.0,
+                   help="weight of the incoherence term in the order choice of every row (as paro calibrate's)")
     p.add_argument("--quick", action="store_true", help="CPU smoke: 2 steps, 1 prompt, a few configurations")
     return p.parse_args(argv)
 
@@ -95,14 +97,12 @@ def main(argv=None) -> int:
         from paroattn.calibrate.driver import save_calibration
 
         for density in demo.SHIPPED_DENSITIES:
-            for quantized in (False, True):
-                qk = "int8" if quantized else "bf16"
-                plan, result = demo.plan_from_stats(stats, transformer, density, qk=qk)
-                path = args.ship / demo.shipped_plan_path(density, quantized).name
-                save_calibration(plan, result, path)
-                plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
-                plan.save(path)  # without the absolute path of this machine
-                say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}")
+            plan, result = demo.plan_from_stats(stats, transformer, density)
+            path = args.ship / demo.shipped_plan_path(density).name
+            save_calibration(plan, result, path)
+            plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
+            plan.save(path)  # without the absolute path of this machine
+            say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}")
 
     prompts = demo.EVAL_PROMPTS[: args.prompts]
     dense, dense_t = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed)
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     rows = []
     for density, quant, identity, metric in configurations(args):
         qk, pv = demo.QUANT_MODES[quant]
-        plan, result = demo.plan_from_stats(stats, transformer, density, qk=qk, pv=pv, identity=identity, metric=metric)
+        plan, result = demo.plan_from_stats(stats, transformer, density, qk=qk, pv=pv, identity=identity, metric=metric,
+                                            quant_weight=args.quant_weight)
         backend = args.backend
         try:
             frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps, "calibration_steps": args.calibration_steps,
-        "block_size": args.block_size, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
+        "block_size": args.block_size, "quant_weight": args.quant_weight, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
         "dense_time": dense_t, "capture_s": stats.seconds, "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))

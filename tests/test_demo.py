@@ -16,7 +16,7 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--steps", "2", "--prompts", "1",
                                       "--density", "0.5", "--qk", "int8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "plan: assets/reference/plans/d0.50_quant.safetensors" in result.output
+    assert "plan: assets/reference/plans/d0.50.safetensors" in result.output
     report = json.loads((tmp_path / "metrics.json").read_text())
     assert report["qk"] == "int8" and abs(report["density"] - 0.5) < 0.01
     metrics = report["metrics"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from paroattn.layout import TokenLayout
 from paroattn.plan import Plan, model_fingerprint
-from paroattn.reference_data import COLORS, make_batch, parse_caption, render, sample_spec
+from paroattn.reference_data import color_centroids, make_batch, parse_caption, render, sample_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,14 +34,6 @@ def test_captions_round_trip_through_the_parser():
         parse_caption("red circle moving sideways slowly, cloudy background")
 
 
-def _centroid_x(video: torch.Tensor, color: str) -> torch.Tensor:
-    """x centroid per frame of the pixels close to `color`; video [3, F, H, W] in [-1, 1]."""
-    target = torch.tensor(COLORS[color]).view(3, 1, 1, 1) * 2 - 1
-    near = ((video - target).abs().amax(dim=0) < 0.5).float()  # [F, H, W]
-    xs = torch.arange(video.shape[-1]).float()
-    return (near.sum(dim=1) * xs).sum(dim=-1) / near.sum(dim=(1, 2)).clamp_min(1)
-
-
 @pytest.mark.parametrize("caption,sign", [
     ("red circle moving right quickly, cloudy background", 1),
     ("red circle moving left quickly, dotted background", -1),
@@ -49,7 +41,7 @@ def _centroid_x(video: torch.Tensor, color: str) -> torch.Tensor:
 ])
 def test_rendered_motion_follows_the_caption(caption, sign):
     video = render(parse_caption(caption), torch.Generator().manual_seed(1))[0]
-    x = _centroid_x(video, "red")
+    x = color_centroids(video, "red")[:, 0]
     steps = x[1:] - x[:-1]
     assert bool((sign * steps > 0.3).all()), f"{caption}: centroid x per frame {x.tolist()}"
 
@@ -104,12 +96,11 @@ def test_shipped_plans_fit_the_shipped_model(reference_pipe):
 
     transformer = reference_pipe.transformer
     for density in SHIPPED_DENSITIES:
-        for quantized in (False, True):
-            plan = Plan.load(shipped_plan_path(density, quantized))
-            assert plan.model_fingerprint == model_fingerprint(transformer.config)
-            assert plan.layout == TokenLayout(0, 8, 16, 16)
-            assert abs(plan.achieved_density() - density) < 0.01
-            assert shipped_plan_path(density, quantized).with_name(plan.info["stats_file"]["name"]).is_file()
+        plan = Plan.load(shipped_plan_path(density))
+        assert plan.model_fingerprint == model_fingerprint(transformer.config)
+        assert plan.layout == TokenLayout(0, 8, 16, 16)
+        assert abs(plan.achieved_density() - density) < 0.01
+        assert shipped_plan_path(density).with_name(plan.info["stats_file"]["name"]).is_file()
 
 
 def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(reference_pipe):
@@ -120,7 +111,7 @@ def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(refere
     from paroattn.pipelines import apply, layout_for
 
     assert layout_for(reference_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
-    plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0], False))  # 8 frames of 32x32
+    plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0]))  # 8 frames of 32x32
     with apply(reference_pipe, plan, backend="torch"):
         with pytest.raises(PlanError) as error:
             _small_run(reference_pipe)  # 2 frames of 16x16
