@@ -3,9 +3,9 @@
 Each video shows one or two textured shapes moving or rotating over a background (a soft gradient,
 smooth clouds, or dots scattered at random), seen by a camera that may pan or zoom. No background
 repeats itself: a periodic pattern would reward attending to far tokens of the same phase, which
-natural video does not, and the point of this model is attention with the locality of real video. Everything is drawn from a seed, so batch `i` of seed `s` is the
-same on every run (`make_batch(seed, i, ...)`); the renderer is vectorized torch and runs on the
-GPU while training. Pixels are in [-1, 1], videos are [B, 3, frames, height, width].
+natural video does not, and the point of this model is attention with the locality of real video.
+Everything is drawn from a seed, so batch `i` of seed `s` is the same on every run
+(`make_batch(seed, i, ...)`); the renderer is vectorized torch and runs on the GPU while training. Pixels are in [-1, 1], videos are [B, 3, frames, height, width].
 
 A caption names what is in the video with words from `VOCABULARY`:
     "red circle moving left quickly and blue square rotating slowly, pan right, cloudy background"

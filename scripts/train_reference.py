@@ -7,7 +7,7 @@ assets' folder format, to `--out`. Call it again with the same `--ckpt-dir` to g
 is a pure function of (`--seed`, i), so a resumed run sees exactly the data an uninterrupted one
 would have.
 
-    python scripts/train_reference.py --out assets/reference --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540
+    python scripts/train_reference.py --out assets/reference --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile
     python scripts/train_reference.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
 
 Flow matching as in Wan / SD3: x_t = (1 - s) x0 + s noise with s = shift(u), u ~ U(0, 1), the
