@@ -46,6 +46,13 @@ def test_rendered_motion_follows_the_caption(caption, sign):
     assert bool((sign * steps > 0.3).all()), f"{caption}: centroid x per frame {x.tolist()}"
 
 
+def test_color_centroids_say_when_a_color_is_absent():
+    video = render(parse_caption("red circle moving right quickly, dotted background"), torch.Generator().manual_seed(2))[0]
+    red, blue = color_centroids(video, "red"), color_centroids(video, "blue")
+    assert red.shape == (8, 2) and not bool(red.isnan().any())
+    assert bool(blue.isnan().all())  # no blue pixels: NaN, not a centroid at the origin
+
+
 def test_tokenizer_names_unknown_words():
     from paroattn.reference_model import WordTextEncoder
 
