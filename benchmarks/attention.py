@@ -54,9 +54,15 @@ DENSITIES = [1.0, 0.5, 0.3, 0.2]
 BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
-# (num_warps, num_stages, gather_kv) per query block; the first run showed 8 warps on 64 rows and
-# gathers losing everywhere
-SWEEP_CONFIGS = {64: [(4, 2, False), (4, 3, False), (4, 4, False)], 128: [(8, 2, False), (8, 3, False), (4, 3, False)]}
+# kernel configs per query block: what earlier sweeps left standing (8 warps on 64 rows and in-kernel
+# gathers lost everywhere)
+_KC = triton_backend.KernelConfig
+SWEEP_CONFIGS = {
+    64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
+         _KC(4, 3, tma=True, overlap_qk=True)],
+    128: [_KC(4, 2, tma=True, q_tma=True), _KC(4, 3, tma=True, q_tma=True), _KC(8, 2, tma=True),
+          _KC(8, 3, overlap_qk=True), _KC(4, 3)],
+}
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim
 ROPE_ON_TEXT = {"flux.1-dev"}  # Flux rotates its text tokens too; CogVideoX only the grid after them
 
@@ -248,11 +254,13 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
-            gather = triton_backend.kernel_config(D, block_q, block_k, qk, pv).gather_kv
+            config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
+            with_q = triton_backend.reads_q_by_descriptor(config, block_q, block_k, torch.device("cuda"))
 
-            def prologue(q, k, v, qk=qk, pv=pv, gather=gather):
+            def prologue(q, k, v, qk=qk, pv=pv, gather=config.gather_kv, with_q=with_q):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,
-                                                 layout.width, block_k, qk, pv, gather)
+                                                 layout.width, block_k, qk, pv, gather, q if with_q else None,
+                                                 block_q)
 
             ms, err = _try(lambda: _median_ms(prologue, sets, warmup, rep))
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
@@ -308,14 +316,13 @@ def _sweep_and_pin(results, name, layout, H, D, block_size, orders_cpu, sets, mo
                                   block_size=block_size, backend="triton")
 
         best = None
-        for warps, stages, gather in SWEEP_CONFIGS[bq]:
-            config = triton_backend.KernelConfig(warps, stages, gather)
+        for config in SWEEP_CONFIGS[bq]:
+            if triton_backend.config_problem(config, bq, bk):
+                continue
             triton_backend.set_kernel_config(D, bq, bk, qk, pv, config)
             ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
-            results["sweep"].append({"shape": name, "D": D, "qk": qk, "pv": pv, "num_warps": warps,
-                                     "num_stages": stages, "gather_kv": gather, "ms": ms, "error": err})
-            print(f"  sweep {name} {qk}/{pv} warps={warps} stages={stages} gather={gather}: {ms} {err or ''}",
-                  flush=True)
+            results["sweep"].append({"shape": name, "D": D, "qk": qk, "pv": pv, **vars(config), "ms": ms, "error": err})
+            print(f"  sweep {name} {qk}/{pv} {config}: {ms} {err or ''}", flush=True)
             if ms and (best is None or ms < best[0]):
                 best = (ms, config)
         triton_backend.set_kernel_config(D, bq, bk, qk, pv, best[1] if best else None)

@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_compile_check.py            # all modes x head dims x flags: compile errors
     python benchmarks/kernel_compile_check.py --sass     # + matrix/copy/spill instruction counts
+    python benchmarks/kernel_compile_check.py --block 128 --block-k 64 --match q_tma=True   # 128 x 64 tiles, Q by TMA
 
 Catches front-end and lowering errors before device time is spent (the interpreter does not: it runs
 the Python, not the compiler), and shows whether the products use wgmma (HGMMA / IGMMA / QGMMA),
@@ -66,47 +67,63 @@ def _sass_counts(kernel) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="print instruction counts of each attention variant")
-    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--block", type=int, default=64, help="query block (and key block unless --block-k)")
+    parser.add_argument("--block-k", type=int, default=None)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--match", default="", help="only variants whose label holds all these words, e.g. 'q_tma=True D=128'")
     args = parser.parse_args()
+    bk = args.block_k or args.block
     unit = ["stride_qd", "stride_kd", "stride_vd", "stride_od"]
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                  "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
-    failures = 0
-    variants = itertools.product(MODES, (64, 128), (False, True), (True, False), (False, True), (False, True))
-    for (qk_mode, pv_mode), head_dim, gather, even, tma, overlap in variants:
+    failures = compiled = 0
+    variants = itertools.product(MODES, (64, 128), (False, True), (True, False), (False, True), (False, True),
+                                 (False, True))
+    for (qk_mode, pv_mode), head_dim, gather, even, tma, overlap, q_tma in variants:
         if gather and (tma or overlap):
             continue  # descriptors read the prologue's buffers, which gathers skip; overlap: not tuned with gathers
+        if q_tma and (not tma or args.block < bk):
+            continue  # what triton_backend.config_problem allows
         kq, vq = _buffers(qk_mode, pv_mode, gather)
-        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even} tma={tma} overlap={overlap}"
+        label = (f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even} tma={tma} overlap={overlap} "
+                 f"q_tma={q_tma}")
+        if not all(word in label.split() for word in args.match.split()):
+            continue
         pointers = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
-                        VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
+                        VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32",
+                        QScale="*fp32")
+        pointers["QDesc"] = f"tensordesc<{'i8' if qk_mode else 'bf16'}[{args.block}, {head_dim}]>" if q_tma else kq
         if tma:
-            pointers["KDesc"] = f"tensordesc<{kq[1:]}[{args.block}, {head_dim}]>"
-            v_block = f"[{head_dim}, {args.block}]" if pv_mode else f"[{args.block}, {head_dim}]"
+            pointers["KDesc"] = f"tensordesc<{kq[1:]}[{bk}, {head_dim}]>"
+            v_block = f"[{head_dim}, {bk}]" if pv_mode else f"[{bk}, {head_dim}]"
             pointers["VDesc"] = f"tensordesc<{vq[1:]}{v_block}>"
         else:
             pointers.update(KDesc=kq, VDesc=vq)
-        constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=args.block, QK_MODE=qk_mode,
+        constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=bk, QK_MODE=qk_mode,
                          PV_MODE=pv_mode, EVEN_N=even, GATHER_KV=gather, USE_TMA=tma, OVERLAP_QK=overlap,
+                         Q_TMA=q_tma,
                          P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
             kernel = _compile(kernels._attention_kernel, pointers, constants,
                               divisible + [n for n in pointers if not n.endswith("Desc")],
                               dict(num_warps=args.warps, num_stages=args.stages))
             if args.sass and even:
-                print(f"attention {label}: shared {kernel.metadata.shared} B, {_sass_counts(kernel)}")
+                print(f"attention {label}: warps {kernel.metadata.num_warps}, shared {kernel.metadata.shared} B, "
+                      f"{_sass_counts(kernel)}")
             prologue_pointers = dict(K="*bf16", V="*bf16", KSum="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
-                                     VQ=vq, Orders="*i32")
-            prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=args.block, QK_MODE=qk_mode, PV_MODE=pv_mode,
-                                      GATHER_KV=gather, stride_kd=1, stride_vd=1)
+                                     VQ=vq, Orders="*i32", Q="*bf16", QQ="*i8" if qk_mode else "*bf16",
+                                     QScale="*fp32")
+            prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=bk, QK_MODE=qk_mode, PV_MODE=pv_mode,
+                                      GATHER_KV=gather, WRITE_Q=q_tma, BLOCK_Q=args.block, stride_kd=1,
+                                      stride_vd=1, stride_qd=1)
             _compile(kernels._kv_prologue_kernel, prologue_pointers, prologue_constants,
                      divisible + list(prologue_pointers), dict(num_warps=4))
+            compiled += 1
         except Exception as exc:  # report every failing variant, then exit non-zero
             failures += 1
             print(f"FAILED {label}: {str(exc)[-1200:]}")
-    print(f"triton {triton.__version__}: {'all variants compiled' if not failures else f'{failures} failed'}")
+    print(f"triton {triton.__version__}: {compiled} variants compiled, {failures} failed")
     return 1 if failures else 0
 
 

@@ -292,6 +292,41 @@ def test_kernel_config_variants_match_reference(qk, pv, flags):
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
+Q_LAYOUT = TokenLayout(prefix=5, frames=3, height=8, width=12)  # 293 tokens: ragged last block of 128
+
+
+@pytest.mark.parametrize("qk,pv,D,bq,bk", [("bf16", "bf16", 64, 128, 128), ("int8", "fp8", 128, 128, 128),
+                                           ("int4", "int8", 64, 128, 64), ("int8", "bf16", 64, 128, 64),
+                                           ("bf16", "bf16", 128, 128, 64), ("int8", "fp8", 64, 32, 16)])
+def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk):
+    """KernelConfig(q_tma=True): the prologue also writes the reordered Q (quantized per query block for
+    integer QK, also when its grid runs over smaller key blocks) and the kernel reads each query tile
+    by one descriptor load. B=2, mixed orders, [B, N, H, D] storage, an empty row, a row whose only
+    block is the ragged tail."""
+    q, k, v = make_inputs(2, 3, Q_LAYOUT.seq_len, D, seed=14, seq_major=True)
+    nq, nk = -(-Q_LAYOUT.seq_len // bq), -(-Q_LAYOUT.seq_len // bk)
+    mask = synthetic_block_mask(3, nq, nk, 0.6, generator=torch.Generator().manual_seed(14))
+    mask[0, 1] = False
+    mask[2, 0] = False
+    mask[2, 0, -1] = True
+    key = (D, bq, bk, qk, pv)
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True))
+    try:
+        out, ref = both(q, k, v, Q_LAYOUT, torch.tensor([4, 0, 2]), mask, (bq, bk), qk, pv)
+    finally:
+        triton_backend.set_kernel_config(*key, None)
+    assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
+
+
+def test_query_tiles_by_descriptor_are_refused_where_the_prologue_cannot_write_them():
+    """q_tma needs the prologue's descriptor buffers (tma=True, no gathers) and bq >= bk."""
+    for bq, bk, config in [(64, 128, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True)),
+                           (128, 128, triton_backend.KernelConfig(4, 2, q_tma=True)),
+                           (128, 64, triton_backend.KernelConfig(4, 2, gather_kv=True, tma=True, q_tma=True))]:
+        with pytest.raises(ValueError, match="q_tma=True"):
+            triton_backend.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
+
+
 def test_inputs_that_require_grad_are_refused_not_silently_detached():
     q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=12)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)

@@ -8,7 +8,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    (fp8/int8 PV; the scale max(amax, eps) / qmax is formed where it is used).
 2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
-   contiguously: K in the input dtype, or with the mean subtracted and quantized per block to int8 or
+   contiguously (and with `KernelConfig.q_tma` the query blocks too, for descriptor loads of Q): K in
+   the input dtype, or with the mean subtracted and quantized per block to int8 or
    int4 values, both stored one per byte (Hopper has no INT4 matrix instruction, so int4 values run
    the int8 product; nibble packing, which needs an unpack and two half-depth products per tile, was
    measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
@@ -16,9 +17,9 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
    those rows itself (measured 1.3-1.5x slower on an H200, so not the default).
 3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
-   (most active key blocks first), gathers its queries from the caller's q by index arithmetic,
-   quantizes them per block in registers when QK is int8/int4 (each query block is read exactly
-   once, so materializing a quantized Q would only add a write and a read), then loops over its
+   (most active key blocks first), gathers its queries from the caller's q by index arithmetic and
+   quantizes them per block in registers when QK is int8/int4 (each query block is read once), or
+   with q_tma loads the prologue's copy through a descriptor (faster at 128-row tiles), then loops over its
    active key blocks only: online softmax in base 2 with `sm_scale * log2(e)` and the dequantization
    scales folded into one multiplier per key block, applied inside exp2's argument; integer results
    become floats by magic-number adds (no I2F/F2I, which Hopper runs at a quarter rate). K and V tiles
@@ -97,12 +98,13 @@ def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
 
 @triton.jit
 def _kv_prologue_kernel(
-    K, V, KSum, VAmax, KQ, KScale, VQ,
+    K, V, KSum, VAmax, KQ, KScale, VQ, Q, QQ, QScale,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    Orders, N, N_PAD, H, prefix, frames, height, width,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    Orders, N, N_PAD, H, NQ, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    GATHER_KV: tl.constexpr,
+    GATHER_KV: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -128,6 +130,20 @@ def _kv_prologue_kernel(
         kq, scale = _quantize_block(k, QK_MODE)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
         tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
+
+    if WRITE_Q and kb < NQ:
+        # query block kb (BLOCK_Q >= BLOCK_N rows, so the key-block grid covers every query block),
+        # reordered into [B*H, NQ*BLOCK_Q, D] in the input dtype or quantized per block (scales
+        # [B*H, NQ]) on the grid the kernel's in-register quantization uses, for KernelConfig.q_tma
+        offs_q = kb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        valid_q = offs_q < N
+        orig_q = reordered_to_original(offs_q, order, prefix, frames, height, width)
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        q = _gather_rows(q_base, orig_q, valid_q, stride_qn, stride_qd, offs_d)
+        if QK_MODE != 0:
+            q, q_scale = _quantize_block(q.to(tl.float32), QK_MODE)
+            tl.store(QScale + bh64 * NQ + kb, q_scale)
+        tl.store(QQ + (bh64 * NQ * BLOCK_Q + offs_q[:, None]) * HEAD_DIM + offs_d[None, :], q)
 
     if PV_MODE == 0 and not GATHER_KV:
         v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
@@ -249,7 +265,7 @@ def _key_block_update(
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc,
+    Q, K, V, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc, QDesc, QScale,
     Orders, Counts, Indices, Schedule,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -258,7 +274,7 @@ def _attention_kernel(
     N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr, GATHER_KV: tl.constexpr,
-    P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr,
+    P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, Q_TMA: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -276,13 +292,20 @@ def _attention_kernel(
     orig_m = reordered_to_original(offs_m, order, prefix, frames, height, width)
     q_base = Q + b64 * stride_qb + h64 * stride_qh
 
-    # the query block, quantized per block in registers for integer QK (int8 or int4 values in int8)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
     score_scale = qk_scale
-    if QK_MODE != 0:
-        q, q_scale = _quantize_block(q.to(tl.float32), QK_MODE)
-        score_scale = q_scale * qk_scale
+    if Q_TMA:
+        # the prologue's reordered (and for integer QK quantized) copy, by one descriptor load
+        q = QDesc.load([(bh * NQ + qb) * BLOCK_M, 0])
+        if QK_MODE != 0:
+            score_scale = tl.load(QScale + bh64 * NQ + qb) * qk_scale
+    else:
+        # the query block, quantized per block in registers for integer QK (int8 or int4 values in int8):
+        # each query block is read once, so a quantized copy would only add a write and a read
+        q = _gather_rows(q_base, orig_m, valid_m, stride_qn, stride_qd, offs_d)
+        if QK_MODE != 0:
+            q, q_scale = _quantize_block(q.to(tl.float32), QK_MODE)
+            score_scale = q_scale * qk_scale
 
     k_base = K + b64 * stride_kb + h64 * stride_kh
     v_base = V + b64 * stride_vb + h64 * stride_vh

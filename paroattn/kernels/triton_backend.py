@@ -62,6 +62,10 @@ class KernelConfig:
     # issue the QK product of the next key block before this block's softmax (software pipelining
     # by one block, so the asynchronous wgmma overlaps the exp2 work)
     overlap_qk: bool = False
+    # the prologue also writes the reordered Q (int8/int4 values and per-block scales for integer QK)
+    # and the kernel reads each query tile by one descriptor load instead of gathering and quantizing
+    # it in registers; needs tma and bq >= bk (the prologue's key-block grid covers the query blocks)
+    q_tma: bool = False
 
 
 # (head_dim, bq, bk, qk, pv) -> config, measured on an H200 (benchmarks/attention.py sweeps, 2026-11-21).
@@ -69,7 +73,7 @@ class KernelConfig:
 # over d = 1.0 and 0.2 on the CogVideoX-5B shape (D=64) and Wan2.1-1.3B / FLUX.1-dev (D=128); where the
 # two D=128 shapes disagreed, Wan's choice (the longer sequence) is kept (Flux loses <= 10%). int8 QK +
 # bf16 PV was not in that sweep: its entries are the earlier 4-warp sweep.
-T, O = dict(tma=True), dict(overlap_qk=True)
+T, O, TQ = dict(tma=True), dict(overlap_qk=True), dict(tma=True, q_tma=True)
 _MEASURED: dict[tuple, KernelConfig] = {
     (64, 64, 64, "bf16", "bf16"): KernelConfig(4, 4, **T),
     (64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
@@ -82,26 +86,34 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (128, 64, 64, "int8", "int8"): KernelConfig(4, 3, **O),
     (128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **T, **O),  # (the int8 + fp8 entry)
     # 128-row query tiles, 64-key blocks: the fastest of {8 warps x 2/3 stages, 4 warps x 3 stages} at
-    # d=0.5 (an earlier sweep, before TMA and overlap_qk existed). 4 warps (one warpgroup issuing two
-    # m64 products) won everywhere but D=64 bf16 and D=128 int8 PV.
+    # d=0.5 (an earlier sweep, before TMA and overlap_qk existed; 4 warps, one warpgroup issuing two m64
+    # products, won everywhere but D=64 bf16 and D=128 int8 PV), replaced where 4 warps with TMA loads of
+    # K, V and Q (q_tma) were faster at d = 1.0 / 0.5 / 0.2 (fifth session, H200, BENCHMARKS.md): D=128
+    # bf16 12.42 / 6.06 / 2.53 ms vs 14.56 / 7.09 / 2.97 (Wan2.1-1.3B), int8+fp8 10.16 / 5.22 / 2.30 vs
+    # 13.08 / 6.05 / 2.67; D=64 int8+fp8 17.74 / 9.12 / 4.06 vs 20.80 / 9.77 / 4.40 (CogVideoX-5B), where
+    # bf16 stays as it was (20.06 / 9.97 / 4.33 vs 20.18 / 9.54 / 4.07). D=128 int8+bf16 with q_tma: 10.91
+    # / 5.51 / 2.44 ms (not compared with the old config); int8+int8 with it was slow (16.75 ms at d=1.0).
     (64, 128, 64, "bf16", "bf16"): KernelConfig(8, 3),
     (64, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
-    (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
     (64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
-    (64, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
-    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3),
-    (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
-    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3),
+    (64, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ),
+    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 2, **TQ),
+    (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **TQ),
+    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
-    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3),
+    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ),
     # 128 x 128 tiles (a plan with block_size=128): the fastest of {8 warps x 3 stages} x {TMA, overlap_qk}
     # and 8 warps x 2 stages with TMA, same sweep as the 64 x 64 entries; 4 warps was 2x slower at D=128
-    (64, 128, 128, "bf16", "bf16"): KernelConfig(8, 3, **T, **O),
-    (64, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **O),
+    # (also with q_tma: Wan2.1-1.3B bf16 23.40 vs 14.77 ms at d=1.0). At D=64, 4 warps with q_tma (fifth
+    # session): bf16 18.94 / 9.38 / 4.07 ms vs 24.96 / 10.90 / 4.70, int8+fp8 16.89 / 8.80 / 3.92 vs 23.87 /
+    # 10.70 / 4.87 (d = 1.0 / 0.5 / 0.2, CogVideoX-5B)
+    (64, 128, 128, "bf16", "bf16"): KernelConfig(4, 2, **TQ),
+    (64, 128, 128, "int8", "fp8"): KernelConfig(4, 2, **TQ),
     (128, 128, 128, "bf16", "bf16"): KernelConfig(8, 2, **T),
     (128, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **O),
 }
-del T, O
+del T, O, TQ
 _CHOSEN: dict[tuple, KernelConfig] = {}
 
 
@@ -117,19 +129,29 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
     if config is None:
         override = os.environ.get("PARO_KERNEL_CONFIG")  # for sweeps
         if override:
-            # "warps,stages[,gather[,tma[,overlap]]]"
+            # "warps,stages[,gather[,tma[,overlap[,q_tma]]]]"
             warps, stages, *flags = (int(x) for x in override.split(","))
-            flags += [0, 0, 0]
-            config = KernelConfig(warps, stages, bool(flags[0]), bool(flags[1]), bool(flags[2]))
+            flags += [0, 0, 0, 0]
+            config = KernelConfig(warps, stages, *(bool(f) for f in flags[:4]))
         else:
             config = _MEASURED.get(key, _DEFAULT_CONFIG)
         _CHOSEN[key] = config
     return config
 
 
+def config_problem(config: KernelConfig, bq: int, bk: int) -> str | None:
+    """What makes `config` unusable for blocks (bq, bk) (None when nothing does)."""
+    if config.q_tma and (not config.tma or config.gather_kv or bq < bk):
+        return (f"KernelConfig(q_tma=True) needs tma=True, gather_kv=False and query blocks at least as large as "
+                f"key blocks; got {config} for blocks ({bq}, {bk})")
+    return None
+
+
 def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config: KernelConfig | None) -> None:
     """Pin (or with None, forget) the config of one key; the benchmark sweep uses this."""
     key = (head_dim, bq, bk, qk, pv)
+    if config is not None and (problem := config_problem(config, bq, bk)):
+        raise ValueError(problem)
     if config is None:
         _CHOSEN.pop(key, None)
     else:
@@ -162,9 +184,11 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return t
 
 
-def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_kv=True):
-    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax), placeholders for the
-    parts the modes do not use. Separate so benchmarks can time the prologue alone."""
+def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_kv=True, q=None, bq=None):
+    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax, qq, q_scale), placeholders
+    for the parts the modes do not use. With q (and its block bq >= bk) it also writes the reordered Q:
+    in q's dtype, or int8/int4 values with per-block scales for integer QK. Separate so benchmarks can
+    time the prologue alone."""
     B, H, N, D = k.shape
     nk = -(-N // bk)
     n_pad = nk * bk
@@ -182,16 +206,23 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
         vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv_code == PV_FP8 else torch.int8, device=device)
     elif not gather_kv:
         vq = torch.empty(B * H, n_pad, D, dtype=v.dtype, device=device)
-    if qk_code != QK_FP or pv_code != PV_FP or not gather_kv:
+    qq = q_scale = placeholder
+    nq = 0
+    if q is not None:
+        nq = -(-N // bq)
+        qq = torch.empty(B * H, nq * bq, D, dtype=q.dtype if qk_code == QK_FP else torch.int8, device=device)
+        if qk_code != QK_FP:
+            q_scale = torch.empty(B * H, nq, dtype=torch.float32, device=device)
+    if qk_code != QK_FP or pv_code != PV_FP or not gather_kv or q is not None:
         _kv_prologue_kernel[(nk, B * H)](
             k, v, k_sum if k_sum is not None else placeholder, v_amax if v_amax is not None else placeholder,
-            kq, k_scale, vq,
-            *k.stride(), *v.stride(),
-            orders, N, n_pad, H, prefix, frames, height, width,
-            HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, GATHER_KV=gather_kv,
-            num_warps=4,
+            kq, k_scale, vq, q if q is not None else k, qq, q_scale,
+            *k.stride(), *v.stride(), *(q if q is not None else k).stride(),
+            orders, N, n_pad, H, nq, prefix, frames, height, width,
+            HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, GATHER_KV=gather_kv, WRITE_Q=q is not None,
+            BLOCK_Q=bq or bk, num_warps=4,
         )
-    return kq, k_scale, vq, v_amax if v_amax is not None else placeholder
+    return kq, k_scale, vq, v_amax if v_amax is not None else placeholder, qq, q_scale
 
 
 _TMA_DEVICES: dict[torch.device, bool] = {}
@@ -207,10 +238,16 @@ def _has_tma(device: torch.device) -> bool:
     return has
 
 
+def reads_q_by_descriptor(config: KernelConfig, bq: int, bk: int, device: torch.device) -> bool:
+    """Whether a launch with this config has the prologue write Q for descriptor loads (Hopper or newer:
+    elsewhere the same config gathers Q by pointer loads, as it reads K and V)."""
+    return config.q_tma and _has_tma(device) and config_problem(config, bq, bk) is None
+
+
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
     """Tensor descriptors of the prologue's K and V buffers, seen as 2-D [rows, width] so one
     descriptor serves every (batch, head): K [B*H*N_PAD, D], V the same in bf16 or,
-    8-bit and transposed, [B*H*D, N_PAD]."""
+    8-bit and transposed, [B*H*D, N_PAD]. (The reordered Q, when written, is laid out like K.)"""
     k2 = kq.reshape(-1, kq.shape[-1])
     k_desc = TensorDescriptor.from_tensor(k2, [bk, k2.shape[1]])
     v2 = vq.reshape(-1, vq.shape[-1])
@@ -235,17 +272,21 @@ def launch(
         q, k = rotate_qk(q, k, cos, sin)
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
-    kq, k_scale, vq, v_amax = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, config.gather_kv)
     use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
+    q_tma = reads_q_by_descriptor(config, bq, bk, q.device)
+    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
+                                                      config.gather_kv, q if q_tma else None, bq)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
+    q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
     _attention_kernel[(nq, B * H)](
-        q, k, v, out, kq, k_scale, vq, v_amax, k_desc, v_desc,
+        q, k, v, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale,
         orders, counts, indices, schedule,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
         GATHER_KV=config.gather_kv, P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=use_tma,
-        OVERLAP_QK=config.overlap_qk, num_warps=config.num_warps, num_stages=config.num_stages,
+        OVERLAP_QK=config.overlap_qk, Q_TMA=q_tma,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
