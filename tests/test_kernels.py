@@ -292,19 +292,21 @@ def test_kernel_config_variants_match_reference(qk, pv, flags):
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
-Q_LAYOUT = TokenLayout(prefix=5, frames=3, height=8, width=12)  # 293 tokens: ragged last block of 128
+RAGGED = TokenLayout(prefix=5, frames=3, height=8, width=12)  # 293 tokens: ragged last block of 128
+WHOLE = TokenLayout(prefix=0, frames=2, height=8, width=16)  # 256 tokens: whole blocks (no tail code)
 
 
-@pytest.mark.parametrize("qk,pv,D,bq,bk", [("bf16", "bf16", 64, 128, 128), ("int8", "fp8", 128, 128, 128),
-                                           ("int4", "int8", 64, 128, 64), ("int8", "bf16", 64, 128, 64),
-                                           ("bf16", "bf16", 128, 128, 64), ("int8", "fp8", 64, 32, 16)])
-def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk):
+@pytest.mark.parametrize("qk,pv,D,bq,bk,layout", [
+    ("bf16", "bf16", 64, 128, 128, RAGGED), ("int8", "fp8", 128, 128, 128, RAGGED), ("int4", "int8", 64, 128, 64, RAGGED),
+    ("int8", "bf16", 64, 128, 64, RAGGED), ("bf16", "bf16", 128, 128, 64, RAGGED), ("int8", "fp8", 64, 32, 16, RAGGED),
+    ("bf16", "bf16", 128, 128, 64, WHOLE), ("int8", "fp8", 64, 128, 64, WHOLE)])
+def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk, layout):
     """KernelConfig(q_tma=True): the prologue also writes the reordered Q (quantized per query block for
     integer QK, also when its grid runs over smaller key blocks) and the kernel reads each query tile
     by one descriptor load. B=2, mixed orders, [B, N, H, D] storage, an empty row, a row whose only
-    block is the ragged tail."""
-    q, k, v = make_inputs(2, 3, Q_LAYOUT.seq_len, D, seed=14, seq_major=True)
-    nq, nk = -(-Q_LAYOUT.seq_len // bq), -(-Q_LAYOUT.seq_len // bk)
+    block is the last (ragged or whole)."""
+    q, k, v = make_inputs(2, 3, layout.seq_len, D, seed=14, seq_major=True)
+    nq, nk = -(-layout.seq_len // bq), -(-layout.seq_len // bk)
     mask = synthetic_block_mask(3, nq, nk, 0.6, generator=torch.Generator().manual_seed(14))
     mask[0, 1] = False
     mask[2, 0] = False
@@ -312,7 +314,7 @@ def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk):
     key = (D, bq, bk, qk, pv)
     triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
-        out, ref = both(q, k, v, Q_LAYOUT, torch.tensor([4, 0, 2]), mask, (bq, bk), qk, pv)
+        out, ref = both(q, k, v, layout, torch.tensor([4, 0, 2]), mask, (bq, bk), qk, pv)
     finally:
         triton_backend.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
