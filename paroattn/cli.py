@@ -62,6 +62,7 @@ def calibrate(
     metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),
     quant_weight: float = typer.Option(0.0, help="weight of the incoherence (max/mean) term in the mass metric"),
     block_size: int = typer.Option(64, help="block size of the masks"),
+    query_block: int | None = typer.Option(None, help="query block of the masks, a multiple of --block-size (128 with 64: the fastest kernels at head dim 128; default: --block-size)"),
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
@@ -84,7 +85,7 @@ def calibrate(
 
     try:
         config = CalibrationConfig(
-            density=density, qk=qk, pv=pv, block_size=block_size, steps=steps, height=height, width=width,
+            density=density, qk=qk, pv=pv, block_size=block_size, query_block=query_block, steps=steps, height=height, width=width,
             frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed, quant_weight=quant_weight,
             bucket_edges=[float(x) for x in bucket_edges.split(",")] if bucket_edges else None,
             figure_layers=[int(x) for x in figure_layers.split(",")] if figure_layers else None,

@@ -73,7 +73,8 @@ class CapturedStats:
 
 
 def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = DEFAULT_STEPS, seed: int = 0,
-                  block_size: int = 64, num_buckets: int = 6, backend: str = "auto") -> CapturedStats:
+                  block_size: int = 64, num_buckets: int = 6, backend: str = "auto",
+                  query_block: int | None = None) -> CapturedStats:
     """Run the dense pipeline on `prompts` (one batch) and accumulate the block statistics of
     softmax(QK^T) at every step, for all candidate orders and for the identity order."""
     from .calibrate import StatsAccumulator, block_stats
@@ -88,8 +89,10 @@ def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = D
         if state["every"] is None:
             candidates = list(layout.distinct_orders())
             state["layout"] = layout
-            state["every"] = StatsAccumulator(layers, num_buckets, candidates, layout.seq_len, block_size)
-            state["identity"] = StatsAccumulator(layers, num_buckets, [0], layout.seq_len, block_size)
+            state["every"] = StatsAccumulator(layers, num_buckets, candidates, layout.seq_len, block_size,
+                                              query_block=query_block)
+            state["identity"] = StatsAccumulator(layers, num_buckets, [0], layout.seq_len, block_size,
+                                                 query_block=query_block)
         every, identity = state["every"], state["identity"]
         bucket = bucket_index(edges, float(timestep))
         state["bucket"] = bucket
@@ -125,7 +128,7 @@ def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: st
         model_class=type(transformer).__name__,
         model_fingerprint=model_fingerprint(transformer.config),
         layout=stats.layout,
-        block_size=accumulator.block_size,
+        block_size=accumulator.mask_block,
         orders=result.orders,
         block_mask=result.block_mask,
         bucket_edges=stats.edges,

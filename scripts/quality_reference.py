@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
     p.add_argument("--block-size", type=int, default=64, help="plan block size (the shipped plans use 64)")
+    p.add_argument("--query-block", type=int, default=None, help="query block of the plans (default: --block-size)")
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES), help="comma-separated densities")
     p.add_argument("--quants", default=",".join(demo.QUANT_MODES), help=f"comma-separated, from {list(demo.QUANT_MODES)}")
     p.add_argument("--no-paper", action="store_true", help="skip the rows with the paper's order metric")
@@ -74,7 +75,7 @@ def configurations(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.ship is not None and args.block_size != 64:
+    if args.ship is not None and (args.block_size != 64 or args.query_block not in (None, 64)):
         raise SystemExit("--ship writes the demo's plans, which use 64-token blocks; drop --block-size")
     if args.quick:
         args.steps, args.calibration_steps, args.prompts = 2, 2, 1
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         log.append(line)
 
     stats = demo.capture_stats(pipe, demo.CALIBRATION_PROMPTS, steps=args.calibration_steps, seed=args.seed,
-                               block_size=args.block_size)
+                               block_size=args.block_size, query_block=args.query_block)
     say(f"capture: {len(demo.CALIBRATION_PROMPTS)} prompts x {args.calibration_steps} steps in {stats.seconds:.1f} s, "
         f"layout {stats.layout}")
 
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps, "calibration_steps": args.calibration_steps,
-        "block_size": args.block_size, "quant_weight": args.quant_weight, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
+        "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
         "dense_time": dense_t, "capture_s": stats.seconds, "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))

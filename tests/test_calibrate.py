@@ -8,7 +8,7 @@ from paroattn import Plan, TokenLayout
 from paroattn.calibrate.accumulate import StatsAccumulator
 from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
-from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction
+from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
 
 # the Triton statistics kernel runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
@@ -122,6 +122,41 @@ def test_masks_hold_only_the_forced_blocks_when_they_exceed_the_budget():
     assert torch.equal(masks, forced_blocks(8, 40, 16).expand(1, 2, 8, 8))
 
 
+def test_forced_blocks_of_larger_query_blocks_cover_their_token_range():
+    """Query blocks of 128 over key blocks of 64: the 'diagonal' is every key block inside the query
+    block's token range; text rows and columns count in their own block sizes."""
+    forced = forced_blocks((3, 5), 0, (128, 64))
+    expected = torch.zeros(3, 5, dtype=torch.bool)
+    for i, cols in enumerate([(0, 1), (2, 3), (4,)]):
+        expected[i, list(cols)] = True
+    assert torch.equal(forced, expected)
+    expected[0, :] = True  # 70 text tokens: query block 0 of 128, key blocks 0 and 1 of 64
+    expected[:, :2] = True
+    assert torch.equal(forced_blocks((3, 5), 70, (128, 64)), expected)
+    assert torch.equal(forced_blocks(6, 40, 16), forced_blocks((6, 6), 40, (16, 16)))
+
+
+def test_query_blocks_pool_the_rows_of_square_statistics():
+    """StatsAccumulator(query_block=2 * block_size): statistics in square blocks, masks at (2b, b) from
+    summed row pairs (a ragged last pair keeps its one row); the plan's masks still hit the density and
+    keep the forced blocks."""
+    mass = torch.arange(5 * 4, dtype=torch.float32).view(5, 4)
+    pooled = pool_query_blocks(mass, 2)
+    assert torch.equal(pooled, torch.stack([mass[0] + mass[1], mass[2] + mass[3], mass[4]]))
+    layout = TokenLayout(8, 3, 8, 12)  # 296 tokens: 19 blocks of 16, 10 query blocks of 32
+    q, k = planted_qk(layout, [0, 1, 2], generator=torch.Generator().manual_seed(5))
+    orders = list(layout.distinct_orders())
+    acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16, query_block=32)
+    acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="torch"), batch=1)
+    result = acc.finalize(0.3, layout.prefix)
+    assert result.block_mask.shape == (1, 1, 3, 10, 19)
+    assert abs(float(result.density.mean()) - 0.3) <= 0.02
+    assert bool(result.block_mask[0, 0][:, forced_blocks((10, 19), layout.prefix, (32, 16))].all())
+    assert float(result.kept_mass.mean()) >= 0.9
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        StatsAccumulator(1, 1, orders, layout.seq_len, 16, query_block=24)
+
+
 def test_kept_mass_fraction_counts_the_best_blocks():
     mass = torch.zeros(1, 4, 5)
     mass[0, 0, :3] = torch.tensor([5.0, 3.0, 2.0])
@@ -182,14 +217,16 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     steps = kwargs.pop("num_inference_steps")
     kwargs.pop("output_type")
     size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames", None)}
-    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, stat_every=1,
-                               pipeline_kwargs=kwargs, **size)
+    # Wan's plan uses query blocks twice the key blocks (the fast D=128 tiles), the others square ones
+    config = CalibrationConfig(density=0.5, block_size=16, query_block=32 if family == "wan" else None, steps=steps,
+                               num_buckets=2, stat_every=1, pipeline_kwargs=kwargs, **size)
     plan, result = calibrate(pipe, ["a red fox in the snow", "a city at night"], config)
     plan_path, stats_path = save_calibration(plan, result, tmp_path / "plan.safetensors")
     loaded = Plan.load(plan_path)
     assert loaded.model_class == type(pipe.transformer).__name__
     assert torch.equal(loaded.block_mask, plan.block_mask) and torch.equal(loaded.orders, plan.orders)
     assert loaded.num_layers == len(self_attention_layers(pipe))
+    assert loaded.block_size == ((32, 16) if family == "wan" else (16, 16))
     assert sum(result.steps_per_bucket) == 2 * steps  # every step of both prompts was captured
     frames = size["frames"]
     call = dict(kwargs, height=size["height"], width=size["width"], num_inference_steps=steps, output_type="latent")

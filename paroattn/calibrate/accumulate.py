@@ -17,14 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .selection import block_entries, build_masks, incoherence, kept_mass_fraction, order_scores, sparse_fraction
+from .selection import (
+    block_entries,
+    build_masks,
+    incoherence,
+    kept_mass_fraction,
+    order_scores,
+    pool_query_blocks,
+    sparse_fraction,
+)
 
 
 @dataclass
 class CalibrationResult:
     candidate_orders: list[int]  # indices into ORDERS, the candidates that were measured
     orders: torch.Tensor  # int64 [L, H], indices into ORDERS
-    block_mask: torch.Tensor  # bool [buckets, L, H, nb, nb]
+    block_mask: torch.Tensor  # bool [buckets, L, H, nq, nk]
     density: torch.Tensor  # float [buckets, L, H]: achieved block density
     kept_mass: torch.Tensor  # float [buckets, L, H]: share of attention mass inside the mask
     scores: torch.Tensor  # float [L, H, O]: order scores (lower is better)
@@ -46,12 +54,19 @@ class StatsAccumulator:
         block_size: int,
         store_device: torch.device | str = "cpu",
         store_dtype: torch.dtype = torch.float16,
+        query_block: int | None = None,
     ):
+        """Statistics come in square blocks of `block_size`; the masks (and the order choice) use query
+        blocks of `query_block` (a multiple of it, default the same) by summing consecutive rows."""
         self.num_layers = num_layers
         self.num_buckets = num_buckets
         self.candidate_orders = list(candidate_orders)
         self.seq_len = seq_len
         self.block_size = block_size
+        query_block = query_block or block_size
+        if query_block % block_size:
+            raise ValueError(f"query_block must be a multiple of block_size {block_size}, got {query_block}")
+        self.mask_block = (query_block, block_size)  # (bq, bk) of the masks
         self.store_device = torch.device(store_device)
         self.store_dtype = store_dtype
         self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] means
@@ -119,7 +134,7 @@ class StatsAccumulator:
         # calibration), not widened in host memory first: half the bytes over the bus, no host pass
         if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
             return None
-        return self.mass[(bucket, layer)].to(device).float()
+        return pool_query_blocks(self.mass[(bucket, layer)].to(device).float(), self.mask_block[0] // self.block_size)
 
     def finalize(
         self,
@@ -183,7 +198,7 @@ class StatsAccumulator:
         masks, densities, kept_masses = [], [], []
         for b in range(B):
             mass = torch.stack(bucket_maps[b])  # [L, H, nb, nb]
-            mask = build_masks(mass, density, prefix, self.block_size)
+            mask = build_masks(mass, density, prefix, self.mask_block)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)

@@ -34,6 +34,10 @@ class CalibrationConfig:
     qk: str = "bf16"  # quantization the plan asks for (recorded; also turns on the incoherence term)
     pv: str = "bf16"
     block_size: int = 64
+    # query block of the masks, a multiple of block_size (None: block_size). 128 with 64-key blocks
+    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md, fifth session); its quality cost is measured
+    # only on the reference model (QUALITY.md)
+    query_block: int | None = None
     steps: int = 50  # denoising steps of each calibration run
     height: int | None = None  # generation size; None: the pipeline's default
     width: int | None = None
@@ -65,6 +69,10 @@ class CalibrationConfig:
             raise ValueError(f"metric={self.metric!r}; expected one of {METRICS}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if self.query_block is not None and (self.query_block < self.block_size or self.query_block % self.block_size
+                                             or self.query_block & (self.query_block - 1)):
+            raise ValueError(f"query_block must be a power-of-two multiple of block_size {self.block_size}, "
+                             f"got {self.query_block}")
         if self.steps < 1 or self.stat_every < 1:
             raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
         problem = bucket_edges_problem([float(e) for e in self.edges()])
@@ -171,7 +179,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
                 estimate = (len(edges) - 1) * L * q.shape[1] * len(orders) * nb * nb * 4
                 state["acc"] = StatsAccumulator(
                     L, len(edges) - 1, orders, layout.seq_len, config.block_size,
-                    store_device=_store_device(config, q.device, estimate),
+                    store_device=_store_device(config, q.device, estimate), query_block=config.query_block,
                 )
             acc = state["acc"]
             start = time.perf_counter()
@@ -225,7 +233,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
         model_class=type(transformer).__name__,
         model_fingerprint=model_fingerprint(transformer.config),
         layout=layout,
-        block_size=(config.block_size, config.block_size),
+        block_size=acc.mask_block,
         orders=result.orders,
         block_mask=result.block_mask,
         bucket_edges=edges,

@@ -76,35 +76,52 @@ def order_scores(
     raise ValueError(f"unknown order metric {metric!r}; expected one of {METRICS}")
 
 
-def forced_blocks(num_blocks: int, prefix: int, block_size: int, device=None) -> torch.Tensor:
-    """bool [nb, nb]: blocks every mask keeps: the diagonal, and every block whose query or key
-    range holds a prefix (text) token (prefix tokens are never reordered, so these are the same
-    blocks under every order)."""
-    index = torch.arange(num_blocks, device=device)
-    forced = index[:, None] == index[None, :]
-    text_blocks = -(-prefix // block_size)
-    if text_blocks:
-        forced[:text_blocks, :] = True
-        forced[:, :text_blocks] = True
+def forced_blocks(num_blocks: int | tuple[int, int], prefix: int, block_size: int | tuple[int, int],
+                  device=None) -> torch.Tensor:
+    """bool [nq, nk]: blocks every mask keeps: the diagonal (with query blocks larger than key blocks,
+    every key block inside the query block's token range), and every block whose query or key range
+    holds a prefix (text) token (prefix tokens are never reordered, so these are the same blocks under
+    every order). Square blocks may be given as single ints."""
+    nq, nk = (num_blocks, num_blocks) if isinstance(num_blocks, int) else num_blocks
+    bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
+    rows = torch.arange(nq, device=device)[:, None]
+    cols = torch.arange(nk, device=device)[None, :]
+    forced = (cols * bk < (rows + 1) * bq) & ((cols + 1) * bk > rows * bq)
+    text_rows, text_cols = -(-prefix // bq), -(-prefix // bk)
+    if prefix:
+        forced[:text_rows, :] = True
+        forced[:, :text_cols] = True
     return forced
+
+
+def pool_query_blocks(mass: torch.Tensor, factor: int) -> torch.Tensor:
+    """[..., nb, nk] block masses -> [..., ceil(nb / factor), nk]: the mass of query blocks `factor`
+    times larger (sums of consecutive rows; the last may hold fewer)."""
+    if factor == 1:
+        return mass
+    nb = mass.shape[-2]
+    pad = -nb % factor
+    if pad:
+        mass = torch.nn.functional.pad(mass, (0, 0, 0, pad))
+    return mass.unflatten(-2, (-1, factor)).sum(-2)
 
 
 def build_masks(
     mass: torch.Tensor,
     density: float,
     prefix: int,
-    block_size: int,
+    block_size: int | tuple[int, int],
 ) -> torch.Tensor:
-    """mass [L, H, nb, nb] of one timestep bucket, in each head's chosen order -> bool masks.
+    """mass [L, H, nq, nk] of one timestep bucket, in each head's chosen order -> bool masks.
 
     One budget for the whole bucket: round(density * L * H * nb * nb) blocks, the forced ones
     (diagonal, prefix) first, the rest going to the blocks with the most mass wherever they are,
     so heads with spread-out attention get more blocks than heads with local attention. Masses are
     comparable across heads and layers because every row of P sums to one. If the forced blocks
     alone exceed the budget the masks hold only them (the achieved density then says so)."""
-    L, H, nb, _ = mass.shape
-    forced = forced_blocks(nb, prefix, block_size, device=mass.device)
-    masks = forced.expand(L, H, nb, nb).clone()
+    L, H, nq, nk = mass.shape
+    forced = forced_blocks((nq, nk), prefix, block_size, device=mass.device)
+    masks = forced.expand(L, H, nq, nk).clone()
     budget = round(density * masks.numel()) - int(masks.sum())
     if budget > 0:
         scores = mass.float().masked_fill(forced, float("-inf")).flatten()
