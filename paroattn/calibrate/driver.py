@@ -35,8 +35,8 @@ class CalibrationConfig:
     pv: str = "bf16"
     block_size: int = 64
     # query block of the masks, a multiple of block_size (None: block_size). 128 with 64-key blocks
-    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md, fifth session); its quality cost is measured
-    # only on the reference model (QUALITY.md)
+    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md, fifth session); coarser masks, 1.0-2.4 dB
+    # at the same density on the small reference model (QUALITY.md), not measured on a real checkpoint
     query_block: int | None = None
     steps: int = 50  # denoising steps of each calibration run
     height: int | None = None  # generation size; None: the pipeline's default
