@@ -113,16 +113,18 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool) -> dict:
             "txt_ids": torch.zeros(512, 3, device=device), "return_dict": False}
 
 
-def synthetic_plan(transformer, layout: TokenLayout, density: float, qk: str, pv: str, block: int, seed=0) -> Plan:
+def synthetic_plan(transformer, layout: TokenLayout, density: float, qk: str, pv: str, block: int, seed=0,
+                   query_block: int | None = None) -> Plan:
     layers = len(self_attention_layers(transformer))
     heads = transformer.config.num_attention_heads
-    nq = -(-layout.seq_len // block)
+    query_block = query_block or block
+    nq, nk = -(-layout.seq_len // query_block), -(-layout.seq_len // block)
     g = torch.Generator().manual_seed(seed)
-    distinct = [synthetic_block_mask(heads, nq, nq, density, generator=g) for _ in range(min(DISTINCT_MASKS, layers))]
+    distinct = [synthetic_block_mask(heads, nq, nk, density, generator=g) for _ in range(min(DISTINCT_MASKS, layers))]
     masks = torch.stack([distinct[layer % len(distinct)] for layer in range(layers)])[None]
     return Plan(
         model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config), layout=layout,
-        block_size=(block, block), orders=torch.randint(0, 6, (layers, heads), generator=g), block_mask=masks,
+        block_size=(query_block, block), orders=torch.randint(0, 6, (layers, heads), generator=g), block_mask=masks,
         bucket_edges=[1000.0, 0.0], qk=qk, pv=pv, target_density=density,
     )
 
@@ -165,8 +167,9 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
             handle = None
             if density is not None:
                 if density not in masks_by_density:
-                    masks_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block).block_mask
-                plan = synthetic_plan(transformer, layout, density, qk, pv, block)
+                    masks_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block,
+                                                               query_block=args.query_block).block_mask
+                plan = synthetic_plan(transformer, layout, density, qk, pv, block, query_block=args.query_block)
                 plan = Plan(**{**plan.__dict__, "block_mask": masks_by_density[density], "density": None})
                 handle = apply(transformer, plan, backend=backend, resident=resident, fuse_rope=fuse_rope)
                 handle.processor.prepare(handle.binding, device)
@@ -222,6 +225,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (torch backend): checks the script")
+    parser.add_argument("--query-block", type=int, default=None,
+                        help="query block of the synthetic plans (key blocks stay 64; 128: the fast D=128 tiles)")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
