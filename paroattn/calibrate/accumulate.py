@@ -37,7 +37,7 @@ class CalibrationResult:
     kept_mass: torch.Tensor  # float [buckets, L, H]: share of attention mass inside the mask
     scores: torch.Tensor  # float [L, H, O]: order scores (lower is better)
     steps_per_bucket: list[int]  # captured (prompt, step) pairs per bucket
-    # block-mass maps averaged over all buckets, for figures: [L_fig, H, nb, nb] in the original
+    # block-mass maps averaged over all buckets, for figures: [L_fig, H, nq, nk] in the original
     # order (FHW) and in each head's chosen order, for the layers in `figure_layers`
     figure_layers: list[int]
     figure_original: torch.Tensor | None
@@ -165,7 +165,7 @@ class StatsAccumulator:
         figure_layers = sorted(set(figure_layers or []) & set(range(L)))
         per_layer_scores = []
         per_layer_orders = []
-        bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nb, nb]
+        bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nq, nk]
         fig_original, fig_reordered = [], []
         original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
         for layer in range(L):
@@ -197,7 +197,7 @@ class StatsAccumulator:
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
         masks, densities, kept_masses = [], [], []
         for b in range(B):
-            mass = torch.stack(bucket_maps[b])  # [L, H, nb, nb]
+            mass = torch.stack(bucket_maps[b])  # [L, H, nq, nk]
             mask = build_masks(mass, density, prefix, self.mask_block)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
