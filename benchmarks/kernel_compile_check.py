@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
+from paroattn.kernels.triton_backend import KernelConfig, config_problem  # noqa: E402
 
 MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
 SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP"]
@@ -83,8 +84,8 @@ def main() -> int:
     for (qk_mode, pv_mode), head_dim, gather, even, tma, overlap, q_tma in variants:
         if gather and (tma or overlap):
             continue  # descriptors read the prologue's buffers, which gathers skip; overlap: not tuned with gathers
-        if q_tma and (not tma or args.block < bk):
-            continue  # what triton_backend.config_problem allows
+        if config_problem(KernelConfig(args.warps, args.stages, gather, tma, overlap, q_tma), args.block, bk):
+            continue  # a config the backend refuses
         kq, vq = _buffers(qk_mode, pv_mode, gather)
         label = (f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even} tma={tma} overlap={overlap} "
                  f"q_tma={q_tma}")
