@@ -61,7 +61,8 @@ SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
          _KC(4, 3, tma=True, overlap_qk=True)],
     128: [_KC(4, 2, tma=True, q_tma=True), _KC(4, 3, tma=True, q_tma=True), _KC(8, 2, tma=True),
-          _KC(8, 3, overlap_qk=True), _KC(4, 3)],
+          _KC(8, 3, overlap_qk=True), _KC(4, 3), _KC(4, 2, tma=True, q_tma=True, warp_specialized=True),
+          _KC(4, 3, tma=True, q_tma=True, warp_specialized=True)],
 }
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim
 ROPE_ON_TEXT = {"flux.1-dev"}  # Flux rotates its text tokens too; CogVideoX only the grid after them
@@ -317,7 +318,7 @@ def _sweep_and_pin(results, name, layout, H, D, block_size, orders_cpu, sets, mo
 
         best = None
         for config in SWEEP_CONFIGS[bq]:
-            if triton_backend.config_problem(config, bq, bk):
+            if triton_backend.config_problem(config, bq, bk, qk, pv):
                 continue
             triton_backend.set_kernel_config(D, bq, bk, qk, pv, config)
             ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))

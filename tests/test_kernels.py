@@ -329,6 +329,42 @@ def test_query_tiles_by_descriptor_are_refused_where_the_prologue_cannot_write_t
             triton_backend.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
 
 
+@pytest.mark.parametrize("D,layout,stages,dtype", [
+    (128, RAGGED, 2, torch.float16), (64, RAGGED, 3, torch.float16), (128, WHOLE, 2, torch.bfloat16),
+    (64, WHOLE, 2, torch.float16)])
+def test_warp_specialized_kernel_matches_reference(D, layout, stages, dtype):
+    """KernelConfig(warp_specialized=True): on an sm_90 GPU the Gluon kernel of hopper_attention (a
+    loader warp, two consumer warpgroups); elsewhere, the interpreter included, the Triton kernel runs
+    with the same tiles. B=2, mixed orders, [B, N, H, D] storage, an empty row, a row whose only block
+    is the last (ragged or whole), a row with one block, rows with many."""
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        dtype = torch.float16  # bf16 products are wrong in the interpreter (README)
+    q, k, v = make_inputs(2, 3, layout.seq_len, D, dtype=dtype, seed=15, seq_major=True)
+    nq, nk = -(-layout.seq_len // 128), -(-layout.seq_len // 64)
+    mask = synthetic_block_mask(3, nq, nk, 0.7, generator=torch.Generator().manual_seed(15))
+    mask[0, 1] = False
+    mask[2, 0] = False
+    mask[2, 0, -1] = True
+    mask[1, 1] = False
+    mask[1, 1, 2] = True
+    key = (D, 128, 64, "bf16", "bf16")
+    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, stages, tma=True, q_tma=True,
+                                                                       warp_specialized=True))
+    try:
+        out, ref = both(q, k, v, layout, torch.tensor([3, 0, 5]), mask, (128, 64), "bf16", "bf16")
+    finally:
+        triton_backend.set_kernel_config(*key, None)
+    assert rel_err(out, ref) <= BOUND["bf16"]
+
+
+def test_warp_specialized_kernel_is_refused_outside_its_tiles_and_modes():
+    ws = triton_backend.KernelConfig(4, 2, tma=True, q_tma=True, warp_specialized=True)
+    for bq, bk, qk, pv in [(64, 64, "bf16", "bf16"), (128, 128, "bf16", "bf16"), (128, 64, "int8", "fp8"),
+                           (128, 64, "bf16", "fp8")]:
+        with pytest.raises(ValueError, match="warp_specialized=True"):
+            triton_backend.set_kernel_config(128, bq, bk, qk, pv, ws)
+
+
 def test_inputs_that_require_grad_are_refused_not_silently_detached():
     q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=12)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)

@@ -16,20 +16,21 @@ import triton.language as tl
 from .. import layout
 
 
-def _jit_mirror(fn, **jitted_helpers):
+def jit_mirror(fn, jit=triton.jit, **jitted_helpers):
+    """`fn` compiled by `jit` (triton.jit, or gluon.jit for the Hopper kernel), calling `jitted_helpers`."""
     scope = dict(fn.__globals__)
     scope.update(tl=tl, triton=triton, **jitted_helpers)
     clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     clone.__module__ = fn.__module__
     clone.__qualname__ = fn.__qualname__
     clone.__doc__ = fn.__doc__
-    return triton.jit(clone)
+    return jit(clone)
 
 
-order_axis_sizes_and_strides = _jit_mirror(layout.order_axis_sizes_and_strides)
-reordered_to_original = _jit_mirror(
+order_axis_sizes_and_strides = jit_mirror(layout.order_axis_sizes_and_strides)
+reordered_to_original = jit_mirror(
     layout.reordered_to_original, order_axis_sizes_and_strides=order_axis_sizes_and_strides
 )
-original_to_reordered = _jit_mirror(
+original_to_reordered = jit_mirror(
     layout.original_to_reordered, order_axis_sizes_and_strides=order_axis_sizes_and_strides
 )

@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import PAROInputError
 from ..layout import TokenLayout
-from . import interpreting
+from . import hopper_attention, interpreting
 from .block_lists import ActiveBlocks
 from .block_sparse_attention import (
     P_LOG2_SCALES,
@@ -66,6 +66,10 @@ class KernelConfig:
     # and the kernel reads each query tile by one descriptor load instead of gathering and quantizing
     # it in registers; needs tma and bq >= bk (the prologue's key-block grid covers the query blocks)
     q_tma: bool = False
+    # run `hopper_attention`'s warp-specialized Gluon kernel (a loader warp, two consumer warpgroups) on
+    # the prologue's reordered Q/K/V copies: bf16/fp16 QK and PV at 128 x 64 blocks, sm_90 only (other
+    # GPUs run the Triton kernel with the remaining fields)
+    warp_specialized: bool = False
 
 
 # (head_dim, bq, bk, qk, pv) -> config, measured on an H200 (benchmarks/attention.py sweeps, 2026-11-21).
@@ -129,18 +133,23 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
     if config is None:
         override = os.environ.get("PARO_KERNEL_CONFIG")  # for sweeps
         if override:
-            # "warps,stages[,gather[,tma[,overlap[,q_tma]]]]"
+            # "warps,stages[,gather[,tma[,overlap[,q_tma[,warp_specialized]]]]]"
             warps, stages, *flags = (int(x) for x in override.split(","))
-            flags += [0, 0, 0, 0]
-            config = KernelConfig(warps, stages, *(bool(f) for f in flags[:4]))
+            flags += [0] * 5
+            config = KernelConfig(warps, stages, *(bool(f) for f in flags[:5]))
         else:
             config = _MEASURED.get(key, _DEFAULT_CONFIG)
         _CHOSEN[key] = config
     return config
 
 
-def config_problem(config: KernelConfig, bq: int, bk: int) -> str | None:
-    """What makes `config` unusable for blocks (bq, bk) (None when nothing does)."""
+def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv: str = "bf16") -> str | None:
+    """What makes `config` unusable for blocks (bq, bk) and modes (qk, pv) (None when nothing does)."""
+    if config.warp_specialized and ((bq, bk) != (hopper_attention.BLOCK_M, hopper_attention.BLOCK_N)
+                                    or (qk, pv) != ("bf16", "bf16") or config.gather_kv):
+        return (f"KernelConfig(warp_specialized=True) runs bf16 QK and PV at blocks "
+                f"({hopper_attention.BLOCK_M}, {hopper_attention.BLOCK_N}) with gather_kv=False; got {config} for "
+                f"blocks ({bq}, {bk}), modes ({qk}, {pv})")
     if config.q_tma and (not config.tma or config.gather_kv or bq < bk):
         return (f"KernelConfig(q_tma=True) needs tma=True, gather_kv=False and query blocks at least as large as "
                 f"key blocks; got {config} for blocks ({bq}, {bk})")
@@ -150,7 +159,7 @@ def config_problem(config: KernelConfig, bq: int, bk: int) -> str | None:
 def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config: KernelConfig | None) -> None:
     """Pin (or with None, forget) the config of one key; the benchmark sweep uses this."""
     key = (head_dim, bq, bk, qk, pv)
-    if config is not None and (problem := config_problem(config, bq, bk)):
+    if config is not None and (problem := config_problem(config, bq, bk, qk, pv)):
         raise ValueError(problem)
     if config is None:
         _CHOSEN.pop(key, None)
@@ -273,9 +282,14 @@ def launch(
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
-    q_tma = reads_q_by_descriptor(config, bq, bk, q.device)
+    warp_specialized = (config.warp_specialized and hopper_attention.available(q.device)
+                        and config_problem(config, bq, bk, qk, pv) is None)
+    q_tma = warp_specialized or reads_q_by_descriptor(config, bq, bk, q.device)
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       config.gather_kv, q if q_tma else None, bq)
+    if warp_specialized:
+        return hopper_attention.launch(qq, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
+                                       prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
     q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
     _attention_kernel[(nq, B * H)](

@@ -1,0 +1,295 @@
+"""A warp-specialized attention kernel for Hopper (sm_90), written in Gluon: bf16 QK and bf16 PV at
+128-row query tiles and 64-key blocks (`KernelConfig.warp_specialized`).
+
+Why a second kernel: at D=128 the Triton kernel of `block_sparse_attention.py` computes a query tile
+with one warpgroup whose tensor-core products and softmax mostly alternate, and Triton 3.6's automatic
+warp specialization does not apply to it (BENCHMARKS.md, fifth session). Here the roles are split by
+hand, as FlashAttention-3 does:
+
+- a loader warp issues the TMA loads: the tile's two 64-row query halves once, then the active key
+  blocks' K and V tiles into a ring of `STAGES` shared-memory slots (ready / empty mbarriers);
+- two consumer warpgroups, one per 64-row half, each run the online softmax over the same key blocks.
+  Each keeps one QK product in flight under its softmax: block i's scores are issued together with
+  block i-1's P V product, so the tensor cores work while the exp2 units do; and the two warpgroups,
+  running independently, fill each other's gaps.
+
+The inputs are the prologue's buffers (`triton_backend.prepare_kv` with q): Q, K and V reordered and
+contiguous, so every tile is one descriptor load. Its definition is the same as the Triton kernel's
+(`reference.py`), and the tests compare the two on the GPU; the Triton interpreter cannot run Gluon.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import layout
+
+try:  # Gluon ships with triton >= 3.5; the package works without it (the Triton kernel runs instead)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed triton
+    gluon = None
+
+QUERY_HALF = 64  # rows per consumer warpgroup (the wgmma M of one warpgroup)
+BLOCK_M = 2 * QUERY_HALF
+BLOCK_N = 64
+
+
+def available(device: torch.device) -> bool:
+    """Whether this kernel can run on `device`: Gluon importable and an sm_90 GPU (wgmma is Hopper's;
+    Blackwell has other matrix instructions)."""
+    return gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+if gluon is not None:
+    from .index_math import jit_mirror
+
+    _order_axes = jit_mirror(layout.order_axis_sizes_and_strides, jit=gluon.jit)
+    _reordered_to_original = jit_mirror(layout.reordered_to_original, jit=gluon.jit,
+                                        order_axis_sizes_and_strides=_order_axes)
+
+    @gluon.jit
+    def _loader(args):
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
+         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
+        STAGES: gl.constexpr = k_smem.shape[0]
+        HALF: gl.constexpr = q_smem.shape[1]
+        BN: gl.constexpr = k_smem.shape[1]
+        it = 0
+        tile_iter = 0
+        for t in range(gl.program_id(0), NQ * BH, gl.num_programs(0)):
+            bh = t % BH
+            h = bh % H
+            qb = gl.load(Schedule + h * NQ + t // BH)
+            row = h * NQ + qb
+            for c in gl.static_range(2):
+                # the consumers copy Q to registers at the start of a tile: the next tile's Q can follow
+                mbarrier.wait(q_empty.index(c), (tile_iter & 1) ^ 1)
+                fence_async_shared()  # the consumers' register loads of the old Q before the TMA write
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [(bh * NQ + qb) * 2 * HALF + c * HALF, 0], q_ready.index(c),
+                                                q_smem.index(c))
+            count = gl.load(Counts + row)
+            active = Indices + row.to(gl.int64) * MAX_ACTIVE
+            for i in range(count):
+                slot = it % STAGES
+                kb = gl.load(active + i)
+                # mbarriers start with phase 1 complete: the first pass over the ring does not wait
+                mbarrier.wait(kv_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [bh * N_PAD + kb * BN, 0], k_ready.index(slot),
+                                                k_smem.index(slot))
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [bh * N_PAD + kb * BN, 0], v_ready.index(slot),
+                                                v_smem.index(slot))
+                it += 1
+            tile_iter += 1
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, key0, N, MASKED: gl.constexpr, s_layout: gl.constexpr):
+        # one key block's online-softmax update in base 2; returns P (unnormalized), the new row max and
+        # sum, and the factor alpha that rescales what was accumulated before
+        if MASKED:
+            offs_n = key0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(offs_n < N, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0: the max commutes with it
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _take_turn(turns, event, HALF_INDEX: gl.constexpr, PINGPONG: gl.constexpr):
+        # ping-pong: the two warpgroups issue their products in alternation, so one's softmax runs
+        # under the other's products (warpgroup 0 goes first)
+        if PINGPONG:
+            mbarrier.wait(turns.index(HALF_INDEX), (event & 1) ^ (1 - HALF_INDEX))
+
+    @gluon.jit
+    def _pass_turn(turns, HALF_INDEX: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - HALF_INDEX), count=1)
+
+    @gluon.jit
+    def _consumer(args, HALF_INDEX: gl.constexpr, PINGPONG: gl.constexpr):
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
+         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
+        STAGES: gl.constexpr = k_smem.shape[0]
+        HALF: gl.constexpr = q_smem.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        BN: gl.constexpr = k_smem.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        # Q and P are the products' A operands, from registers: with Q read from shared memory, a 64 x 64
+        # QK product would need shared memory's whole bandwidth (2 KB of Q and 2 KB of K per 32 clocks)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        zero_s = gl.zeros([HALF, BN], gl.float32, s_layout)
+        tail_key0 = (NK - 1) * BN
+        it = 0
+        tile_iter = 0
+        event = 0
+        for t in range(gl.program_id(0), NQ * BH, gl.num_programs(0)):
+            bh = t % BH
+            h = bh % H
+            qb = gl.load(Schedule + h * NQ + t // BH)
+            row = h * NQ + qb
+            count = gl.load(Counts + row)
+            active = Indices + row.to(gl.int64) * MAX_ACTIVE
+            # the sequence's last key block holds positions >= N; if active it is the list's last entry
+            last = gl.load(active + gl.maximum(count - 1, 0))
+            tail = (N % BN != 0) & (count > 0) & (last == NK - 1)
+
+            mbarrier.wait(q_ready.index(HALF_INDEX), tile_iter & 1)
+            q = q_smem.index(HALF_INDEX).load(q_layout)
+            mbarrier.arrive(q_empty.index(HALF_INDEX), count=1)
+            m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([HALF], gl.float32, row_layout)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            if count > 0:
+                slot = it % STAGES
+                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+                _take_turn(turns, event, HALF_INDEX, PINGPONG)
+                s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                _pass_turn(turns, HALF_INDEX, PINGPONG)
+                event += 1
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+                if tail & (count == 1):
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, True, s_layout)
+                else:
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, False, s_layout)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                for i in range(1, count):
+                    prev = slot
+                    slot = (it + i) % STAGES
+                    # block i's scores and block i-1's P V go out together; the softmax of block i then
+                    # runs while the P V product is on the tensor cores
+                    mbarrier.wait(k_ready.index(slot), ((it + i) // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + i - 1) // STAGES) & 1)
+                    _take_turn(turns, event, HALF_INDEX, PINGPONG)
+                    s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    _pass_turn(turns, HALF_INDEX, PINGPONG)
+                    event += 1
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                    if tail & (i == count - 1):
+                        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, True, s_layout)
+                    else:
+                        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, False, s_layout)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(kv_empty.index(prev), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, acc_row_layout), 1)
+                    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                mbarrier.wait(v_ready.index(slot), ((it + count - 1) // STAGES) & 1)
+                _take_turn(turns, event, HALF_INDEX, PINGPONG)
+                acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+                _pass_turn(turns, HALF_INDEX, PINGPONG)
+                event += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(slot), count=1)
+            it += count
+            tile_iter += 1
+
+            # epilogue: normalize, write each row at its original position (a row with no active block
+            # writes zeros)
+            l_acc = gl.convert_layout(l_i, acc_row_layout)
+            out = acc / gl.expand_dims(gl.where(l_acc > 0.0, l_acc, 1.0), 1)
+            offs_m = qb * 2 * HALF + HALF_INDEX * HALF + gl.arange(0, HALF, layout=acc_row_layout)
+            order = gl.load(Orders + h)
+            orig_m = _reordered_to_original(offs_m, order, prefix, frames, height, width)
+            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            ptr = (Out + (bh // H).to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                   + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d * stride_od, 0))
+            gl.store(ptr, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N, 1))
+
+    @gluon.jit
+    def _first_half(args, PINGPONG: gl.constexpr):
+        _consumer(args, 0, PINGPONG)
+
+    @gluon.jit
+    def _second_half(args, PINGPONG: gl.constexpr):
+        _consumer(args, 1, PINGPONG)
+
+    @gluon.jit
+    def _warp_specialized_kernel(
+        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule,
+        stride_ob, stride_oh, stride_on, stride_od,
+        N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    ):
+        # persistent: each program loops over tiles (query block, b*H + h), so the loader fetches the
+        # next tile's Q and first K/V blocks while the consumers finish the current one
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = k_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_ready.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
+            mbarrier.init(turns.index(c), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
+        args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
+                Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+                N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale)
+        gl.warp_specialize([(_first_half, (args, PINGPONG)), (_second_half, (args, PINGPONG)), (_loader, (args,))],
+                           [4, 1], [CONSUMER_REGS, 24])
+
+
+def descriptors(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor):
+    """Gluon tensor descriptors of the prologue's reordered Q [B*H, NQ*128, D], K and V [B*H, N_PAD, D]
+    buffers, seen 2-D so one descriptor serves every (batch, head)."""
+    D = qq.shape[-1]
+    dtype = gl.bfloat16 if qq.dtype == torch.bfloat16 else gl.float16
+
+    def make(t, rows):
+        t2 = t.reshape(-1, D)
+        return TensorDescriptor.from_tensor(t2, [rows, D], gl.NVMMASharedLayout.get_default_for([rows, D], dtype))
+
+    return make(qq, QUERY_HALF), make(kq, BLOCK_N), make(vq, BLOCK_N)
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def launch(qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
+           prefix, frames, height, width, qk_scale, stages: int = 3, pingpong: bool = False,
+           consumer_regs: int = 240):
+    """Run the kernel on the prologue's buffers; `out` is the caller's [B, H, N, D] output."""
+    q_desc, k_desc, v_desc = descriptors(qq, kq, vq)
+    BH = qq.shape[0]
+    sms = _SM_COUNTS.get(out.device)
+    if sms is None:
+        sms = _SM_COUNTS[out.device] = torch.cuda.get_device_properties(out.device).multi_processor_count
+    # one program per SM (its 12 warps take the registers of a whole SM): 4 + 4 + 1 warps are allocated
+    # as three warpgroups, maxnreg x 12 warps x 32 must fit the SM's 64K registers, and setmaxnreg gives
+    # the consumers `consumer_regs` each and the loader 24
+    _warp_specialized_kernel[(min(sms, nq * BH),)](
+        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, *out.stride(),
+        N, n_pad, BH, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale,
+        STAGES=stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, num_warps=4, maxnreg=168,
+    )
+    return out
