@@ -59,22 +59,29 @@ if gluon is not None:
     @gluon.jit
     def _loader(args):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
-         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         Out, Orders, Counts, Indices, Schedule, Tickets, TileIds, stride_ob, stride_oh, stride_on, stride_od,
          N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
         BN: gl.constexpr = k_smem.shape[1]
+        total = NQ * BH
+        pid = gl.program_id(0)
         it = 0
         tile_iter = 0
-        for t in range(gl.program_id(0), NQ * BH, gl.num_programs(0)):
-            bh = t % BH
+        t = pid
+        while t < total:
+            bh = t // NQ
             h = bh % H
-            qb = gl.load(Schedule + h * NQ + t // BH)
+            qb = gl.load(Schedule + h * NQ + t % NQ)
             row = h * NQ + qb
+            # the consumers copy Q (and read the tile number) at the start of a tile: then the next
+            # tile's Q can follow
             for c in gl.static_range(2):
-                # the consumers copy Q to registers at the start of a tile: the next tile's Q can follow
                 mbarrier.wait(q_empty.index(c), (tile_iter & 1) ^ 1)
-                fence_async_shared()  # the consumers' register loads of the old Q before the TMA write
+            fence_async_shared()  # the consumers' register loads of the old Q before the TMA write
+            gl.store(TileIds + pid, t)
+            t_next = gl.num_programs(0) + gl.atomic_add(Tickets, 1)  # dynamic: uneven rows balance out
+            for c in gl.static_range(2):
                 mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [(bh * NQ + qb) * 2 * HALF + c * HALF, 0], q_ready.index(c),
                                                 q_smem.index(c))
@@ -93,6 +100,13 @@ if gluon is not None:
                                                 v_smem.index(slot))
                 it += 1
             tile_iter += 1
+            t = t_next
+        # no tile left: tell the consumers so (the tile number `total`, Q's barriers without a load)
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (tile_iter & 1) ^ 1)
+        gl.store(TileIds + pid, total)
+        for c in gl.static_range(2):
+            mbarrier.arrive(q_ready.index(c), count=1)
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, key0, N, MASKED: gl.constexpr, s_layout: gl.constexpr):
@@ -122,7 +136,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(args, HALF_INDEX: gl.constexpr, PINGPONG: gl.constexpr):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
-         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         Out, Orders, Counts, Indices, Schedule, Tickets, TileIds, stride_ob, stride_oh, stride_on, stride_od,
          N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
@@ -139,13 +153,16 @@ if gluon is not None:
         acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         zero_s = gl.zeros([HALF, BN], gl.float32, s_layout)
         tail_key0 = (NK - 1) * BN
+        total = NQ * BH
         it = 0
         tile_iter = 0
         event = 0
-        for t in range(gl.program_id(0), NQ * BH, gl.num_programs(0)):
-            bh = t % BH
+        mbarrier.wait(q_ready.index(HALF_INDEX), 0)
+        t = gl.load(TileIds + gl.program_id(0), volatile=True)
+        while t < total:
+            bh = t // NQ
             h = bh % H
-            qb = gl.load(Schedule + h * NQ + t // BH)
+            qb = gl.load(Schedule + h * NQ + t % NQ)
             row = h * NQ + qb
             count = gl.load(Counts + row)
             active = Indices + row.to(gl.int64) * MAX_ACTIVE
@@ -153,7 +170,6 @@ if gluon is not None:
             last = gl.load(active + gl.maximum(count - 1, 0))
             tail = (N % BN != 0) & (count > 0) & (last == NK - 1)
 
-            mbarrier.wait(q_ready.index(HALF_INDEX), tile_iter & 1)
             q = q_smem.index(HALF_INDEX).load(q_layout)
             mbarrier.arrive(q_empty.index(HALF_INDEX), count=1)
             m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
@@ -214,6 +230,8 @@ if gluon is not None:
             ptr = (Out + (bh // H).to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                    + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d * stride_od, 0))
             gl.store(ptr, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N, 1))
+            mbarrier.wait(q_ready.index(HALF_INDEX), tile_iter & 1)
+            t = gl.load(TileIds + gl.program_id(0), volatile=True)
 
     @gluon.jit
     def _first_half(args, PINGPONG: gl.constexpr):
@@ -225,7 +243,7 @@ if gluon is not None:
 
     @gluon.jit
     def _warp_specialized_kernel(
-        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule,
+        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule, Tickets, TileIds,
         stride_ob, stride_oh, stride_on, stride_od,
         N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
@@ -253,7 +271,7 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
         args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turns,
-                Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+                Out, Orders, Counts, Indices, Schedule, Tickets, TileIds, stride_ob, stride_oh, stride_on, stride_od,
                 N, N_PAD, BH, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale)
         gl.warp_specialize([(_first_half, (args, PINGPONG)), (_second_half, (args, PINGPONG)), (_loader, (args,))],
                            [4, 1], [CONSUMER_REGS, 24])
@@ -287,8 +305,13 @@ def launch(qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, 
     # one program per SM (its 12 warps take the registers of a whole SM): 4 + 4 + 1 warps are allocated
     # as three warpgroups, maxnreg x 12 warps x 32 must fit the SM's 64K registers, and setmaxnreg gives
     # the consumers `consumer_regs` each and the loader 24
-    _warp_specialized_kernel[(min(sms, nq * BH),)](
-        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, *out.stride(),
+    grid = min(sms, nq * BH)
+    # tiles beyond the first `grid` are handed out by an atomic counter (zeroed per call: a launch
+    # shares it with no other); each program's current tile number passes from its loader warp to its
+    # consumers through `tile_ids`
+    scratch = torch.zeros(1 + grid, dtype=torch.int32, device=out.device)
+    _warp_specialized_kernel[(grid,)](
+        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, scratch[:1], scratch[1:], *out.stride(),
         N, n_pad, BH, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale,
         STAGES=stages, CONSUMER_REGS=consumer_regs, PINGPONG=pingpong, num_warps=4, maxnreg=168,
     )
