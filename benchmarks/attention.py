@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import re
@@ -270,15 +271,19 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             mask = synthetic_block_mask(H, nq, nk, 0.5, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
 
-            def paro_short(q, k, v):
-                return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk="int8",
-                                      pv="fp8", block_size=(block_q, block_k), backend="triton")
+            def paro_short(q, k, v, qk="int8", pv="fp8"):
+                return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk,
+                                      pv=pv, block_size=(block_q, block_k), backend="triton")
 
             host, err = _try(lambda: _host_overhead(paro_short, sets))
             results["host"] = host or {"error": err}
+            # bf16 too: at 128 x 64 blocks on Hopper it is the warp-specialized Gluon kernel, another launcher
+            host, err = _try(lambda: _host_overhead(functools.partial(paro_short, qk="bf16", pv="bf16"), sets))
+            results["host_bf16"] = host or {"error": err}
             sdpa_host, err = _try(lambda: _host_overhead(F.scaled_dot_product_attention, sets))
             results["host_sdpa"] = sdpa_host or {"error": err}
-            print(f"host overhead (short, int8/fp8, d=0.5): {results['host']}; sdpa: {results['host_sdpa']}")
+            print(f"host overhead (short, d=0.5): int8/fp8 {results['host']}; bf16 {results['host_bf16']}; "
+                  f"sdpa: {results['host_sdpa']}")
         sets = None  # free this shape's inputs before the next (closures above still name it)
         torch.cuda.empty_cache()
         _write(results, out_dir)  # after every shape, so a run cut short still leaves its numbers
@@ -345,7 +350,8 @@ def format_table(results: dict) -> str:
         if p["ms"]:
             lines.append(f"prologue {p['shape']} {p['qk']}/{p['pv']}: {p['ms']:.3f} ms")
     if results.get("host"):
-        lines.append(f"host overhead (short shape): paro {results['host']}, sdpa {results.get('host_sdpa')}")
+        lines.append(f"host overhead (short shape): paro int8+fp8 {results['host']}, bf16 {results.get('host_bf16')}, "
+                     f"sdpa {results.get('host_sdpa')}")
     return "\n".join(lines)
 
 

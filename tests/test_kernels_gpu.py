@@ -224,17 +224,19 @@ def test_compute_sanitizer_memcheck_clean():
     assert "ERROR SUMMARY: 0 errors" in log
 
 
-def test_compile_fullgraph_and_cuda_graph():
+@pytest.mark.parametrize("qk,pv,block", [("int8", "fp8", (64, 64)), ("bf16", "bf16", (128, 64))])
+def test_compile_fullgraph_and_cuda_graph(qk, pv, block):
+    """(bf16 at 128 x 64 blocks is the warp-specialized Gluon kernel on an H100/H200.)"""
     layout = TokenLayout(512, 1, 64, 64)
     B, H, D = 1, 24, 128
     q, k, v = inputs(B, H, layout.seq_len, D, True, seed=5)
-    mask = synthetic_block_mask(H, 72, 72, 0.3, generator=torch.Generator().manual_seed(5))
+    mask = synthetic_block_mask(H, 4608 // block[0], 72, 0.3, generator=torch.Generator().manual_seed(5))
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
     orders = torch.randint(0, 6, (H,)).cuda()
 
     def layer(q, k, v):
-        out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk="int8", pv="fp8",
-                             backend="triton")
+        out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
+                             block_size=block, backend="triton")
         return out.transpose(1, 2).reshape(B, layout.seq_len, H * D)
 
     eager = layer(q, k, v)

@@ -102,7 +102,12 @@ _MEASURED: dict[tuple, KernelConfig] = {
     (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
     (64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
     (64, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ),
-    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 2, **TQ),
+    # D=128 bf16: the warp-specialized Gluon kernel (hopper_attention) on sm_90, 3 K/V stages; measured
+    # against this table's previous entry, KernelConfig(4, 2, **TQ), in one run on an H100 (sixth session,
+    # BENCHMARKS.md), ms at d = 1.0 / 0.5 / 0.2: Wan2.1-1.3B 11.74 / 6.00 / 2.52 vs 12.33 / 6.42 / 2.87,
+    # Wan2.1-14B 720p 212.4 / 111.4 / 44.8 vs 240.8 / 129.3 / 47.9, FLUX.1-dev dense 0.561 vs 0.617. Other
+    # GPUs run the Triton kernel with the remaining fields (3 stages: 3% slower there than 2, H200).
+    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **TQ, warp_specialized=True),
     (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **TQ),
     (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
