@@ -62,7 +62,7 @@ SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
          _KC(4, 3, tma=True, overlap_qk=True)],
     128: [_KC(4, 2, tma=True, q_tma=True), _KC(4, 3, tma=True, q_tma=True), _KC(8, 2, tma=True),
-          _KC(8, 3, overlap_qk=True), _KC(4, 3), _KC(4, 2, tma=True, q_tma=True, warp_specialized=True),
+          _KC(8, 3, overlap_qk=True), _KC(4, 3), _KC(4, 4, tma=True, q_tma=True, warp_specialized=True),
           _KC(4, 3, tma=True, q_tma=True, warp_specialized=True)],
 }
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim

@@ -3,6 +3,7 @@
     python benchmarks/kernel_compile_check.py            # all modes x head dims x flags: compile errors
     python benchmarks/kernel_compile_check.py --sass     # + matrix/copy/spill instruction counts
     python benchmarks/kernel_compile_check.py --block 128 --block-k 64 --match q_tma=True   # 128 x 64 tiles, Q by TMA
+    python benchmarks/kernel_compile_check.py --gluon [--sass]   # the warp-specialized Gluon kernel (hopper_attention)
 
 Catches front-end and lowering errors before device time is spent (the interpreter does not: it runs
 the Python, not the compiler), and shows whether the products use wgmma (HGMMA / IGMMA / QGMMA),
@@ -33,7 +34,7 @@ from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
 from paroattn.kernels.triton_backend import KernelConfig, config_problem  # noqa: E402
 
 MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
-SASS_OPS = ["HGMMA", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP"]
+SASS_OPS = ["HGMMA", "USETMAXREG", "SYNCS", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP"]
 
 
 def _buffers(qk_mode, pv_mode, gather):
@@ -65,6 +66,37 @@ def _sass_counts(kernel) -> dict:
     return {op: len(re.findall(r"\b" + re.escape(op) + r"\b", sass)) for op in SASS_OPS}
 
 
+def _check_gluon_kernel(sass: bool) -> int:
+    """Compile hopper_attention's kernel for sm_90 (D = 64 / 128, 2-4 stages); returns the failure count."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from paroattn.kernels import hopper_attention
+
+    fn = hopper_attention._warp_specialized_kernel
+    pointers = dict(Out="*bf16", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
+    failures = 0
+    for head_dim, stages in itertools.product((64, 128), (2, 3, 4)):
+        buffers = torch.empty(2, 256, head_dim, dtype=torch.bfloat16)  # CPU tensors: only the types matter
+        descs = dict(zip(("q_desc", "k_desc", "v_desc"), hopper_attention.descriptors(buffers, buffers, buffers)))
+        constants = dict(STAGES=stages, CONSUMER_REGS=240)
+        signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name) or
+                     ("constexpr" if name in constants else "fp32" if name == "qk_scale" else "i32")
+                     for name in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+        label = f"gluon D={head_dim} stages={stages}"
+        try:
+            kernel = triton.compile(GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in
+                                                                   constants.items()}, attrs),
+                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+            print(f"{label}: shared {kernel.metadata.shared} B" + (f", {_sass_counts(kernel)}" if sass else ""))
+        except Exception as exc:
+            failures += 1
+            print(f"FAILED {label}: {str(exc)[-1200:]}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="print instruction counts of each attention variant")
@@ -73,7 +105,12 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--match", default="", help="only variants whose label holds all these words, e.g. 'q_tma=True D=128'")
+    parser.add_argument("--gluon", action="store_true", help="check the warp-specialized Gluon kernel instead")
     args = parser.parse_args()
+    if args.gluon:
+        failures = _check_gluon_kernel(args.sass)
+        print(f"triton {triton.__version__}: gluon kernel, {failures} failed")
+        return 1 if failures else 0
     bk = args.block_k or args.block
     unit = ["stride_qd", "stride_kd", "stride_vd", "stride_od"]
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",

@@ -8,10 +8,10 @@ hand, as FlashAttention-3 does:
 
 - a loader warp issues the TMA loads: the tile's two 64-row query halves once, then the active key
   blocks' K and V tiles into a ring of `STAGES` shared-memory slots (ready / empty mbarriers);
-- two consumer warpgroups, one per 64-row half, each run the online softmax over the same key blocks.
-  Each keeps one QK product in flight under its softmax: block i's scores are issued together with
-  block i-1's P V product, so the tensor cores work while the exp2 units do; and the two warpgroups,
-  running independently, fill each other's gaps.
+- two consumer warpgroups, one per 64-row half, each run the online softmax over the same key blocks
+  with Q and P as register operands of wgmma. Each issues block i's QK product together with block
+  i-1's P V product and runs block i's softmax while the P V product is still on the tensor cores;
+  the two warpgroups, running independently, fill each other's gaps.
 
 The inputs are the prologue's buffers (`triton_backend.prepare_kv` with q): Q, K and V reordered and
 contiguous, so every tile is one descriptor load. Its definition is the same as the Triton kernel's
@@ -21,10 +21,11 @@ contiguous, so every tile is one descriptor load. Its definition is the same as 
 from __future__ import annotations
 
 import torch
+import triton
 
 from .. import layout
 
-try:  # Gluon ships with triton >= 3.5; the package works without it (the Triton kernel runs instead)
+try:  # Gluon is experimental in triton; without it the Triton kernel runs instead
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,10 +43,16 @@ BLOCK_M = 2 * QUERY_HALF
 BLOCK_N = 64
 
 
+# Gluon's API changes between triton releases: the kernel is used with the releases it was tested with
+# on a GPU, and elsewhere the Triton kernel runs (same result, slower at D=128)
+TESTED_TRITON = ("3.6",)
+
+
 def available(device: torch.device) -> bool:
-    """Whether this kernel can run on `device`: Gluon importable and an sm_90 GPU (wgmma is Hopper's;
-    Blackwell has other matrix instructions)."""
-    return gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    """Whether this kernel runs on `device`: a tested triton with Gluon and an sm_90 GPU (wgmma is
+    Hopper's; Blackwell has other matrix instructions)."""
+    return (gluon is not None and triton.__version__.startswith(TESTED_TRITON) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 if gluon is not None:

@@ -1,7 +1,8 @@
 """`backend="triton"` of `paroattn.paro_attention`: input checks, tile configs, the launches, and
 the `torch.library` custom op that makes the call opaque to torch.compile and CUDA-graph friendly.
 
-The kernels are in `block_sparse_attention.py` (and the RoPE pass in `rotary.py`); their definition
+The kernels are in `block_sparse_attention.py` (and the RoPE pass in `rotary.py`), plus, for bf16 at
+128 x 64 blocks on sm_90, the warp-specialized Gluon kernel of `hopper_attention.py`; their definition
 is `reference.py`.
 
 Host-side work per call is kept small and sync-free when the caller passes what a processor has:
