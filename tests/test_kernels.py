@@ -331,10 +331,12 @@ def test_query_tiles_by_descriptor_are_refused_where_the_prologue_cannot_write_t
             triton_backend.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
 
 
-@pytest.mark.parametrize("D,layout,stages,dtype", [
-    (128, RAGGED, 2, torch.float16), (64, RAGGED, 3, torch.float16), (128, WHOLE, 2, torch.bfloat16),
-    (64, WHOLE, 2, torch.float16)])
-def test_warp_specialized_kernel_matches_reference(D, layout, stages, dtype):
+@pytest.mark.parametrize("qk,pv,D,layout,stages,dtype", [
+    ("bf16", "bf16", 128, RAGGED, 2, torch.float16), ("bf16", "bf16", 64, RAGGED, 3, torch.float16),
+    ("bf16", "bf16", 128, WHOLE, 2, torch.bfloat16), ("bf16", "bf16", 64, WHOLE, 2, torch.float16),
+    ("int8", "fp8", 128, RAGGED, 3, torch.bfloat16), ("int8", "fp8", 64, WHOLE, 2, torch.float16),
+    ("int4", "fp8", 128, WHOLE, 3, torch.float16)])
+def test_warp_specialized_kernel_matches_reference(qk, pv, D, layout, stages, dtype):
     """KernelConfig(warp_specialized=True): on an sm_90 GPU the Gluon kernel of hopper_attention (a
     loader warp, two consumer warpgroups); elsewhere, the interpreter included, the Triton kernel runs
     with the same tiles. B=2, mixed orders, [B, N, H, D] storage, an empty row, a row whose only block
@@ -349,20 +351,20 @@ def test_warp_specialized_kernel_matches_reference(D, layout, stages, dtype):
     mask[2, 0, -1] = True
     mask[1, 1] = False
     mask[1, 1, 2] = True
-    key = (D, 128, 64, "bf16", "bf16")
+    key = (D, 128, 64, qk, pv)
     triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, stages, tma=True, q_tma=True,
                                                                        warp_specialized=True))
     try:
-        out, ref = both(q, k, v, layout, torch.tensor([3, 0, 5]), mask, (128, 64), "bf16", "bf16")
+        out, ref = both(q, k, v, layout, torch.tensor([3, 0, 5]), mask, (128, 64), qk, pv)
     finally:
         triton_backend.set_kernel_config(*key, None)
-    assert rel_err(out, ref) <= BOUND["bf16"]
+    assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
 def test_warp_specialized_kernel_is_refused_outside_its_tiles_and_modes():
     ws = triton_backend.KernelConfig(4, 2, tma=True, q_tma=True, warp_specialized=True)
-    for bq, bk, qk, pv in [(64, 64, "bf16", "bf16"), (128, 128, "bf16", "bf16"), (128, 64, "int8", "fp8"),
-                           (128, 64, "bf16", "fp8")]:
+    for bq, bk, qk, pv in [(64, 64, "bf16", "bf16"), (128, 128, "bf16", "bf16"), (128, 64, "int8", "bf16"),
+                           (128, 64, "int8", "int8"), (128, 64, "bf16", "fp8"), (64, 64, "int8", "fp8")]:
         with pytest.raises(ValueError, match="warp_specialized=True"):
             triton_backend.set_kernel_config(128, bq, bk, qk, pv, ws)
 

@@ -41,6 +41,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 QUERY_HALF = 64  # rows per consumer warpgroup (the wgmma M of one warpgroup)
 BLOCK_M = 2 * QUERY_HALF
 BLOCK_N = 64
+# (qk, pv) modes: int4 values are stored one per byte and run the int8 product (block_sparse_attention)
+MODES = (("bf16", "bf16"), ("int8", "fp8"), ("int4", "fp8"))
 
 
 # Gluon's API changes between triton releases: the kernel is used with the releases it was tested with
@@ -75,11 +77,13 @@ if gluon is not None:
     @gluon.jit
     def _loader(args):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
          N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         BN: gl.constexpr = k_smem.shape[1]
+        QUANTIZED: gl.constexpr = q_smem.dtype == gl.int8
         bh, h, qb, row = _tile(Schedule, H, NQ)
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
@@ -95,37 +99,64 @@ if gluon is not None:
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [bh * N_PAD + kb * BN, 0], k_ready.index(slot), k_smem.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [bh * N_PAD + kb * BN, 0], v_ready.index(slot), v_smem.index(slot))
+            if QUANTIZED:  # 8-bit V is stored transposed, [B*H*D, N_PAD]: the PV product reads it K-major
+                tma.async_copy_global_to_shared(v_desc, [bh * HEAD_DIM, kb * BN], v_ready.index(slot),
+                                                v_smem.index(slot))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [bh * N_PAD + kb * BN, 0], v_ready.index(slot),
+                                                v_smem.index(slot))
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, key0, N, MASKED: gl.constexpr, s_layout: gl.constexpr):
-        # one key block's online-softmax update in base 2; returns P (unnormalized), the new row max and
-        # sum, and the factor alpha that rescales what was accumulated before
+    def _softmax_step(s, m_i, l_i, qk_scale, key0, N, MASKED: gl.constexpr, s_layout: gl.constexpr,
+                      P_LOG2_SCALE: gl.constexpr):
+        # one key block's online-softmax update in base 2 on raw scores s (qk_scale takes them to log2
+        # units); returns P (unnormalized, times 2**P_LOG2_SCALE: fp8 P's multiplier, which the row sum
+        # carries too), the new row max and sum, and the factor alpha that rescales what came before
         if MASKED:
             offs_n = key0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(offs_n < N, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0: the max commutes with it
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_LOG2_SCALE, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _int_to_float(x):
+        # exact int32 -> float32 for |x| < 2**22 without I2F (quarter rate on Hopper), as the Triton kernel
+        return (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+
+    @gluon.jit
+    def _block_scores(s, kb, score_scale, KScale, bh, NK, QUANTIZED: gl.constexpr):
+        # a QK product's raw scores as floats, and the multiplier that takes them to log2 units (the
+        # softmax scale with log2 e, and for int8 QK the query tile's and key block's scales)
+        if QUANTIZED:
+            return _int_to_float(s), score_scale * gl.load(KScale + bh * NK + kb)
+        else:
+            return s, score_scale
+
+    @gluon.jit
     def _consumer(args, HALF_INDEX: gl.constexpr):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-         Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
          N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         BN: gl.constexpr = k_smem.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        # int8 QK + fp8 PV (int8 Q and K, fp8 V stored transposed), or bf16/fp16 throughout
+        QUANTIZED: gl.constexpr = q_smem.dtype == gl.int8
+        P_DTYPE: gl.constexpr = gl.float8e4nv if QUANTIZED else q_smem.dtype
+        P_LOG2_SCALE: gl.constexpr = 8.807354922057604 if QUANTIZED else 0.0  # log2(448): fp8 P's range
+        BITS: gl.constexpr = q_smem.dtype.primitive_bitwidth  # 8 or 16, for Q, K, P and V alike
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 256 // BITS])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+                                                           instr_shape=[16, HEAD_DIM, 256 // BITS])
         # Q and P are the products' A operands, from registers: with Q read from shared memory, a 64 x 64
         # QK product would need shared memory's whole bandwidth (2 KB of Q and 2 KB of K per 32 clocks)
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // BITS)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // BITS)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         acc_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -136,56 +167,75 @@ if gluon is not None:
         last = gl.load(active + gl.maximum(count - 1, 0))
         tail = (N % BN != 0) & (count > 0) & (last == NK - 1)
         tail_key0 = (NK - 1) * BN
+        score_scale = qk_scale
+        if QUANTIZED:
+            score_scale = gl.load(QScale + bh * NQ + qb) * qk_scale  # Q is quantized per 128-row tile
 
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([HALF], gl.float32, row_layout)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-        zero_s = gl.zeros([HALF, BN], gl.float32, s_layout)
+        zero_s = gl.zeros([HALF, BN], gl.int32 if QUANTIZED else gl.float32, s_layout)
         mbarrier.wait(q_ready.index(HALF_INDEX), 0)
         q = q_smem.index(HALF_INDEX).load(q_layout)
         if count > 0:
             mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s, scale = _block_scores(s, gl.load(active), score_scale, KScale, bh, NK, QUANTIZED)
             if tail & (count == 1):
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, True, s_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout, P_LOG2_SCALE)
             else:
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, False, s_layout)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout, P_LOG2_SCALE)
+            p_op = gl.convert_layout(p.to(P_DTYPE), p_layout)
             slot = 0
             for i in range(1, count):
                 prev = slot
                 slot = i % STAGES
+                kb = gl.load(active + i)
                 # block i's scores and block i-1's P V go out together; the softmax of block i then
                 # runs while the P V product is on the tensor cores
                 mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
                 s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                acc = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), QUANTIZED), acc, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+                s, scale = _block_scores(s, kb, score_scale, KScale, bh, NK, QUANTIZED)
                 if tail & (i == count - 1):
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, True, s_layout)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout,
+                                                       P_LOG2_SCALE)
                 else:
-                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, tail_key0, N, False, s_layout)
+                    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout,
+                                                       P_LOG2_SCALE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, acc_row_layout), 1)
-                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                p_op = gl.convert_layout(p.to(P_DTYPE), p_layout)
             mbarrier.wait(v_ready.index(slot), ((count - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma(p_op, _v_operand(v_smem.index(slot), QUANTIZED), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
-        # epilogue: normalize, write each row at its original position (a row with no active block
-        # writes zeros)
+        # epilogue: normalize (l carries P's multiplier), dequantize 8-bit V per channel, write each row
+        # at its original position (a row with no active block writes zeros)
         l_acc = gl.convert_layout(l_i, acc_row_layout)
         out = acc / gl.expand_dims(gl.where(l_acc > 0.0, l_acc, 1.0), 1)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        if QUANTIZED:
+            v_scale = gl.maximum(gl.load(VAmax + bh.to(gl.int64) * HEAD_DIM + offs_d), 1e-8) / 448.0
+            out = out * gl.expand_dims(v_scale, 0)
         offs_m = qb * 2 * HALF + HALF_INDEX * HALF + gl.arange(0, HALF, layout=acc_row_layout)
         order = gl.load(Orders + h)
         orig_m = _reordered_to_original(offs_m, order, prefix, frames, height, width)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptr = (Out + (bh // H).to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d * stride_od, 0))
         gl.store(ptr, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N, 1))
+
+    @gluon.jit
+    def _v_operand(tile, QUANTIZED: gl.constexpr):
+        # the PV product's B operand [keys, D]: 8-bit V tiles are stored [D, keys] (K-major)
+        if QUANTIZED:
+            return tile.permute((1, 0))
+        else:
+            return tile
 
     @gluon.jit
     def _first_half(args):
@@ -197,7 +247,7 @@ if gluon is not None:
 
     @gluon.jit
     def _warp_specialized_kernel(
-        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule,
+        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax,
         stride_ob, stride_oh, stride_on, stride_od,
         N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -207,7 +257,7 @@ if gluon is not None:
         BN: gl.constexpr = k_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BN, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BN, HEAD_DIM], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -219,35 +269,44 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
         args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                Out, Orders, Counts, Indices, Schedule, stride_ob, stride_oh, stride_on, stride_od,
+                Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
                 N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale)
         gl.warp_specialize([(_first_half, (args,)), (_second_half, (args,)), (_loader, (args,))],
                            [4, 1], [CONSUMER_REGS, 24])
 
 
+_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8",
+                 torch.float8_e4m3fn: "float8e4nv"}
+
+
 def descriptors(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor):
-    """Gluon tensor descriptors of the prologue's reordered Q [B*H, NQ*128, D], K and V [B*H, N_PAD, D]
-    buffers, seen 2-D so one descriptor serves every (batch, head)."""
+    """Gluon tensor descriptors of the prologue's buffers, seen 2-D so one descriptor serves every
+    (batch, head): reordered Q [B*H, NQ*128, D] and K [B*H, N_PAD, D] (bf16/fp16, or int8 values), and V
+    [B*H, N_PAD, D] (bf16/fp16) or, fp8 and transposed, [B*H, D, N_PAD]."""
     D = qq.shape[-1]
-    dtype = gl.bfloat16 if qq.dtype == torch.bfloat16 else gl.float16
 
-    def make(t, rows):
-        t2 = t.reshape(-1, D)
-        return TensorDescriptor.from_tensor(t2, [rows, D], gl.NVMMASharedLayout.get_default_for([rows, D], dtype))
+    def make(t, block):
+        t2 = t.reshape(-1, t.shape[-1])
+        dtype = getattr(gl, _GLUON_DTYPES[t.dtype])
+        return TensorDescriptor.from_tensor(t2, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
-    return make(qq, QUERY_HALF), make(kq, BLOCK_N), make(vq, BLOCK_N)
+    v_block = [D, BLOCK_N] if vq.dtype == torch.float8_e4m3fn else [BLOCK_N, D]
+    return make(qq, [QUERY_HALF, D]), make(kq, [BLOCK_N, D]), make(vq, v_block)
 
 
 def launch(qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
-           prefix, frames, height, width, qk_scale, stages: int = 3, consumer_regs: int = 240):
-    """Run the kernel on the prologue's buffers; `out` is the caller's [B, H, N, D] output."""
+           prefix, frames, height, width, qk_scale, k_scale, q_scale, v_amax, stages: int = 3,
+           consumer_regs: int = 240):
+    """Run the kernel on the prologue's buffers (for int8 QK + fp8 PV with their scales: per key block,
+    per 128-row query tile, per-channel max |V|; placeholders otherwise); `out` is the caller's
+    [B, H, N, D] output."""
     q_desc, k_desc, v_desc = descriptors(qq, kq, vq)
     # 4 + 4 + 1 warps are allocated as three warpgroups: maxnreg x 12 warps x 32 fits the SM's 64K
     # registers (one program per SM), and setmaxnreg gives the consumers `consumer_regs` each and the
     # loader 24. Measured (H100, Wan2.1 shapes): one tile per program ran as fast as persistent
     # programs with an atomic tile counter (commit history), so the simpler grid stays.
     _warp_specialized_kernel[(nq, qq.shape[0])](
-        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, *out.stride(),
+        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, k_scale, q_scale, v_amax, *out.stride(),
         N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale,
         STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=168,
     )

@@ -110,9 +110,9 @@ _MEASURED: dict[tuple, KernelConfig] = {
     # GPUs run the Triton kernel with the remaining fields (3 stages: 3% slower there than 2, H200).
     (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **TQ, warp_specialized=True),
     (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **TQ),
-    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
+    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ, warp_specialized=True),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
-    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ),
+    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ, warp_specialized=True),
     # 128 x 128 tiles (a plan with block_size=128): the fastest of {8 warps x 3 stages} x {TMA, overlap_qk}
     # and 8 warps x 2 stages with TMA, same sweep as the 64 x 64 entries; 4 warps was 2x slower at D=128
     # (also with q_tma: Wan2.1-1.3B bf16 23.40 vs 14.77 ms at d=1.0). At D=64, 4 warps with q_tma (fifth
@@ -152,8 +152,8 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelCo
 def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv: str = "bf16") -> str | None:
     """What makes `config` unusable for blocks (bq, bk) and modes (qk, pv) (None when nothing does)."""
     if config.warp_specialized and ((bq, bk) != (hopper_attention.BLOCK_M, hopper_attention.BLOCK_N)
-                                    or (qk, pv) != ("bf16", "bf16") or config.gather_kv):
-        return (f"KernelConfig(warp_specialized=True) runs bf16 QK and PV at blocks "
+                                    or (qk, pv) not in hopper_attention.MODES or config.gather_kv):
+        return (f"KernelConfig(warp_specialized=True) runs (qk, pv) in {hopper_attention.MODES} at blocks "
                 f"({hopper_attention.BLOCK_M}, {hopper_attention.BLOCK_N}) with gather_kv=False; got {config} for "
                 f"blocks ({bq}, {bk}), modes ({qk}, {pv})")
     if config.q_tma and (not config.tma or config.gather_kv or bq < bk):
@@ -295,7 +295,8 @@ def launch(
                                                       config.gather_kv, q if q_tma else None, bq)
     if warp_specialized:
         return hopper_attention.launch(qq, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
-                                       prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages)
+                                       prefix, frames, height, width, sm_scale * LOG2E, k_scale, q_scale, v_amax,
+                                       stages=config.num_stages)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
     q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
     _attention_kernel[(nq, B * H)](
