@@ -127,13 +127,20 @@ if gluon is not None:
         return (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
 
     @gluon.jit
-    def _block_scores(s, kb, score_scale, KScale, bh, NK, QUANTIZED: gl.constexpr):
-        # a QK product's raw scores as floats, and the multiplier that takes them to log2 units (the
-        # softmax scale with log2 e, and for int8 QK the query tile's and key block's scales)
+    def _block_scale(score_scale, KScale, active, i, bh, NK, QUANTIZED: gl.constexpr):
+        # the multiplier that takes key block i's raw scores to log2 units: the softmax scale with log2 e,
+        # and for int8 QK the query tile's and the key block's scales
         if QUANTIZED:
-            return _int_to_float(s), score_scale * gl.load(KScale + bh * NK + kb)
+            return score_scale * gl.load(KScale + bh * NK + gl.load(active + i))
         else:
-            return s, score_scale
+            return score_scale
+
+    @gluon.jit
+    def _as_float(s, QUANTIZED: gl.constexpr):
+        if QUANTIZED:
+            return _int_to_float(s)
+        else:
+            return s
 
     @gluon.jit
     def _consumer(args, HALF_INDEX: gl.constexpr):
@@ -180,8 +187,8 @@ if gluon is not None:
         if count > 0:
             mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s, scale = _block_scores(s, gl.load(active), score_scale, KScale, bh, NK, QUANTIZED)
+            s = _as_float(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), QUANTIZED)
+            scale = _block_scale(score_scale, KScale, active, 0, bh, NK, QUANTIZED)
             if tail & (count == 1):
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout, P_LOG2_SCALE)
             else:
@@ -191,15 +198,14 @@ if gluon is not None:
             for i in range(1, count):
                 prev = slot
                 slot = i % STAGES
-                kb = gl.load(active + i)
+                scale = _block_scale(score_scale, KScale, active, i, bh, NK, QUANTIZED)
                 # block i's scores and block i-1's P V go out together; the softmax of block i then
                 # runs while the P V product is on the tensor cores
                 mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
                 s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), QUANTIZED), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                s, scale = _block_scores(s, kb, score_scale, KScale, bh, NK, QUANTIZED)
+                s = _as_float(warpgroup_mma_wait(num_outstanding=1, deps=(s,)), QUANTIZED)
                 if tail & (i == count - 1):
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout,
                                                        P_LOG2_SCALE)
