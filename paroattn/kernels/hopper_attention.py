@@ -1,5 +1,6 @@
-"""A warp-specialized attention kernel for Hopper (sm_90), written in Gluon: bf16 QK and bf16 PV at
-128-row query tiles and 64-key blocks (`KernelConfig.warp_specialized`).
+"""A warp-specialized attention kernel for Hopper (sm_90), written in Gluon, at 128-row query tiles and
+64-key blocks (`KernelConfig.warp_specialized`): bf16/fp16 QK and PV (pinned at D=128, where it is the
+fastest kernel), or int8/int4 QK + fp8 PV (correct, but slower than the Triton kernel: not pinned).
 
 Why a second kernel: at D=128 the Triton kernel of `block_sparse_attention.py` computes a query tile
 with one warpgroup whose tensor-core products and softmax mostly alternate, and Triton 3.6's automatic

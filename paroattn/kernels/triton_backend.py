@@ -68,8 +68,8 @@ class KernelConfig:
     # it in registers; needs tma and bq >= bk (the prologue's key-block grid covers the query blocks)
     q_tma: bool = False
     # run `hopper_attention`'s warp-specialized Gluon kernel (a loader warp, two consumer warpgroups) on
-    # the prologue's reordered Q/K/V copies: bf16/fp16 QK and PV at 128 x 64 blocks, sm_90 only (other
-    # GPUs run the Triton kernel with the remaining fields)
+    # the prologue's reordered Q/K/V copies: bf16/fp16, or int8/int4 QK + fp8 PV, at 128 x 64 blocks,
+    # sm_90 only (other GPUs run the Triton kernel with the remaining fields)
     warp_specialized: bool = False
 
 
