@@ -21,6 +21,8 @@ contiguous, so every tile is one descriptor load. Its definition is the same as 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -293,12 +295,16 @@ def descriptors(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor):
     D = qq.shape[-1]
 
     def make(t, block):
-        t2 = t.reshape(-1, t.shape[-1])
-        dtype = getattr(gl, _GLUON_DTYPES[t.dtype])
-        return TensorDescriptor.from_tensor(t2, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+        return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), list(block), _shared_layout(block, t.dtype))
 
-    v_block = [D, BLOCK_N] if vq.dtype == torch.float8_e4m3fn else [BLOCK_N, D]
-    return make(qq, [QUERY_HALF, D]), make(kq, [BLOCK_N, D]), make(vq, v_block)
+    v_block = (D, BLOCK_N) if vq.dtype == torch.float8_e4m3fn else (BLOCK_N, D)
+    return make(qq, (QUERY_HALF, D)), make(kq, (BLOCK_N, D)), make(vq, v_block)
+
+
+@functools.cache
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    # built once per tile shape: get_default_for costs ~6 us of host time per call
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GLUON_DTYPES[dtype]))
 
 
 def launch(qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
