@@ -144,9 +144,8 @@ def test_warp_specialized_kernel_at_real_shapes(name, density, qk, pv):
     q, k, v = inputs(B, H, N, D, seq_major, seed=7)
     mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), density, generator=torch.Generator().manual_seed(7))
     orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(8))
-    kwargs = dict(layout=layout, orders=orders, block_size=(128, 64))
+    kwargs = dict(layout=layout, orders=orders, block_size=(128, 64), qk=qk, pv=pv)
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
-    kwargs = dict(kwargs, qk=qk, pv=pv)
     key = (D, 128, 64, qk, pv)
     triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
