@@ -61,11 +61,16 @@ def available(device: torch.device) -> bool:
 
 
 if gluon is not None:
+    from . import block_sparse_attention as triton_kernels
     from .index_math import jit_mirror
 
     _order_axes = jit_mirror(layout.order_axis_sizes_and_strides, jit=gluon.jit)
     _reordered_to_original = jit_mirror(layout.reordered_to_original, jit=gluon.jit,
                                         order_axis_sizes_and_strides=_order_axes)
+    # the Triton kernel's integer-to-float trick and quantization constants, shared, not restated
+    _int_to_float = jit_mirror(triton_kernels._int_to_float.fn, jit=gluon.jit)
+    _QUANT_EPS = triton_kernels.QUANT_EPS
+    _FP8_P_LOG2_SCALE = gl.constexpr(triton_kernels.P_LOG2_SCALES[triton_kernels.PV_FP8])
 
     @gluon.jit
     def _tile(Schedule, H, NQ):
@@ -125,11 +130,6 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _int_to_float(x):
-        # exact int32 -> float32 for |x| < 2**22 without I2F (quarter rate on Hopper), as the Triton kernel
-        return (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
-
-    @gluon.jit
     def _block_scale(score_scale, KScale, active, i, bh, NK, QUANTIZED: gl.constexpr):
         # the multiplier that takes key block i's raw scores to log2 units: the softmax scale with log2 e,
         # and for int8 QK the query tile's and the key block's scales
@@ -157,7 +157,7 @@ if gluon is not None:
         # int8 QK + fp8 PV (int8 Q and K, fp8 V stored transposed), or bf16/fp16 throughout
         QUANTIZED: gl.constexpr = q_smem.dtype == gl.int8
         P_DTYPE: gl.constexpr = gl.float8e4nv if QUANTIZED else q_smem.dtype
-        P_LOG2_SCALE: gl.constexpr = 8.807354922057604 if QUANTIZED else 0.0  # log2(448): fp8 P's range
+        P_LOG2_SCALE: gl.constexpr = _FP8_P_LOG2_SCALE if QUANTIZED else 0.0  # log2(448): fp8 P's range
         BITS: gl.constexpr = q_smem.dtype.primitive_bitwidth  # 8 or 16, for Q, K, P and V alike
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 256 // BITS])
@@ -229,7 +229,7 @@ if gluon is not None:
         out = acc / gl.expand_dims(gl.where(l_acc > 0.0, l_acc, 1.0), 1)
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         if QUANTIZED:
-            v_scale = gl.maximum(gl.load(VAmax + bh.to(gl.int64) * HEAD_DIM + offs_d), 1e-8) / 448.0
+            v_scale = gl.maximum(gl.load(VAmax + bh.to(gl.int64) * HEAD_DIM + offs_d), _QUANT_EPS) / 448.0
             out = out * gl.expand_dims(v_scale, 0)
         offs_m = qb * 2 * HALF + HALF_INDEX * HALF + gl.arange(0, HALF, layout=acc_row_layout)
         order = gl.load(Orders + h)
