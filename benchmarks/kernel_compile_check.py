@@ -34,7 +34,7 @@ from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
 from paroattn.kernels.triton_backend import KernelConfig, config_problem  # noqa: E402
 
 MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
-SASS_OPS = ["HGMMA", "USETMAXREG", "SYNCS", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP"]
+SASS_OPS = ["HGMMA", "USETMAXREG", "SYNCS", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP", "PRMT", "SHFL"]
 
 
 def _buffers(qk_mode, pv_mode, gather):

@@ -96,6 +96,26 @@ def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
     return tl.load(base + orig[:, None] * stride_n + offs_d[None, :] * stride_d, mask=valid[:, None], other=0.0)
 
 
+# 8-bit V is stored with the keys of every 16 in the order the 8-bit PV product reads them. The QK
+# product leaves key columns {2t, 2t+1, 2t+8, 2t+9} of each 16 in a thread's registers, where an 8-bit
+# A operand wants keys {4t, ..., 4t+3} (mma.sync and wgmma alike). Taking P's columns in that order
+# (a permutation of index bits the compiler resolves to the same registers) and V's rows in the same
+# order leaves the product unchanged, and P goes from one product to the next without shuffles.
+@triton.jit
+def _pv_key_slot(n):
+    # where key n (a position in the reordered sequence) sits in 8-bit V: bits 1-2 of n move to
+    # bits 2-3 and bit 3 to bit 1, within its 16
+    return (n & ~14) | ((n >> 2) & 2) | ((n & 6) << 1)
+
+
+@triton.jit
+def _in_pv_key_order(p):
+    # P [M, BN] with its columns in _pv_key_slot's order: column j holds key sigma(j), the inverse map
+    M: tl.constexpr = p.shape[0]
+    BN: tl.constexpr = p.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(p, [M, BN // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, BN])
+
+
 @triton.jit
 def _kv_prologue_kernel(
     K, V, KSum, VAmax, KQ, KScale, VQ, Q, QQ, QScale,
@@ -155,8 +175,8 @@ def _kv_prologue_kernel(
         # one IEEE reciprocal per channel, then products (as the reference): with a division per
         # element this prologue took 0.36 instead of 0.325 ms (CogVideoX-5B int8+fp8, H200)
         v = v.to(tl.float32) * tl.math.div_rn(1.0, v_scale)[None, :]
-        # transposed store: VQ[bh, d, n]
-        dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
+        # transposed store, keys in the PV product's order: VQ[bh, d, _pv_key_slot(n)]
+        dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + _pv_key_slot(offs_n)[:, None]
         if PV_MODE == 1:
             tl.store(dst, v.to(tl.float8e4nv))
         else:
@@ -256,10 +276,10 @@ def _key_block_update(
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 1:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        acc = tl.dot(p.to(tl.float8e4nv), v, acc=acc)
+        acc = tl.dot(_in_pv_key_order(p).to(tl.float8e4nv), v, acc=acc)
     else:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        acc += _int_to_float(tl.dot(_round_to_int(p).to(tl.int8), v, out_dtype=tl.int32))
+        acc += _int_to_float(tl.dot(_in_pv_key_order(_round_to_int(p)).to(tl.int8), v, out_dtype=tl.int32))
     return acc, l_i, m_new
 
 

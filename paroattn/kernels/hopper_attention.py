@@ -69,6 +69,7 @@ if gluon is not None:
                                         order_axis_sizes_and_strides=_order_axes)
     # the Triton kernel's integer-to-float trick and quantization constants, shared, not restated
     _int_to_float = jit_mirror(triton_kernels._int_to_float.fn, jit=gluon.jit)
+    _in_pv_key_order = jit_mirror(triton_kernels._in_pv_key_order.fn, jit=gluon.jit)
     _QUANT_EPS = triton_kernels.QUANT_EPS
     _FP8_P_LOG2_SCALE = gl.constexpr(triton_kernels.P_LOG2_SCALES[triton_kernels.PV_FP8])
 
@@ -196,7 +197,6 @@ if gluon is not None:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout, P_LOG2_SCALE)
             else:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout, P_LOG2_SCALE)
-            p_op = gl.convert_layout(p.to(P_DTYPE), p_layout)
             slot = 0
             for i in range(1, count):
                 prev = slot
@@ -207,7 +207,8 @@ if gluon is not None:
                 mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
                 mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
                 s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), QUANTIZED), acc, is_async=True)
+                acc = warpgroup_mma(_p_operand(p, P_DTYPE, p_layout), _v_operand(v_smem.index(prev), QUANTIZED), acc,
+                                    is_async=True)
                 s = _as_float(warpgroup_mma_wait(num_outstanding=1, deps=(s,)), QUANTIZED)
                 if tail & (i == count - 1):
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout,
@@ -218,9 +219,9 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, acc_row_layout), 1)
-                p_op = gl.convert_layout(p.to(P_DTYPE), p_layout)
             mbarrier.wait(v_ready.index(slot), ((count - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, _v_operand(v_smem.index(slot), QUANTIZED), acc, is_async=True)
+            acc = warpgroup_mma(_p_operand(p, P_DTYPE, p_layout), _v_operand(v_smem.index(slot), QUANTIZED), acc,
+                                is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # epilogue: normalize (l carries P's multiplier), dequantize 8-bit V per channel, write each row
@@ -237,6 +238,24 @@ if gluon is not None:
         ptr = (Out + (bh // H).to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d * stride_od, 0))
         gl.store(ptr, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N, 1))
+
+    @gluon.jit
+    def _p_operand(p, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
+        # P (fp32, the QK accumulator's layout) as the PV product's A operand, converted where it is
+        # used: a loop-carried 8-bit tensor is kept one byte per register and repacked before each
+        # product (three PRMT per register)
+        if P_DTYPE.primitive_bitwidth == 8:
+            # keys in 8-bit V's order (_in_pv_key_order): the same registers, no data moves
+            p = gl.convert_layout(_in_pv_key_order(p), p_layout, assert_trivial=True)
+            # four keys to one 32-bit register in place; Triton's own conversion unpacks the bytes
+            # and packs them again
+            packed = gl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r", [p], dtype=gl.int8, is_pure=True, pack=4)
+            return packed.to(P_DTYPE, bitcast=True)
+        else:
+            return gl.convert_layout(p.to(P_DTYPE), p_layout)
 
     @gluon.jit
     def _v_operand(tile, QUANTIZED: gl.constexpr):
