@@ -75,20 +75,24 @@ def _check_gluon_kernel(sass: bool) -> int:
     from paroattn.kernels import hopper_attention
 
     fn = hopper_attention._warp_specialized_kernel
-    pointers = dict(Out="*bf16", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32", KScale="*fp32",
+    pointers = dict(Q="*bf16", Out="*bf16", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32", KScale="*fp32",
                     QScale="*fp32", VAmax="*fp32")
     failures = 0
-    for quantized, head_dim, stages in itertools.product((False, True), (64, 128), (2, 3, 4)):
+    for quantized, q_gather, head_dim, stages in itertools.product((False, True), (False, True), (64, 128), (2, 3, 4)):
+        if quantized and q_gather:
+            continue  # int8 Q is quantized per 128-row tile: the prologue writes it
         # CPU tensors: only the types matter
         qk = torch.empty(2, 256, head_dim, dtype=torch.int8 if quantized else torch.bfloat16)
         v = torch.empty(2, head_dim, 256, dtype=torch.float8_e4m3fn) if quantized else qk
         descs = dict(zip(("q_desc", "k_desc", "v_desc"), hopper_attention.descriptors(qk, qk, v)))
-        constants = dict(STAGES=stages, CONSUMER_REGS=240)
+        constants = dict(STAGES=stages, CONSUMER_REGS=240, Q_GATHER=q_gather)
         signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name) or
                      ("constexpr" if name in constants else "fp32" if name == "qk_scale" else "i32")
                      for name in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
-        label = f"gluon {'int8+fp8' if quantized else 'bf16'} D={head_dim} stages={stages}"
+        # pointers and the outer strides are multiples of 16, as a launch specializes them
+        strides = [f"stride_{t}{a}" for t in "qo" for a in "bhn"]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(pointers) + strides}
+        label = f"gluon {'int8+fp8' if quantized else 'bf16'} q_gather={q_gather} D={head_dim} stages={stages}"
         try:
             kernel = triton.compile(GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in
                                                                    constants.items()}, attrs),

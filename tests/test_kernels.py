@@ -369,6 +369,37 @@ def test_warp_specialized_kernel_is_refused_outside_its_tiles_and_modes():
             triton_backend.set_kernel_config(128, bq, bk, qk, pv, ws)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_warp_specialized_launch_binds_every_kernel_argument(quantized, monkeypatch):
+    """The Gluon kernel runs only on an sm_90 GPU; its host side (descriptors, argument list, constexprs)
+    runs here, against a stand-in that binds the arguments to the kernel's signature."""
+    hopper_attention = pytest.importorskip("paroattn.kernels.hopper_attention")
+    if hopper_attention.gluon is None:
+        pytest.skip("this triton has no Gluon")
+    import inspect
+
+    kernel = hopper_attention._warp_specialized_kernel
+    grids = []
+
+    class BindingStandIn:
+        def __getitem__(self, grid):
+            def run(*args, num_warps, maxnreg, **constexprs):
+                inspect.signature(kernel.fn).bind(*args, **constexprs)
+                grids.append((grid, constexprs["Q_GATHER"]))
+            return run
+
+    monkeypatch.setattr(hopper_attention, "_warp_specialized_kernel", BindingStandIn())
+    B, H, N, D, nq, nk = 2, 3, 300, 128, 3, 5
+    q = torch.zeros(B, N, H, D, dtype=torch.bfloat16).transpose(1, 2)
+    kq = torch.zeros(B * H, nk * 64, D, dtype=torch.int8 if quantized else torch.bfloat16)
+    vq = torch.zeros(B * H, D, nk * 64, dtype=torch.float8_e4m3fn) if quantized else kq
+    qq = torch.zeros(B * H, nq * 128, D, dtype=kq.dtype) if quantized else None
+    ints = torch.zeros(4, dtype=torch.int32)
+    hopper_attention.launch(q, qq, kq, vq, torch.empty_like(q), ints, ints, ints, ints, N, nk * 64, H, nq, nk, 0, 1, 10,
+                            30, 1.0, ints, ints, ints)
+    assert grids == [((nq, B * H), not quantized)]
+
+
 def test_inputs_that_require_grad_are_refused_not_silently_detached():
     q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=12)
     n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)

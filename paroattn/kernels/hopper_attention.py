@@ -48,9 +48,19 @@ BLOCK_N = 64
 MODES = (("bf16", "bf16"), ("int8", "fp8"), ("int4", "fp8"))
 
 
+# bf16/fp16 queries read straight from the caller's q by the consumers (True) or copied by the prologue
+# and loaded by TMA (False); a switch for benchmarks
+GATHER_QUERIES = True
+
 # Gluon's API changes between triton releases: the kernel is used with the releases it was tested with
 # on a GPU, and elsewhere the Triton kernel runs (same result, slower at D=128)
 TESTED_TRITON = ("3.6",)
+
+
+def takes_strides(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the kernel reads q and writes out as laid out: unit stride along D. (A stride passed to a
+    Gluon worker partition is a runtime value, so 1 must be built in for 16-byte accesses.)"""
+    return q.stride(-1) == 1 and out.stride(-1) == 1
 
 
 def available(device: torch.device) -> bool:
@@ -84,9 +94,10 @@ if gluon is not None:
         return bh, h, qb, h * NQ + qb
 
     @gluon.jit
-    def _loader(args):
+    def _loader(args, Q_GATHER: gl.constexpr):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
+         Q, stride_qb, stride_qh, stride_qn,
+         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on,
          N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
@@ -94,10 +105,11 @@ if gluon is not None:
         BN: gl.constexpr = k_smem.shape[1]
         QUANTIZED: gl.constexpr = q_smem.dtype == gl.int8
         bh, h, qb, row = _tile(Schedule, H, NQ)
-        for c in gl.static_range(2):
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [(bh * NQ + qb) * 2 * HALF + c * HALF, 0], q_ready.index(c),
-                                            q_smem.index(c))
+        if not Q_GATHER:
+            for c in gl.static_range(2):
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [(bh * NQ + qb) * 2 * HALF + c * HALF, 0], q_ready.index(c),
+                                                q_smem.index(c))
         count = gl.load(Counts + row)
         active = Indices + row.to(gl.int64) * MAX_ACTIVE
         for i in range(count):
@@ -147,9 +159,10 @@ if gluon is not None:
             return s
 
     @gluon.jit
-    def _consumer(args, HALF_INDEX: gl.constexpr):
+    def _consumer(args, HALF_INDEX: gl.constexpr, Q_GATHER: gl.constexpr):
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
+         Q, stride_qb, stride_qh, stride_qn,
+         Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on,
          N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale) = args
         STAGES: gl.constexpr = k_smem.shape[0]
         HALF: gl.constexpr = q_smem.shape[1]
@@ -186,8 +199,12 @@ if gluon is not None:
         l_i = gl.zeros([HALF], gl.float32, row_layout)
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         zero_s = gl.zeros([HALF, BN], gl.int32 if QUANTIZED else gl.float32, s_layout)
-        mbarrier.wait(q_ready.index(HALF_INDEX), 0)
-        q = q_smem.index(HALF_INDEX).load(q_layout)
+        if Q_GATHER:
+            q = _gather_query_half(Q, stride_qb, stride_qh, stride_qn, bh, h, qb, HALF_INDEX, N, H, Orders,
+                                   prefix, frames, height, width, HALF, HEAD_DIM, q_layout)
+        else:
+            mbarrier.wait(q_ready.index(HALF_INDEX), 0)
+            q = q_smem.index(HALF_INDEX).load(q_layout)
         if count > 0:
             mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -236,8 +253,23 @@ if gluon is not None:
         order = gl.load(Orders + h)
         orig_m = _reordered_to_original(offs_m, order, prefix, frames, height, width)
         ptr = (Out + (bh // H).to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-               + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d * stride_od, 0))
+               + gl.expand_dims(orig_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d, 0))
         gl.store(ptr, out.to(Out.dtype.element_ty), mask=gl.expand_dims(offs_m < N, 1))
+
+    @gluon.jit
+    def _gather_query_half(Q, stride_qb, stride_qh, stride_qn, bh, h, qb, HALF_INDEX: gl.constexpr, N, H,
+                           Orders, prefix, frames, height, width, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           q_layout: gl.constexpr):
+        # this warpgroup's 64 rows of the reordered query tile, straight from the caller's q (16-byte
+        # loads along D, then into the A-operand layout): the prologue need not copy Q
+        rows: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+        offs_m = qb * 2 * HALF + HALF_INDEX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, rows))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows))
+        orig_m = _reordered_to_original(offs_m, gl.load(Orders + h), prefix, frames, height, width)
+        ptr = (Q + (bh // H).to(gl.int64) * stride_qb + h.to(gl.int64) * stride_qh
+               + gl.expand_dims(orig_m.to(gl.int64) * stride_qn, 1) + gl.expand_dims(offs_d, 0))
+        q = gl.load(ptr, mask=gl.expand_dims(offs_m < N, 1), other=0.0)
+        return gl.convert_layout(q, q_layout)
 
     @gluon.jit
     def _p_operand(p, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
@@ -266,19 +298,19 @@ if gluon is not None:
             return tile
 
     @gluon.jit
-    def _first_half(args):
-        _consumer(args, 0)
+    def _first_half(args, Q_GATHER: gl.constexpr):
+        _consumer(args, 0, Q_GATHER)
 
     @gluon.jit
-    def _second_half(args):
-        _consumer(args, 1)
+    def _second_half(args, Q_GATHER: gl.constexpr):
+        _consumer(args, 1, Q_GATHER)
 
     @gluon.jit
     def _warp_specialized_kernel(
-        q_desc, k_desc, v_desc, Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax,
-        stride_ob, stride_oh, stride_on, stride_od,
+        q_desc, k_desc, v_desc, Q, Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax,
+        stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
         N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
-        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_GATHER: gl.constexpr,
     ):
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -297,9 +329,10 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
         args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on, stride_od,
+                Q, stride_qb, stride_qh, stride_qn,
+                Out, Orders, Counts, Indices, Schedule, KScale, QScale, VAmax, stride_ob, stride_oh, stride_on,
                 N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale)
-        gl.warp_specialize([(_first_half, (args,)), (_second_half, (args,)), (_loader, (args,))],
+        gl.warp_specialize([(_first_half, (args, Q_GATHER)), (_second_half, (args, Q_GATHER)), (_loader, (args, Q_GATHER))],
                            [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -326,20 +359,23 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GLUON_DTYPES[dtype]))
 
 
-def launch(qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
+def launch(q, qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
            prefix, frames, height, width, qk_scale, k_scale, q_scale, v_amax, stages: int = 3,
            consumer_regs: int = 240):
     """Run the kernel on the prologue's buffers (for int8 QK + fp8 PV with their scales: per key block,
     per 128-row query tile, per-channel max |V|; placeholders otherwise); `out` is the caller's
-    [B, H, N, D] output."""
-    q_desc, k_desc, v_desc = descriptors(qq, kq, vq)
+    [B, H, N, D] output. With `qq` None (bf16/fp16) the consumers gather their query rows from the
+    caller's `q` [B, H, N, D] themselves. q and out have unit stride along D (`takes_strides`)."""
+    q_gather = qq is None
+    # gathering, the Q descriptor is not read: K's, of the same tile shape and dtype, stands in for it
+    q_desc, k_desc, v_desc = descriptors(kq if q_gather else qq, kq, vq)
     # 4 + 4 + 1 warps are allocated as three warpgroups: maxnreg x 12 warps x 32 fits the SM's 64K
     # registers (one program per SM), and setmaxnreg gives the consumers `consumer_regs` each and the
     # loader 24. Measured (H100, Wan2.1 shapes): one tile per program ran as fast as persistent
     # programs with an atomic tile counter (commit history), so the simpler grid stays.
-    _warp_specialized_kernel[(nq, qq.shape[0])](
-        q_desc, k_desc, v_desc, out, orders, counts, indices, schedule, k_scale, q_scale, v_amax, *out.stride(),
-        N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale,
-        STAGES=stages, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=168,
+    _warp_specialized_kernel[(nq, kq.shape[0])](
+        q_desc, k_desc, v_desc, q, out, orders, counts, indices, schedule, k_scale, q_scale, v_amax, *q.stride()[:3],
+        *out.stride()[:3], N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale,
+        STAGES=stages, CONSUMER_REGS=consumer_regs, Q_GATHER=q_gather, num_warps=4, maxnreg=168,
     )
     return out

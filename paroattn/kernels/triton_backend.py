@@ -291,12 +291,16 @@ def launch(
     config = kernel_config(D, bq, bk, qk, pv)
     use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
     warp_specialized = (config.warp_specialized and hopper_attention.available(q.device)
-                        and config_problem(config, bq, bk, qk, pv) is None)
-    q_tma = warp_specialized or reads_q_by_descriptor(config, bq, bk, q.device)
+                        and config_problem(config, bq, bk, qk, pv) is None and hopper_attention.takes_strides(q, out))
+    # the warp-specialized kernel gathers bf16/fp16 queries itself; int8/int4 Q is quantized per 128-row
+    # tile, across its two consumer warpgroups, so the prologue writes it
+    ws_gathers_q = warp_specialized and qk == "bf16" and hopper_attention.GATHER_QUERIES
+    q_tma = (warp_specialized and not ws_gathers_q) or reads_q_by_descriptor(config, bq, bk, q.device)
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       config.gather_kv, q if q_tma else None, bq)
     if warp_specialized:
-        return hopper_attention.launch(qq, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
+        return hopper_attention.launch(q, None if ws_gathers_q else qq, kq, vq, out, orders, counts, indices, schedule,
+                                       N, nk * bk, H, nq, nk,
                                        prefix, frames, height, width, sm_scale * LOG2E, k_scale, q_scale, v_amax,
                                        stages=config.num_stages)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
