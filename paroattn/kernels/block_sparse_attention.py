@@ -10,7 +10,7 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
    contiguously (and with `KernelConfig.q_tma` the query blocks too, for descriptor loads of Q): K in
    the input dtype, or with the mean subtracted and quantized per block to int8 or
-   int4 values, both stored one per byte (Hopper has no INT4 matrix instruction, so int4 values run
+   int4 values, both stored one per byte (int4 ones times 16, see `_quantize_block`) (Hopper has no INT4 matrix instruction, so int4 values run
    the int8 product; nibble packing, which needs an unpack and two half-depth products per tile, was
    measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
    int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
@@ -68,6 +68,19 @@ def _int_to_float(x):
     return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
+# Integer scores enter the softmax offset by 1.5 * 2**23: the QK sum x read as a float is 1.5 * 2**23 + x
+# (one integer add, as in _int_to_float), and the offset is taken out of the row max and folded into the
+# per-row term of the exp2 FMA, saving a float subtraction per score. That term, 1.5 * 2**23 * scale, is
+# rounded once: at most 1.5 integer units of score, against the ~100 units of int8 rounding in x itself.
+INT_SCORE_OFFSET = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _offset_int_scores(x):
+    # 1.5 * 2**23 + x, exactly, for |x| < 2**22 (see INT_SCORE_OFFSET)
+    return (x + 0x4B400000).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _round_to_int(x):
     # round-to-nearest-even float32 -> int32 for |x| < 2**22 without F2I (quarter rate as I2F)
@@ -82,11 +95,17 @@ def _quantize(x, scale, qmax):
 
 @triton.jit
 def _quantize_block(x, QK_MODE: tl.constexpr):
-    # a float32 tile on the per-block grid of integer QK (int8 +-127, int4 +-7 held in int8): the
-    # values and their scale max(max|x|, eps) / qmax, as the reference's quantize_per_block
+    # a float32 tile on the per-block grid of integer QK (int8 +-127, int4 +-7): the values and their
+    # scale max(max|x|, eps) / qmax, as the reference's quantize_per_block. int4 values are held in
+    # int8 times 16, with the scale over 16 (both exact): the same products and results, but integer
+    # scores 256 times larger, so INT_SCORE_OFFSET's rounding is as small for int4 as for int8
     qmax = 127.0 if QK_MODE == 1 else 7.0
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), QUANT_EPS), qmax)
-    return _quantize(x, scale, qmax).to(tl.int8), scale
+    values = _quantize(x, scale, qmax)
+    if QK_MODE == 2:
+        values *= 16.0
+        scale *= 0.0625
+    return values.to(tl.int8), scale
 
 
 @triton.jit
@@ -228,9 +247,9 @@ def _key_block_scores(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
     MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # raw scores of key block kb, and the one multiplier that takes them to log2 units (softmax
-    # scale, log2(e) and the Q/K dequantization scales): the update applies it inside exp2's
-    # argument, so scaling and subtracting the row max are one FMA per score
+    # raw scores of key block kb (integer ones offset by INT_SCORE_OFFSET), and the one multiplier that
+    # takes them to log2 units (softmax scale, log2(e) and the Q/K dequantization scales): the update
+    # applies it inside exp2's argument, so scaling and subtracting the row max are one FMA per score
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if QK_MODE == 0 and not GATHER_KV:
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -243,7 +262,7 @@ def _key_block_scores(
         scale = score_scale
     else:  # int8 or int4 values, one per byte
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        s = _int_to_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
+        s = _offset_int_scores(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
         scale = score_scale * tl.load(KScale_bh + kb)
     if MASK_N:
         s = tl.where((offs_n < N)[None, :], s, float("-inf"))
@@ -255,14 +274,19 @@ def _key_block_update(
     acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
     order, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
-    MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, INT_SCORES: tl.constexpr,
 ):
     # online softmax over key block kb's scores, then the P V product
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)  # scale > 0, so the max commutes with it
+    block_max = tl.max(s, axis=1)
+    if INT_SCORES:
+        block_max -= INT_SCORE_OFFSET
+    m_new = tl.maximum(m_i, block_max * scale)  # scale > 0, so the max commutes with it
     alpha = tl.math.exp2(m_i - m_new)
     # P's quantization multiplier (448 for fp8, 127 for int8) rides in the exponent: p is P * c, and so
     # is the row sum l, which the epilogue divides by
     p_shift = m_new - P_LOG2_SCALE
+    if INT_SCORES:
+        p_shift += INT_SCORE_OFFSET * scale
     p = tl.math.exp2(s * scale - p_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
@@ -361,7 +385,7 @@ def _attention_kernel(
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA)
+                USE_TMA, QK_MODE != 0)
             s, scale, kb = s_next, scale_next, kb_next
     else:
         for i in range(0, n_unmasked):
@@ -372,7 +396,7 @@ def _attention_kernel(
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA)
+                USE_TMA, QK_MODE != 0)
     if not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
@@ -381,7 +405,7 @@ def _attention_kernel(
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, NK - 1, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
                 order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, True, P_LOG2_SCALE,
-                USE_TMA)
+                USE_TMA, QK_MODE != 0)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)

@@ -77,8 +77,9 @@ if gluon is not None:
     _order_axes = jit_mirror(layout.order_axis_sizes_and_strides, jit=gluon.jit)
     _reordered_to_original = jit_mirror(layout.reordered_to_original, jit=gluon.jit,
                                         order_axis_sizes_and_strides=_order_axes)
-    # the Triton kernel's integer-to-float trick and quantization constants, shared, not restated
-    _int_to_float = jit_mirror(triton_kernels._int_to_float.fn, jit=gluon.jit)
+    # the Triton kernel's integer-score offset, P key order and quantization constants, shared, not restated
+    _offset_int_scores = jit_mirror(triton_kernels._offset_int_scores.fn, jit=gluon.jit)
+    _INT_SCORE_OFFSET = triton_kernels.INT_SCORE_OFFSET
     _in_pv_key_order = jit_mirror(triton_kernels._in_pv_key_order.fn, jit=gluon.jit)
     _QUANT_EPS = triton_kernels.QUANT_EPS
     _FP8_P_LOG2_SCALE = gl.constexpr(triton_kernels.P_LOG2_SCALES[triton_kernels.PV_FP8])
@@ -129,16 +130,23 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, key0, N, MASKED: gl.constexpr, s_layout: gl.constexpr,
-                      P_LOG2_SCALE: gl.constexpr):
+                      P_LOG2_SCALE: gl.constexpr, INT_SCORES: gl.constexpr):
         # one key block's online-softmax update in base 2 on raw scores s (qk_scale takes them to log2
-        # units); returns P (unnormalized, times 2**P_LOG2_SCALE: fp8 P's multiplier, which the row sum
-        # carries too), the new row max and sum, and the factor alpha that rescales what came before
+        # units; integer ones come offset, as in the Triton kernel); returns P (unnormalized, times
+        # 2**P_LOG2_SCALE: fp8 P's multiplier, which the row sum carries too), the new row max and sum,
+        # and the factor alpha that rescales what came before
         if MASKED:
             offs_n = key0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(offs_n < N, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0: the max commutes with it
+        block_max = gl.max(s, axis=1)
+        if INT_SCORES:
+            block_max -= _INT_SCORE_OFFSET
+        m_new = gl.maximum(m_i, block_max * qk_scale)  # qk_scale > 0: the max commutes with it
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_LOG2_SCALE, 1))
+        p_shift = m_new - P_LOG2_SCALE
+        if INT_SCORES:
+            p_shift += _INT_SCORE_OFFSET * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(p_shift, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, m_new, l_i, alpha
 
@@ -154,7 +162,7 @@ if gluon is not None:
     @gluon.jit
     def _as_float(s, QUANTIZED: gl.constexpr):
         if QUANTIZED:
-            return _int_to_float(s)
+            return _offset_int_scores(s)
         else:
             return s
 
@@ -211,9 +219,11 @@ if gluon is not None:
             s = _as_float(warpgroup_mma_wait(num_outstanding=0, deps=(s,)), QUANTIZED)
             scale = _block_scale(score_scale, KScale, active, 0, bh, NK, QUANTIZED)
             if tail & (count == 1):
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout, P_LOG2_SCALE)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout, P_LOG2_SCALE,
+                                                   QUANTIZED)
             else:
-                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout, P_LOG2_SCALE)
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout, P_LOG2_SCALE,
+                                                   QUANTIZED)
             slot = 0
             for i in range(1, count):
                 prev = slot
@@ -229,10 +239,10 @@ if gluon is not None:
                 s = _as_float(warpgroup_mma_wait(num_outstanding=1, deps=(s,)), QUANTIZED)
                 if tail & (i == count - 1):
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, True, s_layout,
-                                                       P_LOG2_SCALE)
+                                                       P_LOG2_SCALE, QUANTIZED)
                 else:
                     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, scale, tail_key0, N, False, s_layout,
-                                                       P_LOG2_SCALE)
+                                                       P_LOG2_SCALE, QUANTIZED)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, acc_row_layout), 1)
