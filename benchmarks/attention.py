@@ -257,7 +257,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
             config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
-            with_q = triton_backend.reads_q_by_descriptor(config, block_q, block_k, torch.device("cuda"))
+            q0 = sets[0][0]  # the op's output is laid out like q
+            with_q = triton_backend.prologue_writes_q(config, block_q, block_k, qk, pv, q0, q0)
 
             def prologue(q, k, v, qk=qk, pv=pv, gather=config.gather_kv, with_q=with_q):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,

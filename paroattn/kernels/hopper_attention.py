@@ -48,10 +48,6 @@ BLOCK_N = 64
 MODES = (("bf16", "bf16"), ("int8", "fp8"), ("int4", "fp8"))
 
 
-# bf16/fp16 queries read straight from the caller's q by the consumers (True) or copied by the prologue
-# and loaded by TMA (False); a switch for benchmarks
-GATHER_QUERIES = True
-
 # Gluon's API changes between triton releases: the kernel is used with the releases it was tested with
 # on a GPU, and elsewhere the Triton kernel runs (same result, slower at D=128)
 TESTED_TRITON = ("3.6",)
@@ -67,7 +63,13 @@ def available(device: torch.device) -> bool:
     """Whether this kernel runs on `device`: a tested triton with Gluon and an sm_90 GPU (wgmma is
     Hopper's; Blackwell has other matrix instructions)."""
     return (gluon is not None and triton.__version__.startswith(TESTED_TRITON) and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0))
+            and _capability(device) == (9, 0))
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    # asked on every call of the op: torch's query costs more host time than the rest of this check
+    return torch.cuda.get_device_capability(device)
 
 
 if gluon is not None:

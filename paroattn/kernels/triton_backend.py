@@ -255,10 +255,22 @@ def _has_tma(device: torch.device) -> bool:
     return has
 
 
-def reads_q_by_descriptor(config: KernelConfig, bq: int, bk: int, device: torch.device) -> bool:
-    """Whether a launch with this config has the prologue write Q for descriptor loads (Hopper or newer:
-    elsewhere the same config gathers Q by pointer loads, as it reads K and V)."""
-    return config.q_tma and _has_tma(device) and config_problem(config, bq, bk) is None
+def _runs_warp_specialized(config: KernelConfig, bq: int, bk: int, qk: str, pv: str, q: torch.Tensor,
+                           out: torch.Tensor) -> bool:
+    """Whether a launch with this config runs hopper_attention's kernel (else the Triton kernel)."""
+    return (config.warp_specialized and hopper_attention.available(q.device)
+            and config_problem(config, bq, bk, qk, pv) is None and hopper_attention.takes_strides(q, out))
+
+
+def prologue_writes_q(config: KernelConfig, bq: int, bk: int, qk: str, pv: str, q: torch.Tensor,
+                      out: torch.Tensor) -> bool:
+    """Whether the prologue writes the reordered Q for this launch: for the Triton kernel's descriptor
+    loads of Q (KernelConfig.q_tma on Hopper or newer; elsewhere the same config gathers Q by pointer
+    loads, as it reads K and V), and for the warp-specialized kernel's int8/int4 Q, which is quantized
+    per 128-row tile across its two consumer warpgroups (its bf16/fp16 consumers gather their rows)."""
+    if _runs_warp_specialized(config, bq, bk, qk, pv, q, out):
+        return qk != "bf16"
+    return config.q_tma and _has_tma(q.device) and config_problem(config, bq, bk) is None
 
 
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
@@ -290,16 +302,11 @@ def launch(
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
-    warp_specialized = (config.warp_specialized and hopper_attention.available(q.device)
-                        and config_problem(config, bq, bk, qk, pv) is None and hopper_attention.takes_strides(q, out))
-    # the warp-specialized kernel gathers bf16/fp16 queries itself; int8/int4 Q is quantized per 128-row
-    # tile, across its two consumer warpgroups, so the prologue writes it
-    ws_gathers_q = warp_specialized and qk == "bf16" and hopper_attention.GATHER_QUERIES
-    q_tma = (warp_specialized and not ws_gathers_q) or reads_q_by_descriptor(config, bq, bk, q.device)
+    q_tma = prologue_writes_q(config, bq, bk, qk, pv, q, out)
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       config.gather_kv, q if q_tma else None, bq)
-    if warp_specialized:
-        return hopper_attention.launch(q, None if ws_gathers_q else qq, kq, vq, out, orders, counts, indices, schedule,
+    if _runs_warp_specialized(config, bq, bk, qk, pv, q, out):
+        return hopper_attention.launch(q, qq if q_tma else None, kq, vq, out, orders, counts, indices, schedule,
                                        N, nk * bk, H, nq, nk,
                                        prefix, frames, height, width, sm_scale * LOG2E, k_scale, q_scale, v_amax,
                                        stages=config.num_stages)
