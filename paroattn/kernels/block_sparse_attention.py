@@ -121,15 +121,15 @@ def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
 # (a permutation of index bits the compiler resolves to the same registers) and V's rows in the same
 # order leaves the product unchanged, and P goes from one product to the next without shuffles.
 @triton.jit
-def _pv_key_slot(n):
-    # where key n (a position in the reordered sequence) sits in 8-bit V: bits 1-2 of n move to
-    # bits 2-3 and bit 3 to bit 1, within its 16
-    return (n & ~14) | ((n >> 2) & 2) | ((n & 6) << 1)
+def _pv_key_at(j):
+    # the key (a position in the reordered sequence) that 8-bit V holds at position j: bits 2-3 of j
+    # move to bits 1-2 and bit 1 to bit 3, within its 16
+    return (j & ~14) | ((j >> 1) & 6) | ((j & 2) << 2)
 
 
 @triton.jit
 def _in_pv_key_order(p):
-    # P [M, BN] with its columns in _pv_key_slot's order: column j holds key sigma(j), the inverse map
+    # P [M, BN] with its columns in 8-bit V's key order: column j holds key _pv_key_at(j)
     M: tl.constexpr = p.shape[0]
     BN: tl.constexpr = p.shape[1]
     return tl.reshape(tl.permute(tl.reshape(p, [M, BN // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, BN])
@@ -188,14 +188,18 @@ def _kv_prologue_kernel(
         v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
         tl.store(VQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v)
     if PV_MODE != 0:
-        v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
+        # row j of the tile is key _pv_key_at(j): the gather takes the rows in that order, and the
+        # (transposed) store stays contiguous along keys
+        offs_v = _pv_key_at(offs_n)
+        orig_v = reordered_to_original(offs_v, order, prefix, frames, height, width)
+        v = _gather_rows(v_base, orig_v, offs_v < N, stride_vn, stride_vd, offs_d)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
                                  448.0 if PV_MODE == 1 else 127.0)
         # one IEEE reciprocal per channel, then products (as the reference): with a division per
         # element this prologue took 0.36 instead of 0.325 ms (CogVideoX-5B int8+fp8, H200)
         v = v.to(tl.float32) * tl.math.div_rn(1.0, v_scale)[None, :]
-        # transposed store, keys in the PV product's order: VQ[bh, d, _pv_key_slot(n)]
-        dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + _pv_key_slot(offs_n)[:, None]
+        # transposed store: VQ[bh, d, j]
+        dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]
         if PV_MODE == 1:
             tl.store(dst, v.to(tl.float8e4nv))
         else:
