@@ -14,8 +14,10 @@ hand, as FlashAttention-3 does:
   i-1's P V product and runs block i's softmax while the P V product is still on the tensor cores;
   the two warpgroups, running independently, fill each other's gaps.
 
-The inputs are the prologue's buffers (`triton_backend.prepare_kv` with q): Q, K and V reordered and
-contiguous, so every tile is one descriptor load. Its definition is the same as the Triton kernel's
+The inputs are the prologue's buffers (`triton_backend.prepare_kv`): K and V reordered and contiguous,
+so every tile is one descriptor load; bf16/fp16 consumers gather their query rows from the caller's q,
+int8/int4 Q (quantized per 128-row tile) comes from the prologue too. 8-bit V holds the keys of every 16
+in the order the P V product reads P from registers (`block_sparse_attention._pv_key_at`). Its definition is the same as the Triton kernel's
 (`reference.py`), and the tests compare the two on the GPU; the Triton interpreter cannot run Gluon.
 """
 

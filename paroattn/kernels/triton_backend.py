@@ -110,8 +110,9 @@ _MEASURED: dict[tuple, KernelConfig] = {
     # GPUs run the Triton kernel with the remaining fields (3 stages: 3% slower there than 2, H200).
     (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **TQ, warp_specialized=True),
     (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **TQ),
-    # int8 QK + fp8 PV stays on the Triton kernel: the Gluon kernel's version of it (same results, bit for
-    # bit) was slower, Wan2.1-1.3B 12.62 / 6.46 / 2.92 ms vs 10.12 / 5.11 / 2.32 (H100, sixth session)
+    # int8 QK + fp8 PV stays on the Triton kernel: the Gluon kernel's version of it is slower, Wan2.1-1.3B
+    # 10.57 / 5.40 / 2.56 ms vs 9.81 / 4.98 / 2.25 (H100, one run, seventh session; 12.62 / 6.46 / 2.92
+    # before P stopped moving between registers)
     (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **TQ),
     (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
     (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **TQ),
