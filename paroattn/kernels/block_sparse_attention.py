@@ -10,9 +10,9 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
    contiguously (and with `KernelConfig.q_tma` the query blocks too, for descriptor loads of Q): K in
    the input dtype, or with the mean subtracted and quantized per block to int8 or
-   int4 values, both stored one per byte (int4 ones times 16, see `_quantize_block`) (Hopper has no INT4 matrix instruction, so int4 values run
-   the int8 product; nibble packing, which needs an unpack and two half-depth products per tile, was
-   measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
+   int4 values, both stored one per byte, int4 ones times 16 (`_quantize_block`; Hopper has no INT4
+   matrix instruction, so int4 values run the int8 product; nibble packing, which needs an unpack and
+   two half-depth products per tile, was measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
    int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
    `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
    those rows itself (measured 1.3-1.5x slower on an H200, so not the default).

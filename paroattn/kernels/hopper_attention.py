@@ -17,8 +17,9 @@ hand, as FlashAttention-3 does:
 The inputs are the prologue's buffers (`triton_backend.prepare_kv`): K and V reordered and contiguous,
 so every tile is one descriptor load; bf16/fp16 consumers gather their query rows from the caller's q,
 int8/int4 Q (quantized per 128-row tile) comes from the prologue too. 8-bit V holds the keys of every 16
-in the order the P V product reads P from registers (`block_sparse_attention._pv_key_at`). Its definition is the same as the Triton kernel's
-(`reference.py`), and the tests compare the two on the GPU; the Triton interpreter cannot run Gluon.
+in the order the P V product reads P from registers (`block_sparse_attention._pv_key_at`). Its
+definition is the same as the Triton kernel's (`reference.py`), and the tests compare the two on the
+GPU; the Triton interpreter cannot run Gluon.
 """
 
 from __future__ import annotations

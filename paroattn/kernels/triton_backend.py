@@ -308,9 +308,8 @@ def launch(
                                                       config.gather_kv, q if q_tma else None, bq)
     if _runs_warp_specialized(config, bq, bk, qk, pv, q, out):
         return hopper_attention.launch(q, qq if q_tma else None, kq, vq, out, orders, counts, indices, schedule,
-                                       N, nk * bk, H, nq, nk,
-                                       prefix, frames, height, width, sm_scale * LOG2E, k_scale, q_scale, v_amax,
-                                       stages=config.num_stages)
+                                       N, nk * bk, H, nq, nk, prefix, frames, height, width, sm_scale * LOG2E,
+                                       k_scale, q_scale, v_amax, stages=config.num_stages)
     k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if use_tma else (kq, vq)
     q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
     _attention_kernel[(nq, B * H)](
