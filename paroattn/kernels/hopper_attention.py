@@ -355,17 +355,19 @@ _GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int
                  torch.float8_e4m3fn: "float8e4nv"}
 
 
-def descriptors(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor):
+def descriptors(qq: torch.Tensor | None, kq: torch.Tensor, vq: torch.Tensor):
     """Gluon tensor descriptors of the prologue's buffers, seen 2-D so one descriptor serves every
     (batch, head): reordered Q [B*H, NQ*128, D] and K [B*H, N_PAD, D] (bf16/fp16, or int8 values), and V
-    [B*H, N_PAD, D] (bf16/fp16) or, fp8 and transposed, [B*H, D, N_PAD]."""
-    D = qq.shape[-1]
+    [B*H, N_PAD, D] (bf16/fp16) or, fp8 and transposed, [B*H, D, N_PAD]. Without qq (the consumers
+    gather Q) K's descriptor, of the same tile shape and dtype, stands in for Q's, which is not read."""
+    D = kq.shape[-1]
 
     def make(t, block):
         return TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), list(block), _shared_layout(block, t.dtype))
 
+    k_desc = make(kq, (BLOCK_N, D))
     v_block = (D, BLOCK_N) if vq.dtype == torch.float8_e4m3fn else (BLOCK_N, D)
-    return make(qq, (QUERY_HALF, D)), make(kq, (BLOCK_N, D)), make(vq, v_block)
+    return k_desc if qq is None else make(qq, (QUERY_HALF, D)), k_desc, make(vq, v_block)
 
 
 @functools.cache
@@ -382,8 +384,7 @@ def launch(q, qq, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, n
     [B, H, N, D] output. With `qq` None (bf16/fp16) the consumers gather their query rows from the
     caller's `q` [B, H, N, D] themselves. q and out have unit stride along D (`takes_strides`)."""
     q_gather = qq is None
-    # gathering, the Q descriptor is not read: K's, of the same tile shape and dtype, stands in for it
-    q_desc, k_desc, v_desc = descriptors(kq if q_gather else qq, kq, vq)
+    q_desc, k_desc, v_desc = descriptors(qq, kq, vq)
     # 4 + 4 + 1 warps are allocated as three warpgroups: maxnreg x 12 warps x 32 fits the SM's 64K
     # registers (one program per SM), and setmaxnreg gives the consumers `consumer_regs` each and the
     # loader 24. Measured (H100, Wan2.1 shapes): one tile per program ran as fast as persistent

@@ -269,9 +269,13 @@ def prologue_writes_q(config: KernelConfig, bq: int, bk: int, qk: str, pv: str, 
     loads of Q (KernelConfig.q_tma on Hopper or newer; elsewhere the same config gathers Q by pointer
     loads, as it reads K and V), and for the warp-specialized kernel's int8/int4 Q, which is quantized
     per 128-row tile across its two consumer warpgroups (its bf16/fp16 consumers gather their rows)."""
-    if _runs_warp_specialized(config, bq, bk, qk, pv, q, out):
+    return _writes_q(config, bq, bk, qk, q.device, _runs_warp_specialized(config, bq, bk, qk, pv, q, out))
+
+
+def _writes_q(config: KernelConfig, bq: int, bk: int, qk: str, device: torch.device, warp_specialized: bool) -> bool:
+    if warp_specialized:
         return qk != "bf16"
-    return config.q_tma and _has_tma(q.device) and config_problem(config, bq, bk) is None
+    return config.q_tma and _has_tma(device) and config_problem(config, bq, bk) is None
 
 
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
@@ -303,10 +307,11 @@ def launch(
     nq, nk = -(-N // bq), -(-N // bk)
     config = kernel_config(D, bq, bk, qk, pv)
     use_tma = config.tma and not config.gather_kv and _has_tma(q.device)
-    q_tma = prologue_writes_q(config, bq, bk, qk, pv, q, out)
+    warp_specialized = _runs_warp_specialized(config, bq, bk, qk, pv, q, out)
+    q_tma = _writes_q(config, bq, bk, qk, q.device, warp_specialized)
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       config.gather_kv, q if q_tma else None, bq)
-    if _runs_warp_specialized(config, bq, bk, qk, pv, q, out):
+    if warp_specialized:
         return hopper_attention.launch(q, qq if q_tma else None, kq, vq, out, orders, counts, indices, schedule,
                                        N, nk * bk, H, nq, nk, prefix, frames, height, width, sm_scale * LOG2E,
                                        k_scale, q_scale, v_amax, stages=config.num_stages)
