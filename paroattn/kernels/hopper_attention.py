@@ -291,7 +291,7 @@ if gluon is not None:
         # P (fp32, the QK accumulator's layout) as the PV product's A operand, converted where it is
         # used: a loop-carried 8-bit tensor is kept one byte per register and repacked before each
         # product (three PRMT per register)
-        if P_DTYPE.primitive_bitwidth == 8:
+        if P_DTYPE == gl.float8e4nv:  # the one 8-bit P of MODES (the asm below converts to e4m3)
             # keys in 8-bit V's order (_in_pv_key_order): the same registers, no data moves
             p = gl.convert_layout(_in_pv_key_order(p), p_layout, assert_trivial=True)
             # four keys to one 32-bit register in place; Triton's own conversion unpacks the bytes
