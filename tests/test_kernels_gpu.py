@@ -206,12 +206,15 @@ def test_compute_sanitizer_memcheck_clean():
         from paroattn import TokenLayout, paro_attention
         from paroattn.masks import synthetic_block_mask
         layout = TokenLayout(7, 2, 5, 9)  # 97 tokens: partial last block, prefix
-        for D, qk, pv in ((64, "int4", "fp8"), (128, "int8", "int8"), (64, "bf16", "bf16")):
+        # 128 x 64 blocks: bf16 is the warp-specialized Gluon kernel on an H100/H200, int8 + fp8 the Triton
+        # kernel with Q read by descriptor
+        for D, qk, pv, bq in ((64, "int4", "fp8", 64), (128, "int8", "int8", 64), (64, "bf16", "bf16", 64),
+                              (128, "bf16", "bf16", 128), (128, "int8", "fp8", 128)):
             q, k, v = (torch.randn(1, 3, layout.seq_len, D, device="cuda", dtype=torch.float16) for _ in range(3))
-            mask = synthetic_block_mask(3, 2, 2, 0.5)
+            mask = synthetic_block_mask(3, -(-97 // bq), 2, 0.5)
             mask[1, 0] = False
             out = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3, 5]), block_mask=mask,
-                                 qk=qk, pv=pv, backend="triton")
+                                 block_size=(bq, 64), qk=qk, pv=pv, backend="triton")
             torch.cuda.synchronize()
         print("sanitized run done")
         """
