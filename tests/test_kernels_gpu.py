@@ -211,7 +211,7 @@ def test_compute_sanitizer_memcheck_clean():
         for D, qk, pv, bq in ((64, "int4", "fp8", 64), (128, "int8", "int8", 64), (64, "bf16", "bf16", 64),
                               (128, "bf16", "bf16", 128), (128, "int8", "fp8", 128)):
             q, k, v = (torch.randn(1, 3, layout.seq_len, D, device="cuda", dtype=torch.float16) for _ in range(3))
-            mask = synthetic_block_mask(3, -(-97 // bq), 2, 0.5)
+            mask = synthetic_block_mask(3, -(-layout.seq_len // bq), 2, 0.5)
             mask[1, 0] = False
             out = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3, 5]), block_mask=mask,
                                  block_size=(bq, 64), qk=qk, pv=pv, backend="triton")
