@@ -156,7 +156,7 @@ def main() -> int:
             if args.sass and even:
                 print(f"attention {label}: warps {kernel.metadata.num_warps}, shared {kernel.metadata.shared} B, "
                       f"{_sass_counts(kernel)}")
-            prologue_pointers = dict(K="*bf16", V="*bf16", KSum="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
+            prologue_pointers = dict(K="*bf16", V="*bf16", KMean="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
                                      VQ=vq, Orders="*i32", Q="*bf16", QQ="*i8" if qk_mode else "*bf16",
                                      QScale="*fp32")
             prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=bk, QK_MODE=qk_mode, PV_MODE=pv_mode,

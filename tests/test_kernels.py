@@ -4,10 +4,9 @@ Stated error bounds, relative L2 of kernel vs reference computed with the SAME q
 - pv="bf16" (P rounded to the input dtype like the reference): <= 2e-3 (fp16 rounding of the output)
 - pv="int8": <= 1e-2, pv="fp8": <= 2e-2. The kernel quantizes P after subtracting a RUNNING row
   max, the reference after the final one, so P lands on slightly different grids (module docstring
-  of reference.py). Q/K quantization uses the same grid in both, but a value within float rounding
-  of a .5 step can round differently (GPU division is not bit-identical to torch's); one such flip
-  moves an int4 value by a whole step (1/7 of the block max), so qk="int4" gets 1e-2 (seen: 2.8e-3
-  with fp16 on an H200, 8e-5 in the interpreter).
+  of reference.py). Q/K quantization is the same arithmetic in both, bit for bit
+  (test_prologue_buffers_equal_the_reference_quantization), but the scores then sum in another
+  order; qk="int4" keeps 1e-2 (seen: 2.8e-3 with fp16 on an H200, 8e-5 in the interpreter).
 And against the unquantized reference: int8 QK + bf16 PV <= 2e-2, int8 QK + fp8 PV <= 5e-2 on
 Gaussian inputs.
 
@@ -166,6 +165,55 @@ def test_quantization_error_vs_unquantized_reference():
     assert 1e-4 < rel_err(int8, exact) <= 2e-2  # quantization really happened, and stayed small
     assert rel_err(int8_fp8, exact) <= 5e-2
     assert rel_err(int8, exact) < rel_err(int4, exact) <= 0.25
+
+
+def _pv_key_at(j: torch.Tensor) -> torch.Tensor:
+    # block_sparse_attention._pv_key_at: the key that 8-bit V holds at position j
+    return (j & ~14) | ((j >> 1) & 6) | ((j & 2) << 2)
+
+
+@pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 64), ("int4", "int8", 128), ("int8", "fp8", 128)])
+def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D):
+    """The prologue's quantized Q, K and V are the reference's values bit for bit (same grid, same
+    IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
+    is the reference's sampled mean. B=2, mixed orders, [B, N, H, D] storage, a ragged last block,
+    query blocks twice the key blocks."""
+    from paroattn.kernels import reference
+    from paroattn.layout import reorder_index
+
+    layout = TokenLayout(5, 3, 8, 6)  # 149 tokens
+    N, H, bk = layout.seq_len, 3, SMALL_BLOCK
+    bq = 2 * bk
+    q, k, v = make_inputs(2, H, N, D, dtype=torch.bfloat16, seq_major=True, seed=21)
+    k = k * 3.0 + 2.0  # keys with a large common offset, as DiT keys have
+    orders = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
+        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, False, q, bq)
+    k_mean, _ = triton_backend._statistics(k, v, qk, pv)
+    torch.testing.assert_close(k_mean, reference.key_smoothing_mean(k.flatten(0, 1)).view(2, H, D), rtol=1e-6,
+                               atol=1e-6)
+    qmax = reference.QK_QMAX[qk]
+    # int4 values are stored times 16, their scales over 16
+    store = 16.0 if qk == "int4" else 1.0
+    nk = -(-N // bk)
+    j = torch.arange(nk * bk)
+    for b in range(2):
+        for h in range(H):
+            bh = b * H + h
+            index = reorder_index(layout, int(orders[h])).to(DEVICE)
+            keys = k[b, h, index].float() - k_mean[b, h]
+            values, scales = reference.quantize_per_block(keys[None], bk, qmax)
+            assert torch.equal(kq[bh, :N].float(), values[0] * store)
+            assert torch.equal(k_scale[bh], scales[0] / store)
+            values, scales = reference.quantize_per_block(q[b, h, index].float()[None], bq, qmax)
+            assert torch.equal(qq[bh, :N].float(), values[0] * store)
+            assert torch.equal(q_scale[bh], scales[0] / store)
+            # V: per channel, transposed [D, N_PAD], keys of every 16 in the PV product's order
+            scaled = v[b, h, index].float() * torch.reciprocal(reference.quant_scale(v_amax[b, h], reference.PV_QMAX[pv]))
+            expected = scaled.to(torch.float8_e4m3fn).float() if pv == "fp8" else torch.round(scaled).clamp(-127, 127)
+            held = _pv_key_at(j)
+            real = held < N
+            assert torch.equal(vq[bh][:, j[real]].float().T, expected[held[real]])
 
 
 def test_zero_active_rows_write_zeros_and_every_element_is_written():

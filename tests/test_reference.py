@@ -123,8 +123,11 @@ def test_k_smoothing_makes_int8_insensitive_to_a_key_offset():
     args = dict(layout=layout, orders=torch.tensor([0, 2]), block_mask=torch.ones(2, 4, 4, dtype=torch.bool),
                 block_size=16, qk="int8")
     out = paro_attention(q, k, v, **args)
-    shifted = paro_attention(q, k + 20.0 * torch.randn(1, 2, 1, 64), v, **args)
-    torch.testing.assert_close(shifted, out, atol=1e-4, rtol=1e-4)
+    offset = 20.0 * torch.randn(1, 2, 1, 64, generator=torch.Generator().manual_seed(6))
+    shifted = paro_attention(q, k + offset, v, **args)
+    # float32 rounding of k + offset - mean may move a value across a rounding boundary of the int8
+    # grid: one step of one key is ~1e-3 here; without smoothing the error is ~0.1
+    torch.testing.assert_close(shifted, out, atol=5e-3, rtol=0)
 
 
 def test_half_precision_inputs_keep_dtype_and_match_float32():

@@ -3,9 +3,12 @@ every kernel test. Runs anywhere (CPU included); memory stays bounded by looping
 chunks of query blocks, so it also runs at N ~ 20k on a GPU.
 
 Quantization is emulated in float32 with exactly the grid a kernel uses:
-- Q: symmetric per block of `bq` reordered queries; K: the per-(batch, head) mean over tokens is
-  subtracted first (softmax is invariant to it), then symmetric per block of `bk` keys.
-  Ranges: int8 +-127, int4 +-7. scale = max(amax, QUANT_EPS) / qmax, values rounded to nearest.
+- Q: symmetric per block of `bq` reordered queries; K: a per-(batch, head) mean is subtracted first
+  (softmax is invariant to subtracting any vector from every key; the mean makes the values small),
+  then symmetric per block of `bk` keys. The mean is taken over every K_MEAN_STRIDE-th token of the
+  original order (a sample: exactly as invariant, and it reads 1/16 of K).
+  Ranges: int8 +-127, int4 +-7. scale = max(amax, QUANT_EPS) / qmax, values x * (1 / scale) rounded
+  to nearest (one IEEE reciprocal per block, then products, as the kernels compute it).
 - P (after the row-max shift, so in [0, 1]): int8 with the fixed scale 1/127, or fp8 e4m3 as
   P * 448. V: symmetric per channel (over all tokens of a (batch, head)), int8 +-127 or e4m3 +-448,
   as V times the reciprocal of the channel's scale.
@@ -29,18 +32,26 @@ PV_MODES = ("bf16", "fp8", "int8")
 QK_QMAX = {"int8": 127.0, "int4": 7.0}
 PV_QMAX = {"int8": 127.0, "fp8": 448.0}
 QUANT_EPS = 1e-8
+K_MEAN_STRIDE = 16  # K smoothing's mean samples tokens 0, 16, 32, ... (original order)
 # queries per chunk of the reference loop: bounds its memory to ~CHUNK * N floats
 _QUERY_CHUNK = 1024
 # float32 without quantization goes through SDPA with a token mask of H * N * N floats up to this size
 _SDPA_MASK_ELEMENTS = 1 << 25
 
 
+def quant_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """max(amax, QUANT_EPS) / qmax with IEEE division, on every device: torch on CUDA divides by a
+    Python number as a product with its rounded reciprocal, which can be an ulp away (and the kernels'
+    `div_rn` is not)."""
+    return amax.clamp_min(QUANT_EPS) / torch.full_like(amax, qmax)
+
+
 def quantize_symmetric(x: torch.Tensor, dim, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round x / scale to integers in [-qmax, qmax], scale = max|x| over `dim`. Returns the integer
-    values (as float32) and the scale, broadcastable against x."""
-    amax = x.abs().amax(dim=dim, keepdim=True)
-    scale = amax.clamp_min(QUANT_EPS) / qmax
-    return torch.round(x / scale).clamp_(-qmax, qmax), scale
+    """Round x / scale to integers in [-qmax, qmax], scale = max|x| over `dim` / qmax, as x times the
+    reciprocal of the scale. Returns the integer values (as float32) and the scale, broadcastable
+    against x."""
+    scale = quant_scale(x.abs().amax(dim=dim, keepdim=True), qmax)
+    return torch.round(x * torch.reciprocal(scale)).clamp_(-qmax, qmax), scale
 
 
 def quantize_per_block(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +63,12 @@ def quantize_per_block(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.
     padded[:, :N] = x
     values, scale = quantize_symmetric(padded.view(B, nblocks, block, D), dim=(2, 3), qmax=qmax)
     return values.view(B, nblocks * block, D)[:, :N], scale.view(B, nblocks)
+
+
+def key_smoothing_mean(k: torch.Tensor) -> torch.Tensor:
+    """The vector K smoothing subtracts from every key of k [B, N, D] (original token order): the
+    float32 mean over tokens 0, K_MEAN_STRIDE, 2 * K_MEAN_STRIDE, ..., [B, 1, D]."""
+    return k[:, ::K_MEAN_STRIDE].float().mean(dim=1, keepdim=True)
 
 
 def fake_quantize_p(p: torch.Tensor, pv: str) -> torch.Tensor:
@@ -69,9 +86,9 @@ def fake_quantize_v(v: torch.Tensor, pv: str) -> torch.Tensor:
         return v
     # values are v times the per-channel reciprocal of the scale (what a kernel computes once per
     # channel, instead of one IEEE division per element)
-    qmax = 127.0 if pv == "int8" else 448.0
-    scale = v.abs().amax(dim=1, keepdim=True).clamp_min(QUANT_EPS) / qmax
-    scaled = v * (1.0 / scale)
+    qmax = PV_QMAX[pv]
+    scale = quant_scale(v.abs().amax(dim=1, keepdim=True), qmax)
+    scaled = v * torch.reciprocal(scale)
     if pv == "int8":
         return torch.round(scaled).clamp_(-qmax, qmax) * scale
     return scaled.to(torch.float8_e4m3fn).float() * scale
@@ -132,7 +149,7 @@ def paro_attention_reference(
         vh = fake_quantize_v(v[:, h].index_select(1, index).float(), pv)
         q_scale = k_scale = None
         if qk != "bf16":
-            kh = kh - kh.mean(dim=1, keepdim=True)
+            kh = kh - key_smoothing_mean(k[:, h])
             qh, q_scale = quantize_per_block(qh, bq, QK_QMAX[qk])
             kh, k_scale = quantize_per_block(kh, bk, QK_QMAX[qk])
             # per-key dequantization scale, folded into the scores like a kernel does
