@@ -6,8 +6,10 @@ sageattn (if importable) and paro_attention for densities x modes, at the shapes
 
 Every method gets the same contiguous [B, H, N, D] bf16 inputs; each timing is the median of
 `triton.testing.do_bench` (CUDA events, L2 flushed between repetitions) while the call rotates over
-several input sets. The paro time is the whole public op call (`paroattn.paro_attention`, prologue
-included) with a prebuilt `ActiveBlocks` (what a processor passes) and a per-head order mix.
+several input sets (`--graph`: the replay of a CUDA graph of such calls, for every method: GPU time
+without the host's launch work, which bounds sub-millisecond shapes in eager mode). The paro time is
+the whole public op call (`paroattn.paro_attention`, prologue included) with a prebuilt
+`ActiveBlocks` (what a processor passes) and a per-head order mix.
 flex_attention gets the same block mask (64 x 64 blocks, all "full", in the same coordinates) on
 the same tensors: the reordering paro does inside its kernel is free for flex here.
 Effective TFLOP/s is the DENSE attention work 4*B*H*N^2*D over the time, so it compares methods;
@@ -82,6 +84,43 @@ def _median_ms(fn, sets, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def _graph_ms(fn, sets, warmup=25, rep=100) -> float:
+    """Median time per call of a CUDA graph that holds two rounds of calls over the input sets, replayed
+    `rep`-ish ms: what the GPU takes, without the host's launch work (`--graph`). The sets rotate as in
+    `_median_ms`; L2 is not flushed between calls, but the rotation spans >= 768 MB (2 sets of the
+    larger shapes), which no L2 holds."""
+    for args in sets:  # compiles and allocates outside the capture
+        fn(*args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for args in sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            for args in sets:
+                fn(*args)
+    calls = 2 * len(sets)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    replays = max(5, min(200, int(rep / max(start.elapsed_time(stop), 1e-3))))
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    del graph
+    return statistics.median(times)
+
+
 def _input_sets(B, H, N, D, dtype, generator):
     set_bytes = 3 * B * H * N * D * 2
     count = max(2, min(6, math.ceil(3 * 2**28 / set_bytes)))  # >= 768 MB in rotation, 2..6 sets
@@ -146,8 +185,10 @@ def _host_overhead(call, sets, calls=200) -> dict:
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False) -> dict:
     import triton
+
+    timer = _graph_ms if graph else _median_ms
 
     shapes = shapes or list(SHAPES)
     densities = densities or DENSITIES
@@ -160,6 +201,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "date": datetime.date.today().isoformat(),
         "block": [block_q, block_k],
         "tma": tma,
+        "timing": "cuda-graph replay" if graph else "do_bench (eager calls, L2 flushed)",
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -195,7 +237,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                   + (f"{ms:8.3f} ms" if ms else f"failed: {error}"), flush=True)
             return row
 
-        ms, err = _try(lambda: _median_ms(F.scaled_dot_product_attention, sets, warmup, rep))
+        ms, err = _try(lambda: timer(F.scaled_dot_product_attention, sets, warmup, rep))
         record("sdpa-default", 1.0, ms, err)
         sdpa_ms = ms
 
@@ -203,12 +245,12 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v)
 
-        ms, err = _try(lambda: _median_ms(flash, sets, warmup, rep))
+        ms, err = _try(lambda: timer(flash, sets, warmup, rep))
         record("sdpa-flash", 1.0, ms, err)
         if have_sage:
             from sageattention import sageattn
 
-            ms, err = _try(lambda: _median_ms(lambda q, k, v: sageattn(q, k, v, tensor_layout="HND"), sets, warmup, rep))
+            ms, err = _try(lambda: timer(lambda q, k, v: sageattn(q, k, v, tensor_layout="HND"), sets, warmup, rep))
             record("sageattn", 1.0, ms, err)
 
         if sweep and SWEEP_SHAPES.get(D) == name:
@@ -229,7 +271,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                                                block_mask=blocks, block_size=(block_q, block_k), backend="triton")
                     out = fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles)
                     err = float((out.float() - reference.float()).norm() / reference.float().norm())
-                    return _median_ms(lambda q, k, v: fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles),
+                    return timer(lambda q, k, v: fa(q, k, v, block_mask=block_mask, kernel_options=flex_tiles),
                                       sets, warmup, rep), err
 
                 timed, err = _try(flex_time)
@@ -248,7 +290,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                         return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk,
                                               pv=pv, block_size=(block_q, block_k), backend="triton", rotary=tables)
 
-                    ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
+                    ms, err = _try(lambda: timer(paro, sets, warmup, rep))
                     row = record(f"paro-{qk}-{pv}{suffix}", density, ms, err, mask_density=actual,
                                  config=vars(triton_backend.kernel_config(D, block_q, block_k, qk, pv)))
                     if sdpa_ms and ms:
@@ -265,7 +307,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                                                  layout.width, block_k, qk, pv, gather, q if with_q else None,
                                                  block_q)
 
-            ms, err = _try(lambda: _median_ms(prologue, sets, warmup, rep))
+            ms, err = _try(lambda: timer(prologue, sets, warmup, rep))
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
             print(f"{name:16s} prologue {qk}/{pv}: {ms} {err or ''}", flush=True)
         if name == "short":
@@ -304,6 +346,7 @@ def _write(results: dict, out_dir) -> Path | None:
     block_q, block_k = results["block"] if isinstance(results["block"], list) else (results["block"],) * 2
     suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}" + ("" if block_k == BLOCK else f"-bk{block_k}")
     suffix += "-tma" if results.get("tma") else ""
+    suffix += "-graph" if results.get("timing", "").startswith("cuda-graph") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -400,6 +443,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tma", action="store_true",
                         help="read K/V tiles through tensor descriptors (KernelConfig.tma) in every paro config")
     parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE in the op (rotary=)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time every method as the replay of a CUDA graph of calls (no host launch work)")
     parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
     args = parser.parse_args(argv)
     if args.table:
@@ -418,6 +463,7 @@ def main(argv=None) -> dict:
         block_k=args.block_k,
         tma=args.tma,
         rope=args.rope,
+        graph=args.graph,
     )
 
 
