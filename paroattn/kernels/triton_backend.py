@@ -240,7 +240,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
             *k.stride(), *v.stride(), *(q if q is not None else k).stride(),
             orders, N, n_pad, H, nq, prefix, frames, height, width,
             HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, GATHER_KV=gather_kv, WRITE_Q=q is not None,
-            BLOCK_Q=bq or bk, num_warps=4,  # 8 warps: 6-12% slower (H200, ninth session)
+            BLOCK_Q=bq or bk, num_warps=4,  # 8: int8+fp8 11-12% slower (H200, ninth session)
         )
     return kq, k_scale, vq, v_amax if v_amax is not None else placeholder, qq, q_scale
 
