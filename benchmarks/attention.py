@@ -54,6 +54,7 @@ SHAPES = {
 }
 MODES = [("bf16", "bf16"), ("int8", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]
 DENSITIES = [1.0, 0.5, 0.3, 0.2]
+MIN_REPETITIONS = 10  # timed calls per measurement at least, however long a call is
 BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
@@ -81,6 +82,15 @@ def _median_ms(fn, sets, warmup=25, rep=100) -> float:
         state["i"] += 1
         return fn(*args)
 
+    # do_bench sizes its repetitions from `rep` ms: a 200 ms call (Wan2.1-14B dense) would get one, so
+    # the budget grows to >= MIN_REPETITIONS calls of the first timed one
+    call()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    stop.record()
+    torch.cuda.synchronize()
+    rep = max(rep, MIN_REPETITIONS * start.elapsed_time(stop))
     return float(triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median"))
 
 
