@@ -172,12 +172,24 @@ def _pv_key_at(j: torch.Tensor) -> torch.Tensor:
     return (j & ~14) | ((j >> 1) & 6) | ((j & 2) << 2)
 
 
+@pytest.fixture
+def small_key_mean_sample(monkeypatch):
+    """K smoothing's mean sampled from ~16 tokens, so short test sequences take strides > 1 (the
+    strides are cached per length and frame: cleared on both sides)."""
+    from paroattn.kernels import reference
+
+    monkeypatch.setattr(reference, "K_MEAN_SAMPLES", 16)
+    reference.key_mean_stride.cache_clear()
+    yield
+    reference.key_mean_stride.cache_clear()
+
+
 @pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 64), ("int4", "int8", 128), ("int8", "fp8", 128)])
-def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D):
+def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_mean_sample):
     """The prologue's quantized Q, K and V are the reference's values bit for bit (same grid, same
     IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
-    is the reference's sampled mean. B=2, mixed orders, [B, N, H, D] storage, a ragged last block,
-    query blocks twice the key blocks."""
+    is the reference's sampled mean (a sample of ~16 tokens here, so the stride is > 1). B=2, mixed
+    orders, [B, N, H, D] storage, a ragged last block, query blocks twice the key blocks."""
     from paroattn.kernels import reference
     from paroattn.layout import reorder_index
 
@@ -189,9 +201,11 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D):
     orders = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
         k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, False, q, bq)
-    k_mean, _ = triton_backend._statistics(k, v, qk, pv)
-    torch.testing.assert_close(k_mean, reference.key_smoothing_mean(k.flatten(0, 1)).view(2, H, D), rtol=1e-6,
-                               atol=1e-6)
+    stride = reference.key_mean_stride(N, layout.height, layout.width)
+    assert stride == 11  # 149 // 16 = 9, raised past 9 and 10 (factors of 8 x 6)
+    k_mean, _ = triton_backend._statistics(k, v, qk, pv, stride)
+    torch.testing.assert_close(k_mean, reference.key_smoothing_mean(k.flatten(0, 1), stride).view(2, H, D),
+                               rtol=1e-6, atol=1e-6)
     qmax = reference.QK_QMAX[qk]
     # int4 values are stored times 16, their scales over 16
     store = 16.0 if qk == "int4" else 1.0

@@ -1,5 +1,7 @@
 """The torch reference op: the definition every kernel is tested against."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,23 @@ def test_k_smoothing_makes_int8_insensitive_to_a_key_offset():
     # float32 rounding of k + offset - mean may move a value across a rounding boundary of the int8
     # grid: one step of one key is ~1e-3 here; without smoothing the error is ~0.1
     torch.testing.assert_close(shifted, out, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("prefix,frames,height,width", [
+    (226, 13, 30, 45), (0, 21, 30, 52), (0, 21, 45, 80), (512, 1, 64, 64), (0, 16, 64, 64), (0, 8, 16, 16)])
+def test_key_mean_sample_visits_every_row_and_column(prefix, frames, height, width):
+    """K smoothing's sampled mean: >= ~2500 tokens (all of short sequences), and the stride shares no
+    factor with the frame, so the sample holds tokens of every column and every row (a stride of 16
+    on a 64-wide frame would sample 4 columns)."""
+    layout = TokenLayout(prefix, frames, height, width)
+    n = layout.seq_len
+    stride = reference.key_mean_stride(n, height, width)
+    assert 1 <= stride <= reference.MAX_K_MEAN_STRIDE + 8 and math.gcd(stride, height * width) == 1
+    positions = torch.arange(0, n, stride)
+    assert len(positions) >= min(n, 2500)
+    grid = positions[positions >= prefix] - prefix
+    assert set((grid % width).tolist()) == set(range(width))
+    assert set(((grid // width) % height).tolist()) == set(range(height))
 
 
 def test_half_precision_inputs_keep_dtype_and_match_float32():

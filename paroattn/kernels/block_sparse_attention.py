@@ -4,8 +4,8 @@ The torch reference beside them (`reference.py`) is their definition; `triton_ba
 them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
 1. statistics (torch reductions, only in the modes that need them): the per-(b, h) mean of K over
-   every 16th token (`reference.key_smoothing_mean`, which K smoothing subtracts, for int8/int4 QK;
-   a sample reads 1/16 of K) and the per-channel max |V| (fp8/int8 PV, one pass over V; the scale
+   every s-th token, s <= 16 (`reference.key_smoothing_mean`, which K smoothing subtracts, for
+   int8/int4 QK; a sample of ~2500-4500 tokens reads 1/s of K) and the per-channel max |V| (fp8/int8 PV, one pass over V; the scale
    max(amax, eps) / qmax is formed where it is used).
 2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it

@@ -35,7 +35,7 @@ from .block_sparse_attention import (
     _attention_kernel,
     _kv_prologue_kernel,
 )
-from .reference import K_MEAN_STRIDE
+from .reference import key_mean_stride
 from .rotary import rotate_qk
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
@@ -181,13 +181,13 @@ def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config:
 # The launches.
 
 
-def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str):
-    """K smoothing's mean [B, H, D] (over every K_MEAN_STRIDE-th token, `reference.key_smoothing_mean`)
+def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str, mean_stride: int):
+    """K smoothing's mean [B, H, D] (over every `mean_stride`-th token, `reference.key_smoothing_mean`)
     and V's per-channel max |V| [B, H, D], float32, one launch each and only where the modes need
     them; the kernels form the scales."""
     k_mean = v_amax = None
     if qk != "bf16":
-        k_mean = torch.mean(k[:, :, ::K_MEAN_STRIDE], dim=2, dtype=torch.float32)
+        k_mean = torch.mean(k[:, :, ::mean_stride], dim=2, dtype=torch.float32)
     if pv != "bf16":
         v_amax = torch.linalg.vector_norm(v, float("inf"), dim=2, dtype=torch.float32)
     return k_mean, v_amax
@@ -214,7 +214,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, gather_k
     n_pad = nk * bk
     qk_code, pv_code = QK_CODES[qk], PV_CODES[pv]
     device = k.device
-    k_mean, v_amax = _statistics(k, v, qk, pv)
+    k_mean, v_amax = _statistics(k, v, qk, pv, key_mean_stride(N, height, width))
     placeholder = _placeholder(device)
     kq = k_scale = vq = placeholder
     if qk_code != QK_FP:
