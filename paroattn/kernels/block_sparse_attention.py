@@ -5,8 +5,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
 1. statistics (torch reductions, only in the modes that need them): the per-(b, h) mean of K over
    every s-th token, s <= 16 (`reference.key_smoothing_mean`, which K smoothing subtracts, for
-   int8/int4 QK; a sample of ~2500-4500 tokens reads 1/s of K) and the per-channel max |V| (fp8/int8 PV, one pass over V; the scale
-   max(amax, eps) / qmax is formed where it is used).
+   int8/int4 QK; a sample of >= 2048 tokens reads 1/s of K) and the per-channel max |V| (fp8/int8
+   PV, one pass over V; the scale max(amax, eps) / qmax is formed where it is used).
 2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
    contiguously (and with `KernelConfig.q_tma` the query blocks too, for descriptor loads of Q): K in

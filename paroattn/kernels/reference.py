@@ -6,7 +6,7 @@ Quantization is emulated in float32 with exactly the grid a kernel uses:
 - Q: symmetric per block of `bq` reordered queries; K: a per-(batch, head) mean is subtracted first
   (softmax is invariant to subtracting any vector from every key; the mean makes the values small),
   then symmetric per block of `bk` keys. The mean is taken over every s-th token of the original
-  order (`key_mean_stride`: s <= 16 keeps >= ~2500 tokens, and s shares no factor with the frame's
+  order (`key_mean_stride`: s <= 16 keeps >= 2048 tokens, and s shares no factor with the frame's
   H x W, so the sample visits every row and column alike): as exact as the full mean, since any
   vector may be subtracted, and it reads 1/s of K.
   Ranges: int8 +-127, int4 +-7. scale = max(amax, QUANT_EPS) / qmax, values x * (1 / scale) rounded
@@ -35,7 +35,7 @@ PV_MODES = ("bf16", "fp8", "int8")
 QK_QMAX = {"int8": 127.0, "int4": 7.0}
 PV_QMAX = {"int8": 127.0, "fp8": 448.0}
 QUANT_EPS = 1e-8
-K_MEAN_SAMPLES = 4096  # K smoothing's mean samples about this many tokens (all of shorter sequences)
+MIN_K_MEAN_SAMPLES = 2048  # K smoothing's mean reads at least this many tokens (all of shorter sequences)
 MAX_K_MEAN_STRIDE = 16
 # queries per chunk of the reference loop: bounds its memory to ~CHUNK * N floats
 _QUERY_CHUNK = 1024
@@ -71,15 +71,16 @@ def quantize_per_block(x: torch.Tensor, block: int, qmax: float) -> tuple[torch.
 
 @functools.cache
 def key_mean_stride(seq_len: int, height: int, width: int) -> int:
-    """The sampling stride of K smoothing's mean: seq_len // K_MEAN_SAMPLES (1 to MAX_K_MEAN_STRIDE),
-    raised to the next value sharing no factor with height x width, so the sampled tokens cycle
-    through every column and row of a frame (a stride dividing the width samples a few columns only,
-    and with RoPE in K that mean is biased). The mean's sampling error shrinks as 1 / sqrt(samples):
-    with ~121 samples the op's int8 error grew ~1% on Gaussian keys; strides here keep >= ~2500."""
-    stride = min(max(seq_len // K_MEAN_SAMPLES, 1), MAX_K_MEAN_STRIDE)
-    while math.gcd(stride, height * width) != 1:
-        stride += 1
-    return stride
+    """The sampling stride of K smoothing's mean: the largest s <= MAX_K_MEAN_STRIDE that shares no
+    factor with height x width (so the sampled tokens cycle through every column and row of a frame: a
+    stride dividing the width samples a few columns only, and with RoPE in K that mean is biased) and
+    still samples >= MIN_K_MEAN_SAMPLES tokens; 1 (every token) for short sequences. The mean's
+    sampling error shrinks as 1 / sqrt(samples): with ~121 samples the op's int8 error grew ~1% on
+    Gaussian keys."""
+    for stride in range(MAX_K_MEAN_STRIDE, 1, -1):
+        if math.gcd(stride, height * width) == 1 and -(-seq_len // stride) >= MIN_K_MEAN_SAMPLES:
+            return stride
+    return 1
 
 
 def key_smoothing_mean(k: torch.Tensor, stride: int) -> torch.Tensor:
