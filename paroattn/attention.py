@@ -18,23 +18,13 @@ import torch
 
 from .errors import PAROInputError
 from .kernels.block_lists import ActiveBlocks
-from .kernels.reference import PV_MODES, QK_MODES, paro_attention_reference
+from .kernels.reference import paro_attention_reference
 from .layout import ORDERS, TokenLayout
+from .masks import block_sizes, mask_shape
+from .modes import modes_problem
 
 BACKENDS = ("auto", "triton", "torch")
 
-
-def block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(block_size, int):
-        return block_size, block_size
-    bq, bk = block_size
-    return int(bq), int(bk)
-
-
-def mask_shape(n: int, block_size: int | tuple[int, int]) -> tuple[int, int]:
-    """(nq, nk): the number of query and key blocks of a sequence of n tokens."""
-    bq, bk = block_sizes(block_size)
-    return -(-n // bq), -(-n // bk)
 
 
 def check_rotary(rotary, q: torch.Tensor) -> None:
@@ -57,10 +47,8 @@ def check_rotary(rotary, q: torch.Tensor) -> None:
 
 def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
-    if qk not in QK_MODES:
-        raise PAROInputError(f"qk={qk!r} is not a QK mode; expected one of {QK_MODES}")
-    if pv not in PV_MODES:
-        raise PAROInputError(f"pv={pv!r} is not a PV mode; expected one of {PV_MODES}")
+    if problem := modes_problem(qk, pv):
+        raise PAROInputError(problem)
     if backend not in BACKENDS:
         raise PAROInputError(f"backend={backend!r}; expected one of {BACKENDS}")
     if not isinstance(layout, TokenLayout):

@@ -190,10 +190,10 @@ def demo(
     on the same seeds, side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times."""
     from .demo import run_demo
     from .errors import PlanError
-    from .kernels.reference import PV_MODES, QK_MODES
+    from .modes import modes_problem
 
-    if qk not in QK_MODES or pv not in PV_MODES:
-        _fail(f"--qk {qk} --pv {pv}: expected --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}")
+    if problem := modes_problem(qk, pv):
+        _fail(f"--qk {qk} --pv {pv}: {problem}")
     if not 0.0 < density <= 1.0:
         _fail(f"--density must be in (0, 1], got {density}")
     try:

@@ -1,8 +1,23 @@
-"""Block masks: helpers shared by plans, tests and benchmarks."""
+"""Block masks and their geometry: block sizes, mask shapes, and helpers shared by plans, tests and
+benchmarks."""
 
 from __future__ import annotations
 
 import torch
+
+
+def block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(bq, bk) from one size for both or a pair."""
+    if isinstance(block_size, int):
+        return block_size, block_size
+    bq, bk = block_size
+    return int(bq), int(bk)
+
+
+def mask_shape(n: int, block_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(nq, nk): the number of query and key blocks of a sequence of n tokens."""
+    bq, bk = block_sizes(block_size)
+    return -(-n // bq), -(-n // bk)
 
 
 def synthetic_block_mask(

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .attention import block_sizes, mask_shape
 from .errors import PlanError
-from .kernels.reference import PV_MODES, QK_MODES
 from .layout import ORDERS, TokenLayout
+from .masks import block_sizes, mask_shape, synthetic_block_mask
+from .modes import modes_problem
 
 FORMAT_VERSION = 1
 METADATA_KEY = "paroattn_plan"
@@ -165,8 +165,8 @@ class Plan:
                 f"plan format version {self.format_version} is newer than this paroattn reads "
                 f"(up to {FORMAT_VERSION}): upgrade paroattn, or recalibrate with this version"
             )
-        if self.qk not in QK_MODES or self.pv not in PV_MODES:
-            raise PlanError(f"plan has qk={self.qk!r}, pv={self.pv!r}; expected qk in {QK_MODES}, pv in {PV_MODES}")
+        if problem := modes_problem(self.qk, self.pv):
+            raise PlanError(f"plan modes are unusable: {problem}; the plan is corrupt, recalibrate")
         if len(self.block_size) != 2 or min(self.block_size) < 16:
             raise PlanError(f"plan block_size {self.block_size} must be two sizes >= 16")
         if self.orders.dim() != 2:
@@ -327,8 +327,6 @@ class Plan:
         """A plan of the right shapes without calibration: identity ("FHW"), named, random
         ("random") or given orders, and masks of a band around the diagonal plus random blocks at
         `density`. For tests, benchmarks and the dense-equivalence check (density=1.0)."""
-        from .masks import synthetic_block_mask
-
         g = torch.Generator().manual_seed(seed)
         if orders is None or orders == "FHW":
             orders = torch.zeros(num_layers, num_heads, dtype=torch.int8)

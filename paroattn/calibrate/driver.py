@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.reference import PV_MODES, QK_MODES
 from ..layout import ORDERS, TokenLayout
+from ..modes import modes_problem
 from ..plan import Plan, bucket_edges_problem, bucket_index, default_bucket_edges, model_fingerprint
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
@@ -63,8 +63,8 @@ class CalibrationConfig:
     def validate(self) -> None:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
-        if self.qk not in QK_MODES or self.pv not in PV_MODES:
-            raise ValueError(f"qk={self.qk!r}, pv={self.pv!r}; expected qk in {QK_MODES}, pv in {PV_MODES}")
+        if problem := modes_problem(self.qk, self.pv):
+            raise ValueError(problem)
         if self.metric not in METRICS:
             raise ValueError(f"metric={self.metric!r}; expected one of {METRICS}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

@@ -30,8 +30,6 @@ import torch.nn.functional as F
 from ..layout import TokenLayout, reorder_index, reorder_indices
 from ..masks import dense_mask_from_blocks
 
-QK_MODES = ("bf16", "int8", "int4")
-PV_MODES = ("bf16", "fp8", "int8")
 QK_QMAX = {"int8": 127.0, "int4": 7.0}
 PV_QMAX = {"int8": 127.0, "fp8": 448.0}
 QUANT_EPS = 1e-8

@@ -1,0 +1,22 @@
+"""The op's precision modes, named and validated once for every layer above (kernels, op, plan,
+calibration, CLI).
+
+- `qk`: how Q and K enter the score product: "bf16" (the inputs' own 16-bit type), "int8" or "int4"
+  (symmetric per block, K smoothed by its mean first; int4 values still run on int8 units).
+- `pv`: how P and V enter the output product: "bf16", "fp8" (e4m3) or "int8".
+"""
+
+from __future__ import annotations
+
+QK_MODES = ("bf16", "int8", "int4")
+PV_MODES = ("bf16", "fp8", "int8")
+
+
+def modes_problem(qk: str, pv: str) -> str | None:
+    """Why (qk, pv) is not a pair of modes, or None. Callers raise it as their own error type."""
+    wrong = []
+    if qk not in QK_MODES:
+        wrong.append(f"qk={qk!r} is not one of {QK_MODES}")
+    if pv not in PV_MODES:
+        wrong.append(f"pv={pv!r} is not one of {PV_MODES}")
+    return "; ".join(wrong) or None
