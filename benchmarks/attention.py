@@ -1,8 +1,11 @@
 """Attention kernel benchmark: SDPA (default and flash), flex_attention with the same block mask,
-sageattn (if importable) and paro_attention for densities x modes, at the shapes of issue 4.
+sageattn (if importable) and paro_attention for densities x modes, at the attention shapes of
+CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence).
 
-    python benchmarks/attention.py [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--out DIR]
+    python benchmarks/attention.py [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--graph] [--out DIR]
     paro bench ...                  (same options)
+    python benchmarks/attention.py --table RESULTS.json [...]             # every method's table (no GPU)
+    python benchmarks/attention.py --table RESULTS.json [...] --summary   # bf16 and int8+fp8 per model (no GPU)
 
 Every method gets the same contiguous [B, H, N, D] bf16 inputs; each timing is the median of
 `triton.testing.do_bench` (CUDA events, L2 flushed between repetitions) while the call rotates over
@@ -10,12 +13,13 @@ several input sets (`--graph`: the replay of a CUDA graph of such calls, for eve
 without the host's launch work, which bounds sub-millisecond shapes in eager mode). The paro time is
 the whole public op call (`paroattn.paro_attention`, prologue included) with a prebuilt
 `ActiveBlocks` (what a processor passes) and a per-head order mix.
-flex_attention gets the same block mask (64 x 64 blocks, all "full", in the same coordinates) on
-the same tensors: the reordering paro does inside its kernel is free for flex here.
+flex_attention gets the same block mask (all blocks "full", in the same coordinates) on the same
+tensors: the reordering paro does inside its kernel is free for flex here.
 Effective TFLOP/s is the DENSE attention work 4*B*H*N^2*D over the time, so it compares methods;
 the speedup is SDPA default time / time. `--rope` also times each paro mode with RoPE tables handed
 to the op (`rotary=`, rows "paro-...-rope"): what the op's RoPE pass costs (what it saves, the
-model's own RoPE code, is in benchmarks/e2e.py).
+model's own RoPE code, is in benchmarks/e2e.py). The JSON records the GPU, driver, torch, triton,
+date and, when run from a git checkout, the commit.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import math
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,8 +63,8 @@ MIN_REPETITIONS = 10  # timed calls per measurement at least, however long a cal
 BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
-# kernel configs per query block: what earlier sweeps left standing (8 warps on 64 rows and in-kernel
-# gathers lost everywhere)
+# kernel configs `--sweep` tries per query block; 8 warps on 64-row tiles and K/V gathered inside the
+# kernel are left out: they lost at every shape they were timed on (docs/notes/tile-configs.md)
 _KC = triton_backend.KernelConfig
 SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
@@ -70,6 +75,35 @@ SWEEP_CONFIGS = {
 }
 SWEEP_SHAPES = {64: "cogvideox-5b", 128: "wan2.1-1.3b"}  # the shape whose d=0.5 sweep pins each head dim
 ROPE_ON_TEXT = {"flux.1-dev"}  # Flux rotates its text tokens too; CogVideoX only the grid after them
+# what `--table ... --summary` shows: one row per model and mode, these densities
+LABELS = {"cogvideox-5b": "CogVideoX-5B", "wan2.1-1.3b": "Wan2.1-1.3B", "wan2.1-14b-720p": "Wan2.1-14B 720p",
+          "flux.1-dev": "FLUX.1-dev", "short": "short sequence"}
+SUMMARY_SHAPES = ["cogvideox-5b", "wan2.1-1.3b", "wan2.1-14b-720p", "flux.1-dev"]
+SUMMARY_MODES = [("bf16", "bf16"), ("int8", "fp8")]
+SUMMARY_DENSITIES = [1.0, 0.5, 0.2]
+MODE_LABELS = {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8 QK", ("int8", "fp8"): "int8 QK + fp8 PV",
+               ("int8", "int8"): "int8 QK + int8 PV", ("int4", "fp8"): "int4 QK + fp8 PV"}
+
+
+def _environment() -> dict:
+    """Driver and commit, best effort: absent where nvidia-smi or a git checkout is not there."""
+    env = {}
+    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                     ("commit", ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0]
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.strip():
+            env[key] = out.strip()
+    if "commit" in env:
+        try:
+            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+            env["commit"] += "+changes" if dirty else ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return env
 
 
 def _median_ms(fn, sets, warmup=25, rep=100) -> float:
@@ -191,6 +225,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
+        **_environment(),
         "block": [block_q, block_k],
         "tma": tma,
         "timing": "cuda-graph replay" if graph else "do_bench (eager calls, L2 flushed)",
@@ -252,9 +287,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
             actual = float(mask.float().mean())
             if flex and D == 64:
-                # DESIGN.md section 7: flex_attention gave wrong results at D=64 and an illegal address
-                # (which kills the process) at density <= 0.3; not run there
-                record("flex", density, None, "skipped at D=64 (wrong results / illegal address, DESIGN.md 7)")
+                # flex_attention gave wrong results at D=64 and, at density <= 0.3, an illegal
+                # memory access that kills the process: not run there
+                record("flex", density, None, "skipped at D=64 (flex_attention gave wrong results / an illegal address there)")
             elif flex:
                 def flex_time():
                     fa, block_mask = _flex(mask, N, block_q, block_k)
@@ -336,7 +371,7 @@ def _write(results: dict, out_dir) -> Path | None:
         return None
     slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")
     block_q, block_k = results["block"] if isinstance(results["block"], list) else (results["block"],) * 2
-    suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}" + ("" if block_k == BLOCK else f"-bk{block_k}")
+    suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}-bk{block_k}"
     suffix += "-tma" if results.get("tma") else ""
     suffix += "-graph" if results.get("timing", "").startswith("cuda-graph") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
@@ -420,11 +455,76 @@ def markdown_tables(results: dict) -> str:
     return "\n".join(out)
 
 
+def _block(results: dict) -> tuple[int, int]:
+    block = results.get("block", BLOCK)
+    return tuple(block) if isinstance(block, list) else (block, block)
+
+
+def environment_line(results: dict) -> str:
+    """GPU, driver, torch, triton, commit, date, blocks and timing of a results file (what it records)."""
+    parts = [results["gpu"]] + ([f"driver {results['driver']}"] if results.get("driver") else [])
+    parts += [f"torch {results['torch']}", f"triton {results['triton']}"]
+    parts += [f"commit {results['commit']}"] if results.get("commit") else []
+    block_q, block_k = _block(results)
+    parts += [results["date"], f"blocks {block_q} x {block_k}", results.get("timing", "do_bench (eager calls, L2 flushed)")]
+    return ", ".join(parts)
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str:
+    """One row per (shape, mode): the op's time and its speedup over SDPA default at each density, and
+    the prologue's share of it; then the host time per call where the file measured it."""
+    shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
+    modes, densities = modes or SUMMARY_MODES, densities or SUMMARY_DENSITIES
+    lines = [environment_line(results), "",
+             "| model (B, H, N, D) | SDPA default | paro mode | " + " | ".join(f"d={d}" for d in densities)
+             + " | of which prologue |",
+             "|---" * (len(densities) + 4) + "|"]
+    for shape in shapes:
+        rows = [r for r in results["rows"] if r["shape"] == shape]
+        sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default" and r["ms"]), None)
+        first = rows[0]
+        head = [f"{LABELS.get(shape, shape)} ({first['B']}, {first['H']}, {first['N']}, {first['D']})",
+                f"{_ms(sdpa)} ms" if sdpa else "n/a"]
+        for qk, pv in modes:
+            cells = []
+            for d in densities:
+                r = next((x for x in rows if x["method"] == f"paro-{qk}-{pv}" and x["density"] == d), None)
+                if r is None:
+                    cells.append("")
+                elif not r["ms"]:
+                    cells.append("failed")
+                else:
+                    cells.append(f"{_ms(r['ms'])} ms, {sdpa / r['ms']:.2f}x" if sdpa else f"{_ms(r['ms'])} ms")
+            prologue = next((p["ms"] for p in results.get("prologue", [])
+                             if p["shape"] == shape and (p["qk"], p["pv"]) == (qk, pv) and p["ms"]), None)
+            lines.append(f"| {' | '.join(head)} | {MODE_LABELS.get((qk, pv), f'{qk}+{pv}')} | " + " | ".join(cells)
+                         + f" | {f'{prologue:.3f} ms' if prologue else ''} |")
+            head = ["", ""]
+    host, host_bf16, host_sdpa = (results.get(k) or {} for k in ("host", "host_bf16", "host_sdpa"))
+    if "host_us_per_call" in host and "host_us_per_call" in host_sdpa:
+        def us(entry, key):
+            return f"{entry[key]:.0f}" if key in entry else "-"
+
+        lines += ["", "Host time per call, short shape, d=0.5 (paro bf16 / int8 QK + fp8 PV / SDPA): eager "
+                  f"{us(host_bf16, 'host_us_per_call')} / {us(host, 'host_us_per_call')} / "
+                  f"{us(host_sdpa, 'host_us_per_call')} us; replayed from a CUDA graph "
+                  f"{us(host_bf16, 'cuda_graph_us_per_call')} / {us(host, 'cuda_graph_us_per_call')} / "
+                  f"{us(host_sdpa, 'cuda_graph_us_per_call')} us."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
-    parser.add_argument("--densities", default=",".join(str(d) for d in DENSITIES))
-    parser.add_argument("--modes", default=",".join(f"{a}+{b}" for a, b in MODES), help="qk+pv pairs, comma list")
+    parser.add_argument("--shapes", default=None, help=f"comma list of {list(SHAPES)} (default: all; "
+                        f"with --summary: {','.join(SUMMARY_SHAPES)})")
+    parser.add_argument("--densities", default=None, help=f"comma list (default: {','.join(map(str, DENSITIES))}; "
+                        f"with --summary: {','.join(map(str, SUMMARY_DENSITIES))})")
+    parser.add_argument("--modes", default=None, help="qk+pv pairs, comma list (default: all five; with --summary: "
+                        "bf16+bf16,int8+fp8)")
     parser.add_argument("--no-flex", action="store_true", help="skip flex_attention (it compiles per shape)")
     parser.add_argument("--sweep", action="store_true", help="also time warps x stages configs at d=0.5")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="folder for the JSON")
@@ -437,16 +537,26 @@ def main(argv=None) -> dict:
     parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE in the op (rotary=)")
     parser.add_argument("--graph", action="store_true",
                         help="time every method as the replay of a CUDA graph of calls (no host launch work)")
-    parser.add_argument("--table", metavar="JSON", help="print markdown tables of a results file and exit (no GPU)")
+    parser.add_argument("--table", metavar="JSON", nargs="+",
+                        help="print markdown tables of results files and exit (reads JSON only: no GPU)")
+    parser.add_argument("--summary", action="store_true",
+                        help="with --table: per model, bf16 and int8+fp8 at d = 1 / 0.5 / 0.2 vs SDPA, and the host time")
     args = parser.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else None
+    densities = [float(d) for d in args.densities.split(",")] if args.densities else None
+    modes = [tuple(m.split("+")) for m in args.modes.split(",")] if args.modes else None
     if args.table:
-        results = json.loads(Path(args.table).read_text())
-        print(markdown_tables(results))
-        return results
+        files = [json.loads(Path(path).read_text()) for path in args.table]
+        for path, results in zip(args.table, files):
+            if args.summary:
+                print(f"`{Path(path).name}`: " + summary_table(results, shapes, modes, densities) + "\n")
+            else:
+                print(f"`{Path(path).name}`: {environment_line(results)}\n\n{markdown_tables(results)}")
+        return files[0] if len(files) == 1 else {"files": files}
     return run(
-        shapes=[s for s in args.shapes.split(",") if s],
-        densities=[float(d) for d in args.densities.split(",")],
-        modes=[tuple(m.split("+")) for m in args.modes.split(",")],
+        shapes=shapes,
+        densities=densities,
+        modes=modes,
         flex=not args.no_flex,
         sweep=args.sweep,
         out_dir=args.out,
