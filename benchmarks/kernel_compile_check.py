@@ -31,15 +31,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from paroattn.kernels import block_sparse_attention as kernels  # noqa: E402
-from paroattn.kernels.triton_backend import KernelConfig, config_problem  # noqa: E402
+from paroattn.kernels.dispatch import KernelConfig, config_problem  # noqa: E402
 
 MODES = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (0, 1)]  # (QK_MODE, PV_MODE)
 SASS_OPS = ["HGMMA", "USETMAXREG", "SYNCS", "IGMMA", "QGMMA", "HMMA", "LDGSTS", "LDG", "STL", "LDL", "MUFU.EX2", "I2F", "F2I", "F2FP", "PRMT", "SHFL"]
 
 
-def _buffers(qk_mode, pv_mode, gather):
-    kq = "*i8" if qk_mode else ("*fp32" if gather else "*bf16")
-    vq = "*fp8e4nv" if pv_mode == 1 else "*i8" if pv_mode == 2 else ("*fp32" if gather else "*bf16")
+def _buffers(qk_mode, pv_mode):
+    kq = "*i8" if qk_mode else "*bf16"
+    vq = "*fp8e4nv" if pv_mode == 1 else "*i8" if pv_mode == 2 else "*bf16"
     return kq, vq
 
 
@@ -75,24 +75,19 @@ def _check_gluon_kernel(sass: bool) -> int:
     from paroattn.kernels import hopper_attention
 
     fn = hopper_attention._warp_specialized_kernel
-    pointers = dict(Q="*bf16", Out="*bf16", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32", KScale="*fp32",
-                    QScale="*fp32", VAmax="*fp32")
+    pointers = dict(Q="*bf16", Out="*bf16", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32")
     failures = 0
-    for quantized, q_gather, head_dim, stages in itertools.product((False, True), (False, True), (64, 128), (2, 3, 4)):
-        if quantized and q_gather:
-            continue  # int8 Q is quantized per 128-row tile: the prologue writes it
-        # CPU tensors: only the types matter
-        qk = torch.empty(2, 256, head_dim, dtype=torch.int8 if quantized else torch.bfloat16)
-        v = torch.empty(2, head_dim, 256, dtype=torch.float8_e4m3fn) if quantized else qk
-        descs = dict(zip(("q_desc", "k_desc", "v_desc"), hopper_attention.descriptors(qk, qk, v)))
-        constants = dict(STAGES=stages, CONSUMER_REGS=240, Q_GATHER=q_gather)
+    for head_dim, stages in itertools.product((64, 128), (2, 3, 4)):
+        kv = torch.empty(2, 256, head_dim, dtype=torch.bfloat16)  # CPU tensors: only the types matter
+        descs = dict(zip(("k_desc", "v_desc"), hopper_attention.descriptors(kv, kv)))
+        constants = dict(STAGES=stages, CONSUMER_REGS=240)
         signature = {name: mangle_type(descs[name]) if name in descs else pointers.get(name) or
                      ("constexpr" if name in constants else "fp32" if name == "qk_scale" else "i32")
                      for name in fn.arg_names}
         # pointers and the outer strides are multiples of 16, as a launch specializes them
         strides = [f"stride_{t}{a}" for t in "qo" for a in "bhn"]
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in list(pointers) + strides}
-        label = f"gluon {'int8+fp8' if quantized else 'bf16'} q_gather={q_gather} D={head_dim} stages={stages}"
+        label = f"gluon bf16 D={head_dim} stages={stages}"
         try:
             kernel = triton.compile(GluonASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in
                                                                    constants.items()}, attrs),
@@ -119,23 +114,19 @@ def main() -> int:
         print(f"triton {triton.__version__}: gluon kernel, {failures} failed")
         return 1 if failures else 0
     bk = args.block_k or args.block
-    unit = ["stride_qd", "stride_kd", "stride_vd", "stride_od"]
+    unit = ["stride_qd", "stride_od"]
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                  "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
     failures = compiled = 0
-    variants = itertools.product(MODES, (64, 128), (False, True), (True, False), (False, True), (False, True),
-                                 (False, True))
-    for (qk_mode, pv_mode), head_dim, gather, even, tma, overlap, q_tma in variants:
-        if gather and (tma or overlap):
-            continue  # descriptors read the prologue's buffers, which gathers skip; overlap: not tuned with gathers
-        if config_problem(KernelConfig(args.warps, args.stages, gather, tma, overlap, q_tma), args.block, bk):
+    variants = itertools.product(MODES, (64, 128), (True, False), (False, True), (False, True), (False, True))
+    for (qk_mode, pv_mode), head_dim, even, tma, overlap, q_tma in variants:
+        if config_problem(KernelConfig(args.warps, args.stages, tma, overlap, q_tma), args.block, bk):
             continue  # a config the backend refuses
-        kq, vq = _buffers(qk_mode, pv_mode, gather)
-        label = (f"qk={qk_mode} pv={pv_mode} D={head_dim} gather={gather} even={even} tma={tma} overlap={overlap} "
-                 f"q_tma={q_tma}")
+        kq, vq = _buffers(qk_mode, pv_mode)
+        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} even={even} tma={tma} overlap={overlap} q_tma={q_tma}"
         if not all(word in label.split() for word in args.match.split()):
             continue
-        pointers = dict(Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
+        pointers = dict(Q="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
                         VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32",
                         QScale="*fp32")
         pointers["QDesc"] = f"tensordesc<{'i8' if qk_mode else 'bf16'}[{args.block}, {head_dim}]>" if q_tma else kq
@@ -146,7 +137,7 @@ def main() -> int:
         else:
             pointers.update(KDesc=kq, VDesc=vq)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=bk, QK_MODE=qk_mode,
-                         PV_MODE=pv_mode, EVEN_N=even, GATHER_KV=gather, USE_TMA=tma, OVERLAP_QK=overlap,
+                         PV_MODE=pv_mode, EVEN_N=even, USE_TMA=tma, OVERLAP_QK=overlap,
                          Q_TMA=q_tma,
                          P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
@@ -160,7 +151,7 @@ def main() -> int:
                                      VQ=vq, Orders="*i32", Q="*bf16", QQ="*i8" if qk_mode else "*bf16",
                                      QScale="*fp32")
             prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=bk, QK_MODE=qk_mode, PV_MODE=pv_mode,
-                                      GATHER_KV=gather, WRITE_Q=q_tma, BLOCK_Q=args.block, stride_kd=1,
+                                      WRITE_Q=q_tma, BLOCK_Q=args.block, stride_kd=1,
                                       stride_vd=1, stride_qd=1)
             _compile(kernels._kv_prologue_kernel, prologue_pointers, prologue_constants,
                      divisible + list(prologue_pointers), dict(num_warps=4))

@@ -1,13 +1,6 @@
 """`paro_attention`: the one functional op that processors, calibration checks and benchmarks call.
-
-Contract (DESIGN.md section 3): q, k, v [B, H, N, D] with any strides; each head's tokens are
-reordered by its order (prefix tokens stay first), attention runs over the active blocks of
-`block_mask` (reordered coordinates) with optional INT8/INT4 QK and FP8/INT8 PV, and the output
-comes back in q's shape, dtype and original token order. A query with no active block outputs 0.
-`block_mask` may also be prebuilt `ActiveBlocks` (what processors pass, built once per layer).
-`rotary=(cos, sin)` applies the model's RoPE to q and k first (`kernels.reference.apply_rotary`); the
-Triton backend does it in one pass over q and k (`kernels/rotary.py`) instead of the models' own chain
-of float32 elementwise kernels.
+Its contract is the function's docstring; `kernels/reference.py` is its definition in torch, and the
+Triton backend (`kernels/triton_backend.py`) must agree with it.
 """
 
 from __future__ import annotations
@@ -113,15 +106,66 @@ def paro_attention(
     backend: str = "auto",
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Block-sparse attention over per-head reordered tokens; see the module docstring."""
+    """Block-sparse attention over per-head reordered tokens, with optional INT8/INT4 QK and FP8/INT8 PV.
+
+    Each head h sees its tokens in the order `ORDERS[orders[h]]`: the `layout.prefix` tokens first and
+    unchanged (CogVideoX's and Flux's text), then the `frames x height x width` grid tokens enumerated by
+    nested loops over that order's axes, outermost first ("FHW" is the identity). The reordered sequence is
+    cut into blocks of `bq` queries and `bk` keys; a query attends exactly to the keys of its active key
+    blocks (softmax over those keys only). The output comes back in q's shape, dtype and original token
+    order; a query whose row of blocks is empty outputs zeros, never NaN.
+
+    Parameters
+    ----------
+    q, k, v : Tensor [B, H, N, D]
+        Queries, keys and values of one self-attention call, any strides (views of a [B, N, H, D] tensor
+        are fine), float16 or bfloat16 (float32 with backend="torch"). N must be `layout.seq_len`.
+    layout : TokenLayout
+        `TokenLayout(prefix, frames, height, width)` of the call's tokens.
+    orders : int Tensor [H]
+        Per-head index into `ORDERS = ("FHW", "FWH", "HFW", "HWF", "WFH", "WHF")`. Device tensors are
+        trusted (a check would sync); host tensors are checked.
+    block_mask : bool Tensor [H, ceil(N / bq), ceil(N / bk)] or ActiveBlocks
+        Active blocks in reordered coordinates (a plan's `block_mask[bucket, layer]`), or the same as
+        prebuilt active-block lists (`ActiveBlocks.from_mask`), which processors pass: a bool mask is
+        converted on every call, which syncs the host.
+    block_size : int or (bq, bk)
+        Query and key block sizes of the mask. The Triton kernels take 32, 64 or 128 (16 in the interpreter).
+    qk : {"bf16", "int8", "int4"}
+        QK product precision. "int8"/"int4": Q symmetric per query block, K minus its per-head mean then
+        symmetric per key block (softmax is invariant to the shift). int4 values run on int8 units.
+    pv : {"bf16", "fp8", "int8"}
+        PV product precision: P (in [0, 1] after the running max) with a fixed scale, V per channel.
+        "bf16" means the inputs' own 16-bit type in both.
+    sm_scale : float, optional
+        Softmax scale; 1 / sqrt(D) by default.
+    backend : {"auto", "triton", "torch"}
+        "torch" is the reference (any device, slow, the definition of the result). "triton" runs the
+        kernels and raises `PAROInputError` where they cannot (head dim other than 64 / 128, float32, CPU
+        tensors, unsupported block sizes). "auto" picks "triton" on CUDA where it can and otherwise warns
+        with the reason and runs "torch".
+    rotary : (cos, sin), optional
+        float32 tables [S, D] of the model's rotary embedding for the last S tokens (S <= N), applied to q
+        and k before anything else (`kernels.reference.apply_rotary`); the Triton backend fuses it into
+        one pass over q and k.
+
+    Returns
+    -------
+    Tensor [B, H, N, D] like q.
+
+    Raises
+    ------
+    PAROInputError
+        When an argument breaks this contract; the message says what was expected and what was found.
+    """
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary)
     bq, bk = block_sizes(block_size)
     if backend == "auto":
         backend = "torch"
         if q.is_cuda:
-            from .kernels import triton_backend
+            from .kernels.dispatch import unsupported_reason
 
-            reason = triton_backend.unsupported_reason(q, bq, bk)
+            reason = unsupported_reason(q, bq, bk, qk, pv)
             if reason is None:
                 backend = "triton"
             else:  # correct but slow: say so (once per call site, the warnings default)

@@ -6,8 +6,14 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from paroattn import layout as layout_math  # noqa: E402
 from paroattn.kernels import index_math  # noqa: E402
 from paroattn.layout import TokenLayout, inverse_index, reorder_index  # noqa: E402
+
+# the kernels only map reordered positions back; the inverse is jitted here to check both directions
+original_to_reordered = index_math.jit_mirror(
+    layout_math.original_to_reordered, order_axis_sizes_and_strides=index_math.order_axis_sizes_and_strides
+)
 
 
 @triton.jit
@@ -19,7 +25,7 @@ def _index_maps_kernel(to_original, to_reordered, orders, prefix, frames, height
     tl.store(to_original + head * n + position,
              index_math.reordered_to_original(position, order, prefix, frames, height, width), mask=inside)
     tl.store(to_reordered + head * n + position,
-             index_math.original_to_reordered(position, order, prefix, frames, height, width), mask=inside)
+             original_to_reordered(position, order, prefix, frames, height, width), mask=inside)
 
 
 @pytest.mark.parametrize("layout", [TokenLayout(0, 2, 3, 4), TokenLayout(7, 3, 5, 2), TokenLayout(11, 1, 5, 7),

@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from paroattn import PAROInputError, TokenLayout, paro_attention  # noqa: E402
-from paroattn.kernels import triton_backend  # noqa: E402
+from paroattn.kernels import dispatch, triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
     k = k * 3.0 + 2.0  # keys with a large common offset, as DiT keys have
     orders = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
-        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, False, q, bq)
+        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, q, bq)
     stride = reference.key_mean_stride(N, layout.height, layout.width)
     assert stride == 7  # the largest stride coprime with 8 x 6 that keeps >= 16 of 149 tokens
     k_mean, _ = triton_backend._statistics(k, v, qk, pv, stride)
@@ -315,22 +315,6 @@ def test_compile_fullgraph_has_no_graph_break():
     assert rel_err(compiled(q, k, v, orders), layer(q, k, v, orders)) <= 1e-3
 
 
-@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "bf16"), ("bf16", "fp8")])
-def test_in_kernel_gathers_instead_of_reordered_copies(qk, pv):
-    """KernelConfig(gather_kv=True): bf16/fp16 K and V gathered from the caller's tensors in the kernel
-    (the default is reordered copies written by the prologue)."""
-    q, k, v = make_inputs(2, 3, LAYOUT.seq_len, 64, seed=11, seq_major=True)
-    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
-    mask = synthetic_block_mask(3, n_blocks, n_blocks, 0.5, generator=torch.Generator().manual_seed(11))
-    key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=True))
-    try:
-        out, ref = both(q, k, v, LAYOUT, torch.tensor([5, 1, 2]), mask, SMALL_BLOCK, qk, pv)
-    finally:
-        triton_backend.set_kernel_config(*key, None)
-    assert rel_err(out, ref) <= BOUND[pv]
-
-
 @pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")])
 def test_kernel_config_variants_match_reference(qk, pv, flags):
@@ -346,11 +330,11 @@ def test_kernel_config_variants_match_reference(qk, pv, flags):
     mask[2, 0] = False
     mask[2, 0, 0] = True  # a row with one unmasked block
     key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, **flags))
+    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, **flags))
     try:
         out, ref = both(q, k, v, LAYOUT, torch.tensor([3, 0, 4]), mask, SMALL_BLOCK, qk, pv)
     finally:
-        triton_backend.set_kernel_config(*key, None)
+        dispatch.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
@@ -376,28 +360,26 @@ def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk, layout):
     mask[2, 0] = False
     mask[2, 0, -1] = True
     key = (D, bq, bk, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True))
+    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
         out, ref = both(q, k, v, layout, torch.tensor([4, 0, 2]), mask, (bq, bk), qk, pv)
     finally:
-        triton_backend.set_kernel_config(*key, None)
+        dispatch.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
 def test_query_tiles_by_descriptor_are_refused_where_the_prologue_cannot_write_them():
-    """q_tma needs the prologue's descriptor buffers (tma=True, no gathers) and bq >= bk."""
-    for bq, bk, config in [(64, 128, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True)),
-                           (128, 128, triton_backend.KernelConfig(4, 2, q_tma=True)),
-                           (128, 64, triton_backend.KernelConfig(4, 2, gather_kv=True, tma=True, q_tma=True))]:
+    """q_tma needs the prologue's descriptor buffers (tma=True) and bq >= bk."""
+    for bq, bk, config in [(64, 128, dispatch.KernelConfig(4, 2, tma=True, q_tma=True)),
+                           (128, 128, dispatch.KernelConfig(4, 2, q_tma=True))]:
         with pytest.raises(ValueError, match="q_tma=True"):
-            triton_backend.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
+            dispatch.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
 
 
 @pytest.mark.parametrize("qk,pv,D,layout,stages,dtype", [
     ("bf16", "bf16", 128, RAGGED, 2, torch.float16), ("bf16", "bf16", 64, RAGGED, 3, torch.float16),
     ("bf16", "bf16", 128, WHOLE, 2, torch.bfloat16), ("bf16", "bf16", 64, WHOLE, 2, torch.float16),
-    ("int8", "fp8", 128, RAGGED, 3, torch.bfloat16), ("int8", "fp8", 64, WHOLE, 2, torch.float16),
-    ("int4", "fp8", 128, WHOLE, 3, torch.float16)])
+    ("bf16", "bf16", 128, RAGGED, 4, torch.bfloat16)])
 def test_warp_specialized_kernel_matches_reference(qk, pv, D, layout, stages, dtype):
     """KernelConfig(warp_specialized=True): on an sm_90 GPU the Gluon kernel of hopper_attention (a
     loader warp, two consumer warpgroups); elsewhere, the interpreter included, the Triton kernel runs
@@ -414,25 +396,25 @@ def test_warp_specialized_kernel_matches_reference(qk, pv, D, layout, stages, dt
     mask[1, 1] = False
     mask[1, 1, 2] = True
     key = (D, 128, 64, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, stages, tma=True, q_tma=True,
+    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, stages, tma=True, q_tma=True,
                                                                        warp_specialized=True))
     try:
         out, ref = both(q, k, v, layout, torch.tensor([3, 0, 5]), mask, (128, 64), qk, pv)
     finally:
-        triton_backend.set_kernel_config(*key, None)
+        dispatch.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
 def test_warp_specialized_kernel_is_refused_outside_its_tiles_and_modes():
-    ws = triton_backend.KernelConfig(4, 2, tma=True, q_tma=True, warp_specialized=True)
+    ws = dispatch.KernelConfig(4, 2, tma=True, q_tma=True, warp_specialized=True)
     for bq, bk, qk, pv in [(64, 64, "bf16", "bf16"), (128, 128, "bf16", "bf16"), (128, 64, "int8", "bf16"),
-                           (128, 64, "int8", "int8"), (128, 64, "bf16", "fp8"), (64, 64, "int8", "fp8")]:
+                           (128, 64, "int8", "int8"), (128, 64, "bf16", "fp8"), (128, 64, "int8", "fp8"),
+                           (128, 64, "int4", "fp8"), (64, 64, "int8", "fp8")]:
         with pytest.raises(ValueError, match="warp_specialized=True"):
-            triton_backend.set_kernel_config(128, bq, bk, qk, pv, ws)
+            dispatch.set_kernel_config(128, bq, bk, qk, pv, ws)
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_warp_specialized_launch_binds_every_kernel_argument(quantized, monkeypatch):
+def test_warp_specialized_launch_binds_every_kernel_argument(monkeypatch):
     """The Gluon kernel runs only on an sm_90 GPU; its host side (descriptors, argument list, constexprs)
     runs here, against a stand-in that binds the arguments to the kernel's signature."""
     hopper_attention = pytest.importorskip("paroattn.kernels.hopper_attention")
@@ -447,19 +429,17 @@ def test_warp_specialized_launch_binds_every_kernel_argument(quantized, monkeypa
         def __getitem__(self, grid):
             def run(*args, num_warps, maxnreg, **constexprs):
                 inspect.signature(kernel.fn).bind(*args, **constexprs)
-                grids.append((grid, constexprs["Q_GATHER"]))
+                grids.append((grid, constexprs["STAGES"]))
             return run
 
     monkeypatch.setattr(hopper_attention, "_warp_specialized_kernel", BindingStandIn())
     B, H, N, D, nq, nk = 2, 3, 300, 128, 3, 5
     q = torch.zeros(B, N, H, D, dtype=torch.bfloat16).transpose(1, 2)
-    kq = torch.zeros(B * H, nk * 64, D, dtype=torch.int8 if quantized else torch.bfloat16)
-    vq = torch.zeros(B * H, D, nk * 64, dtype=torch.float8_e4m3fn) if quantized else kq
-    qq = torch.zeros(B * H, nq * 128, D, dtype=kq.dtype) if quantized else None
+    kq = vq = torch.zeros(B * H, nk * 64, D, dtype=torch.bfloat16)
     ints = torch.zeros(4, dtype=torch.int32)
-    hopper_attention.launch(q, qq, kq, vq, torch.empty_like(q), ints, ints, ints, ints, N, nk * 64, H, nq, nk, 0, 1, 10,
-                            30, 1.0, ints, ints, ints)
-    assert grids == [((nq, B * H), not quantized)]
+    hopper_attention.launch(q, kq, vq, torch.empty_like(q), ints, ints, ints, ints, N, nk * 64, H, nq, nk, 0, 1, 10,
+                            30, 1.0, stages=4)
+    assert grids == [((nq, B * H), 4)]
 
 
 def test_inputs_that_require_grad_are_refused_not_silently_detached():
@@ -503,23 +483,6 @@ def test_fused_rope_matches_reference(qk, pv, D, tail):
     bound = max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv]
     assert rel_err(out, ref) <= bound, rel_err(out, ref)
     assert rel_err(unrotated, ref) > 10 * bound  # the rotation matters, so the test can fail
-
-
-def test_fused_rope_with_in_kernel_gathers_still_rotates():
-    """In-kernel K/V gathers (a config option) read the rotated copies."""
-    q, k, v = make_inputs(1, 2, LAYOUT.seq_len, 64, seed=30)
-    rotary = rope_tables(LAYOUT.seq_len, 64, seed=30, interleaved=True)
-    n_blocks = -(-LAYOUT.seq_len // SMALL_BLOCK)
-    mask = torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)
-    key = (64, SMALL_BLOCK, SMALL_BLOCK, "bf16", "bf16")
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, gather_kv=True))
-    try:
-        kwargs = dict(layout=LAYOUT, orders=torch.tensor([1, 4]), block_mask=mask, block_size=SMALL_BLOCK,
-                      rotary=rotary)
-        out = paro_attention(q, k, v, backend="triton", **kwargs)
-    finally:
-        triton_backend.set_kernel_config(*key, None)
-    assert rel_err(out, paro_attention(q, k, v, backend="torch", **kwargs)) <= BOUND["bf16"]
 
 
 

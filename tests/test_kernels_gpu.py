@@ -1,4 +1,5 @@
-"""GPU checks of the Triton kernels at the real shapes of DESIGN.md section 7 (run with `-m gpu`).
+"""GPU checks of the Triton kernels at the real attention shapes of CogVideoX-5B, Wan2.1-1.3B / 14B and
+FLUX.1-dev (run with `-m gpu`).
 
 The kernel runs on all heads; the reference (memory-bounded, looping over heads) is compared on a
 subset of heads to save time. Per-(batch, head) quantities (K mean, V scales) do not depend on the
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from paroattn import TokenLayout, paro_attention
-from paroattn.kernels import triton_backend
+from paroattn.kernels import dispatch, triton_backend
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.masks import synthetic_block_mask
 
@@ -106,8 +107,7 @@ def test_real_shapes_match_reference(name, density):
 
 
 # FLUX.1-dev: 4608 tokens, whole 128-row blocks (no tail code after the loop), the case where Triton's
-# Hopper warp specialization engaged and never finished (BENCHMARKS.md, fifth session); not yet run
-# on a GPU with q_tma alone
+# Hopper warp specialization engaged and never finished
 @pytest.mark.parametrize("name", ["cogvideox-5b", "wan2.1-1.3b", "flux.1-dev"])
 def test_query_tiles_of_128_match_reference(name):
     """block_size (128, 64): one program per 128 query rows, 64-key blocks; the pinned configs read Q
@@ -131,30 +131,31 @@ def test_query_tiles_of_128_match_reference(name):
             assert err <= BOUND[pv]
 
 
-@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8")])
 @pytest.mark.parametrize("density", [1.0, 0.3])
 @pytest.mark.parametrize("name", ["cogvideox-5b", "wan2.1-1.3b", "flux.1-dev"])
-def test_warp_specialized_kernel_at_real_shapes(name, density, qk, pv):
+def test_warp_specialized_kernel_at_real_shapes(name, density):
     """KernelConfig(warp_specialized=True) at 128 x 64 blocks: the Gluon kernel against the reference on
     two heads and against the Triton kernel (q_tma) on all heads."""
-    if not triton_backend.hopper_attention.available(torch.device("cuda")):
-        pytest.skip("the warp-specialized kernel runs on sm_90 only")
+    choice = dispatch.kernel_choice(dispatch.arch_of(torch.device("cuda")), 128, 128, 64, "bf16", "bf16")
+    if not choice.warp_specialized:
+        pytest.skip(f"the warp-specialized kernel does not run here: {choice.refused}")
     B, H, layout, D, seq_major = SHAPES[name]
     N = layout.seq_len
     q, k, v = inputs(B, H, N, D, seq_major, seed=7)
     mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), density, generator=torch.Generator().manual_seed(7))
     orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(8))
+    qk = pv = "bf16"
     kwargs = dict(layout=layout, orders=orders, block_size=(128, 64), qk=qk, pv=pv)
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
     key = (D, 128, 64, qk, pv)
-    triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True))
+    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
         plain = paro_attention(q, k, v, block_mask=blocks, backend="triton", **kwargs)
-        triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(4, 2, tma=True, q_tma=True,
+        dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True,
                                                                            warp_specialized=True))
         out = paro_attention(q, k, v, block_mask=blocks, backend="triton", **kwargs)
     finally:
-        triton_backend.set_kernel_config(*key, None)
+        dispatch.set_kernel_config(*key, None)
     assert torch.isfinite(out).all()
     err = rel_err(out, plain)
     print(f"{name} d={density} {qk}/{pv} warp-specialized vs triton: rel err {err:.2e}")
@@ -184,13 +185,13 @@ def test_descriptor_loads_match_pointer_loads(name, block):
     for qk, pv in [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]:
         kwargs = dict(layout=layout, orders=orders, block_mask=blocks, block_size=block, qk=qk, pv=pv, backend="triton")
         key = (D, block, block, qk, pv)
-        plain = triton_backend.kernel_config(*key)
+        plain = dispatch.kernel_config(*key)
         expected = paro_attention(q, k, v, **kwargs)
-        triton_backend.set_kernel_config(*key, triton_backend.KernelConfig(plain.num_warps, plain.num_stages, tma=True))
+        dispatch.set_kernel_config(*key, dispatch.KernelConfig(plain.num_warps, plain.num_stages, tma=True))
         try:
             out = paro_attention(q, k, v, **kwargs)
         finally:
-            triton_backend.set_kernel_config(*key, None)
+            dispatch.set_kernel_config(*key, None)
         err = rel_err(out, expected)
         print(f"{name} block {block} {qk}/{pv} tma vs pointer loads: rel err {err:.2e}")
         assert err <= 1e-3

@@ -14,9 +14,9 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    int4 values, both stored one per byte, int4 ones times 16 (`_quantize_block`; Hopper has no INT4
    matrix instruction, so int4 values run the int8 product; nibble packing, which needs an unpack and
    two half-depth products per tile, was measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
-   int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants). With
-   `KernelConfig.gather_kv=True` the bf16/fp16 parts are skipped and the attention kernel gathers
-   those rows itself (measured 1.3-1.5x slower on an H200, so not the default).
+   int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants).
+   Reordered copies, read as contiguous tiles, beat gathering the key rows inside the attention kernel
+   by 1.3-1.5x on an H200 (per-row index arithmetic, scattered rows): the kernel never gathers K or V.
 3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
    (most active key blocks first), gathers its queries from the caller's q by index arithmetic and
    quantizes them per block in registers when QK is int8/int4 (each query block is read once), or
@@ -24,8 +24,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    active key blocks only: online softmax in base 2 with `sm_scale * log2(e)` and the dequantization
    scales folded into one multiplier per key block, applied inside exp2's argument; integer results
    become floats by magic-number adds (no I2F/F2I, which Hopper runs at a quarter rate). K and V tiles
-   come from the prologue's buffers, by pointer loads or TMA descriptors (`KernelConfig.tma`), or with
-   gather_kv straight from the caller's tensors; `KernelConfig.overlap_qk` issues the next block's QK
+   come from the prologue's buffers, by pointer loads or TMA descriptors (`KernelConfig.tma`);
+   `KernelConfig.overlap_qk` issues the next block's QK
    product before this block's softmax. The epilogue writes every row at its ORIGINAL token position
    in the caller's layout; a row with no active key block writes zeros.
 
@@ -53,9 +53,9 @@ P_LOG2_SCALES = (0.0, 8.807354922057604, 6.988684686772166)
 # Quantization multiplies by the scale's reciprocal, formed once per block or channel with IEEE
 # round-to-nearest (`div_rn`), as torch does in the reference: Triton's plain `/` on a GPU is the
 # approximate division, and bf16 inputs can land exactly on rounding ties (x / scale = k + 0.5), where
-# an ulp of error would round the other way. Measured on an H200 (ninth session), CogVideoX-5B int8 +
-# fp8 prologue with Q: 0.505 ms with an IEEE division per element and K's mean over all tokens, 0.360
-# with the reciprocal and the sampled mean (the statistics' part of that: 0.136 -> 0.085).
+# an ulp of error would round the other way. CogVideoX-5B int8 + fp8 prologue with Q on an H200: 0.505 ms
+# with an IEEE division per element and K's mean over all tokens, 0.360 with the reciprocal and the
+# sampled mean (the statistics' part of that: 0.136 -> 0.085; benchmarks/results/prologue-reciprocal-ab-h200.json).
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _kv_prologue_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd,
     Orders, N, N_PAD, H, NQ, prefix, frames, height, width,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    GATHER_KV: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
+    WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -165,11 +165,11 @@ def _kv_prologue_kernel(
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     offs_d = tl.arange(0, HEAD_DIM)
-    if QK_MODE == 0 and not GATHER_KV:
+    if QK_MODE == 0:
         # reordered copy in the input dtype, [bh, n, d]
         k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k)
-    if QK_MODE != 0:
+    else:
         k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         mean = tl.load(KMean + bh64 * HEAD_DIM + offs_d)
         k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
@@ -191,10 +191,10 @@ def _kv_prologue_kernel(
             tl.store(QScale + bh64 * NQ + kb, q_scale)
         tl.store(QQ + (bh64 * NQ * BLOCK_Q + offs_q[:, None]) * HEAD_DIM + offs_d[None, :], q)
 
-    if PV_MODE == 0 and not GATHER_KV:
+    if PV_MODE == 0:
         v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
         tl.store(VQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v)
-    if PV_MODE != 0:
+    else:
         # row j of the tile is key _pv_key_at(j): the gather takes the rows in that order, and the
         # (transposed) store stays contiguous along keys
         offs_v = _pv_key_at(offs_n)
@@ -238,38 +238,17 @@ def _load_key_columns(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, HEAD_D
 
 
 @triton.jit
-def _gather_key_block(base, kb, stride_n, stride_d, N, order, prefix, frames, height, width,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr):
-    # gather_kv: key block kb of the reordered sequence straight from the caller's k or v; only the
-    # sequence's last block (MASK_N) holds positions >= N
-    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    orig_n = reordered_to_original(offs_n, order, prefix, frames, height, width)
-    ptr = base + orig_n[:, None] * stride_n + tl.arange(0, HEAD_DIM)[None, :] * stride_d
-    if MASK_N:
-        tile = tl.load(ptr, mask=(offs_n < N)[:, None], other=0.0)
-    else:
-        tile = tl.load(ptr)
-    return tile
-
-
-@triton.jit
 def _key_block_scores(
-    q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
-    order, prefix, frames, height, width,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
-    MASK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, MASK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # raw scores of key block kb (integer ones offset by INT_SCORE_OFFSET), and the one multiplier that
     # takes them to log2 units (softmax scale, log2(e) and the Q/K dequantization scales): the update
     # applies it inside exp2's argument, so scaling and subtracting the row max are one FMA per score
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    if QK_MODE == 0 and not GATHER_KV:
+    if QK_MODE == 0:
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        s = tl.dot(q, tl.trans(k))
-        scale = score_scale
-    elif QK_MODE == 0:
-        k = _gather_key_block(k_base, kb, stride_kn, stride_kd, N, order, prefix, frames, height, width,
-                              HEAD_DIM, BLOCK_N, MASK_N)
         s = tl.dot(q, tl.trans(k))
         scale = score_scale
     else:  # int8 or int4 values, one per byte
@@ -283,10 +262,9 @@ def _key_block_scores(
 
 @triton.jit
 def _key_block_update(
-    acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-    order, prefix, frames, height, width,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, GATHER_KV: tl.constexpr,
-    MASK_N: tl.constexpr, P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, INT_SCORES: tl.constexpr,
+    acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, P_LOG2_SCALE: tl.constexpr,
+    USE_TMA: tl.constexpr, INT_SCORES: tl.constexpr,
 ):
     # online softmax over key block kb's scores, then the P V product
     block_max = tl.max(s, axis=1)
@@ -303,12 +281,8 @@ def _key_block_update(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if PV_MODE == 0 and not GATHER_KV:
+    if PV_MODE == 0:
         v = _load_key_rows(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        acc = tl.dot(p.to(v.dtype), v, acc=acc)
-    elif PV_MODE == 0:
-        v = _gather_key_block(v_base, kb, stride_vn, stride_vd, N, order, prefix, frames, height, width,
-                              HEAD_DIM, BLOCK_N, MASK_N)
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 1:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -321,15 +295,13 @@ def _key_block_update(
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc, QDesc, QScale,
+    Q, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc, QDesc, QScale,
     Orders, Counts, Indices, Schedule,
     stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr, GATHER_KV: tl.constexpr,
+    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
     P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, Q_TMA: tl.constexpr,
 ):
     rank = tl.program_id(0)
@@ -363,8 +335,6 @@ def _attention_kernel(
             q, q_scale = _quantize_block(q.to(tl.float32), QK_MODE)
             score_scale = q_scale * qk_scale
 
-    k_base = K + b64 * stride_kb + h64 * stride_kh
-    v_base = V + b64 * stride_vb + h64 * stride_vh
     KQ_bh = KQ + bh64 * N_PAD * HEAD_DIM
     KScale_bh = KScale + bh64 * NK
     VQ_bh = VQ + bh64 * HEAD_DIM * N_PAD
@@ -387,37 +357,34 @@ def _attention_kernel(
         # computes one product it does not use (its own block again).
         kb = tl.load(active)
         s, scale = _key_block_scores(
-            q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
-            order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+            q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE, False,
+            USE_TMA)
         for i in range(0, n_unmasked):
             kb_next = tl.load(active + tl.minimum(i + 1, n_unmasked - 1))
             s_next, scale_next = _key_block_scores(
-                q, score_scale, kb_next, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N,
-                N_PAD, order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+                q, score_scale, kb_next, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
+                False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
-                acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA, QK_MODE != 0)
+                acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
             s, scale, kb = s_next, scale_next, kb_next
     else:
         for i in range(0, n_unmasked):
             kb = tl.load(active + i)
             s, scale = _key_block_scores(
-                q, score_scale, kb, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, False, USE_TMA)
+                q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE, False,
+                USE_TMA)
             acc, l_i, m_i = _key_block_update(
-                acc, l_i, m_i, s, scale, kb, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, False, P_LOG2_SCALE,
-                USE_TMA, QK_MODE != 0)
+                acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
     if not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
-                q, score_scale, NK - 1, k_base, stride_kn, stride_kd, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, QK_MODE, GATHER_KV, True, USE_TMA)
+                q, score_scale, NK - 1, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
+                True, USE_TMA)
             acc, l_i, m_i = _key_block_update(
-                acc, l_i, m_i, s, scale, NK - 1, v_base, stride_vn, stride_vd, VQ_bh, VDesc, bh, N, N_PAD,
-                order, prefix, frames, height, width, HEAD_DIM, BLOCK_N, PV_MODE, GATHER_KV, True, P_LOG2_SCALE,
-                USE_TMA, QK_MODE != 0)
+                acc, l_i, m_i, s, scale, NK - 1, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)

@@ -31,6 +31,3 @@ order_axis_sizes_and_strides = jit_mirror(layout.order_axis_sizes_and_strides)
 reordered_to_original = jit_mirror(
     layout.reordered_to_original, order_axis_sizes_and_strides=order_axis_sizes_and_strides
 )
-original_to_reordered = jit_mirror(
-    layout.original_to_reordered, order_axis_sizes_and_strides=order_axis_sizes_and_strides
-)
