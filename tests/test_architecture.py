@@ -1,0 +1,92 @@
+"""Imports run one way: foundations <- kernels <- op <- plan <- pipelines / calibrate <- reference model
+and demo <- CLI and benchmarks. A module may import its own layer or lower ones, never a higher one (function-level
+imports included: a lazy import is still a dependency)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import paroattn
+
+PACKAGE = Path(paroattn.__file__).parent
+
+# lowest first; a module belongs to the longest prefix that names it
+LAYERS = [
+    ("paroattn.errors", "paroattn.layout", "paroattn.masks", "paroattn.modes"),
+    ("paroattn.kernels",),
+    ("paroattn.attention",),
+    ("paroattn.plan",),
+    ("paroattn.pipelines", "paroattn.calibrate", "paroattn.summary", "paroattn.testing"),
+    ("paroattn.reference",),
+    ("paroattn.cli", "paroattn.bench", "paroattn.__init__"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def layer_of(name: str) -> int | None:
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    return None if best is None else best[0]
+
+
+def imported_modules(source: str, name: str, is_package: bool = False):
+    """(line, absolute module) of every import in `source` (module `name`), `from .x import y` giving
+    x.y where y is a module and x otherwise."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                candidate = f"{source}.{alias.name}"
+                as_path = PACKAGE.parent.joinpath(*candidate.split("."))
+                is_module = as_path.with_suffix(".py").is_file() or (as_path / "__init__.py").is_file()
+                yield node.lineno, candidate if is_module else source
+
+
+def test_every_module_has_a_layer():
+    unplaced = [module_name(p) for p in PACKAGE.rglob("*.py") if layer_of(module_name(p)) is None
+                and module_name(p) != "paroattn"]
+    assert not unplaced, f"modules outside LAYERS (place them): {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer():
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        rank = layer_of(name if name != "paroattn" else "paroattn.__init__")
+        if rank is None:
+            continue  # reported by test_every_module_has_a_layer
+        for line, target in imported_modules(path.read_text(), name, path.name == "__init__.py"):
+            if not target.startswith("paroattn"):
+                continue
+            target_rank = layer_of(target) if target != "paroattn" else len(LAYERS) - 1
+            if target_rank is not None and target_rank > rank:
+                violations.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({name}, layer {rank}) imports "
+                                  f"{target} (layer {target_rank})")
+    assert not violations, "imports that run upward:\n" + "\n".join(violations)
+
+
+def test_the_checker_sees_an_upward_import():
+    # the test above must be able to fail: a lazy import of the pipelines inside the plan is caught
+    source = "from .masks import mask_shape\n\ndef f():\n    from .pipelines import apply\n"
+    targets = [t for _, t in imported_modules(source, "paroattn.plan")]
+    assert targets == ["paroattn.masks", "paroattn.pipelines"]
+    assert layer_of(targets[0]) < layer_of("paroattn.plan") < layer_of(targets[1])
