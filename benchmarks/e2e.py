@@ -1,8 +1,8 @@
 """End-to-end benchmark: one denoising step of full-size transformers, dense SDPA vs PARO.
 
 CogVideoX-5B, Wan2.1-1.3B and FLUX.1-dev transformers are built from their configs (typed below from
-DESIGN.md section 4; no downloads) with random bf16 weights on the GPU: timing does not depend on
-weight values. One "step" is one transformer forward at the model's default size:
+the released models' configs; no downloads) with random bf16 weights on the GPU: timing does not
+depend on weight values. One "step" is one transformer forward at the model's default size:
 - CogVideoX-5B: 49 frames 480x720, B=2 (CFG batched), 226 + 13x30x45 = 17776 tokens;
 - Wan2.1-1.3B: 81 frames 480x832, B=1 (one CFG branch; a CFG step is two such calls), 21x30x52 = 32760;
 - FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens.
@@ -11,8 +11,12 @@ fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch 
 time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
 "model-rope" rows apply the model's own RoPE code before the op (fuse_rope=False) instead of the op's pass.
 
-    python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--json results.json]
+    python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
+    python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
+
+The JSON records the GPU, torch, triton, date, the plans' block sizes and, where available, the
+driver and the commit.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -219,6 +224,70 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     return rows
 
 
+def _environment() -> dict:
+    """Driver and commit, best effort: absent where nvidia-smi or a git checkout is not there."""
+    env = {}
+    repo = Path(__file__).resolve().parents[1]
+    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                     ("commit", ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0]
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out.strip():
+            env[key] = out.strip()
+    return env
+
+
+TABLE_MODES = ["paro d=0.5 bf16", "paro d=0.2 bf16", "paro d=0.5 int8+fp8", "paro d=0.2 int8+fp8"]
+
+
+def markdown_tables(results: dict) -> str:
+    """The step table (dense, each PARO mode with its masks resident, and d=0.2 int8+fp8 with the
+    model's own RoPE) and the masks table (GPU memory resident vs streamed, prefetch overhead)."""
+    info, rows = results["info"], [r for r in results["rows"] if r.get("step_s") == r.get("step_s")]
+    env = [info["device"]] + ([f"driver {info['driver']}"] if info.get("driver") else [])
+    env += [f"torch {info['torch']}"] + ([f"triton {info['triton']}"] if info.get("triton") else [])
+    env += ([f"commit {info['commit']}"] if info.get("commit") else []) + [info["date"]]
+    if info.get("block"):
+        env.append(f"plans of {info['block'][0]} x {info['block'][1]} blocks")
+    out = [", ".join(env), "",
+           "| model (tokens, batch) | dense | " + " | ".join(m.replace("paro ", "") for m in TABLE_MODES)
+           + " | d=0.2 int8+fp8, model's RoPE |",
+           "|---" * (len(TABLE_MODES) + 3) + "|"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+
+    def find(model, mode, masks):
+        return next((r for r in rows if r["model"] == model and r["mode"] == mode and r["masks"] == masks), None)
+
+    def cell(r):
+        return f"{r['step_s'] * 1000:.1f} ms, {r['speedup']:.2f}x" if r else ""
+
+    for model in models:
+        dense = find(model, "dense", "-")
+        if dense is None:
+            continue
+        cells = [cell(find(model, mode, "resident")) for mode in TABLE_MODES]
+        cells.append(cell(find(model, "paro d=0.2 int8+fp8", "model-rope")))
+        out.append(f"| {model} ({dense['tokens']}, {dense['batch']}) | {dense['step_s'] * 1000:.1f} ms | "
+                   + " | ".join(cells) + " |")
+    out += ["", "| model, d=0.2 | masks on the GPU, resident | streamed (3 slots) | step, streamed vs resident: bf16 "
+            "| int8+fp8 | peak GPU memory, dense / d=0.2 int8+fp8 |", "|---|---|---|---|---|---|"]
+    for model in models:
+        resident, streamed = (find(model, "paro d=0.2 int8+fp8", how) for how in ("resident", "streamed"))
+        streamed_bf16, dense = find(model, "paro d=0.2 bf16", "streamed"), find(model, "dense", "-")
+        if not (resident and streamed and dense):
+            continue
+
+        def overhead(r):
+            return f"{r['prefetch_overhead'] * 100:+.2f}%" if r and "prefetch_overhead" in r else ""
+
+        out.append(f"| {model} | {resident['mask_gpu_mib']:.1f} MiB | {streamed['mask_gpu_mib']:.1f} MiB | "
+                   f"{overhead(streamed_bf16)} | {overhead(streamed)} | "
+                   f"{dense.get('peak_gpu_gib', float('nan')):.1f} / {resident.get('peak_gpu_gib', float('nan')):.1f} GiB |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="cogvideox,wan,flux")
@@ -227,13 +296,23 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (torch backend): checks the script")
     parser.add_argument("--query-block", type=int, default=None,
                         help="query block of the synthetic plans (key blocks stay 64; 128: the fast D=128 tiles)")
+    parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
+                        help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)
+    if args.table:
+        for path in args.table:
+            print(f"`{path.name}`: " + markdown_tables(json.loads(path.read_text())) + "\n")
+        return None
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("the end-to-end benchmark needs a CUDA GPU (or --smoke for a CPU check of the script)")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}
+    key_block = 16 if args.smoke else 64  # bench_model's block
+    info["block"] = [args.query_block or key_block, key_block]
+    if device.type == "cuda":
+        info.update(_environment())
     try:
         import triton
 
