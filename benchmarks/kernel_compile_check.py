@@ -10,9 +10,9 @@ the Python, not the compiler), and shows whether the products use wgmma (HGMMA /
 whether loads are pipelined (LDGSTS) and whether registers spill (STL / LDL). Pointer and stride
 arguments are specialized the way a real launch specializes them (16-byte divisibility, unit
 innermost strides); without that, Triton neither vectorizes nor pipelines the loads.
-Needs the `ptxas` that Triton ships (or one on PATH). The device machine had triton 3.6 on
-2026-11-21: install that version (`pip install --target DIR triton==3.6.0`, PYTHONPATH=DIR) to
-check what will run there; newer releases accept some code 3.6 rejects.
+Needs the `ptxas` that Triton ships (or one on PATH). The GPU results in benchmarks/results/ were
+taken with triton 3.6: install that version (`pip install --target DIR triton==3.6.0`,
+PYTHONPATH=DIR) to check what ran there; newer releases accept some code 3.6 rejects.
 """
 
 from __future__ import annotations
