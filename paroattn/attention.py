@@ -44,6 +44,13 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
         raise PAROInputError(problem)
     if backend not in BACKENDS:
         raise PAROInputError(f"backend={backend!r}; expected one of {BACKENDS}")
+    pair = isinstance(block_size, (tuple, list))
+    sizes = tuple(block_size) if pair else (block_size,)
+    if (pair and len(sizes) != 2) or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes):
+        raise PAROInputError(
+            "block_size must be a positive int or a pair (bq, bk) of positive ints, e.g. 64 or (128, 64); "
+            f"got {block_size!r}"
+        )
     if not isinstance(layout, TokenLayout):
         raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -56,6 +63,8 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise PAROInputError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise PAROInputError(f"q, k, v must be float16, bfloat16 or float32; got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise PAROInputError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     B, H, N, D = q.shape
@@ -115,11 +124,26 @@ def paro_attention(
     blocks (softmax over those keys only). The output comes back in q's shape, dtype and original token
     order; a query whose row of blocks is empty outputs zeros, never NaN.
 
+    NaN propagates, as in torch's SDPA, on every backend, dtype and mode: the outputs a NaN input reaches
+    are NaN and the others do not depend on it, except that a row with no active block is zeros whatever
+    the inputs (it reads no key). For query i of one (batch, head), j being any key i
+    attends (any key of its active key blocks):
+    - qk="bf16": a NaN in q[i] or in k[j] makes row i NaN (every channel).
+    - qk="int8"/"int4" (per-block scales): a NaN in q makes every row of its query block (bq reordered
+      queries) NaN; a NaN in k makes every row that attends its key block NaN, and every row of the head
+      when the token is in the sample of K smoothing's mean (every s-th token,
+      `kernels.reference.key_mean_stride`: all tokens of short sequences).
+    - pv="bf16": a NaN in v[j, c] makes channel c of row i NaN.
+    - pv="fp8"/"int8" (per-channel scales of V): a NaN in v[:, c] makes channel c of every row of the
+      head NaN.
+    Inf inputs are outside this contract.
+
     Parameters
     ----------
     q, k, v : Tensor [B, H, N, D]
         Queries, keys and values of one self-attention call, any strides (views of a [B, N, H, D] tensor
-        are fine), float16 or bfloat16 (float32 with backend="torch"). N must be `layout.seq_len`.
+        are fine), float16 or bfloat16 (float32 with backend="torch"); other dtypes raise. N must be
+        `layout.seq_len`.
     layout : TokenLayout
         `TokenLayout(prefix, frames, height, width)` of the call's tokens.
     orders : int Tensor [H]
@@ -130,7 +154,7 @@ def paro_attention(
         prebuilt active-block lists (`ActiveBlocks.from_mask`), which processors pass: a bool mask is
         converted on every call, which syncs the host.
     block_size : int or (bq, bk)
-        Query and key block sizes of the mask. The Triton kernels take 32, 64 or 128 (16 in the interpreter).
+        Query and key block sizes of the mask, positive ints. The Triton kernels take 32, 64 or 128 (16 in the interpreter).
     qk : {"bf16", "int8", "int4"}
         QK product precision. "int8"/"int4": Q symmetric per query block, K minus its per-head mean then
         symmetric per key block (softmax is invariant to the shift). int4 values run on int8 units.

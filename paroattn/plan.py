@@ -51,6 +51,83 @@ def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return bits.reshape(-1)[:count].to(torch.bool).reshape(shape)
 
 
+# the tensors of a plan file: the dtype each has on disk and the values it may hold (the masks in code
+# are bool, `dense` bool, `orders` int8 and `density` float32)
+STORED_TENSORS = {
+    "orders": (torch.int8, f"values in 0..{len(ORDERS) - 1} (indices into {ORDERS})"),
+    "block_mask_bits": (torch.uint8, "bit-packed masks"),
+    "density": (torch.float32, "finite values in [0, 1] (each mask's fraction of active blocks)"),
+    "dense": (torch.uint8, "values 0 or 1"),
+}
+_VALUES = {name: values for name, (_, values) in STORED_TENSORS.items()} | {"block_mask": "values 0 or 1"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _values_found(t: torch.Tensor) -> str:
+    """The values of a tensor, summarized for an error message."""
+    if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+        return f"non-finite values ({', '.join(sorted({str(x) for x in t[~torch.isfinite(t)].tolist()}))})"
+    distinct = t.unique()
+    if len(distinct) <= 4:
+        return f"values {', '.join(f'{x:g}' for x in distinct.tolist())}"
+    return f"values {float(t.min()):g}..{float(t.max()):g}"
+
+
+def _values_problem(name: str, t: torch.Tensor) -> str | None:
+    """What plan tensor `name` holds when it is out of the range `_VALUES[name]`, or None. Bool tensors
+    and packed mask bytes are in range."""
+    if not t.numel() or t.dtype == torch.bool:
+        return None
+    if name == "orders":
+        ok = (t >= 0) & (t < len(ORDERS))
+    elif name == "density":
+        ok = torch.isfinite(t) & (t >= 0) & (t <= 1)
+    elif name in ("dense", "block_mask"):
+        ok = (t == 0) | (t == 1)
+    else:  # block_mask_bits: any byte
+        return None
+    return None if bool(ok.all()) else _values_found(t)
+
+
+def stored_tensor_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why `t`, read from a plan file as tensor `name`, lacks that tensor's dtype or values, or None."""
+    dtype, values = STORED_TENSORS[name]
+    expected = f"plan tensor {name!r} must be {_dtype_name(dtype)} with {values}"
+    if t.dtype != dtype:
+        return f"{expected}; found {_dtype_name(t.dtype)}"
+    if name == "block_mask_bits" and t.dim() != 1:
+        return f"{expected}, one-dimensional; found shape {tuple(t.shape)}"
+    if found := _values_problem(name, t):
+        return f"{expected}; found {found}"
+    return None
+
+
+def _narrowed(name: str, value, dtype: torch.dtype) -> torch.Tensor:
+    """Plan tensor `name` built in code (a tensor or a list) as a CPU tensor of `dtype`, after checking
+    that its values survive the cast: integer (or bool, for bool tensors) values in the tensor's range
+    for integer and bool dtypes, real ones for float32. A float order 2.7 is not cut to 2, an int64
+    order 262 does not wrap to 6, a dense flag 7 does not become True."""
+    t = torch.as_tensor(value)
+    floating = t.dtype.is_floating_point or t.dtype.is_complex
+    if dtype == torch.float32:
+        allowed, kind = not t.dtype.is_complex and t.dtype != torch.bool, "a real"
+    elif dtype == torch.bool:
+        allowed, kind = not floating, "a bool or integer"
+    else:
+        allowed, kind = not floating and t.dtype != torch.bool, "an integer"
+    if not allowed:
+        raise PlanError(
+            f"plan {name} must be {kind} tensor ({_dtype_name(dtype)} in the plan) with {_VALUES[name]}; found "
+            f"{_dtype_name(t.dtype)}: the plan is corrupt, recalibrate"
+        )
+    if dtype != torch.float32 and (found := _values_problem(name, t)):  # float32 keeps every value: validate checks them
+        raise PlanError(f"plan {name} must hold {_VALUES[name]}; found {found}: the plan is corrupt, recalibrate")
+    return t.to(dtype).cpu()
+
+
 def default_bucket_edges(num_buckets: int = 6, shared_fraction: float = 0.5) -> list[float]:
     """Descending timestep edges on the 0..1000 scale: timesteps above 500 (the upper half of the
     range) split into `num_buckets - 1` equal buckets, the rest shared by one, after the paper's
@@ -116,17 +193,20 @@ class Plan:
         if isinstance(self.block_size, int):
             self.block_size = (self.block_size, self.block_size)
         self.block_size = tuple(int(b) for b in self.block_size)
-        self.orders = torch.as_tensor(self.orders).to(torch.int8).cpu()
-        self.block_mask = torch.as_tensor(self.block_mask).to(torch.bool).cpu()
+        # tensors built in code may come as lists or in wider dtypes (int64 orders, 0/1 integer masks):
+        # their values are checked before they are narrowed (a float order 2.7 is not cut to 2, an int64
+        # order 262 does not wrap to 6, a dense flag 7 does not become True)
+        self.orders = _narrowed("orders", self.orders, torch.int8)
+        self.block_mask = _narrowed("block_mask", self.block_mask, torch.bool)
         self.bucket_edges = [float(e) for e in self.bucket_edges]
         if self.density is None and self.block_mask.dim() == 5:
             self.density = self.block_mask.float().mean(dim=(-1, -2))
         if self.density is not None:
-            self.density = torch.as_tensor(self.density, dtype=torch.float32).cpu()
+            self.density = _narrowed("density", self.density, torch.float32)
         if self.dense is None and self.block_mask.dim() == 5:
             self.dense = torch.zeros(self.block_mask.shape[:2], dtype=torch.bool)
         if self.dense is not None:
-            self.dense = torch.as_tensor(self.dense).to(torch.bool).cpu()
+            self.dense = _narrowed("dense", self.dense, torch.bool)
         self.validate()
 
     # -- shape -------------------------------------------------------------------------------
@@ -169,14 +249,21 @@ class Plan:
             raise PlanError(f"plan modes are unusable: {problem}; the plan is corrupt, recalibrate")
         if len(self.block_size) != 2 or min(self.block_size) < 16:
             raise PlanError(f"plan block_size {self.block_size} must be two sizes >= 16")
+        for name, dtype in (("orders", torch.int8), ("block_mask", torch.bool), ("density", torch.float32),
+                            ("dense", torch.bool)):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and t.dtype != dtype:
+                raise PlanError(
+                    f"plan {name} must be a tensor of {_dtype_name(dtype)}; found {_dtype_name(t.dtype)}: the plan is "
+                    "corrupt, recalibrate"
+                )
         if self.orders.dim() != 2:
             raise PlanError(f"plan orders must be [layers, heads], got shape {tuple(self.orders.shape)}")
         L, H = self.orders.shape
-        if self.orders.numel() and (int(self.orders.min()) < 0 or int(self.orders.max()) >= len(ORDERS)):
-            raise PlanError(
-                f"plan orders must be in 0..{len(ORDERS) - 1} (indices into {ORDERS}); found "
-                f"{int(self.orders.min())}..{int(self.orders.max())}: the file is corrupt, recalibrate"
-            )
+        for name in ("orders", "density"):
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and (found := _values_problem(name, t)):
+                raise PlanError(f"plan {name} must hold {_VALUES[name]}; found {found}: the plan is corrupt, recalibrate")
         nq, nk = self.mask_blocks
         buckets = len(self.bucket_edges) - 1
         expected = (buckets, L, H, nq, nk)
@@ -273,9 +360,12 @@ class Plan:
                     f"{path} has plan format version {version}, newer than this paroattn reads "
                     f"(up to {FORMAT_VERSION}): upgrade paroattn"
                 )
-            missing = {"orders", "block_mask_bits", "density", "dense"} - tensors.keys()
+            missing = STORED_TENSORS.keys() - tensors.keys()
             if missing:
                 raise PlanError(f"{path} lacks the tensors {sorted(missing)}: the plan is corrupt, recalibrate")
+            for name in STORED_TENSORS:
+                if problem := stored_tensor_problem(name, tensors[name]):
+                    raise PlanError(f"{path}: {problem}: the plan is corrupt, recalibrate")
             shape = tuple(int(s) for s in meta["block_mask_shape"])
             if tensors["block_mask_bits"].numel() != -(-math.prod(shape) // 8):
                 raise PlanError(

@@ -116,7 +116,7 @@ def test_orders_out_of_range(tmp_path):
     path = tmp_path / "plan.safetensors"
     _plan().save(path)
     _rewrite(path, tensors={"orders": torch.full((3, 4), 6, dtype=torch.int8)})
-    with pytest.raises(PlanError, match=r"orders must be in 0\.\.5"):
+    with pytest.raises(PlanError, match=r"'orders' must be int8 with values in 0\.\.5 .*; found values 6: the plan is"):
         Plan.load(path)
 
 
@@ -172,3 +172,93 @@ def _fields(plan):
     from dataclasses import fields
 
     return {f.name: getattr(plan, f.name) for f in fields(plan)}
+
+
+CORRUPTIONS = {  # a valid plan's tensor -> the same with one corruption
+    "orders_float": lambda t: t.float() + 0.7,  # 2.7 would be cut to 2
+    "orders_int64": lambda t: t.long(),  # valid values, but not the file's dtype
+    "orders_negative": lambda t: t.clone().fill_(-1),
+    "bits_int32": lambda t: t.int(),
+    "bits_2d": lambda t: t.view(1, -1),
+    "density_float64": lambda t: t.double(),
+    "density_7": lambda t: t.clone().fill_(7.0),
+    "density_nan": lambda t: t.clone().fill_(float("nan")),
+    "dense_7": lambda t: t.clone().fill_(7),
+    "dense_bool": lambda t: t.bool(),
+}
+
+
+@pytest.mark.parametrize(("name", "corruption", "message"), [
+    ("orders", "orders_float", r"'orders' must be int8 with values in 0\.\.5 .*; found float32"),
+    ("orders", "orders_int64", r"'orders' must be int8 .*; found int64"),
+    ("orders", "orders_negative", r"'orders' must be int8 with values in 0\.\.5 .*; found values -1"),
+    ("block_mask_bits", "bits_int32", r"'block_mask_bits' must be uint8 .*; found int32"),
+    ("block_mask_bits", "bits_2d", r"'block_mask_bits' must be uint8 .* one-dimensional; found shape \(1, "),
+    ("density", "density_float64", r"'density' must be float32 with finite values in \[0, 1\] .*; found float64"),
+    ("density", "density_7", r"'density' must be float32 with finite values in \[0, 1\] .*; found values 7"),
+    ("density", "density_nan", r"'density' must be float32 .*; found non-finite values \(nan\)"),
+    ("dense", "dense_7", r"'dense' must be uint8 with values 0 or 1; found values 7"),
+    ("dense", "dense_bool", r"'dense' must be uint8 .*; found bool"),
+])
+def test_plan_file_tensors_must_have_their_dtype_and_values(tmp_path, name, corruption, message):
+    """A file is a plan only if each tensor has the dtype `Plan.save` writes and values in its range:
+    a float order is not cut to an integer, a dense flag 7 is not read as True."""
+    path = tmp_path / "plan.safetensors"
+    _plan().save(path)
+    _rewrite(path, tensors={name: CORRUPTIONS[corruption](load_file(str(path))[name])})
+    with pytest.raises(PlanError, match=rf"{path}: plan tensor {message}.*: the plan is corrupt, recalibrate"):
+        Plan.load(path)
+
+
+def test_plans_built_in_code_take_lists_and_wider_integer_dtypes():
+    plan = _plan()
+    fields = _fields(plan)
+    for orders in (plan.orders.tolist(), plan.orders.long(), plan.orders.int()):
+        assert torch.equal(Plan(**{**fields, "orders": orders}).orders, plan.orders)
+    rebuilt = Plan(**{**fields, "block_mask": plan.block_mask.to(torch.uint8), "dense": plan.dense.long().tolist(),
+                      "density": plan.density.double()})
+    for name in ("block_mask", "dense", "density"):
+        assert torch.equal(getattr(rebuilt, name), getattr(plan, name)), name
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"orders": "float"}, r"plan orders must be an integer tensor \(int8 in the plan\) .*; found float32"),
+    ({"orders": "bool"}, r"plan orders must be an integer tensor .*; found bool"),
+    ({"orders": 262}, r"plan orders must hold values in 0\.\.5 .*; found values 0\.\.262"),  # int8 would wrap to 6
+    ({"block_mask": 2}, r"plan block_mask must hold values 0 or 1; found values 0, 1, 2"),
+    ({"block_mask": "float"}, r"plan block_mask must be a bool or integer tensor .*; found float32"),
+    ({"density": float("nan")}, r"plan density must hold finite values in \[0, 1\] .*; found non-finite values"),
+    ({"density": -0.5}, r"plan density must hold finite values in \[0, 1\] .*; found values"),
+    ({"dense": 7}, r"plan dense must hold values 0 or 1; found values 0, 7"),
+    ({"dense": "float"}, r"plan dense must be a bool or integer tensor .*; found float32"),
+])
+def test_plans_built_in_code_refuse_values_a_cast_would_change(change, message):
+    plan = _plan()
+    fields = _fields(plan)
+    (name, value), = change.items()
+    t = getattr(plan, name)
+    if value == "float":
+        t = t.float() + 0.5 * (name == "orders")
+    elif value == "bool":
+        t = t.bool()
+    else:
+        t = t.to(torch.float32 if name == "density" else torch.int64).clone()
+        t.view(-1)[0] = value
+    with pytest.raises(PlanError, match=message + ".*: the plan is corrupt, recalibrate"):
+        Plan(**{**fields, name: t})
+
+
+def test_validate_refuses_tensors_changed_after_construction():
+    plan = _plan()
+    plan.orders = plan.orders.float()
+    with pytest.raises(PlanError, match="plan orders must be a tensor of int8; found float32"):
+        plan.validate()
+    plan = _plan()
+    plan.orders[1, 2] = 6
+    with pytest.raises(PlanError, match=r"plan orders must hold values in 0\.\.5 .*; found values"):
+        plan.validate()
+    plan = _plan()
+    plan.density = plan.density.clone()
+    plan.density[0, 0, 0] = float("inf")
+    with pytest.raises(PlanError, match=r"plan density must hold finite values in \[0, 1\].*found non-finite values \(inf\)"):
+        plan.validate()

@@ -27,7 +27,9 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    come from the prologue's buffers, by pointer loads or TMA descriptors (`KernelConfig.tma`);
    `KernelConfig.overlap_qk` issues the next block's QK
    product before this block's softmax. The epilogue writes every row at its ORIGINAL token position
-   in the caller's layout; a row with no active key block writes zeros.
+   in the caller's layout; a row with no active key block writes zeros. NaN inputs reach the outputs
+   the reference's do: the quantization scales take NaN-propagating maxima (Triton's max drops NaN),
+   and the epilogue keeps a NaN row sum (integer P rounds NaN to a finite value).
 
 Tiles are the mask's blocks: BLOCK_M = bq, BLOCK_N = bk. Only the last key block of the sequence can
 hold positions >= N; when it is active it is the last entry of a row's (ascending) list, so the main
@@ -101,13 +103,21 @@ def _quantize(x, scale, qmax):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize_block(x, QK_MODE: tl.constexpr):
     # a float32 tile on the per-block grid of integer QK (int8 +-127, int4 +-7): the values and their
     # scale max(max|x|, eps) / qmax, as the reference's quantize_per_block. int4 values are held in
     # int8 times 16, with the scale over 16 (both exact): the same products and results, but integer
     # scores 256 times larger, so INT_SCORE_OFFSET's rounding is as small for int4 as for int8
     qmax = 127.0 if QK_MODE == 1 else 7.0
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), QUANT_EPS), qmax)
+    # NaN-propagating max (tl.max and tl.maximum drop NaN): a NaN in the tile makes its scale NaN, so
+    # the scores of the block are NaN, as the reference's (the values themselves clamp to finite ones)
+    amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
+    scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS, propagate_nan=tl.PropagateNan.ALL), qmax)
     values = _quantize(x, scale, qmax)
     if QK_MODE == 2:
         values *= 16.0
@@ -388,10 +398,14 @@ def _attention_kernel(
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    # l is 0 in a row with no active block (zeros out) and NaN after a NaN score, which the division keeps
+    # (integer P rounds NaN to a finite value, so acc alone would lose it)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if PV_MODE != 0:
-        # l carries P's multiplier, so only V's per-channel scale is left
-        v_scale = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS) / (448.0 if PV_MODE == 1 else 127.0)
-        out = out * v_scale[None, :]
+        # l carries P's multiplier, so only V's per-channel scale is left. A NaN in a channel of V makes
+        # its max NaN (propagated here: tl.maximum would drop it), so the channel is NaN in every row of
+        # the head, as with the reference's scale; rows with no active block stay zero
+        v_amax = tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS, propagate_nan=tl.PropagateNan.ALL)
+        out = tl.where(l_i[:, None] == 0.0, 0.0, out * (v_amax / (448.0 if PV_MODE == 1 else 127.0))[None, :])
     o_ptr = Out + b64 * stride_ob + h64 * stride_oh + orig_m[:, None] * stride_on + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=valid_m[:, None])

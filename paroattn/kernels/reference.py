@@ -17,6 +17,12 @@ Quantization is emulated in float32 with exactly the grid a kernel uses:
 - The softmax denominator always uses the unquantized P.
 A kernel subtracts a running row max (online softmax) where this reference subtracts the final row
 max, so quantized-P modes agree with kernels to within the rounding of P, not bit for bit.
+
+NaN inputs reach exactly the outputs `paro_attention`'s docstring lists (its "NaN" paragraph) in every
+dtype: a NaN score keeps its row's sum NaN (rows with no active key are set to zero by the sum being 0),
+NaN enters the quantization scales (torch's max reductions propagate it), and the P V product reads V
+with NaN zeroed, then sets NaN where a row attends a NaN of V (over every key, 0 * NaN would reach rows
+that mask its key out).
 """
 
 from __future__ import annotations
@@ -150,7 +156,10 @@ def paro_attention_reference(
         sm_scale = 1.0 / math.sqrt(D)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-    if qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS:
+    if (qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS
+            and not (bool(torch.isnan(k).any()) or bool(torch.isnan(v).any()))):
+        # (NaN in k or v goes through the loop: SDPA's additive mask and its P V product over every key
+        # would carry it into rows that mask its key out)
         return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
     out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
     low_precision_p = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
@@ -163,6 +172,13 @@ def paro_attention_reference(
         qh = q[:, h].index_select(1, index).float()
         kh = k[:, h].index_select(1, index).float()
         vh = fake_quantize_v(v[:, h].index_select(1, index).float(), pv)
+        # P V over all keys would turn a NaN in V into 0 * NaN = NaN in rows that mask its key out: the
+        # product reads V with NaN zeroed, and the rows that attend a NaN are set NaN after it
+        v_nan = torch.isnan(vh)
+        if bool(v_nan.any()):
+            vh = vh.masked_fill(v_nan, 0.0)
+        else:
+            v_nan = None
         q_scale = k_scale = None
         if qk != "bf16":
             kh = kh - key_smoothing_mean(k[:, h], key_mean_stride(N, layout.height, layout.width))
@@ -189,7 +205,12 @@ def paro_attention_reference(
             if pv == "bf16" and low_precision_p is not None:
                 p = p.to(low_precision_p).float()  # a kernel feeds P to the PV product in the input dtype
             numer = p @ vh
-            out_h[:, start:stop] = torch.where(denom > 0, numer / denom.clamp_min(1e-30), torch.zeros_like(numer))
+            if v_nan is not None:  # NaN in V reaches the rows that attend its key, not the others
+                numer = numer.masked_fill((allowed.to(torch.float32) @ v_nan.to(torch.float32)) > 0, float("nan"))
+            # a row with no active key is zero; a NaN score keeps its row NaN (denom is NaN)
+            empty = denom == 0
+            out_h[:, start:stop] = torch.where(empty, torch.zeros_like(numer),
+                                               numer / torch.where(empty, torch.ones_like(denom), denom))
         out[:, h, index] = out_h.to(q.dtype)
     return out
 
