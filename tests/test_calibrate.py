@@ -243,6 +243,47 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     assert [p.stat().st_size > 0 for p in pngs] == [True, True]
 
 
+def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_stats():
+    """`calibrate` = `capture` + `plan_from_stats`; one capture (every prompt in one batch here) gives
+    plans for other densities, quantizations and order sets without running the pipeline again."""
+    from paroattn import ORDERS
+    from paroattn.calibrate.driver import CalibrationConfig, calibrate, capture, plan_from_stats
+    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+
+    pipe = tiny_pipeline("wan")
+    kwargs = tiny_call_kwargs("wan")
+    steps = kwargs.pop("num_inference_steps")
+    kwargs.pop("output_type")
+    size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames")}
+    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, stat_every=1, batch_prompts=True,
+                               pipeline_kwargs=kwargs, **size)
+    prompts = ["a red fox in the snow", "a city at night"]
+    stats = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]}, extras=True)
+    assert sorted(stats.accumulators) == ["all", "identity"] and stats.prompts == prompts
+    assert stats.accumulators["all"].steps_per_bucket == stats.accumulators["identity"].steps_per_bucket
+    assert sum(stats.accumulators["all"].steps_per_bucket) == steps  # one batched call: each step once
+
+    plan, result = plan_from_stats(stats)
+    again, _ = calibrate(pipe, prompts, config)
+    assert torch.equal(plan.orders, again.orders) and torch.equal(plan.block_mask, again.block_mask)
+    assert plan.info["calibration"]["batch_prompts"] is True and plan.prompts == prompts
+
+    sparse, _ = plan_from_stats(stats, 0.25, qk="int8", pv="fp8", metric="paper")
+    assert (sparse.qk, sparse.pv) == ("int8", "fp8") and sparse.achieved_density() < plan.achieved_density()
+    identity, identity_result = plan_from_stats(stats, orders="identity")
+    assert bool((identity.orders == ORDERS.index("FHW")).all()) and identity_result.candidate_orders == [0]
+    assert identity.info["calibration"]["order_set"] == "identity"
+    assert result.candidate_orders == list(stats.layout.distinct_orders())
+
+    with pytest.raises(ValueError, match="no statistics for the order set 'W'"):
+        plan_from_stats(stats, orders="W")
+    with pytest.raises(ValueError, match="qk='int3'"):
+        plan_from_stats(stats, qk="int3")
+    mass_only = capture(pipe, prompts[:1], config)  # extras follow the config: mass only
+    with pytest.raises(ValueError, match="capture with extras=True"):
+        plan_from_stats(mass_only, metric="paper")
+
+
 def test_cli_calibrate_then_inspect_png(tmp_path):
     from typer.testing import CliRunner
 

@@ -1,9 +1,12 @@
-"""The capture driver: run the dense pipeline on the calibration prompts and build a plan.
+"""The capture driver: run the dense pipeline on the calibration prompts and build plans.
 
-At every captured denoising step the capture processors hand each self-attention layer's q, k
-(after norms and RoPE) to `block_stats`, whose per-tile results go into the accumulator and are
-dropped with q and k; no attention map is ever materialized. After the last prompt the accumulator
-chooses each head's order and builds the masks of every timestep bucket (`accumulate.py`).
+`capture` runs the pipeline with the capture processors: at every captured denoising step each
+self-attention layer's q, k (after norms and RoPE) go to `block_stats`, whose per-tile results go
+into the accumulators and are dropped with q and k; no attention map is ever materialized.
+`plan_from_stats` then chooses each head's order and builds the masks of every timestep bucket
+(`accumulate.py`) for any density, quantization and order metric, in about a second and without
+running the pipeline again; one capture can also feed accumulators of chosen order sets (FHW alone,
+say) to compare calibrated orders with them. `calibrate` is the two in a row.
 
 The pipeline runs with `output_type="latent"` where it accepts it: the VAE decode is not needed.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +38,7 @@ class CalibrationConfig:
     pv: str = "bf16"
     block_size: int = 64
     # query block of the masks, a multiple of block_size (None: block_size). 128 with 64-key blocks
-    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md, fifth session); coarser masks, 1.0-2.4 dB
+    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md); coarser masks, 1.0-2.4 dB
     # at the same density on the small reference model (QUALITY.md), not measured on a real checkpoint
     query_block: int | None = None
     steps: int = 50  # denoising steps of each calibration run
@@ -58,6 +61,12 @@ class CalibrationConfig:
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
     store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
     figure_layers: list[int] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
+    # one pipeline call with every prompt as a batch (the reference model's quality study) instead of
+    # one call per prompt
+    batch_prompts: bool = False
+    # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU
+    # whatever its device, as the reference model does, needs "cpu")
+    generator_device: str | None = None
     pipeline_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for every pipeline call
 
     def validate(self) -> None:
@@ -114,10 +123,12 @@ class _Progress:
             self.bar.update(getattr(self, task), **kwargs)
 
 
-def _call_kwargs(pipe, config: CalibrationConfig, prompt: str, on_step_end) -> dict:
+def _call_kwargs(pipe, config: CalibrationConfig, prompt: str | list[str], on_step_end) -> dict:
     """Keyword arguments for `pipe(...)`, keeping only those its __call__ accepts."""
     accepted = inspect.signature(pipe.__call__).parameters
-    device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", torch.device("cpu"))
+    device = config.generator_device
+    if device is None:
+        device = getattr(pipe, "_execution_device", None) or getattr(pipe, "device", torch.device("cpu"))
     generator = torch.Generator(device=torch.device(device).type if torch.device(device).type == "cuda" else "cpu")
     wanted = {
         "prompt": prompt,
@@ -143,24 +154,71 @@ def _store_device(config: CalibrationConfig, stats_device: torch.device, estimat
     return torch.device("cpu")
 
 
-def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
-              log=None) -> tuple[Plan, CalibrationResult]:
-    """Run `pipe` densely on `prompts`, capture attention statistics, and return the plan with the
-    calibration result (per-head scores, kept attention mass, figure maps)."""
+@dataclass
+class CapturedStats:
+    """Block statistics of one dense capture, from which `plan_from_stats` builds plans.
+
+    `accumulators["all"]` holds every candidate order of the layout; any other entry, one of the
+    order sets named in `capture(order_sets=...)` (e.g. `{"identity": [0]}`: FHW alone), fed from
+    the same statistics."""
+
+    config: CalibrationConfig
+    layout: TokenLayout
+    prompts: list[str]
+    model_class: str
+    model_fingerprint: str
+    accumulators: dict[str, StatsAccumulator]
+    extras: bool  # max and below-eps statistics captured too (paper metric, incoherence term)
+    timings: dict
+
+
+def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
+            order_sets: dict[str, list[int]] | None = None, extras: bool | None = None, progress: bool = False
+            ) -> CapturedStats:
+    """Run `pipe` densely on `prompts` (one call per prompt, or one batched call with
+    `config.batch_prompts`) and accumulate the block statistics of softmax(QK^T) of every
+    self-attention layer at every `config.stat_every`-th step, for every candidate order and,
+    separately, for each of `order_sets` (name -> indices into ORDERS).
+
+    `extras` (default: what `config.metric` and `config.quant_weight` need) also accumulates the
+    per-block maxima and counts below eps, so `plan_from_stats` can then use the paper metric or the
+    incoherence term."""
     from ..pipelines import capture_attention, resolve_transformer, self_attention_layers
 
-    config = config or CalibrationConfig()
+    config = replace(config) if config is not None else CalibrationConfig()  # a copy: the stats keep its settings
     config.validate()
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
+    order_sets = {name: [int(o) for o in orders] for name, orders in (order_sets or {}).items()}
+    for name, orders in order_sets.items():
+        if name == "all" or not orders or any(not 0 <= o < len(ORDERS) for o in orders):
+            raise ValueError(f"order set {name!r}: {orders}; expected a name other than 'all' and indices into "
+                             f"ORDERS (0..{len(ORDERS) - 1})")
+    if extras is None:
+        extras = config.metric == "paper" or config.quant_weight > 0
     transformer = resolve_transformer(pipe)
     layers = self_attention_layers(transformer)
     L = len(layers)
     edges = config.edges()
-    # max and count below eps feed only the incoherence and block-sparse terms
-    extras = config.metric == "paper" or config.quant_weight > 0
-    state = {"step": 0, "layout": None, "acc": None, "bucket": 0, "stats_s": 0.0, "captures": 0}
+    state = {"step": 0, "layout": None, "acc": None, "subsets": {}, "bucket": 0, "stats_s": 0.0, "captures": 0}
     timings = {"pipeline_s": 0.0}
+
+    def start_accumulators(layout: TokenLayout, q: torch.Tensor) -> None:
+        orders = list(layout.distinct_orders())
+        nb = math.ceil(layout.seq_len / config.block_size)
+        estimate = (len(edges) - 1) * L * q.shape[1] * len(orders) * nb * nb * 4
+        store = _store_device(config, q.device, estimate)
+        state["acc"] = StatsAccumulator(L, len(edges) - 1, orders, layout.seq_len, config.block_size,
+                                        store_device=store, query_block=config.query_block)
+        for name, subset in order_sets.items():
+            missing = [ORDERS[o] for o in subset if o not in orders]
+            if missing:
+                raise ValueError(f"order set {name!r}: {missing} repeat other orders on the layout {layout}; "
+                                 f"its distinct orders are {[ORDERS[o] for o in orders]}")
+            slots = torch.tensor([orders.index(o) for o in subset])
+            accumulator = StatsAccumulator(L, len(edges) - 1, subset, layout.seq_len, config.block_size,
+                                           store_device=store, query_block=config.query_block)
+            state["subsets"][name] = (accumulator, slots)
 
     def on_capture(layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, timestep: float):
         if state["layout"] is None:
@@ -174,13 +232,7 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
         state["bucket"] = bucket
         if state["step"] % config.stat_every == 0:
             if state["acc"] is None:
-                orders = list(layout.distinct_orders())
-                nb = math.ceil(layout.seq_len / config.block_size)
-                estimate = (len(edges) - 1) * L * q.shape[1] * len(orders) * nb * nb * 4
-                state["acc"] = StatsAccumulator(
-                    L, len(edges) - 1, orders, layout.seq_len, config.block_size,
-                    store_device=_store_device(config, q.device, estimate), query_block=config.query_block,
-                )
+                start_accumulators(layout, q)
             acc = state["acc"]
             start = time.perf_counter()
             with torch.no_grad():
@@ -189,6 +241,10 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
                     extras=extras,
                 )
                 acc.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
+                for subset, slots in state["subsets"].values():
+                    pick = slots.to(mass.device)
+                    subset.add(layer, bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
+                               None if below is None else below[:, pick], batch=q.shape[0])
             if q.device.type == "cuda":
                 torch.cuda.synchronize(q.device)
             state["stats_s"] += time.perf_counter() - start
@@ -197,51 +253,88 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
 
     def on_step_end(pipeline, step, timestep, callback_kwargs):
         if state["step"] % config.stat_every == 0 and state["acc"] is not None:
-            state["acc"].step_done(state["bucket"])
+            for accumulator in [state["acc"], *(a for a, _ in state["subsets"].values())]:
+                accumulator.step_done(state["bucket"])
         state["step"] += 1
         bar.update("steps", completed=step + 1)
         return {}
 
+    calls = [list(prompts)] if config.batch_prompts else list(prompts)
     bar = _Progress(progress, len(prompts), config.steps, L)
     with bar, torch.no_grad(), capture_attention(pipe, on_capture):
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(calls):
             state["step"] = 0
             bar.update("steps", completed=0)
             start = time.perf_counter()
             pipe(**_call_kwargs(pipe, config, prompt, on_step_end))
             timings["pipeline_s"] += time.perf_counter() - start
-            bar.update("prompts", completed=i + 1)
+            bar.update("prompts", completed=len(prompts) if config.batch_prompts else i + 1)
     if state["acc"] is None:
         raise RuntimeError("the pipeline ran but no self-attention call was captured; is this a supported model?")
-    acc, layout = state["acc"], state["layout"]
+    timings["stats_s"] = state["stats_s"]
+    timings["captured_layer_calls"] = state["captures"]
+    accumulators = {"all": state["acc"], **{name: acc for name, (acc, _) in state["subsets"].items()}}
+    return CapturedStats(config=config, layout=state["layout"], prompts=list(prompts),
+                         model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config),
+                         accumulators=accumulators, extras=extras, timings=timings)
+
+
+def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: str | None = None,
+                    pv: str | None = None, metric: str | None = None, quant_weight: float | None = None,
+                    alpha: float | None = None, orders: str = "all", compute_device: str | torch.device | None = None,
+                    log=None) -> tuple[Plan, CalibrationResult]:
+    """(Plan, CalibrationResult) from captured statistics, without running the pipeline again: each
+    head's order chosen among the candidates of the accumulator `orders` ("all", or a name given to
+    `capture(order_sets=...)`), masks at `density`. Arguments left None take the capture config's."""
+    config = stats.config
+    density = config.density if density is None else density
+    qk, pv = config.qk if qk is None else qk, config.pv if pv is None else pv
+    metric = config.metric if metric is None else metric
+    quant_weight = config.quant_weight if quant_weight is None else quant_weight
+    alpha = config.alpha if alpha is None else alpha
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if problem := modes_problem(qk, pv):
+        raise ValueError(problem)
+    if metric not in METRICS:
+        raise ValueError(f"metric={metric!r}; expected one of {METRICS}")
+    if (metric == "paper" or quant_weight > 0) and not stats.extras:
+        raise ValueError(f"metric={metric!r} with quant_weight={quant_weight} needs the max and below-eps "
+                         "statistics: capture with extras=True")
+    if orders not in stats.accumulators:
+        raise ValueError(f"no statistics for the order set {orders!r}; captured: {sorted(stats.accumulators)}")
+    acc, layout = stats.accumulators[orders], stats.layout
+    L = acc.num_layers
     start = time.perf_counter()
     figure_layers = config.figure_layers if config.figure_layers is not None else sorted({0, L // 2, L - 1})
     # selection runs on the GPU even when the sums live in host memory (as timed in BENCHMARKS.md)
-    compute = "cuda" if torch.cuda.is_available() else "cpu"
+    if compute_device is None:
+        compute_device = "cuda" if torch.cuda.is_available() else "cpu"
     result = acc.finalize(
-        config.density, layout.prefix, metric=config.metric, quant_weight=config.quant_weight,
-        alpha=config.alpha, compute_device=compute, figure_layers=figure_layers,
+        density, layout.prefix, metric=metric, quant_weight=quant_weight, alpha=alpha,
+        compute_device=compute_device, figure_layers=figure_layers,
     )
-    timings["select_s"] = time.perf_counter() - start
-    timings["stats_s"] = state["stats_s"]
-    timings["captured_layer_calls"] = state["captures"]
+    timings = dict(stats.timings, select_s=time.perf_counter() - start)
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
     if empty and log is not None:
         log(f"warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
+    settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha)
+    if orders != "all":
+        settings["order_set"] = orders
     plan = Plan(
-        model_class=type(transformer).__name__,
-        model_fingerprint=model_fingerprint(transformer.config),
+        model_class=stats.model_class,
+        model_fingerprint=stats.model_fingerprint,
         layout=layout,
         block_size=acc.mask_block,
         orders=result.orders,
         block_mask=result.block_mask,
-        bucket_edges=edges,
-        qk=config.qk,
-        pv=config.pv,
-        target_density=config.density,
+        bucket_edges=config.edges(),
+        qk=qk,
+        pv=pv,
+        target_density=density,
         density=result.density,
-        prompts=list(prompts),
+        prompts=list(stats.prompts),
         info={
             "calibration": settings,
             "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
@@ -252,6 +345,15 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
         },
     )
     return plan, result
+
+
+def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
+              log=None) -> tuple[Plan, CalibrationResult]:
+    """Run `pipe` densely on `prompts`, capture attention statistics, and return the plan with the
+    calibration result (per-head scores, kept attention mass, figure maps): `capture` then
+    `plan_from_stats` with the config's settings."""
+    stats = capture(pipe, prompts, config, progress=progress)
+    return plan_from_stats(stats, log=log)
 
 
 def stats_path_for(plan_path: str | Path) -> Path:
@@ -288,15 +390,16 @@ def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) ->
 
 
 # -- used by `paro calibrate` ------------------------------------------------------------------
-PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
+# installed with the package (package data in pyproject.toml)
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "assets" / "prompts"
 
 
 def default_prompts_file(is_video: bool) -> Path:
-    """`assets/prompts/video.txt` or `image.txt` of the source checkout."""
+    """`paroattn/assets/prompts/video.txt` or `image.txt`."""
     path = PROMPTS_DIR / ("video.txt" if is_video else "image.txt")
     if not path.is_file():
         raise FileNotFoundError(
-            f"default prompt file {path} is missing (it ships with the source checkout): pass --prompts FILE"
+            f"default prompt file {path} is missing (package data of paroattn; reinstall it): pass --prompts FILE"
         )
     return path
 
