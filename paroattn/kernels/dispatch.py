@@ -99,9 +99,9 @@ TABLE: dict[tuple, KernelConfig] = {
     ("sm90", 64, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
     ("sm90", 64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
     ("sm90", 64, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **_TQ),
-    # D=128 bf16: the warp-specialized Gluon kernel with 3 K/V stages (12-24% faster than the Triton
-    # kernel on Wan2.1-1.3B, Wan2.1-14B and FLUX.1-dev); the other fields are the Triton kernel's
-    # where the Gluon one cannot run
+    # D=128 bf16: the warp-specialized Gluon kernel with 3 K/V stages (5-14% faster than the Triton
+    # kernel on Wan2.1-1.3B, Wan2.1-14B and FLUX.1-dev on an H100, hopper-warp-specialized-variants-h100.json);
+    # the other fields are the Triton kernel's where the Gluon one cannot run
     ("sm90", 128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **_TQ, warp_specialized=True),
     ("sm90", 128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **_TQ),
     ("sm90", 128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
@@ -116,8 +116,7 @@ TABLE: dict[tuple, KernelConfig] = {
 }
 del _T, _O, _TQ
 
-# keys not in the table. Measured (H200): 8 warps on a 64-row tile is 1.7x slower than 4, and 4 warps
-# won most 128-row sweeps too
+# keys not in the table (e.g. 32-token blocks): the warps and stages most entries share
 DEFAULT_CONFIG = KernelConfig(4, 3)
 
 _PINNED: dict[tuple, KernelConfig] = {}
