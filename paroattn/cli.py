@@ -47,7 +47,7 @@ def inspect(
 def calibrate(
     model_dir: Path = typer.Argument(..., help="diffusers pipeline folder (or hub id) of a supported model"),
     out: Path = typer.Option(..., "--out", help="plan file to write; block statistics go beside it (.stats.safetensors)"),
-    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: assets/prompts/video.txt or image.txt)"),
+    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package)"),
     num_prompts: int = typer.Option(2, help="use the first N prompts of the file (the paper finds 1-2 enough)"),
     density: float = typer.Option(0.3, help="target mean block density of the masks"),
     qk: str = typer.Option("bf16", help="QK precision the plan asks for: bf16, int8, int4"),
@@ -188,15 +188,10 @@ def demo(
 ) -> None:
     """Offline demo on the bundled reference model (a small trained Wan transformer): dense vs PARO
     on the same seeds, side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times."""
-    from .demo import run_demo
     from .errors import PlanError
-    from .modes import modes_problem
+    from .reference.demo import run_demo
 
-    if problem := modes_problem(qk, pv):
-        _fail(f"--qk {qk} --pv {pv}: {problem}")
-    if not 0.0 < density <= 1.0:
-        _fail(f"--density must be in (0, 1], got {density}")
-    try:
+    try:  # run_demo checks the modes (paroattn.modes), density and prompt count before loading the model
         run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=prompts, seed=seed, device=device,
                  backend=backend, log=typer.echo)
     except (PlanError, ValueError, OSError) as exc:

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.demo import CALIBRATION_PROMPTS
 from paroattn.pipelines import capture_attention, self_attention_layers
-from paroattn.reference_model import load_reference_pipeline
+from paroattn.reference.demo import CALIBRATION_PROMPTS
+from paroattn.reference.model import load_reference_pipeline
 
 SHARES = (0.5, 0.3, 0.2, 0.1)
 

@@ -1,11 +1,11 @@
 """The quality study of QUALITY.md on the reference model, and the plans that `paro demo` ships.
 
 One dense capture over the calibration prompts gives the block statistics of every candidate order
-and of the identity order (`paroattn.demo.capture_stats`); from them, plans for every density,
+and of the identity order (`paroattn.calibrate.driver.capture`); from them, plans for every density,
 quantization and order choice. Each plan generates the fixed evaluation prompts with the fixed
 seed, compared with the dense videos (PSNR / SSIM / cosine, mean over the prompts).
 
-    python scripts/quality_reference.py --out /tmp/quality --ship assets/reference/plans   # GPU: ~1 min
+    python scripts/quality_reference.py --out /tmp/quality --ship paroattn/reference/assets/plans   # GPU: ~1 min
     python scripts/quality_reference.py --out /tmp/q --quick                              # CPU smoke: seconds
 
 Writes `quality.json` and `quality_table.md` into --out; with --ship, the plans for densities
@@ -25,8 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn import demo
-from paroattn.reference_model import DEFAULT_STEPS, load_reference_pipeline
+from paroattn import ORDERS
+from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
+from paroattn.reference import demo
+from paroattn.reference.model import DEFAULT_STEPS, load_reference_pipeline
 
 DENSITIES = (1.0, 0.5, 0.3, 0.2)
 
@@ -82,23 +84,23 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pipe = load_reference_pipeline(device=args.device, dtype=dtype)
-    transformer = pipe.transformer
     log = []
 
     def say(line: str) -> None:
         print(line, flush=True)
         log.append(line)
 
-    stats = demo.capture_stats(pipe, demo.CALIBRATION_PROMPTS, steps=args.calibration_steps, seed=args.seed,
-                               block_size=args.block_size, query_block=args.query_block)
-    say(f"capture: {len(demo.CALIBRATION_PROMPTS)} prompts x {args.calibration_steps} steps in {stats.seconds:.1f} s, "
+    config = demo.study_config(args.calibration_steps, seed=args.seed, block_size=args.block_size,
+                               query_block=args.query_block)
+    stats = capture(pipe, demo.CALIBRATION_PROMPTS, config, order_sets={"identity": [ORDERS.index("FHW")]},
+                    extras=True)
+    capture_s = stats.timings["pipeline_s"]
+    say(f"capture: {len(demo.CALIBRATION_PROMPTS)} prompts x {args.calibration_steps} steps in {capture_s:.1f} s, "
         f"layout {stats.layout}")
 
     if args.ship is not None:
-        from paroattn.calibrate.driver import save_calibration
-
         for density in demo.SHIPPED_DENSITIES:
-            plan, result = demo.plan_from_stats(stats, transformer, density)
+            plan, result = plan_from_stats(stats, density)
             path = args.ship / demo.shipped_plan_path(density).name
             save_calibration(plan, result, path)
             plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
@@ -111,8 +113,8 @@ def main(argv=None) -> int:
     rows = []
     for density, quant, identity, metric in configurations(args):
         qk, pv = demo.QUANT_MODES[quant]
-        plan, result = demo.plan_from_stats(stats, transformer, density, qk=qk, pv=pv, identity=identity, metric=metric,
-                                            quant_weight=args.quant_weight)
+        plan, result = plan_from_stats(stats, density, qk=qk, pv=pv, orders="identity" if identity else "all",
+                                       metric=metric, quant_weight=args.quant_weight)
         backend = args.backend
         try:
             frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
             "density": density, "achieved_density": plan.achieved_density(), "quant": quant, "qk": qk, "pv": pv,
             "orders": "identity" if identity else "calibrated", "metric": metric,
             "kept_mass": float(result.kept_mass.mean()), "backend": backend, **metrics, **timing,
-            "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(demo.ORDERS)},
+            "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
         }
         rows.append(row)
         say(f"d={density:.1f} {quant:17s} {row['orders']:10s} {metric:5s} kept={row['kept_mass']:.4f} "
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps, "calibration_steps": args.calibration_steps,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
-        "dense_time": dense_t, "capture_s": stats.seconds, "rows": rows,
+        "dense_time": dense_t, "capture_s": capture_s, "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))
     (args.out / "quality_table.md").write_text(markdown_table(rows))

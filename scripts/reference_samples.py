@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn import demo
-from paroattn.reference_data import COLORS, color_centroids, parse_caption, render
-from paroattn.reference_model import load_reference_pipeline
+from paroattn.reference import demo
+from paroattn.reference.data import COLORS, color_centroids, parse_caption, render
+from paroattn.reference.model import load_reference_pipeline
 
 
 def displacement(video: torch.Tensor, color: str) -> torch.Tensor | None:

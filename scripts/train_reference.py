@@ -1,5 +1,5 @@
 """Train the reference model of `paro demo`: a small WanTransformer3DModel, text-conditioned,
-flow matching in pixel space on procedural videos (`paroattn.reference_data`).
+flow matching in pixel space on procedural videos (`paroattn.reference.data`).
 
 Runs in resumable chunks: each call trains for at most `--chunk-seconds` (<= 600), then writes a
 checkpoint (safetensors shards + JSON, no pickle) to `--ckpt-dir` and the EMA weights, in the
@@ -7,7 +7,7 @@ assets' folder format, to `--out`. Call it again with the same `--ckpt-dir` to g
 is a pure function of (`--seed`, i), so a resumed run sees exactly the data an uninterrupted one
 would have.
 
-    python scripts/train_reference.py --out assets/reference --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile
+    python scripts/train_reference.py --out paroattn/reference/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile
     python scripts/train_reference.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
 
 Flow matching as in Wan / SD3: x_t = (1 - s) x0 + s noise with s = shift(u), u ~ U(0, 1), the
@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.reference_data import make_batch
-from paroattn.reference_model import (
+from paroattn.reference.data import make_batch
+from paroattn.reference.model import (
     SCHEDULER_SHIFT,
     TEXT_ENCODER_CONFIG,
     TRANSFORMER_CONFIG,

@@ -9,14 +9,14 @@ import numpy as np
 from typer.testing import CliRunner
 
 from paroattn.cli import app
-from paroattn.demo import side_by_side
+from paroattn.reference.demo import side_by_side
 
 
 def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--steps", "2", "--prompts", "1",
                                       "--density", "0.5", "--qk", "int8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "plan: assets/reference/plans/d0.50.safetensors" in result.output
+    assert "plan: paroattn/reference/assets/plans/d0.50.safetensors" in result.output
     report = json.loads((tmp_path / "metrics.json").read_text())
     assert report["qk"] == "int8" and abs(report["density"] - 0.5) < 0.01
     metrics = report["metrics"]
@@ -33,8 +33,8 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
 
 
 def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path):
-    from paroattn.demo import run_demo
     from paroattn.plan import Plan
+    from paroattn.reference.demo import run_demo
 
     lines = []
     report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",
@@ -49,7 +49,7 @@ def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path):
 def test_demo_rejects_unknown_precision(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--qk", "int3"])
     assert result.exit_code == 2
-    assert "expected --qk one of bf16, int8, int4" in result.output
+    assert "qk='int3' is not one of ('bf16', 'int8', 'int4')" in result.output
 
 
 def test_side_by_side_layout():

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from paroattn.layout import TokenLayout
 from paroattn.plan import Plan, model_fingerprint
-from paroattn.reference_data import color_centroids, make_batch, parse_caption, render, sample_spec
+from paroattn.reference.data import color_centroids, make_batch, parse_caption, render, sample_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_color_centroids_say_when_a_color_is_absent():
 
 
 def test_tokenizer_names_unknown_words():
-    from paroattn.reference_model import WordTextEncoder
+    from paroattn.reference.model import WordTextEncoder
 
     encoder = WordTextEncoder()
     ids = encoder.tokenize(["red circle moving left quickly, pan up, dotted background", ""])
@@ -65,7 +65,7 @@ def test_tokenizer_names_unknown_words():
 
 @pytest.fixture(scope="module")
 def reference_pipe():
-    from paroattn.reference_model import load_reference_pipeline
+    from paroattn.reference.model import load_reference_pipeline
 
     return load_reference_pipeline()
 
@@ -99,7 +99,7 @@ def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_p
 
 
 def test_shipped_plans_fit_the_shipped_model(reference_pipe):
-    from paroattn.demo import SHIPPED_DENSITIES, shipped_plan_path
+    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path
 
     transformer = reference_pipe.transformer
     for density in SHIPPED_DENSITIES:
@@ -114,8 +114,8 @@ def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(refere
     """The reference model has no VAE: the mismatch message and the recalibration command give its
     sizes in pixels and frames as the pipeline takes them (not through a video VAE's 8x / 4x)."""
     from paroattn import PlanError
-    from paroattn.demo import SHIPPED_DENSITIES, shipped_plan_path
     from paroattn.pipelines import apply, layout_for
+    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path
 
     assert layout_for(reference_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
     plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0]))  # 8 frames of 32x32

@@ -4,9 +4,10 @@ It is the real diffusers Wan class (3-D RoPE, RMSNorm across heads, `WanAttnProc
 `paroattn.apply` meets it exactly as it meets Wan 2.1. It denoises RGB pixels directly (patch
 1x2x2, no VAE): 8 frames of 32x32 pixels are 8x16x16 = 2048 tokens. Prompts are embedded by
 `WordTextEncoder`, a word-embedding transformer built here, whose output plays the part of Wan's
-T5 states. Trained by `scripts/train_reference.py`; weights ship in `assets/reference/`.
+T5 states. Trained by `scripts/train_reference.py`; its weights ship in the package
+(`paroattn/reference/assets/`).
 
-    pipe = load_reference_pipeline()                       # assets/reference, CPU, float32
+    pipe = load_reference_pipeline()                       # the shipped weights, CPU, float32
     frames = pipe("red circle moving left quickly, cloudy background").frames  # [B, F, H, W, 3]
 """
 
@@ -22,9 +23,10 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from .reference_data import MAX_WORDS, PAD, VOCABULARY
+from .data import MAX_WORDS, PAD, VOCABULARY
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "reference"
+# weights, configs and plans, installed with the package (package data in pyproject.toml)
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 # the shipped model; scripts/train_reference.py trains this configuration by default
 TRANSFORMER_CONFIG = {
@@ -215,7 +217,7 @@ def save_reference(directory: str | Path, transformer, text_encoder, scheduler, 
 
 def load_reference_pipeline(directory: str | Path | None = None, device: str | torch.device = "cpu",
                             dtype: torch.dtype = torch.float32) -> ReferenceVideoPipeline:
-    """The trained reference pipeline from `directory` (default: the shipped `assets/reference`)."""
+    """The trained reference pipeline from `directory` (default: the shipped `ASSETS`)."""
     directory = Path(directory) if directory is not None else ASSETS
     if not (directory / "transformer" / "config.json").is_file():
         raise FileNotFoundError(

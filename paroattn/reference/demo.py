@@ -1,16 +1,15 @@
 """`paro demo` and the quality study of the reference model (QUALITY.md).
 
-The reference model (`reference_model.py`) is sampled densely and with PARO from the same seeds;
-the videos are compared with PSNR / SSIM / cosine similarity and the time spent in self-attention
-layers is measured with forward hooks.
+The reference model (`model.py`) is sampled densely and with PARO from the same seeds; the videos
+are compared with PSNR / SSIM / cosine similarity and the time spent in self-attention layers is
+measured with forward hooks.
 
-Plans: `capture_stats` runs the dense pipeline once over the calibration prompts and accumulates
-block statistics for every candidate order and, separately, for the identity order alone;
-`plan_from_stats` then turns either accumulator into a plan for any density and quantization in
-well under a second, so one capture gives the whole QUALITY.md grid (calibrated vs identity order,
-"mass" vs the paper's metric). The shipped plans in `assets/reference/plans/` were made this way
-by `scripts/quality_reference.py`; `paro demo` uses them or, for a density that was not shipped,
-calibrates with `paroattn.calibrate.calibrate`.
+Plans come from the calibration driver (`paroattn.calibrate.driver`): the quality study
+(`scripts/quality_reference.py`) captures the block statistics once over the calibration prompts
+(`study_config`: one batch, every step) for every candidate order and for the identity order alone,
+then builds a plan for each density, quantization and order metric from them with
+`plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them or,
+for a density that was not shipped, calibrates with `paroattn.calibrate.calibrate`.
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .layout import ORDERS
-from .plan import Plan, default_bucket_edges, model_fingerprint
-from .reference_model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
+from ..modes import modes_problem
+from ..plan import Plan
+from .model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 PLANS_DIR = ASSETS / "plans"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # what paths in the demo's log are relative to
 SHIPPED_DENSITIES = (0.5, 0.3, 0.2)
 CALIBRATION_PROMPTS = [
     "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
@@ -51,103 +51,20 @@ QUANT_MODES = {  # label -> (qk, pv)
 
 
 def shipped_plan_path(density: float) -> Path:
-    """assets/reference/plans/d0.30.safetensors: one plan per density, for every quantization (its
+    """`assets/plans/d0.30.safetensors` of this package: one plan per density, for every quantization (its
     qk/pv are replaced by the run's; QUALITY.md measured orders chosen with the incoherence term
     for quantized runs, and they were worse)."""
     return PLANS_DIR / f"d{density:.2f}.safetensors"
 
 
-# -- capture --------------------------------------------------------------------------------------
+def study_config(steps: int = DEFAULT_STEPS, *, seed: int = 0, block_size: int = 64,
+                 query_block: int | None = None):
+    """The calibration of the quality study and the shipped plans: the calibration prompts as one
+    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device)."""
+    from ..calibrate.driver import CalibrationConfig
 
-@dataclasses.dataclass
-class CapturedStats:
-    """Accumulated block statistics of the reference model over the calibration prompts."""
-
-    every_order: object  # StatsAccumulator over the layout's distinct orders
-    identity: object  # StatsAccumulator over FHW alone
-    layout: object
-    prompts: list[str]
-    steps: int
-    edges: list[float]
-    seconds: float
-
-
-def capture_stats(pipe, prompts: list[str] = CALIBRATION_PROMPTS, steps: int = DEFAULT_STEPS, seed: int = 0,
-                  block_size: int = 64, num_buckets: int = 6, backend: str = "auto",
-                  query_block: int | None = None) -> CapturedStats:
-    """Run the dense pipeline on `prompts` (one batch) and accumulate the block statistics of
-    softmax(QK^T) at every step, for all candidate orders and for the identity order."""
-    from .calibrate import StatsAccumulator, block_stats
-    from .pipelines import capture_attention, self_attention_layers
-    from .plan import bucket_index
-
-    edges = default_bucket_edges(num_buckets)
-    layers = len(self_attention_layers(pipe))
-    state: dict = {"every": None, "identity": None, "layout": None, "bucket": 0}
-
-    def on_capture(layer, q, k, layout, timestep):
-        if state["every"] is None:
-            candidates = list(layout.distinct_orders())
-            state["layout"] = layout
-            state["every"] = StatsAccumulator(layers, num_buckets, candidates, layout.seq_len, block_size,
-                                              query_block=query_block)
-            state["identity"] = StatsAccumulator(layers, num_buckets, [0], layout.seq_len, block_size,
-                                                 query_block=query_block)
-        every, identity = state["every"], state["identity"]
-        bucket = bucket_index(edges, float(timestep))
-        state["bucket"] = bucket
-        mass, pmax, below = block_stats(q, k, layout, every.candidate_orders, block_size, backend=backend, extras=True)
-        every.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
-        slot = every.candidate_orders.index(0)
-        identity.add(layer, bucket, mass[:, slot:slot + 1], pmax[:, slot:slot + 1], below[:, slot:slot + 1],
-                     batch=q.shape[0])
-
-    def on_step_end(pipeline, step, timestep, tensors):
-        for key in ("every", "identity"):
-            state[key].step_done(state["bucket"])
-        return {}
-
-    start = time.perf_counter()
-    with torch.no_grad(), capture_attention(pipe, on_capture):
-        pipe(prompts, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
-             output_type="latent", callback_on_step_end=on_step_end)
-    return CapturedStats(state["every"], state["identity"], state["layout"], list(prompts), steps, edges,
-                         time.perf_counter() - start)
-
-
-def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: str = "bf16", pv: str = "bf16",
-                    identity: bool = False, metric: str = "mass", quant_weight: float = 0.0):
-    """(Plan, CalibrationResult) at `density` from captured statistics. Orders come from every
-    candidate (or FHW alone with `identity`); `quant_weight` weighs the incoherence term as
-    `paro calibrate --quant-weight` does (default 0, as there)."""
-    accumulator = stats.identity if identity else stats.every_order
-    figure_layers = sorted({0, accumulator.num_layers // 2, accumulator.num_layers - 1})
-    result = accumulator.finalize(density, stats.layout.prefix, metric=metric, quant_weight=quant_weight,
-                                  figure_layers=figure_layers)
-    plan = Plan(
-        model_class=type(transformer).__name__,
-        model_fingerprint=model_fingerprint(transformer.config),
-        layout=stats.layout,
-        block_size=accumulator.mask_block,
-        orders=result.orders,
-        block_mask=result.block_mask,
-        bucket_edges=stats.edges,
-        qk=qk,
-        pv=pv,
-        target_density=density,
-        density=result.density,
-        prompts=stats.prompts,
-        info={
-            "calibration": {"steps": stats.steps, "metric": metric, "quant_weight": quant_weight,
-                            "identity_order": identity, "made_by": "paroattn.demo.capture_stats"},
-            "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
-            "steps_per_bucket": result.steps_per_bucket,
-            "kept_mass": float(result.kept_mass.mean()),
-            "kept_mass_min": float(result.kept_mass.min()),
-            "timings": {"capture_s": stats.seconds},
-        },
-    )
-    return plan, result
+    return CalibrationConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
+                             batch_prompts=True, generator_device="cpu")
 
 
 # -- generation and comparison --------------------------------------------------------------------
@@ -156,7 +73,7 @@ def plan_from_stats(stats: CapturedStats, transformer, density: float, *, qk: st
 def attention_timer(pipe):
     """Yields a dict whose "seconds" is the time spent inside self-attention modules (attn1:
     projections, norms, RoPE, attention, output projection), synchronized on CUDA."""
-    from .pipelines import self_attention_layers
+    from ..pipelines import self_attention_layers
 
     transformer = pipe.transformer
     names = [key.rsplit(".processor", 1)[0] for key in self_attention_layers(transformer)]
@@ -203,14 +120,14 @@ def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 
 
 def compare(dense: np.ndarray, other: np.ndarray) -> dict[str, float]:
     """Mean over videos of PSNR (dB), SSIM and cosine similarity vs dense; videos [B, F, H, W, 3]."""
-    from .pipelines.generate import compare_pixels
+    from ..pipelines.generate import compare_pixels
 
     per_video = [compare_pixels(d, o) for d, o in zip(dense, other)]
     return {key: float(np.mean([m[key] for m in per_video])) for key in per_video[0]}
 
 
 def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "auto", guidance_scale=DEFAULT_GUIDANCE):
-    from .pipelines import apply
+    from ..pipelines import apply
 
     with apply(pipe, plan, backend=backend):
         return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale)
@@ -254,16 +171,16 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
     path = shipped_plan_path(density)
     if path.is_file():
         plan = Plan.load(path)
-        log(f"plan: {path.relative_to(ASSETS.parent.parent)} (achieved density {plan.achieved_density():.3f})")
+        log(f"plan: {path.relative_to(PACKAGE_ROOT)} (achieved density {plan.achieved_density():.3f})")
         stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
         return dataclasses.replace(plan, qk=qk, pv=pv), stats if stats.is_file() else None
-    from .calibrate import CalibrationConfig, calibrate
-    from .calibrate.driver import save_calibration, stats_path_for
+    from ..calibrate.driver import CalibrationConfig, calibrate, save_calibration, stats_path_for
 
     log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
         f"calibrating on {len(CALIBRATION_PROMPTS)} prompts, {calibration_steps} steps")
     start = time.perf_counter()
-    config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps)
+    # the pipeline draws its noise on the CPU on every device: so does the calibration's generator
+    config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps, generator_device="cpu")
     plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     if out is None:
@@ -279,14 +196,18 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
              log: Callable[[str], None] = print) -> dict:
     """Dense vs PARO on the reference model; writes demo.gif, attention PNGs and metrics.json into
     `out` and returns the metrics."""
-    from .reference_model import load_reference_pipeline
+    from .model import load_reference_pipeline
 
+    if problem := modes_problem(qk, pv):
+        raise ValueError(problem)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if not 1 <= num_prompts <= len(EVAL_PROMPTS):
+        raise ValueError(f"--prompts must be 1..{len(EVAL_PROMPTS)}, got {num_prompts}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if not 1 <= num_prompts <= len(EVAL_PROMPTS):
-        raise ValueError(f"--prompts must be 1..{len(EVAL_PROMPTS)}, got {num_prompts}")
     prompts = EVAL_PROMPTS[:num_prompts]
     log(f"reference model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
         f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
@@ -314,7 +235,7 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
     log(f"wrote {gif}  (left: dense, middle: PARO, right: |difference| x4)")
     pictures = []
     try:
-        from .calibrate.figures import draw_plan_heads
+        from ..calibrate.figures import draw_plan_heads
 
         chosen = heads or [(0, h) for h in range(plan.num_heads)] + [(plan.num_layers - 1, 0)]
         pictures = [str(p) for p in draw_plan_heads(plan, chosen, out / "attention", stats=stats_file)]
