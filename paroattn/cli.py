@@ -115,20 +115,17 @@ def calibrate(
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Attention kernel benchmark on the GPU (benchmarks/attention.py; pass its options, e.g. --shapes)."""
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
-    if not script.exists():
-        _fail(f"{script} not found: `paro bench` runs from a source checkout (pip install -e .)")
+    """Attention kernel benchmark on the GPU (paroattn/bench.py); its options pass through (`paro bench -- --help`)."""
     import torch
 
-    if not torch.cuda.is_available():
-        _fail("paro bench needs a CUDA GPU; this machine has none")
-    spec = importlib.util.spec_from_file_location("paro_attention_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(list(ctx.args))
+    args = list(ctx.args)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not torch.cuda.is_available() and "--table" not in args and "--help" not in args and "-h" not in args:
+        _fail("paro bench needs a CUDA GPU; this machine has none (--table RESULTS.json prints saved results without one)")
+    from .bench import main as run_benchmark
+
+    run_benchmark(args)
 
 
 @app.command()
