@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from paroattn import TokenLayout, paro_attention
-from paroattn.kernels import triton_backend
+from paroattn.kernels import dispatch, triton_backend
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.masks import synthetic_block_mask
 
@@ -65,9 +65,9 @@ MIN_REPETITIONS = 10  # timed calls per measurement at least, however long a cal
 BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
-# kernel configs `--sweep` tries per query block; 8 warps on 64-row tiles and K/V gathered inside the
-# kernel are left out: they lost at every shape they were timed on (docs/notes/tile-configs.md)
-_KC = triton_backend.KernelConfig
+# kernel configs `--sweep` tries per query block; 8 warps on 64-row tiles are left out: they lost at
+# every shape they were timed on (docs/notes/tile-configs.md)
+_KC = dispatch.KernelConfig
 SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
          _KC(4, 3, tma=True, overlap_qk=True)],
@@ -312,8 +312,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                     record("flex", density, timed[0], None, mask_density=actual, rel_err_vs_paro_bf16=timed[1])
             for qk, pv in modes:
                 if tma:
-                    config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
-                    triton_backend.set_kernel_config(D, block_q, block_k, qk, pv, dataclasses.replace(config, tma=True))
+                    config = dispatch.kernel_config(D, block_q, block_k, qk, pv)
+                    dispatch.set_kernel_config(D, block_q, block_k, qk, pv, dataclasses.replace(config, tma=True))
 
                 variants = [("", None)] + ([("-rope", rotary)] if rope else [])
                 for suffix, tables in variants:
@@ -323,20 +323,18 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
 
                     ms, err = _try(lambda: timer(paro, sets, warmup, rep))
                     row = record(f"paro-{qk}-{pv}{suffix}", density, ms, err, mask_density=actual,
-                                 config=vars(triton_backend.kernel_config(D, block_q, block_k, qk, pv)))
+                                 config=vars(dispatch.kernel_config(D, block_q, block_k, qk, pv)))
                     if sdpa_ms and ms:
                         row["speedup_vs_sdpa"] = sdpa_ms / ms
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
-            config = triton_backend.kernel_config(D, block_q, block_k, qk, pv)
             q0 = sets[0][0]  # the op's output is laid out like q
-            with_q = triton_backend.prologue_writes_q(config, block_q, block_k, qk, pv, q0, q0)
+            with_q = triton_backend.launch_choice(q0, block_q, block_k, qk, pv).prologue_writes_q(q0, q0)
 
-            def prologue(q, k, v, qk=qk, pv=pv, gather=config.gather_kv, with_q=with_q):
+            def prologue(q, k, v, qk=qk, pv=pv, with_q=with_q):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,
-                                                 layout.width, block_k, qk, pv, gather, q if with_q else None,
-                                                 block_q)
+                                                 layout.width, block_k, qk, pv, q if with_q else None, block_q)
 
             ms, err = _try(lambda: timer(prologue, sets, warmup, rep))
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
@@ -398,15 +396,15 @@ def _sweep_and_pin(results, name, layout, H, D, block_size, orders_cpu, sets, mo
 
         best = None
         for config in SWEEP_CONFIGS[bq]:
-            if triton_backend.config_problem(config, bq, bk, qk, pv):
+            if dispatch.config_problem(config, bq, bk, qk, pv):
                 continue
-            triton_backend.set_kernel_config(D, bq, bk, qk, pv, config)
+            dispatch.set_kernel_config(D, bq, bk, qk, pv, config)
             ms, err = _try(lambda: _median_ms(paro, sets, warmup, rep))
             results["sweep"].append({"shape": name, "D": D, "qk": qk, "pv": pv, **vars(config), "ms": ms, "error": err})
             print(f"  sweep {name} {qk}/{pv} {config}: {ms} {err or ''}", flush=True)
             if ms and (best is None or ms < best[0]):
                 best = (ms, config)
-        triton_backend.set_kernel_config(D, bq, bk, qk, pv, best[1] if best else None)
+        dispatch.set_kernel_config(D, bq, bk, qk, pv, best[1] if best else None)
 
 
 def format_table(results: dict) -> str:
