@@ -93,6 +93,7 @@ def test_auto_warns_with_the_tables_reason_and_runs_the_reference(monkeypatch):
     expected = paro_attention(q, q, q, layout=layout, orders=torch.tensor([0, 1]), block_mask=mask, block_size=32,
                               backend="torch")
     assert torch.equal(out, expected)
+    q = q.to("cuda" if torch.cuda.is_available() else "cpu")  # the interpreter takes CPU tensors
     with pytest.raises(PAROInputError, match="head dims"):
         paro_attention(q, q, q, layout=layout, orders=torch.tensor([0, 1]), block_mask=mask,
                        block_size=32, backend="triton")

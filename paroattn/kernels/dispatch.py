@@ -19,7 +19,6 @@ never re-tuned per call.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -131,10 +130,16 @@ def arch_of(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-@functools.cache
+_CAPABILITIES: dict[torch.device, tuple[int, int]] = {}
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     # asked on every call of the op: torch's query costs more host time than the rest of the choice
-    return torch.cuda.get_device_capability(device)
+    # (a plain dict, which torch.compile traces, where functools.cache would only be warned about)
+    capability = _CAPABILITIES.get(device)
+    if capability is None:
+        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
+    return capability
 
 
 def _has_tma(arch: str) -> bool:
