@@ -217,10 +217,10 @@ def unsupported_reason(q: torch.Tensor, bq: int, bk: int, qk: str = "bf16", pv: 
     """Why no Triton kernel runs this call (None when one does): device, dtype, head dim, block sizes."""
     if not (q.is_cuda or interpreting()):
         return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype} (cast them)"
     try:
         kernel_choice(arch_of(q.device), q.shape[-1], bq, bk, qk, pv)
     except KernelUnavailable as exc:
         return str(exc)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype} (cast them)"
     return None
