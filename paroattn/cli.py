@@ -34,13 +34,34 @@ def inspect(
         plan = Plan.load(plan_path)
     except PlanError as exc:
         _fail(str(exc))
+    pairs = _parse_heads(heads)
+    if png is not None:  # checked before anything is printed or drawn
+        outside = [f"{layer}:{head}" for layer, head in pairs if layer >= plan.num_layers or head >= plan.num_heads]
+        if outside:
+            _fail(f"--heads {','.join(outside)} not in the plan ({plan.num_layers} layers x {plan.num_heads} heads): "
+                  f"pass layer:head pairs with layer < {plan.num_layers} and head < {plan.num_heads}")
+        from .pipelines.generate import folder_problem
+
+        if problem := folder_problem(png, "--png folder"):
+            _fail(problem)
     typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
     if png is not None:
         from .calibrate.figures import draw_plan_heads
 
-        pairs = [tuple(int(x) for x in pair.split(":")) for pair in heads.split(",") if pair]
-        for path in draw_plan_heads(plan, pairs, png):
+        for path in draw_plan_heads(plan, pairs, png, plan_path=plan_path):
             typer.echo(f"wrote {path}")
+
+
+def _parse_heads(text: str) -> list[tuple[int, int]]:
+    """`--heads 0:0,3:1` -> [(0, 0), (3, 1)]; exits with the expected form on anything else."""
+    pairs = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+            _fail(f"--heads {text!r}: expected comma-separated layer:head pairs of non-negative integers, "
+                  "e.g. --heads 0:0,0:1")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
 
 
 @app.command()
@@ -80,8 +101,16 @@ def calibrate(
         calibrate as run_calibration,
     )
     from .pipelines import family_of, resolve_transformer
-    from .pipelines.generate import load_pipeline
+    from .pipelines.generate import folder_problem, load_pipeline, pipeline_folder_problem
     from .summary import describe_plan
+
+    # the model folder and the output path are checked before anything loads
+    if problem := pipeline_folder_problem(model_dir):
+        _fail(problem)
+    if out.is_dir():
+        _fail(f"--out {out} is a folder: pass a plan file path such as {out / 'plan.safetensors'}")
+    if problem := folder_problem(out.parent, "--out folder", keep=False):
+        _fail(problem)
 
     try:
         config = CalibrationConfig(
@@ -95,8 +124,8 @@ def calibrate(
         _fail(str(exc))
     try:
         pipe = load_pipeline(model_dir, device=device, dtype=dtype)
-    except ValueError as exc:
-        _fail(str(exc))
+    except (ValueError, OSError) as exc:
+        _fail(str(exc).splitlines()[0] if str(exc) else f"{model_dir} could not be loaded as a diffusers pipeline")
     pipe.set_progress_bar_config(disable=True)  # calibration shows its own bars
     family = family_of(resolve_transformer(pipe))
     if family is None:
@@ -113,9 +142,13 @@ def calibrate(
     typer.echo(f"wrote {plan_path} and {stats_path}")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def bench(ctx: typer.Context) -> None:
-    """Attention kernel benchmark on the GPU (paroattn/bench.py); its options pass through (`paro bench -- --help`)."""
+    """Attention kernel benchmark on the GPU (paroattn/bench.py); every option passes through to it:
+    `paro bench --help` lists them (--shapes, --densities, --modes, --sweep, --rope, --graph, --out,
+    --table RESULTS.json [--summary] without a GPU, ...)."""
+    import sys
+
     import torch
 
     args = list(ctx.args)
@@ -125,7 +158,11 @@ def bench(ctx: typer.Context) -> None:
         _fail("paro bench needs a CUDA GPU; this machine has none (--table RESULTS.json prints saved results without one)")
     from .bench import main as run_benchmark
 
-    run_benchmark(args)
+    program, sys.argv[0] = sys.argv[0], "paro bench"  # argparse names itself after argv[0] in its usage line
+    try:
+        run_benchmark(args)
+    finally:
+        sys.argv[0] = program
 
 
 @app.command()
@@ -159,12 +196,18 @@ def generate(
         _fail(str(exc))
     if "dense_path" in result:
         typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['dense_path']}")
-    key = "paro_s" if "paro_s" in result else "dense_s"
-    typer.echo(f"{'PARO' if key == 'paro_s' else 'dense'}: {result[key]:.2f} s -> {result['path']}")
+    if "paro_s" in result and result.get("ran_dense"):
+        typer.echo(f"dense (the plan did not fit, --on-mismatch dense): {result['paro_s']:.2f} s -> {result['path']}")
+    elif "paro_s" in result:
+        typer.echo(f"PARO: {result['paro_s']:.2f} s -> {result['path']}")
+    else:
+        typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['path']}")
     if result.get("masks"):
         masks = result["masks"]
         typer.echo(f"masks: {masks['gpu_bytes'] / 2**20:.1f} MiB on the device, {masks['host_bytes'] / 2**20:.1f} MiB on the host")
-    if compare:
+    if compare and result.get("ran_dense"):
+        typer.echo("no PARO vs dense comparison: both runs used the model's own attention")
+    elif compare:
         typer.echo(
             f"PARO vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}, "
             f"speedup {result['speedup']:.2f}x"

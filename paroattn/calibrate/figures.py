@@ -5,7 +5,9 @@ A plan holds masks, not statistics. The maps come from the stats file that `paro
 writes beside the plan (`plan.stats.safetensors`: block-mass maps averaged over prompts and steps,
 in the original order and in each head's chosen order, for a few layers, by default the first,
 middle and last; `--figure-layers` chooses others). The plan records that file's absolute path and
-name; it is looked up there, then by name in the current folder, or passed as `stats=`. Without
+name; it is looked up there, then by name beside the plan file (`plan_path=`: the plan's folder, so a
+folder moved with its stats file still finds it), or passed as `stats=`. Without `plan_path`, the
+name is looked up in the current folder. Without
 it, or for a layer it does not hold, only the masks are drawn and the picture says why.
 
 Maps are drawn as log10 of the block mass (the sum of P inside each block, per query row), over
@@ -29,8 +31,9 @@ _RAMP = torch.tensor(
 )
 
 
-def load_stats(plan: Plan, stats: str | Path | None = None) -> dict | None:
-    """The tensors of the plan's stats file, or None when it cannot be found."""
+def load_stats(plan: Plan, stats: str | Path | None = None, plan_path: str | Path | None = None) -> dict | None:
+    """The tensors of the plan's stats file, or None when it cannot be found. `plan_path`: the plan's
+    file, whose folder the recorded name (or `<plan stem>.stats.safetensors`) is resolved against."""
     from safetensors.torch import load_file
 
     candidates = []
@@ -39,7 +42,14 @@ def load_stats(plan: Plan, stats: str | Path | None = None) -> dict | None:
     entry = plan.info.get("stats_file") or {}
     if entry.get("path"):
         candidates.append(Path(entry["path"]))
-    if entry.get("name"):
+    if plan_path is not None:
+        folder = Path(plan_path).parent
+        if entry.get("name"):
+            candidates.append(folder / Path(entry["name"]).name)
+        name = Path(plan_path).name
+        stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else Path(name).stem
+        candidates.append(folder / f"{stem}.stats.safetensors")
+    elif entry.get("name"):
         candidates.append(Path(entry["name"]))
     for path in candidates:
         if path.is_file():
@@ -105,12 +115,13 @@ def _row(panels, note: str | None):
 
 
 def draw_plan_heads(plan: Plan, heads: list[tuple[int, int]], out_dir: str | Path,
-                    stats: str | Path | None = None) -> list[Path]:
+                    stats: str | Path | None = None, plan_path: str | Path | None = None) -> list[Path]:
     """One PNG per (layer, head): block map in the original order (FHW), block map in the head's
-    chosen order, and the mask of each bucket. Returns the paths written."""
+    chosen order, and the mask of each bucket. Returns the paths written. `plan_path`: where the plan
+    was loaded from (its stats file is looked up beside it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = load_stats(plan, stats)
+    tensors = load_stats(plan, stats, plan_path)
     figure_layers = tensors["figure_layers"].tolist() if tensors is not None else []
     written = []
     for layer, head in heads:

@@ -5,7 +5,11 @@ Kept apart from the CLI so tests and notebooks can call `generate(...)` and read
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,10 +18,96 @@ import torch
 
 from ..errors import PlanError
 from ..plan import Plan
+from .base import pixel_scale_of
 from .registry import family_of, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16}
+# what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
+VIDEO_SUFFIXES = (".mp4", ".gif")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def folder_problem(folder: str | Path, what: str, *, keep: bool = True) -> str | None:
+    """Why files cannot be written into `folder`, or None. Creates the folder when missing and probes it
+    with a temporary file; folders it created are removed again when the probe fails, or always when
+    `keep` is False, so that a failed check leaves nothing behind."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{what} {folder} is an existing file, not a folder: pass a folder path"
+    missing = []
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{what} {folder} cannot be created: {existing} is a file, not a folder; pass another path"
+    ok = False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+        ok = True
+    except OSError as exc:
+        return f"{what} {folder} is not writable ({exc.strerror or exc}): pass a folder you can write to"
+    finally:
+        if not (ok and keep):
+            for created in missing:  # innermost first
+                try:
+                    created.rmdir()
+                except OSError:
+                    break
+    return None
+
+
+def output_problem(out: str | Path, video: bool | None = None) -> str | None:
+    """Why `paro generate --out` cannot be written, or None: its extension (`video` None: either kind)
+    and its folder (probed without leaving anything behind)."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES if video is False else VIDEO_SUFFIXES + IMAGE_SUFFIXES
+    if suffix not in allowed:
+        kind = "a video model" if video else "an image model" if video is False else "paro generate"
+        return (f"--out {out}: {kind} writes {', '.join(allowed)}, not {suffix or 'a file without extension'}; "
+                f"pass --out with one of those extensions")
+    if out.is_dir():
+        return f"--out {out} is a folder: pass a file path such as {out / ('out' + allowed[0])}"
+    if out.exists() and not os.access(out, os.W_OK):
+        return f"--out {out} exists and is not writable: pass another path"
+    return folder_problem(out.parent, "--out folder", keep=False)
+
+
+def option_problem(backend: str, on_mismatch: str) -> str | None:
+    """Why `backend` or `on_mismatch` is not a valid choice, or None."""
+    from ..attention import BACKENDS
+    from .processor import ON_MISMATCH
+
+    if backend not in BACKENDS:
+        return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"
+    if on_mismatch not in ON_MISMATCH:
+        return f"--on-mismatch {on_mismatch!r} is not one of {', '.join(ON_MISMATCH)}: pass one of them"
+    return None
+
+
+def pipeline_folder_problem(model_dir: str | Path) -> str | None:
+    """Why `model_dir` is not a local diffusers pipeline folder, or None (also None for a path that does
+    not exist locally and may be a hub id: diffusers reports those)."""
+    path = Path(model_dir)
+    if not path.exists():
+        if str(model_dir).count("/") == 1 and not str(model_dir).startswith((".", "/")):
+            return None  # looks like a hub id
+        return f"{model_dir} does not exist: pass a diffusers pipeline folder (one with model_index.json)"
+    if not path.is_dir():
+        return f"{model_dir} is a file: pass a diffusers pipeline folder (one with model_index.json)"
+    index = path / "model_index.json"
+    if not index.is_file():
+        return (f"{model_dir} has no model_index.json: pass a diffusers pipeline folder (one with model_index.json, "
+                "as `pipe.save_pretrained` or a hub download writes it)")
+    try:
+        json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{index} is not readable JSON ({exc}): pass a complete diffusers pipeline folder"
+    return None
 
 
 def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str | None = None):
@@ -25,6 +115,8 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
     (default: bfloat16 on CUDA, float32 on CPU)."""
     from diffusers import DiffusionPipeline
 
+    if problem := pipeline_folder_problem(model_dir):
+        raise ValueError(problem)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -51,7 +143,12 @@ def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
 
 def _write(pixels: np.ndarray, path: Path, video: bool, fps: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if video:
+    if video and path.suffix.lower() == ".gif":
+        import imageio.v2 as imageio
+
+        frames = [(frame.clip(0, 1) * 255).round().astype(np.uint8) for frame in pixels]
+        imageio.mimsave(path, frames, duration=1000.0 / fps, loop=0)  # imageio >= 2.28: milliseconds per frame
+    elif video:
         from diffusers.utils import export_to_video
 
         export_to_video(list(pixels), str(path), fps=fps)
@@ -74,6 +171,65 @@ def compare_pixels(dense: np.ndarray, sparse: np.ndarray) -> dict[str, float]:
         "ssim": float(structural_similarity_index_measure(b, a, data_range=1.0)),
         "cosine": float(cosine),
     }
+
+
+def _default_size(pipe, transformer, call: dict) -> dict | None:
+    """height, width (and num_frames, None for the model's default) of a call: the call's own, else the
+    pipeline's defaults (its signature's, or those it derives from the transformer config); None when
+    they cannot be told."""
+    import inspect
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    size = {}
+    for key in ("height", "width", "num_frames"):
+        value = call.get(key)
+        if value is None and key in params and params[key].default is not inspect.Parameter.empty:
+            value = params[key].default
+        size[key] = value
+    scale = pixel_scale_of(pipe)
+    config = transformer.config
+    for key, config_key in (("height", "sample_height"), ("width", "sample_width")):
+        if size[key] is None and getattr(config, config_key, None) is not None:  # CogVideoX
+            size[key] = int(getattr(config, config_key)) * scale.spatial
+    if size["height"] is None and getattr(pipe, "default_sample_size", None) is not None:  # Flux
+        side = int(pipe.default_sample_size) * int(getattr(pipe, "vae_scale_factor", scale.spatial))
+        size["height"] = size["height"] or side
+        size["width"] = size["width"] or side
+    if size["width"] is None and getattr(pipe, "default_sample_size", None) is not None:
+        size["width"] = int(pipe.default_sample_size) * int(getattr(pipe, "vae_scale_factor", scale.spatial))
+    if size["height"] is None or size["width"] is None:
+        return None
+    return size
+
+
+def plan_fit_problem(pipe, plan: Plan, call: dict) -> str | None:
+    """Why `plan` does not fit the pipeline's transformer or the size of `call` (what `apply` and the
+    first forward would raise), or None; runs no model step."""
+    from .base import CallInputs
+    from .processor import PAROProcessor
+
+    transformer = resolve_transformer(pipe)
+    processor = PAROProcessor(plan, on_mismatch="dense", pixel_scale=pixel_scale_of(pipe))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        binding = processor.bind(transformer)
+    try:
+        if binding.static_problem:
+            return binding.static_problem
+        size = _default_size(pipe, transformer, call)
+        if size is None:
+            return None  # the first forward checks the layout
+        try:
+            layout = binding.family.layout_for(
+                transformer, height=int(size["height"]), width=int(size["width"]),
+                frames=None if size["num_frames"] is None else int(size["num_frames"]),
+                text_tokens=call.get("max_sequence_length"), scale=pixel_scale_of(pipe),
+            )
+        except ValueError as exc:
+            return str(exc)
+        return processor.layout_problem(binding, CallInputs(timestep=1000.0, layout=layout))
+    finally:
+        processor.unbind(binding)
 
 
 def generate(
@@ -99,8 +255,15 @@ def generate(
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense."""
     from . import apply
 
+    # every option and the output path are checked before the model loads
     if compare and plan is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
+    if problem := option_problem(backend, on_mismatch):
+        raise ValueError(problem)
+    if out is not None and (problem := output_problem(out)):
+        raise ValueError(problem)
+    if problem := pipeline_folder_problem(model_dir):
+        raise ValueError(problem)
     loaded_plan = Plan.load(plan) if plan is not None else None  # fail on a bad plan before loading the model
     log(f"loading {model_dir}")
     pipe = load_pipeline(model_dir, device=device, dtype=dtype)
@@ -111,6 +274,9 @@ def generate(
             f"{model_dir} holds a {type(transformer).__name__}; paro generate supports CogVideoX, Wan 2.1 and FLUX.1"
         )
     video = family.is_video
+    out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
+    if problem := output_problem(out, video):
+        raise ValueError(problem)
     call = dict(extra_call or {})
     for key, value in (("height", height), ("width", width), ("num_inference_steps", steps)):
         if value is not None:
@@ -121,17 +287,28 @@ def generate(
         call["num_frames"] = frames
     if loaded_plan is not None and loaded_plan.layout.prefix and "max_sequence_length" not in call:
         call["max_sequence_length"] = loaded_plan.layout.prefix  # text tokens are part of the plan's sequence
-    out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
     fps = _FPS.get(family.name, 8)
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}
+    mismatch = None
+    if loaded_plan is not None:  # does the plan fit this model and size? before any generation
+        mismatch = plan_fit_problem(pipe, loaded_plan, call)
+        if mismatch is not None:
+            if on_mismatch == "error":
+                raise PlanError(mismatch + " (or pass --on-mismatch dense to run the model's own attention)")
+            log(f"warning: {mismatch}; running the model's own attention (--on-mismatch dense)")
+            result["ran_dense"] = mismatch
     if compare:
         log("dense run (the model's own attention)")
         dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
         result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
     handle = None
-    if loaded_plan is not None:
+    if loaded_plan is not None and mismatch is not None:
+        log("dense run (the plan does not fit)")
+    elif loaded_plan is not None:
         handle = apply(pipe, loaded_plan, backend=backend, on_mismatch=on_mismatch)
+        if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
+            result["ran_dense"] = "the plan does not fit (see the warning above)"
         log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, qk={loaded_plan.qk}, pv={loaded_plan.pv})")
     else:
         log("dense run (no plan)")

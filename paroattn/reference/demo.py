@@ -204,8 +204,14 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
         raise ValueError(f"density must be in (0, 1], got {density}")
     if not 1 <= num_prompts <= len(EVAL_PROMPTS):
         raise ValueError(f"--prompts must be 1..{len(EVAL_PROMPTS)}, got {num_prompts}")
+    from ..attention import BACKENDS
+    from ..pipelines.generate import folder_problem
+
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if problem := folder_problem(out, "--out"):  # creates the folder; fails before the model loads
+        raise ValueError(problem)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     prompts = EVAL_PROMPTS[:num_prompts]
