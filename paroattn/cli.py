@@ -233,7 +233,7 @@ def demo(
 
     try:  # run_demo checks the modes (paroattn.modes), density and prompt count before loading the model
         run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=prompts, seed=seed, device=device,
-                 backend=backend, log=typer.echo)
+                 backend=backend, log=typer.echo, progress=True)
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
 

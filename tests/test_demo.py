@@ -9,7 +9,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from paroattn.cli import app
-from paroattn.reference.demo import side_by_side
+from paroattn.reference.demo import LABEL_HEIGHT, difference_gain, side_by_side
 
 
 def test_demo_writes_gif_pictures_and_metrics(tmp_path):
@@ -26,20 +26,30 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     assert report["dense_time"]["attention_s"] > 0 and report["paro_time"]["attention_s"] > 0
     frames = imageio.mimread(tmp_path / "demo.gif")
     assert len(frames) == 8
-    assert frames[0].shape[:2] == (32 * 4, 3 * 32 * 4 + 2 * 2)  # dense | PARO | difference, 4x
+    # a band of column labels over dense | PARO | difference, 4x
+    assert frames[0].shape[:2] == (LABEL_HEIGHT + 32 * 4, 3 * 32 * 4 + 2 * 2)
+    band = np.asarray(frames[0])[:LABEL_HEIGHT, :, :3]
+    for column in range(3):
+        assert band[:, column * 130:column * 130 + 128].min() < 100  # text in each column's label
+    assert 110 <= imageio.get_reader(tmp_path / "demo.gif").get_meta_data()["duration"] <= 130  # ms per frame
+    assert "|dense - PARO| x" in result.output and report["gif_difference_gain"] <= 4
+    # step bars of both passes
+    assert "dense: 100%" in result.output and "PARO d=0.50: 100%" in result.output
     pictures = sorted((tmp_path / "attention").glob("*.png"))
     assert len(pictures) == 5
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
 
 
-def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path):
+def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
     from paroattn.plan import Plan
     from paroattn.reference.demo import run_demo
 
     lines = []
     report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",
-                      log=lines.append)
+                      log=lines.append, progress=True)
     assert any("no shipped plan for density 0.4" in line for line in lines)
+    shown = capsys.readouterr()
+    assert "layers" in shown.out + shown.err and "2/2" in shown.out + shown.err  # the calibration's bars
     plan = Plan.load(tmp_path / "plan.safetensors")
     assert abs(plan.achieved_density() - 0.4) < 0.01 and abs(report["density"] - 0.4) < 0.01
     assert (tmp_path / "plan.stats.safetensors").is_file()
@@ -58,3 +68,21 @@ def test_side_by_side_layout():
     frames = side_by_side([[a, b], [b, a]], scale=2, gap=1)
     assert len(frames) == 2 and frames[0].shape == (2 * 8 + 1, 2 * 8 + 1, 3)
     assert frames[0][0, 0].tolist() == [0, 0, 0] and frames[0][0, -1].tolist() == [255, 255, 255]
+
+
+def test_side_by_side_labels_each_column():
+    a = np.zeros((1, 8, 8, 3), np.float32)
+    frames = side_by_side([[a, a]], scale=4, gap=2, labels=["dense", "PARO"])
+    assert frames[0].shape == (LABEL_HEIGHT + 32, 2 * 32 + 2, 3)
+    band = frames[0][:LABEL_HEIGHT]
+    assert band[:, :32].min() < 100 and band[:, 34:].min() < 100 and band.max() == 255
+
+
+def test_difference_gain_keeps_the_panel_below_white():
+    dense = np.zeros((1, 2, 8, 8, 3), np.float32)
+    small = dense + 0.05
+    assert difference_gain(dense, small) == 4.0  # 0.05 x 4 = 0.2: no saturation
+    large = dense + 0.5
+    gain = difference_gain(dense, large)
+    assert gain == 2.0 and (np.abs(dense - large) * gain).max() <= 1.0
+    assert difference_gain(dense, dense + 1.0) == 1.0  # never below 1

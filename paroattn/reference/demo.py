@@ -99,14 +99,29 @@ def attention_timer(pipe):
             h.remove()
 
 
+@contextmanager
+def progress_bar(pipe, label: str | None):
+    """The pipeline's step bar (tqdm, on stderr) labelled `label` while inside; none when `label` is None."""
+    if label is None:
+        yield
+        return
+    previous = dict(getattr(pipe, "_progress_bar_config", {}))
+    pipe.set_progress_bar_config(**{**previous, "disable": False, "desc": label})
+    try:
+        yield
+    finally:
+        pipe._progress_bar_config = previous
+
+
 def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 0,
-           guidance_scale: float = DEFAULT_GUIDANCE) -> tuple[np.ndarray, dict]:
-    """(frames [B, F, H, W, 3] float32 in [0, 1], {"total_s", "attention_s"})."""
+           guidance_scale: float = DEFAULT_GUIDANCE, progress: str | None = None) -> tuple[np.ndarray, dict]:
+    """(frames [B, F, H, W, 3] float32 in [0, 1], {"total_s", "attention_s"}); `progress`: label of a step
+    bar for the timed run (none by default)."""
     cuda = pipe.transformer.device.type == "cuda"
     if cuda:
         # one untimed step first: Triton compiles its kernels and cuDNN picks its plans on first use
         pipe(prompts[:1], num_inference_steps=1, guidance_scale=guidance_scale, output_type="np")
-    with attention_timer(pipe) as timer:
+    with attention_timer(pipe) as timer, progress_bar(pipe, progress):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -126,19 +141,56 @@ def compare(dense: np.ndarray, other: np.ndarray) -> dict[str, float]:
     return {key: float(np.mean([m[key] for m in per_video])) for key in per_video[0]}
 
 
-def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "auto", guidance_scale=DEFAULT_GUIDANCE):
+def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "auto", guidance_scale=DEFAULT_GUIDANCE,
+                  progress: str | None = None):
     from ..pipelines import apply
 
     with apply(pipe, plan, backend=backend):
-        return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale)
+        return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale, progress=progress)
 
 
 # -- pictures -------------------------------------------------------------------------------------
 
-def side_by_side(rows: list[list[np.ndarray]], scale: int = 4, gap: int = 2) -> list[np.ndarray]:
+GIF_FRAME_MS = 125  # 8 frames per second
+DIFFERENCE_GAIN = 4.0
+LABEL_HEIGHT = 14  # pixels of the column-label band above the GIF's videos
+
+
+def difference_gain(dense: np.ndarray, paro: np.ndarray, gain: float = DIFFERENCE_GAIN,
+                    quantile: float = 99.5) -> float:
+    """The gain of the GIF's |dense - PARO| panel: `gain`, lowered when that would push more than
+    (100 - quantile)% of the differences past white, so the panel does not saturate (the gain is
+    then 1 / that quantile of |dense - PARO|, rounded down to 0.1, and at least 1)."""
+    level = float(np.percentile(np.abs(dense - paro), quantile))
+    if level * gain <= 1.0:
+        return gain
+    return max(1.0, np.floor(10.0 / level) / 10.0)
+
+
+def _label_band(width: int, labels: list[str], centers: list[int]) -> np.ndarray:
+    """A white band [LABEL_HEIGHT, width, 3] in [0, 1] with each label centered on its column."""
+    from PIL import Image, ImageDraw
+
+    band = Image.new("RGB", (width, LABEL_HEIGHT), (255, 255, 255))
+    draw = ImageDraw.Draw(band)
+    for label, center in zip(labels, centers):
+        left, _, right, _ = draw.textbbox((0, 0), label)
+        draw.text((max(0, center - (right - left) // 2), 1), label, fill=(0, 0, 0))
+    return np.asarray(band, dtype=np.float32) / 255.0
+
+
+def side_by_side(rows: list[list[np.ndarray]], scale: int = 4, gap: int = 2,
+                 labels: list[str] | None = None) -> list[np.ndarray]:
     """rows of videos [F, H, W, 3] in [0, 1] -> GIF frames (uint8 [H', W', 3]) with the videos of a
-    row side by side and the rows stacked, each pixel scaled up `scale` times."""
+    row side by side and the rows stacked, each pixel scaled up `scale` times; `labels`: one per
+    column, written in a band of LABEL_HEIGHT pixels above the first row."""
     frames = rows[0][0].shape[0]
+    band = None
+    if labels is not None:
+        widths = [video.shape[2] * scale for video in rows[0]]
+        starts = [sum(widths[:i]) + gap * i for i in range(len(widths))]
+        band = _label_band(sum(widths) + gap * (len(widths) - 1), labels,
+                           [start + w // 2 for start, w in zip(starts, widths)])
     out = []
     for f in range(frames):
         lines = []
@@ -149,22 +201,27 @@ def side_by_side(rows: list[list[np.ndarray]], scale: int = 4, gap: int = 2) -> 
                 tiles += [tile, np.ones((tile.shape[0], gap, 3), np.float32)]
             line = np.concatenate(tiles[:-1], axis=1)
             lines += [line, np.ones((gap, line.shape[1], 3), np.float32)]
+        if band is not None:
+            lines = [band] + lines
         out.append((np.concatenate(lines[:-1], axis=0).clip(0, 1) * 255).round().astype(np.uint8))
     return out
 
 
-def write_gif(frames: list[np.ndarray], path: Path, fps: int = 6) -> Path:
+def write_gif(frames: list[np.ndarray], path: Path, frame_ms: int = GIF_FRAME_MS) -> Path:
+    """An endlessly looping GIF showing each frame `frame_ms` milliseconds (imageio >= 2.28 reads a
+    GIF's `duration` in milliseconds; GIFs store hundredths of a second)."""
     import imageio.v2 as imageio
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    imageio.mimsave(path, frames, duration=1.0 / fps, loop=0)
+    imageio.mimsave(path, frames, duration=frame_ms, loop=0)
     return path
 
 
 # -- paro demo ------------------------------------------------------------------------------------
 
 def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
-                 calibration_steps: int = DEFAULT_STEPS, out: Path | None = None) -> tuple[Plan, Path | None]:
+                 calibration_steps: int = DEFAULT_STEPS, out: Path | None = None,
+                 progress: bool = False) -> tuple[Plan, Path | None]:
     """The shipped plan for `density` with this run's qk/pv, or a fresh calibration when none was
     shipped for that density (saved as `out/plan.safetensors` with its stats file). Returns the
     plan and its stats file."""
@@ -181,7 +238,7 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
     start = time.perf_counter()
     # the pipeline draws its noise on the CPU on every device: so does the calibration's generator
     config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps, generator_device="cpu")
-    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config)
+    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config, progress=progress)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     if out is None:
         return plan, None
@@ -193,9 +250,10 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
 def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16", steps: int = DEFAULT_STEPS,
              num_prompts: int = 2, seed: int = 0, device: str | None = None, backend: str = "auto",
              heads: list[tuple[int, int]] | None = None, calibration_steps: int = DEFAULT_STEPS,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, progress: bool = False) -> dict:
     """Dense vs PARO on the reference model; writes demo.gif, attention PNGs and metrics.json into
-    `out` and returns the metrics."""
+    `out` and returns the metrics. `progress`: step bars for the dense and PARO passes and the
+    calibration (on stderr)."""
     from .model import load_reference_pipeline
 
     if problem := modes_problem(qk, pv):
@@ -218,11 +276,12 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
     log(f"reference model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
         f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
     pipe = load_reference_pipeline(device=device, dtype=dtype)
-    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out)
+    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress)
 
-    dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed)
+    dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed, progress="dense" if progress else None)
     log(f"dense: {dense_t['total_s']:.1f} s total, {dense_t['attention_s']:.1f} s in self-attention layers")
-    paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend)
+    paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend,
+                                 progress=f"PARO d={plan.achieved_density():.2f}" if progress else None)
     log(f"PARO d={plan.achieved_density():.2f} qk={qk} pv={pv}: {paro_t['total_s']:.1f} s total, "
         f"{paro_t['attention_s']:.1f} s in self-attention layers")
     if not device.startswith("cuda") or backend == "torch":
@@ -237,8 +296,12 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
         log(f"  {prompt!r}: PSNR {m['psnr_db']:.2f} dB, SSIM {m['ssim']:.4f}, cosine {m['cosine']:.5f}")
     log(f"mean vs dense: PSNR {metrics['psnr_db']:.2f} dB, SSIM {metrics['ssim']:.4f}, cosine {metrics['cosine']:.5f}")
 
-    gif = write_gif(side_by_side([[d, p, np.abs(d - p).clip(0, 1) * 4] for d, p in zip(dense, paro)]), out / "demo.gif")
-    log(f"wrote {gif}  (left: dense, middle: PARO, right: |difference| x4)")
+    gain = difference_gain(dense, paro)
+    difference = f"difference x{gain:g}"
+    gif = write_gif(side_by_side([[d, p, (np.abs(d - p) * gain).clip(0, 1)] for d, p in zip(dense, paro)],
+                                 labels=["dense", "PARO", difference]), out / "demo.gif")
+    log(f"wrote {gif}  (left: dense, middle: PARO, right: |dense - PARO| x{gain:g}, clipped at white"
+        + (f"; x{gain:g} instead of x{DIFFERENCE_GAIN:g} keeps 99.5% of it below white)" if gain < DIFFERENCE_GAIN else ")"))
     pictures = []
     try:
         from ..calibrate.figures import draw_plan_heads
@@ -252,7 +315,7 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
         "prompts": prompts, "steps": steps, "seed": seed, "device": device, "dtype": str(dtype),
         "density": plan.achieved_density(), "qk": qk, "pv": pv, "backend": backend,
         "metrics": metrics, "per_prompt": per_prompt, "dense_time": dense_t, "paro_time": paro_t,
-        "gif": str(gif), "pictures": pictures,
+        "gif": str(gif), "gif_difference_gain": gain, "pictures": pictures,
     }
     (out / "metrics.json").write_text(json.dumps(report, indent=1))
     return report
