@@ -216,12 +216,12 @@ def generate(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("paro-demo"), "--out", help="folder for demo.gif, attention PNGs and metrics.json"),
+    out_dir: Path = typer.Option(Path("paro-demo"), "--out-dir", help="folder for demo.gif, attention PNGs and metrics.json"),
     density: float = typer.Option(0.3, help="block density of the plan (shipped: 0.5, 0.3, 0.2; others are calibrated)"),
     qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
     pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
     steps: int = typer.Option(20, help="denoising steps"),
-    prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-4; each adds about 45 s on 2 CPU cores)"),
+    num_prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-4; each adds about 45 s on 2 CPU cores)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
@@ -232,7 +232,7 @@ def demo(
     from .reference.demo import run_demo
 
     try:  # run_demo checks the modes (paroattn.modes), density and prompt count before loading the model
-        run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=prompts, seed=seed, device=device,
+        run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,
                  backend=backend, log=typer.echo, progress=True)
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))

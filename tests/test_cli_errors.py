@@ -137,13 +137,13 @@ def test_generate_writes_a_gif_for_a_video_model(tmp_path):
 def test_demo_rejects_an_existing_file_as_out(tmp_path):
     target = tmp_path / "taken"
     target.write_text("x")
-    result = invoke(["demo", "--out", target])
+    result = invoke(["demo", "--out-dir", target])
     assert_clean_failure(result, str(target), "existing file", "folder")
     assert "reference model" not in result.output and target.read_text() == "x"
 
 
 def test_demo_rejects_a_folder_it_cannot_create():
-    result = invoke(["demo", "--out", "/proc/paro-demo"])
+    result = invoke(["demo", "--out-dir", "/proc/paro-demo"])
     assert_clean_failure(result, "/proc/paro-demo", "not writable", "pass a folder you can write to")
     assert "reference model" not in result.output
 
@@ -154,7 +154,7 @@ def test_demo_rejects_a_read_only_folder(tmp_path):
     folder.mkdir()
     folder.chmod(0o555)
     try:
-        result = invoke(["demo", "--out", folder])
+        result = invoke(["demo", "--out-dir", folder])
         assert_clean_failure(result, str(folder), "not writable")
         assert list(folder.iterdir()) == []
     finally:
@@ -162,7 +162,7 @@ def test_demo_rejects_a_read_only_folder(tmp_path):
 
 
 def test_demo_rejects_a_bad_backend_before_loading(tmp_path):
-    result = invoke(["demo", "--out", tmp_path / "d", "--backend", "cuda"])
+    result = invoke(["demo", "--out-dir", tmp_path / "d", "--backend", "cuda"])
     assert_clean_failure(result, "--backend 'cuda'")
     assert not (tmp_path / "d").exists()
 

@@ -13,7 +13,7 @@ from paroattn.reference.demo import LABEL_HEIGHT, difference_gain, side_by_side
 
 
 def test_demo_writes_gif_pictures_and_metrics(tmp_path):
-    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--steps", "2", "--prompts", "1",
+    result = CliRunner().invoke(app, ["demo", "--out-dir", str(tmp_path), "--steps", "2", "--num-prompts", "1",
                                       "--density", "0.5", "--qk", "int8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "plan: paroattn/reference/assets/plans/d0.50.safetensors" in result.output
@@ -57,7 +57,7 @@ def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
 
 
 def test_demo_rejects_unknown_precision(tmp_path):
-    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--qk", "int3"])
+    result = CliRunner().invoke(app, ["demo", "--out-dir", str(tmp_path), "--qk", "int3"])
     assert result.exit_code == 2
     assert "qk='int3' is not one of ('bf16', 'int8', 'int4')" in result.output
 

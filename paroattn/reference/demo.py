@@ -35,7 +35,7 @@ CALIBRATION_PROMPTS = [
     "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
     "white ring moving up slowly and blue triangle moving left quickly, zoom in, plain background",
 ]
-# the fixed evaluation set of QUALITY.md; the demo uses the first --prompts of them
+# the fixed evaluation set of QUALITY.md; the demo uses the first --num-prompts of them
 EVAL_PROMPTS = [
     "yellow square moving right slowly, pan up, dotted background",
     "magenta circle rotating quickly and cyan ring moving down slowly, cloudy background",
@@ -268,7 +268,7 @@ def run_demo(out: Path, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf
     if backend not in BACKENDS:
         raise ValueError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them")
     out = Path(out)
-    if problem := folder_problem(out, "--out"):  # creates the folder; fails before the model loads
+    if problem := folder_problem(out, "--out-dir"):  # creates the folder; fails before the model loads
         raise ValueError(problem)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
