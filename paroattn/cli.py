@@ -21,7 +21,7 @@ def _fail(message: str) -> None:
 
 @app.command()
 def inspect(
-    plan_path: Path = typer.Argument(..., help="plan file written by `paro calibrate`"),
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file written by `paro calibrate`"),
     png: Path | None = typer.Option(None, "--png", help="also draw block maps and masks as PNGs into this folder"),
     heads: str = typer.Option("0:0,0:1", help="layer:head pairs to draw with --png"),
 ) -> None:
@@ -66,7 +66,7 @@ def _parse_heads(text: str) -> list[tuple[int, int]]:
 
 @app.command()
 def calibrate(
-    model_dir: Path = typer.Argument(..., help="diffusers pipeline folder (or hub id) of a supported model"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="diffusers pipeline folder of a supported model"),
     out: Path = typer.Option(..., "--out", help="plan file to write; block statistics go beside it (.stats.safetensors)"),
     prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package)"),
     num_prompts: int = typer.Option(2, help="use the first N prompts of the file (the paper finds 1-2 enough)"),
@@ -167,7 +167,7 @@ def bench(ctx: typer.Context) -> None:
 
 @app.command()
 def generate(
-    model_dir: Path = typer.Argument(..., help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 or FLUX.1 model"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 or FLUX.1 model"),
     prompt: str = typer.Option(..., "--prompt", help="text prompt"),
     plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate` (default: dense, the model's own attention)"),
     height: int | None = typer.Option(None, help="height in pixels (default: the pipeline's)"),
