@@ -19,6 +19,31 @@ from .modes import modes_problem
 BACKENDS = ("auto", "triton", "torch")
 
 
+@torch._dynamo.assume_constant_result
+def _warn_while_traced(message: str) -> bool:
+    warnings.warn(message, stacklevel=1)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _traced_unsupported_reason(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str,
+                               pv: str) -> str:
+    """`kernels.dispatch.unsupported_reason` ("" for None) of a call on `device` with q's head dim and dtype,
+    evaluated eagerly while torch.compile traces the call: dynamo cannot trace the dispatcher's exception
+    handling, and its memo filled while tracing would recompile the next call."""
+    from .kernels.dispatch import unsupported_reason
+
+    return unsupported_reason(torch.empty(1, 1, 1, head_dim, dtype=dtype, device=device), bq, bk, qk, pv) or ""
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """`warnings.warn`, also from code that torch.compile traces, which cannot trace it (a graph break, an
+    error with fullgraph=True): there the warning is given once, while the graph is traced."""
+    if torch.compiler.is_compiling():
+        _warn_while_traced(message)
+    else:
+        warnings.warn(message, stacklevel=stacklevel + 1)
+
 
 def check_rotary(rotary, q: torch.Tensor) -> None:
     if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2 and all(isinstance(t, torch.Tensor) for t in rotary)):
@@ -187,14 +212,17 @@ def paro_attention(
     if backend == "auto":
         backend = "torch"
         if q.is_cuda:
-            from .kernels.dispatch import unsupported_reason
+            if torch.compiler.is_compiling():
+                reason = _traced_unsupported_reason(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv) or None
+            else:
+                from .kernels.dispatch import unsupported_reason
 
-            reason = unsupported_reason(q, bq, bk, qk, pv)
+                reason = unsupported_reason(q, bq, bk, qk, pv)
             if reason is None:
                 backend = "triton"
             else:  # correct but slow: say so (once per call site, the warnings default)
-                warnings.warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
-                              stacklevel=2)
+                warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
+                     stacklevel=2)
     if backend == "triton":
         from .kernels import triton_backend
 

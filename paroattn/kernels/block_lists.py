@@ -30,8 +30,9 @@ class ActiveBlocks:
             self.schedule = heaviest_first(self.counts)
         # kernels rely on each list being ascending (only a list's last entry can be the sequence's
         # partial last key block); checked where it costs no device sync, i.e. for lists on the host,
-        # which is where `from_mask` results and plans' lists are built
-        if self.indices.device.type == "cpu":
+        # which is where `from_mask` results and plans' lists are built, and not while torch.compile
+        # traces (lists built there are views of checked ones, and reading values would break the graph)
+        if self.indices.device.type == "cpu" and not torch.compiler.is_compiling():
             self.validate()
 
     def validate(self) -> None:

@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..layout import TokenLayout, reorder_index, reorder_indices
+from ..layout import TokenLayout, reorder_table
 from ..masks import dense_mask_from_blocks
 
 QK_QMAX = {"int8": 127.0, "int4": 7.0}
@@ -156,32 +156,36 @@ def paro_attention_reference(
         sm_scale = 1.0 / math.sqrt(D)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-    if (qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS
-            and not (bool(torch.isnan(k).any()) or bool(torch.isnan(v).any()))):
-        # (NaN in k or v goes through the loop: SDPA's additive mask and its P V product over every key
-        # would carry it into rows that mask its key out)
-        return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
+    # traced by torch.compile, nothing may read a tensor's values on the host: the NaN tests below turn into
+    # the same arithmetic applied unconditionally (it leaves NaN-free inputs bit for bit as they are)
+    traced = torch.compiler.is_compiling()
+    if qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS:
+        if traced:
+            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe=True)
+        if not (bool(torch.isnan(k).any()) or bool(torch.isnan(v).any())):
+            # (NaN in k or v goes through the loop: SDPA's additive mask and its P V product over every key
+            # would carry it into rows that mask its key out)
+            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
     out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
     low_precision_p = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
-    index_cache: dict[int, torch.Tensor] = {}
+    # every head's reordering, gathered by its order from the table of all 6 (no host read of the orders)
+    indices = head_indices(layout, orders, q.device)
+    stride = (key_mean_stride.__wrapped__ if traced else key_mean_stride)(N, layout.height, layout.width)
     for h in range(H):
-        order = int(orders[h])
-        if order not in index_cache:
-            index_cache[order] = reorder_index(layout, order, device=q.device)
-        index = index_cache[order]
+        index = indices[h]
         qh = q[:, h].index_select(1, index).float()
         kh = k[:, h].index_select(1, index).float()
         vh = fake_quantize_v(v[:, h].index_select(1, index).float(), pv)
         # P V over all keys would turn a NaN in V into 0 * NaN = NaN in rows that mask its key out: the
         # product reads V with NaN zeroed, and the rows that attend a NaN are set NaN after it
         v_nan = torch.isnan(vh)
-        if bool(v_nan.any()):
+        if traced or bool(v_nan.any()):
             vh = vh.masked_fill(v_nan, 0.0)
         else:
             v_nan = None
         q_scale = k_scale = None
         if qk != "bf16":
-            kh = kh - key_smoothing_mean(k[:, h], key_mean_stride(N, layout.height, layout.width))
+            kh = kh - key_smoothing_mean(k[:, h], stride)
             qh, q_scale = quantize_per_block(qh, bq, QK_QMAX[qk])
             kh, k_scale = quantize_per_block(kh, bk, QK_QMAX[qk])
             # per-key dequantization scale, folded into the scores like a kernel does
@@ -215,16 +219,34 @@ def paro_attention_reference(
     return out
 
 
-def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale) -> torch.Tensor:
+def head_indices(layout: TokenLayout, orders: torch.Tensor, device) -> torch.Tensor:
+    """[H, N] LongTensor: row h is `reorder_index(layout, orders[h])`, gathered from `reorder_table` on
+    `device` (the orders are not read on the host)."""
+    return reorder_table(layout, device=device).index_select(0, orders.to(device=device, dtype=torch.long))
+
+
+def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe: bool = False) -> torch.Tensor:
     """The float32, unquantized case in one fused call (the CPU path of `paro demo`): every head's
     tokens gathered into its order, a token-level mask expanded from the blocks, rows without an
-    active key set to zero (SDPA would give NaN), and the rows scattered back to their positions."""
+    active key set to zero (SDPA would give NaN), and the rows scattered back to their positions.
+
+    `nan_safe` (traced calls, which cannot test for NaN first): SDPA reads k and v with NaN zeroed, then
+    the rows that attend a key with a NaN in k become NaN, and channel c of the rows that attend a NaN
+    in v[:, c], as in the loop. NaN-free inputs give the very same result as without it."""
     B, H, N, D = q.shape
-    index = reorder_indices(layout, orders, device=q.device)[None, :, :, None].expand(B, H, N, D)
+    index = head_indices(layout, orders, q.device)[None, :, :, None].expand(B, H, N, D)
     allowed = dense_mask_from_blocks(block_mask, bq, bk, N)  # [H, N, N], reordered coordinates
     # an additive 4-D mask takes torch's fused CPU kernel; a bool or 3-D one falls back to a slow path
     bias = torch.zeros(1, H, N, N, dtype=q.dtype, device=q.device).masked_fill_(~allowed[None], float("-inf"))
     gathered = [t.gather(2, index) for t in (q, k, v)]
+    if nan_safe:
+        k_nan, v_nan = torch.isnan(gathered[1]), torch.isnan(gathered[2])
+        gathered[1] = gathered[1].masked_fill(k_nan, 0.0)
+        gathered[2] = gathered[2].masked_fill(v_nan, 0.0)
     out = F.scaled_dot_product_attention(*gathered, attn_mask=bias, scale=sm_scale)
+    if nan_safe:
+        reach = allowed.to(q.dtype)[None]  # [1, H, N, N]: row i attends key j
+        hit = (reach @ k_nan.any(dim=-1, keepdim=True).to(q.dtype) > 0) | (reach @ v_nan.to(q.dtype) > 0)
+        out = out.masked_fill(hit, float("nan"))
     out = torch.where(allowed.any(dim=-1)[None, :, :, None], out, torch.zeros_like(out))
     return torch.empty_like(out).scatter_(2, index, out)
