@@ -165,6 +165,21 @@ def bucket_index(edges: list[float], timestep: float) -> int:
     return len(edges) - 2
 
 
+def bucket_tensor(edges: list[float], timestep: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """`bucket_index` of a timestep tensor computed on its device, read by nobody on the host: a 0-dim int64
+    tensor, so that a forward traced by torch.compile (or captured in a CUDA graph) picks the bucket of every
+    call without a sync and without a graph per bucket. The timestep is the largest entry of `timestep` times
+    `scale` (Flux passes t / 1000: scale 1000), in float64 as `bucket_index` computes on a Python float, so
+    both give the same bucket (float32 on MPS, which has no float64). Bucket b is the number of inner edges
+    the timestep does not exceed: `bucket_index`'s first b with t > edges[b + 1], NaN included (last bucket)."""
+    dtype = torch.float32 if timestep.device.type == "mps" else torch.float64
+    t = timestep.detach().max().to(dtype) * scale
+    bucket = torch.zeros((), dtype=torch.int64, device=timestep.device)
+    for edge in edges[1:-1]:  # Python numbers: no tensor of edges to copy to the device
+        bucket = bucket + (~(t > edge)).to(torch.int64)
+    return bucket
+
+
 @dataclass
 class Plan:
     """Per (layer, head) order and per (bucket, layer, head) block mask, plus what they were made for.
@@ -236,6 +251,11 @@ class Plan:
     def bucket_of(self, timestep: float) -> int:
         """Bucket index of a timestep on the 0..1000 scale."""
         return bucket_index(self.bucket_edges, timestep)
+
+    def bucket_tensor(self, timestep: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Bucket index of a timestep tensor (scaled by `scale` onto 0..1000) as a 0-dim int64 tensor on its
+        device, without a host read (`paroattn.plan.bucket_tensor`)."""
+        return bucket_tensor(self.bucket_edges, timestep, scale)
 
     # -- validation --------------------------------------------------------------------------
     def validate(self) -> None:

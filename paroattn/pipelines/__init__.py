@@ -57,7 +57,7 @@ def layout_for(pipe_or_transformer, *, height: int, width: int, frames: int | No
     )
 
 
-def _install(transformer, processor, keys: list[str]) -> dict:
+def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
     """Put `processor` on `keys`, keep every other processor; return the originals to restore."""
     originals = dict(transformer.attn_processors)
     missing = [key for key in keys if key not in originals]
@@ -66,6 +66,8 @@ def _install(transformer, processor, keys: list[str]) -> dict:
     first = originals[keys[0]]
     for name in ("_attention_backend", "_parallel_config"):
         setattr(processor, name, getattr(first, name, None))
+    for delegate in binding.delegates.values():
+        binding.sync_delegate(delegate)
     replacement = dict(originals)
     for key in keys:
         replacement[key] = processor
@@ -87,10 +89,14 @@ class PAROHandle:
         return self._originals is not None
 
     def stats(self) -> dict:
-        """Mask memory and prefetch counters (after at least one forward on the device)."""
-        if self.binding is None or self.binding.masks is None:
+        """Mask memory and prefetch counters (after at least one forward on the device); `traced_bytes`:
+        per device, the masks that forwards traced by torch.compile read (`StackedMasks`)."""
+        if self.binding is None:
             return {}
-        return self.binding.masks.stats()
+        stats = self.binding.masks.stats() if self.binding.masks is not None else {}
+        if self.binding.stacked_masks:
+            stats["traced_bytes"] = {device: store.nbytes for device, store in self.binding.stacked_masks.items()}
+        return stats
 
     def remove(self) -> None:
         if self._originals is None:
@@ -122,7 +128,7 @@ def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: s
     if binding.static_problem:
         processor.unbind(binding)
         return PAROHandle(transformer, None, None, None)
-    originals = _install(transformer, processor, binding.keys)
+    originals = _install(transformer, processor, binding.keys, binding)
     return PAROHandle(transformer, processor, binding, originals)
 
 
@@ -137,7 +143,7 @@ def capture_attention(pipe_or_transformer, callback):
     binding = processor.bind(transformer)
     keys = binding.keys
     try:
-        originals = _install(transformer, processor, keys)
+        originals = _install(transformer, processor, keys, binding)
     except Exception:
         processor.unbind(binding)
         raise

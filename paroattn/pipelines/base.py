@@ -54,12 +54,23 @@ def pixel_scale_of(pipe_or_transformer) -> PixelScale:
 
 @dataclass
 class CallInputs:
-    """What one transformer forward call means for PARO: its timestep on the 0..1000 scale and
-    its token layout. `problem` says why the call has no usable layout (then `layout` is None)."""
+    """What one transformer forward call means for PARO: its timestep and its token layout. `problem`
+    says why the call has no usable layout (then `layout` is None).
 
-    timestep: float
+    `timestep` is what the pipeline passed, a tensor kept as a tensor (its largest entry counts: all are
+    equal except in per-token schedules), so that a forward traced by torch.compile picks its bucket on
+    the device (`Plan.bucket_tensor`) instead of reading the value on the host, which would break the
+    graph or, as a Python float in a guard, recompile it at every step. `timestep_scale` brings it to the
+    0..1000 scale of plans (Flux passes t / 1000: 1000)."""
+
+    timestep: float | torch.Tensor
     layout: TokenLayout | None
     problem: str | None = None
+    timestep_scale: float = 1.0
+
+    def timestep_1000(self) -> float:
+        """The timestep on the 0..1000 scale as a Python float (a host read of a tensor timestep)."""
+        return self.timestep_scale * timestep_value(self.timestep)
 
 
 @dataclass
@@ -88,6 +99,10 @@ class RotaryTables:
 
     def __call__(self, embedding) -> tuple[torch.Tensor, torch.Tensor]:
         source = tuple(embedding)
+        if torch.compiler.is_compiling():
+            # traced: the conversion joins the graph (a few small ops per layer); caching the tensors of one
+            # call here would make the next call's guards see new objects and recompile
+            return self._convert(*source)
         if self._source is None or len(source) != len(self._source) or any(
                 a is not b for a, b in zip(source, self._source)):
             self._tables = self._convert(*source)
@@ -142,6 +157,9 @@ class FamilyAdapter:
     transformer_classes: tuple[str, ...] = ()
     attention_classes: tuple[str, ...] = ()
     is_video: bool = True
+    # the layout of the plan a PAROProcessor runs (set when it binds): what a forward traced by torch.compile
+    # takes for a call whose layout the arguments' shapes alone do not settle (Flux's image grid)
+    planned_layout: TokenLayout | None = None
 
     def matches(self, transformer) -> bool:
         return bool(class_names(transformer) & set(self.transformer_classes))

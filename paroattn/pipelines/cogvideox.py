@@ -20,7 +20,6 @@ from .base import (
     RotaryTables,
     SelfAttentionCall,
     float32_tables,
-    timestep_value,
     without_rotary,
 )
 
@@ -59,7 +58,7 @@ class CogVideoXAdapter(FamilyAdapter):
         text = arguments["encoder_hidden_states"]  # [B, T, D]
         _, frames, _, height, width = latents.shape
         layout, problem = self._layout(transformer, text.shape[1], frames, height, width)
-        return CallInputs(timestep_value(arguments["timestep"]), layout, problem)
+        return CallInputs(arguments["timestep"], layout, problem)
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
         # CogVideoXTransformer3DModel.forward unpacks the latent shape into these names first thing
@@ -67,7 +66,7 @@ class CogVideoXAdapter(FamilyAdapter):
         layout, problem = self._layout(
             transformer, text_tokens, f_locals["num_frames"], f_locals["height"], f_locals["width"]
         )
-        return CallInputs(timestep_value(f_locals["timestep"]), layout, problem)
+        return CallInputs(f_locals["timestep"], layout, problem)
 
     # -- geometry ----------------------------------------------------------------------------
     def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,

@@ -20,7 +20,6 @@ from .base import (
     SelfAttentionCall,
     dispatch_dense,
     float32_tables,
-    timestep_value,
     without_rotary,
 )
 
@@ -62,21 +61,34 @@ class FluxAdapter(FamilyAdapter):
         self._grid_cache = (img_ids, grid, problem)
         return grid, problem
 
-    def _inputs(self, text_tokens: int, img_ids, timestep_0_1000: float) -> CallInputs:
-        grid, problem = self._image_grid(img_ids)
+    def _traced_grid(self, img_ids: torch.Tensor) -> tuple[tuple[int, int] | None, str | None]:
+        """(rows, cols) of the image tokens in a forward traced by torch.compile, which cannot read the ids
+        (a host read): the planned grid when the token count is its rows x cols. A grid of the same count
+        with other sides (a plan for 768 x 1024 on a 1024 x 768 call) is not told apart here; eager calls
+        check the ids."""
+        count = img_ids.shape[-2]
+        planned = self.planned_layout
+        if planned is not None and planned.frames == 1 and planned.height * planned.width == count:
+            return (planned.height, planned.width), None
+        expected = f"the plan's {planned.height}x{planned.width}" if planned is not None else "a planned grid"
+        return None, (
+            f"the {count} image tokens are not {expected} (under torch.compile the grid is taken from the plan, "
+            "not read from img_ids; run this call without torch.compile to see its size)"
+        )
+
+    def _inputs(self, text_tokens: int, img_ids, timestep, scale: float) -> CallInputs:
+        grid, problem = self._traced_grid(img_ids) if torch.compiler.is_compiling() else self._image_grid(img_ids)
         layout = TokenLayout(int(text_tokens), 1, grid[0], grid[1]) if grid else None
-        return CallInputs(timestep_0_1000, layout, problem)
+        return CallInputs(timestep, layout, problem, timestep_scale=scale)
 
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:
         # the pipeline passes t / 1000; the plan's buckets live on the 0..1000 scale
-        return self._inputs(
-            arguments["encoder_hidden_states"].shape[1], arguments["img_ids"], 1000.0 * timestep_value(arguments["timestep"])
-        )
+        return self._inputs(arguments["encoder_hidden_states"].shape[1], arguments["img_ids"], arguments["timestep"], 1000.0)
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
         # inside FluxTransformer2DModel.forward `timestep` is already multiplied by 1000
         text_tokens = f_locals["txt_ids"].shape[-2]
-        return self._inputs(text_tokens, f_locals["img_ids"], timestep_value(f_locals["timestep"]))
+        return self._inputs(text_tokens, f_locals["img_ids"], f_locals["timestep"], 1.0)
 
     # -- geometry ----------------------------------------------------------------------------
     def _tokens_per_side(self, transformer, scale: PixelScale) -> int:

@@ -12,6 +12,12 @@ current layer computes. Events order the two streams both ways:
 GPU memory for masks is `slots` x the largest layer, whatever the number of layers, buckets or steps.
 
 For `backend="torch"` (CPU, tests) the op takes the bool masks; they are sliced from the plan as is.
+
+`StackedMasks` is what a forward traced by torch.compile reads instead: every (bucket, layer) resident on
+the device in one stacked tensor per kind, so that the bucket, a device tensor computed from the timestep,
+selects a layer's mask by indexing (no host read, no branch per bucket, one graph for every step). Streaming
+cannot be traced (it keys slots and events on a bucket known on the host), so plans too large to keep
+resident are refused there.
 """
 
 from __future__ import annotations
@@ -205,3 +211,88 @@ class MaskStore:
         if self.streaming:
             self._side.synchronize()
             self._counts = self._indices = self._schedule = []
+
+
+class StackedMasks:
+    """A plan's orders, dense flags and masks of every (bucket, layer) resident on one device, stacked:
+    - `orders` int32 [L, H];
+    - `dense` bool [buckets, L] (the plan's `dense`), with `dense_flags` (its values as Python bools) and
+      `layer_dense` (per layer: True when dense in every bucket, False in none, None when it depends on
+      the bucket), read when the graph is traced;
+    - bool masks [buckets, L, H, nq, nk] (`lists=False`, the torch backend; on the CPU the plan's own
+      tensor), or active-block lists (`lists=True`, the Triton kernels): counts and schedule
+      int32 [buckets, L, H, nq], indices int32 [buckets, L, H, nq, W] with one width W, the longest list
+      of the plan, so the kernel's list width (`indices.shape[-1]`) is the same for every layer and
+      bucket. Padding entries are 0 and never read; each list is `ActiveBlocks.from_mask`'s.
+    `get(bucket, layer)` indexes them with a bucket that is a device tensor or an int: views and
+    index_select only, nothing read on the host. On CUDA the tensors are marked static addresses, so CUDA
+    graphs (`mode="reduce-overhead"`) read them in place instead of copying them at every replay."""
+
+    def __init__(self, plan: Plan, device: torch.device | str, *, lists: bool):
+        self.device = torch.device(device)
+        self.lists = lists
+        self.orders = plan.orders.to(device=self.device, dtype=torch.int32)
+        dense = plan.dense.clone()
+        self.dense = dense.to(self.device)
+        self.dense_flags = tuple(tuple(bool(x) for x in row) for row in dense.tolist())
+        self.layer_dense = tuple(
+            flags[0] if len(set(flags)) == 1 else None for flags in zip(*self.dense_flags)
+        )
+        self.num_key_blocks = plan.block_mask.shape[-1]
+        if lists:
+            self.counts, self.indices, self.schedule = self._stack_lists(plan)
+            tensors = [self.orders, self.dense, self.counts, self.indices, self.schedule]
+        else:
+            self.mask = plan.block_mask if self.device.type == "cpu" else plan.block_mask.to(self.device)
+            tensors = [self.orders, self.dense, self.mask]
+        if self.device.type == "cuda":
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
+
+    def _stack_lists(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buckets, layers, heads, nq, _ = plan.block_mask.shape
+        width = max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
+        counts = torch.zeros(buckets, layers, heads, nq, dtype=torch.int32, device=self.device)
+        schedule = torch.zeros_like(counts)
+        indices = torch.zeros(buckets, layers, heads, nq, width, dtype=torch.int32, device=self.device)
+        for b in range(buckets):
+            for layer in range(layers):
+                blocks = ActiveBlocks.from_mask(plan.block_mask[b, layer].to(self.device))
+                counts[b, layer] = blocks.counts
+                schedule[b, layer] = blocks.schedule
+                indices[b, layer, ..., : blocks.indices.shape[-1]] = blocks.indices
+        return counts, indices, schedule
+
+    @staticmethod
+    def list_bytes(plan: Plan) -> int:
+        """Bytes of the stacked active-block lists of `plan` (counts, schedule, indices)."""
+        buckets, layers, heads, nq, _ = plan.block_mask.shape
+        width = max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
+        return buckets * layers * heads * nq * (width + 2) * 4
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.orders, self.dense] + (
+            [self.counts, self.indices, self.schedule] if self.lists else [self.mask])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def _pick(t: torch.Tensor, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
+        if isinstance(bucket, int):
+            return t[bucket, layer]
+        return t[:, layer].index_select(0, bucket.reshape(1)).squeeze(0)
+
+    def get(self, bucket: torch.Tensor | int, layer: int):
+        """The mask of (bucket, layer): a bool [H, nq, nk] tensor, or ActiveBlocks."""
+        if not self.lists:
+            return self._pick(self.mask, bucket, layer)
+        return ActiveBlocks(
+            self._pick(self.counts, bucket, layer),
+            self._pick(self.indices, bucket, layer),
+            self.num_key_blocks,
+            self._pick(self.schedule, bucket, layer),
+        )
+
+    def is_dense(self, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
+        """0-dim bool tensor: whether the plan runs the model's own attention for (bucket, layer)."""
+        return self._pick(self.dense, bucket, layer)

@@ -8,25 +8,72 @@ instance was installed with `transformer.set_attn_processor(PAROProcessor(plan))
 the attention module as the first argument, and the processor finds the transformer whose forward
 is running by walking up the Python frames (once). That first forward's timestep and layout are
 read from the transformer's frame; later forwards go through the pre-hook.
+
+Under `torch.compile(transformer, fullgraph=True)` the processor is traced into the transformer's graph
+and the pre-hook into a frame of its own that records the call's inputs and does no tensor work (which
+would make a second graph); nothing either does reads a tensor on the host:
+- the bucket is a 0-dim device tensor computed in the graph from the timestep tensor (`Plan.bucket_tensor`),
+  not a Python int: one graph serves every step and bucket (eager forwards read the timestep on the host
+  once per forward);
+- each layer's orders and mask are indexed out of `StackedMasks` (every bucket and layer resident on the
+  device) with that tensor and the layer's static index; the store is built eagerly while the graph is
+  traced (`_prepare_stacked`, which dynamo calls as a constant function), before anything reads it;
+- a layer whose plan `dense` flag is the same in every bucket branches on the host (static); one whose flag
+  depends on the bucket computes both the model's attention and PARO and keeps one with `torch.where`
+  (twice the attention work for such layers, and only when traced; calibration never makes such plans);
+- the side-stream mask streaming of eager runs is not traced: a plan too large to keep resident is refused
+  with a message (pass resident=True, or run eagerly).
+A lone processor must be bound before it is traced (`paroattn.apply`, `processor.bind(transformer)`, or
+one eager forward): the frame walk cannot be traced. Flux's image grid is taken from the plan when the
+token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a host read.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
-import warnings
 import weakref
 
 import torch
 
-from ..attention import BACKENDS, paro_attention
+from ..attention import BACKENDS, paro_attention, warn
 from ..errors import PlanError
+from ..layout import TokenLayout
 from ..plan import Plan, model_fingerprint
 from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
-from .prefetch import MaskStore
+from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
 
 ON_MISMATCH = ("error", "dense")
+
+# bindings by token, for `_prepare_stacked`, which a traced forward calls with constants only
+_BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
+
+
+@torch._dynamo.assume_constant_result
+def _prepare_stacked(token: int, device: str, head_dim: int, dtype: torch.dtype) -> bool:
+    """Build binding `token`'s `StackedMasks` for `device` unless it exists, and settle the Triton kernel
+    choice for q's head dim and dtype. Called from a forward traced by torch.compile: dynamo runs it eagerly
+    while tracing (its result is a constant), so the store's tensors exist before the graph reads them and
+    enter it as inputs (not as ops that would rebuild them every call), and the kernel dispatcher's memo is
+    filled before the traced dispatch reads it (filling it while tracing would recompile the next call)."""
+    binding = _BINDINGS[token]
+    binding.processor.prepare_traced(binding, torch.device(device), head_dim, dtype)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _traced_layout_problem(token: int, shape: tuple[int, int, int, int] | None, problem: str | None) -> str | None:
+    """`PAROProcessor.layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted
+    eagerly while the graph is traced; a mismatch under on_mismatch="error" raises its PlanError here."""
+    binding = _BINDINGS[token]
+    inputs = CallInputs(0.0, None if shape is None else TokenLayout(*shape), problem)
+    message = binding.processor.layout_problem(binding, inputs)
+    if message is not None and binding.processor.on_mismatch == "error":
+        raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
+    return message
 
 
 class Binding:
@@ -41,10 +88,14 @@ class Binding:
         self.transformer_class = type(transformer).__name__
         self.static_problem: str | None = None
         self.inputs: CallInputs | None = None
-        self.bucket = 0
+        self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
+        self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
         self.call_problem: str | None = None
         self.masks: MaskStore | None = None
         self.orders_device: torch.Tensor | None = None
+        self.stacked_masks: dict[str, StackedMasks] = {}  # by device, for traced forwards
+        self.token = next(_TOKENS)
+        _BINDINGS[self.token] = self
         self.warned: set[str] = set()
         self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.tracker = ForwardTracker(transformer, family, on_call=self._on_call)
@@ -55,7 +106,7 @@ class Binding:
 
     def installed(self) -> bool:
         """Whether the processor still serves this transformer's first self-attention layer."""
-        return bool(self.modules) and self.modules[0].processor is self.processor
+        return len(self.modules) > 0 and self.modules[0].processor is self.processor
 
     def _on_call(self, inputs: CallInputs) -> None:
         self.inputs = inputs
@@ -65,18 +116,25 @@ class Binding:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, stacklevel=3)
+            warn(message, stacklevel=3)
 
     def delegate(self, attn):
         """The module's default processor, for attention a PAROProcessor does not handle (Wan attn2)."""
         processor = self.delegates.get(attn)
         if processor is None:
-            processor = self.family.default_processor(attn)
-            for name in ("_attention_backend", "_parallel_config"):
-                if hasattr(processor, name):
-                    setattr(processor, name, getattr(self.processor, name, None))
-            self.delegates[attn] = processor
+            processor = self.add_delegate(attn)
         return processor
+
+    def add_delegate(self, attn):
+        processor = self.delegates[attn] = self.family.default_processor(attn)
+        self.sync_delegate(processor)
+        return processor
+
+    def sync_delegate(self, processor) -> None:
+        """Give a delegate the attention backend and parallel config the processor has now."""
+        for name in ("_attention_backend", "_parallel_config"):
+            if hasattr(processor, name):
+                setattr(processor, name, getattr(self.processor, name, None))
 
     def close(self) -> None:
         self.tracker.remove()
@@ -84,6 +142,7 @@ class Binding:
             self.masks.close()
             self.masks = None
         self.orders_device = None
+        self.stacked_masks = {}
 
 
 class _BoundProcessor:
@@ -105,6 +164,15 @@ class _BoundProcessor:
         binding = Binding(self, transformer, require_family(transformer))
         for layer, module in enumerate(binding.modules):
             self._entries[module] = (binding, layer)
+        # the other attention modules (Wan's attn2) are known up front too, so a traced forward of a lone
+        # processor finds every module it is called for without writing to `_entries` (a recompile)
+        for module in transformer.modules():
+            if hasattr(module, "processor") and module not in self._entries:
+                self._entries[module] = (binding, None)
+                try:  # and their default processors (made on first use otherwise, which raises what this hides)
+                    binding.add_delegate(module)
+                except Exception:
+                    pass
         self._bindings.append(binding)
         self.on_bind(binding)
         return binding
@@ -134,8 +202,13 @@ class _BoundProcessor:
                 return self._entries[attn]
         return self._bind_from_frames(attn)
 
+    @torch.compiler.disable(reason=(
+        "a PAROProcessor installed with set_attn_processor finds its transformer by walking the Python frames "
+        "of its first forward, which torch.compile cannot trace: bind it before compiling, with "
+        "paroattn.apply(transformer, plan) or processor.bind(transformer), or run one forward without compile"
+    ))
     def _bind_from_frames(self, attn):
-        frame = sys._getframe(3)
+        frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
             family = family_of(owner) if isinstance(owner, torch.nn.Module) else None
@@ -190,7 +263,7 @@ class CaptureProcessor(_BoundProcessor):
         if inputs.layout is None:
             raise PlanError(f"cannot capture attention of this call: {inputs.problem}")
         call = binding.family.rotate(call)
-        self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep)
+        self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep_1000())
         return self.dense(binding, attn, call, attention_mask)
 
 
@@ -251,6 +324,7 @@ class PAROProcessor(_BoundProcessor):
         return problems
 
     def on_bind(self, binding: Binding) -> None:
+        binding.family.planned_layout = self.plan.layout
         problems = self.plan_problems(binding)
         if not problems:
             return
@@ -285,15 +359,30 @@ class PAROProcessor(_BoundProcessor):
         )
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
-        binding.bucket = self.plan.bucket_of(inputs.timestep)
-        binding.call_problem = None if binding.static_problem else self.layout_problem(binding, inputs)
+        traced = torch.compiler.is_compiling()
+        # traced forwards pick the bucket of a tensor timestep on the device, in the forward's own graph
+        # (`_traced_bucket`); eager ones read it here, once per forward
+        binding.bucket_index = None
+        if traced and isinstance(inputs.timestep, torch.Tensor):
+            binding.bucket = None
+        else:
+            binding.bucket = self.plan.bucket_of(inputs.timestep_1000())
+        if binding.static_problem:
+            binding.call_problem = None
+        elif traced:  # the messages are formatted eagerly (dynamo cannot trace formatting the layouts)
+            layout = inputs.layout
+            shape = None if layout is None else (layout.prefix, layout.frames, layout.height, layout.width)
+            binding.call_problem = _traced_layout_problem(binding.token, shape, inputs.problem)
+        else:
+            binding.call_problem = self.layout_problem(binding, inputs)
         if binding.call_problem is not None:
             if self.on_mismatch == "error":
                 raise PlanError(binding.call_problem + " (or pass on_mismatch='dense' to run the model's own attention)")
             binding.warn_once(
-                f"layout {inputs.layout}", binding.call_problem + "; running the model's own attention (on_mismatch='dense')"
+                "layout " + binding.call_problem,
+                binding.call_problem + "; running the model's own attention (on_mismatch='dense')",
             )
-        if binding.masks is not None:
+        if not traced and binding.masks is not None:
             binding.masks.begin(binding.bucket)
 
     # -- the call ----------------------------------------------------------------------------
@@ -315,6 +404,48 @@ class PAROProcessor(_BoundProcessor):
         """Build the masks of every (bucket, layer) for `device` now instead of on the first call."""
         return self._masks(binding, torch.device(device))
 
+    def prepare_traced(self, binding: Binding, device, head_dim: int | None = None,
+                       dtype: torch.dtype | None = None) -> StackedMasks:
+        """Build what forwards traced by torch.compile read on `device` now (otherwise done while the first
+        one is traced, see `_prepare_stacked`): the stacked masks, and with q's head dim and dtype the Triton
+        kernel choice. Active-block lists are kept resident only when `resident` allows it."""
+        device = torch.device(device)
+        if head_dim is not None and dtype is not None and (
+                self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")):
+            from ..kernels.dispatch import unsupported_reason
+
+            unsupported_reason(torch.empty(1, 1, 1, head_dim, dtype=dtype, device=device), *self.plan.block_size,
+                               self.plan.qk, self.plan.pv)
+        key = str(device)
+        store = binding.stacked_masks.get(key)
+        if store is not None:
+            return store
+        lists = self.uses_block_lists(device)
+        if lists:
+            size = StackedMasks.list_bytes(self.plan)
+            if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
+                why = ("resident=False asks for it" if self.resident is False else
+                       f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
+                       f"{RESIDENT_LIMIT_BYTES >> 20} MiB that resident='auto' keeps on the GPU")
+                raise RuntimeError(
+                    f"PARO streams this plan's masks per layer on a side CUDA stream ({why}), which torch.compile "
+                    "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
+                    f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
+                )
+        store = binding.stacked_masks[key] = StackedMasks(self.plan, device, lists=lists)
+        return store
+
+    def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
+        """The bucket of the forward being traced: a 0-dim device tensor computed from the timestep tensor by
+        the first layer that asks (the pre-hook is a frame of its own, whose tensors would be a graph of its
+        own), or the host bucket of a Python-number timestep."""
+        inputs = binding.inputs
+        if not isinstance(inputs.timestep, torch.Tensor):
+            return binding.bucket
+        if binding.bucket_index is None:
+            binding.bucket_index = self.plan.bucket_tensor(inputs.timestep, inputs.timestep_scale)
+        return binding.bucket_index
+
     def attend(self, binding, attn, layer, call, attention_mask):
         if binding.static_problem or binding.call_problem:
             return self.dense(binding, attn, call, attention_mask)
@@ -330,7 +461,19 @@ class PAROProcessor(_BoundProcessor):
             binding.warn_once("parallel", message + "; running the model's own attention (on_mismatch='dense')")
             return self.dense(binding, attn, call, attention_mask)
         plan, layout = self.plan, binding.inputs.layout
-        if bool(plan.dense[binding.bucket, layer]):
+        traced = torch.compiler.is_compiling()
+        store = None
+        if traced:
+            _prepare_stacked(binding.token, str(call.q.device), call.q.shape[-1], call.q.dtype)
+            store = binding.stacked_masks[str(call.q.device)]
+            bucket = self._traced_bucket(binding)
+            # static: a Python bool (dense in every bucket, in none, or in this host bucket), or None when
+            # the flag depends on a bucket known only on the device
+            dense = store.layer_dense[layer] if isinstance(bucket, torch.Tensor) else store.dense_flags[bucket][layer]
+        else:
+            bucket = binding.bucket
+            dense = bool(plan.dense[bucket, layer])
+        if dense is True:
             return self.dense(binding, attn, call, attention_mask)
         if attention_mask is not None:
             binding.warn_once("mask", "PAROProcessor got an attention mask, which a block-sparse plan cannot honour; "
@@ -344,19 +487,28 @@ class PAROProcessor(_BoundProcessor):
                 f"{binding.family.name} token layout"
             )
         device = call.q.device
-        masks = self._masks(binding, device)
-        if binding.orders_device is None or binding.orders_device.device != device:
-            binding.orders_device = plan.orders.to(device=device, dtype=torch.int32)
+        if store is not None:
+            orders, block_mask = store.orders[layer], store.get(bucket, layer)
+        else:
+            masks = self._masks(binding, device)
+            if binding.orders_device is None or binding.orders_device.device != device:
+                binding.orders_device = plan.orders.to(device=device, dtype=torch.int32)
+            orders, block_mask = binding.orders_device[layer], masks.get(bucket, layer)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
-        return paro_attention(
+        out = paro_attention(
             call.q, call.k, call.v,
             layout=layout,
-            orders=binding.orders_device[layer],
-            block_mask=masks.get(binding.bucket, layer),
+            orders=orders,
+            block_mask=block_mask,
             block_size=plan.block_size,
             qk=plan.qk,
             pv=plan.pv,
             backend=self.backend,
             rotary=call.rotary,
         )
+        if dense is None:
+            # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
+            # RoPE reads q and k before the model's own RoPE may rotate them in place)
+            out = torch.where(store.is_dense(bucket, layer), self.dense(binding, attn, call, attention_mask), out)
+        return out

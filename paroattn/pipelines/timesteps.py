@@ -1,8 +1,11 @@
 """Which timestep and token layout the current transformer forward has: a forward pre-hook.
 
 Pipelines pass the timestep as a keyword (CogVideoX int 0..999, Wan float 0..1000 once per CFG
-branch, Flux t/1000); the adapter maps the call's arguments to `CallInputs` on the 0..1000 scale.
+branch, Flux t/1000); the adapter maps the call's arguments to `CallInputs` (the timestep as passed, with
+the factor to the 0..1000 scale, and the token layout from the arguments' shapes).
 It hands each call's `CallInputs` to the processor's binding (`on_call`) instead of guessing.
+Under `torch.compile(transformer)` the hook runs as a frame of its own, compiled too: it only records, so
+that the tensor work of choosing the bucket happens in the transformer's graph.
 """
 
 from __future__ import annotations

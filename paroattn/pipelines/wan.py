@@ -18,7 +18,6 @@ from .base import (
     RotaryTables,
     SelfAttentionCall,
     dispatch_dense,
-    timestep_value,
     without_rotary,
 )
 
@@ -64,12 +63,12 @@ class WanAdapter(FamilyAdapter):
 
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:
         _, _, frames, height, width = arguments["hidden_states"].shape  # [B, C, F, H, W]
-        return CallInputs(timestep_value(arguments["timestep"]), self._layout(transformer, frames, height, width))
+        return CallInputs(arguments["timestep"], self._layout(transformer, frames, height, width))
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
         # WanTransformer3DModel.forward unpacks the latent shape into these names first thing
         layout = self._layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"])
-        return CallInputs(timestep_value(f_locals["timestep"]), layout)
+        return CallInputs(f_locals["timestep"], layout)
 
     # -- geometry ----------------------------------------------------------------------------
     def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
