@@ -89,7 +89,8 @@ def calibrate(
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
-    """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks."""
+    """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks.
+    Runs on one GPU; the plan it writes also serves generations split over several (`paro generate --ulysses N`)."""
     from .calibrate.driver import (
         CalibrationConfig,
         default_prompts_file,
@@ -179,10 +180,13 @@ def generate(
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
+    ulysses: int = typer.Option(1, help="split each generation over N GPUs (Wan, FLUX; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
     """Generate a video or image, with a plan (PARO) or without (dense); --compare runs both."""
+    import torch.distributed as dist
+
     from .errors import PlanError
     from .pipelines.generate import generate as run_generate
 
@@ -190,10 +194,15 @@ def generate(
         result = run_generate(
             model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
-            log=typer.echo,
+            ulysses=ulysses, log=typer.echo,
         )
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
+    finally:
+        if ulysses > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    if "rank" in result:  # another process of a --ulysses run: rank 0 reports
+        return
     if "dense_path" in result:
         typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['dense_path']}")
     if "paro_s" in result and result.get("ran_dense"):

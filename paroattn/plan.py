@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -247,6 +247,20 @@ class Plan:
         if not bool(sparse.any()):
             return 1.0
         return float(self.density[sparse].mean())
+
+    def head_slice(self, start: int, stop: int) -> Plan:
+        """The plan of heads `start..stop-1` of every layer (orders, masks and densities of those heads; the
+        dense flags, buckets and layout unchanged): what one GPU runs when the heads are split across GPUs.
+        Its tensors are views of this plan's."""
+        if not 0 <= start < stop <= self.num_heads:
+            raise PlanError(f"head slice {start}:{stop} is not within the plan's {self.num_heads} heads")
+        return replace(
+            self,
+            orders=self.orders[:, start:stop],
+            block_mask=self.block_mask[:, :, start:stop],
+            density=self.density[:, :, start:stop],
+            info={**self.info, "head_slice": [start, stop]},
+        )
 
     def bucket_of(self, timestep: float) -> int:
         """Bucket index of a timestep on the 0..1000 scale."""

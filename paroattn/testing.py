@@ -24,8 +24,9 @@ WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
 
 
-def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, head_dim: int = 16):
-    """A 2-layer transformer of `family` with 2 heads of `head_dim` channels (16; the Triton kernels
+def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, head_dim: int = 16,
+                     heads: int = 2):
+    """A 2-layer transformer of `family` with `heads` heads of `head_dim` channels (16; the Triton kernels
     need 64 or 128) and random weights."""
     if head_dim % 16:
         raise ValueError(f"head_dim must be a multiple of 16 (RoPE splits it in 3 axes), got {head_dim}")
@@ -35,7 +36,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
 
         v15 = family == "cogvideox1.5"
         model = CogVideoXTransformer3DModel(
-            num_attention_heads=2,
+            num_attention_heads=heads,
             attention_head_dim=head_dim,
             in_channels=4,
             out_channels=4,
@@ -57,7 +58,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
         i2v = family == "wan-i2v"
         model = WanTransformer3DModel(
             patch_size=(1, 2, 2),
-            num_attention_heads=2,
+            num_attention_heads=heads,
             attention_head_dim=head_dim,
             in_channels=4 if not i2v else 8,
             out_channels=4,
@@ -69,7 +70,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             qk_norm="rms_norm_across_heads",
             rope_max_seq_len=32,
             image_dim=16 if i2v else None,
-            added_kv_proj_dim=2 * head_dim if i2v else None,
+            added_kv_proj_dim=heads * head_dim if i2v else None,
         )
     elif family == "flux":
         from diffusers import FluxTransformer2DModel
@@ -80,7 +81,7 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             num_layers=1,
             num_single_layers=2,
             attention_head_dim=head_dim,
-            num_attention_heads=2,
+            num_attention_heads=heads,
             joint_attention_dim=16,
             pooled_projection_dim=16,
             guidance_embeds=False,

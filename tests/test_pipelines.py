@@ -4,8 +4,6 @@ plans that do not fit."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -266,22 +264,6 @@ def test_on_mismatch_dense_leaves_the_model_alone(model):
     assert not handle.active
     assert torch.equal(run(transformer, inputs), reference)
     handle.remove()
-
-
-def test_parallel_attention_is_refused_not_silently_wrong(model):
-    name, transformer, inputs, reference = model
-    plan = make_plan(transformer, inputs, density=0.5, orders="random")
-    with apply(transformer, plan, backend="torch") as handle:
-        handle.processor._parallel_config = SimpleNamespace(context_parallel_config=None)  # enable_parallelism
-        with pytest.raises(NotImplementedError, match="one pipeline per GPU"):
-            run(transformer, inputs)
-    if name != "cogvideox":
-        return  # the others' dense path hands the config to diffusers' dispatcher, which needs a real one
-    with apply(transformer, plan, backend="torch", on_mismatch="dense") as handle:
-        handle.processor._parallel_config = SimpleNamespace(context_parallel_config=None)
-        with pytest.warns(UserWarning, match="parallel attention"):
-            out = run(transformer, inputs)
-    assert torch.equal(out, reference)
 
 
 def test_layout_for_matches_the_calls_of_the_tiny_models():

@@ -128,7 +128,11 @@ def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: s
     if binding.static_problem:
         processor.unbind(binding)
         return PAROHandle(transformer, None, None, None)
-    originals = _install(transformer, processor, binding.keys, binding)
+    try:  # refuses a context-parallel config that cannot hold PARO (diffusers' enable_parallelism before apply)
+        originals = _install(transformer, processor, binding.keys, binding)
+    except Exception:
+        processor.unbind(binding)
+        raise
     return PAROHandle(transformer, processor, binding, originals)
 
 

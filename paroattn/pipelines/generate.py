@@ -232,6 +232,10 @@ def plan_fit_problem(pipe, plan: Plan, call: dict) -> str | None:
         processor.unbind(binding)
 
 
+def _silent(message: str) -> None:
+    pass
+
+
 def generate(
     model_dir: str | Path,
     prompt: str,
@@ -248,16 +252,24 @@ def generate(
     dtype: str | None = None,
     backend: str = "auto",
     on_mismatch: str = "error",
+    ulysses: int = 1,
     extra_call: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Generate with `plan` (or dense when None); with `compare`, also dense with the same seed.
-    Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense."""
+    Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
+
+    `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
+    together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
+    writes the outputs, the others return {"rank": r}."""
     from . import apply
+    from .context_parallel import enable_ulysses, join_process_group, ulysses_problem
 
     # every option and the output path are checked before the model loads
     if compare and plan is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
+    if ulysses < 1:
+        raise ValueError(f"--ulysses {ulysses}: pass the number of GPUs (processes) to split each generation over")
     if problem := option_problem(backend, on_mismatch):
         raise ValueError(problem)
     if out is not None and (problem := output_problem(out)):
@@ -265,9 +277,20 @@ def generate(
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
     loaded_plan = Plan.load(plan) if plan is not None else None  # fail on a bad plan before loading the model
+    if loaded_plan is not None and (problem := ulysses_problem(loaded_plan, ulysses)):
+        raise PlanError(f"--ulysses {ulysses}: {problem}")
+    rank = 0
+    if ulysses > 1:
+        rank, device = join_process_group(ulysses, device)
+        if rank != 0:
+            log = _silent
     log(f"loading {model_dir}")
     pipe = load_pipeline(model_dir, device=device, dtype=dtype)
     transformer = resolve_transformer(pipe)
+    if ulysses > 1:
+        enable_ulysses(transformer, ulysses)
+        if rank != 0:
+            pipe.set_progress_bar_config(disable=True)
     family = family_of(transformer)
     if family is None:
         raise PlanError(
@@ -301,7 +324,8 @@ def generate(
         log("dense run (the model's own attention)")
         dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
-        result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
+        if rank == 0:
+            result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
     handle = None
     if loaded_plan is not None and mismatch is not None:
         log("dense run (the plan does not fit)")
@@ -319,6 +343,10 @@ def generate(
             result["masks"] = handle.stats()
             handle.remove()
     result["paro_s" if loaded_plan is not None else "dense_s"] = seconds
+    if ulysses > 1:
+        result["ulysses"] = ulysses
+        if rank != 0:  # every process holds the same output; rank 0 writes it
+            return {"rank": rank}
     result["path"] = str(_write(pixels, out, video, fps))
     if compare:
         result.update(compare_pixels(dense_pixels, pixels))

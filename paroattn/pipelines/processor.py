@@ -41,6 +41,7 @@ from ..errors import PlanError
 from ..layout import TokenLayout
 from ..plan import Plan, model_fingerprint
 from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
+from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
@@ -136,25 +137,46 @@ class Binding:
             if hasattr(processor, name):
                 setattr(processor, name, getattr(self.processor, name, None))
 
-    def close(self) -> None:
-        self.tracker.remove()
+    def drop_masks(self) -> None:
+        """Forget the masks and orders built for devices (the processor's plan of heads changed)."""
         if self.masks is not None:
             self.masks.close()
             self.masks = None
         self.orders_device = None
         self.stacked_masks = {}
 
+    def close(self) -> None:
+        self.tracker.remove()
+        self.drop_masks()
+
 
 class _BoundProcessor:
     """Shared machinery: find the layer of each call, bind to its transformer, split the processor."""
 
-    # read by diffusers' set_attention_backend / context parallel, and passed to the dense path
+    # read by diffusers' set_attention_backend, and passed to the dense path
     _attention_backend = None
-    _parallel_config = None
+    _parallel = None
 
     def __init__(self):
         self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attn -> (binding, layer | None)
         self._bindings: list[Binding] = []
+
+    @property
+    def _parallel_config(self):
+        """What diffusers' `enable_parallelism` sets on every attention processor (a `ParallelConfig`), passed to
+        the dense path; `on_parallel_config` sees each assignment (`paroattn.apply` copies it from the processor
+        it replaces)."""
+        return self._parallel
+
+    @_parallel_config.setter
+    def _parallel_config(self, config) -> None:
+        if config is self._parallel:  # enable_parallelism sets it on every module this instance serves
+            return
+        self._parallel = config
+        self.on_parallel_config(config)
+
+    def on_parallel_config(self, config) -> None:
+        pass
 
     # -- binding -----------------------------------------------------------------------------
     def bind(self, transformer) -> Binding:
@@ -208,6 +230,12 @@ class _BoundProcessor:
         "paroattn.apply(transformer, plan) or processor.bind(transformer), or run one forward without compile"
     ))
     def _bind_from_frames(self, attn):
+        if context_parallel_config(self._parallel_config) is not None:
+            # the forward's locals hold this GPU's chunk of the inputs (Flux's position ids), not the call's layout
+            raise RuntimeError(
+                f"{type(self).__name__} under diffusers' context parallelism must be bound to its transformer before "
+                "the first forward: use paroattn.apply(transformer, plan), or call processor.bind(transformer)"
+            )
         frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
@@ -258,6 +286,14 @@ class CaptureProcessor(_BoundProcessor):
         super().__init__()
         self.callback = callback
 
+    def on_parallel_config(self, config) -> None:
+        if context_parallel_config(config) is not None:
+            raise PlanError(
+                "calibration captures each head's attention over the whole sequence on one GPU; this transformer runs "
+                "under diffusers' context parallelism (enable_parallelism), which gives each GPU a chunk of it: "
+                "calibrate on one GPU without enable_parallelism (the plan then serves any ulysses_degree)"
+            )
+
     def attend(self, binding, attn, layer, call, attention_mask):
         inputs = binding.inputs
         if inputs.layout is None:
@@ -299,6 +335,8 @@ class PAROProcessor(_BoundProcessor):
         self.prefetch_slots = prefetch_slots
         self.pixel_scale = pixel_scale
         self.fuse_rope = fuse_rope
+        self._ulysses: UlyssesShard | None = None  # this process's heads under Ulysses context parallelism
+        self.parallel_problem: str | None = None  # why the parallel config cannot hold PARO (on_mismatch="dense")
 
     # -- checks ------------------------------------------------------------------------------
     def plan_problems(self, binding: Binding) -> list[str]:
@@ -327,6 +365,11 @@ class PAROProcessor(_BoundProcessor):
         binding.family.planned_layout = self.plan.layout
         problems = self.plan_problems(binding)
         if not problems:
+            if context_parallel_config(self._parallel_config) is not None:
+                problem = model_problem(binding.transformer, binding.family.name)
+                if problem is not None and self.on_mismatch == "error":
+                    self.unbind(binding)
+                self._parallel_refused(problem)
             return
         command = binding.family.calibrate_command(binding.transformer, self.plan.layout, self.pixel_scale)
         message = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
@@ -335,6 +378,35 @@ class PAROProcessor(_BoundProcessor):
             raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
         binding.static_problem = message
         binding.warn_once("static", message + "; running the model's own attention (on_mismatch='dense')")
+
+    # -- context parallelism -----------------------------------------------------------------
+    @property
+    def head_plan(self) -> Plan:
+        """The plan of the heads this process runs: the whole plan, or this GPU's slice of it under Ulysses."""
+        return self.plan if self._ulysses is None else self._ulysses.plan
+
+    def on_parallel_config(self, config) -> None:
+        """Slice the plan to this GPU's heads (Ulysses), or refuse what cannot hold PARO (see `context_parallel`)."""
+        self._ulysses, self.parallel_problem = None, None
+        for binding in self._bindings:
+            binding.drop_masks()
+        cp_config = context_parallel_config(config)
+        if cp_config is None:
+            return
+        problem = ulysses_problem(self.plan, int(cp_config.ulysses_degree or 1), int(cp_config.ring_degree or 1))
+        for binding in self._bindings:
+            problem = problem or model_problem(binding.transformer, binding.family.name)
+        if not self._parallel_refused(problem):
+            self._ulysses = UlyssesShard(cp_config, self.plan)
+
+    def _parallel_refused(self, problem: str | None) -> bool:
+        """Raise `problem` (on_mismatch="error") or keep it for the calls to warn about; False when None."""
+        if problem is None:
+            return False
+        if self.on_mismatch == "error":
+            raise PlanError(problem + " (or pass on_mismatch='dense' to run the model's own attention)")
+        self._ulysses, self.parallel_problem = None, problem
+        return True
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
         plan_layout = self.plan.layout
@@ -394,7 +466,7 @@ class PAROProcessor(_BoundProcessor):
     def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
         if binding.masks is None or binding.masks.device != device:
             binding.masks = MaskStore(
-                self.plan, device, lists=self.uses_block_lists(device),
+                self.head_plan, device, lists=self.uses_block_lists(device),
                 resident=self.resident, slots=self.prefetch_slots,
             )
             binding.masks.begin(binding.bucket)
@@ -422,7 +494,7 @@ class PAROProcessor(_BoundProcessor):
             return store
         lists = self.uses_block_lists(device)
         if lists:
-            size = StackedMasks.list_bytes(self.plan)
+            size = StackedMasks.list_bytes(self.head_plan)
             if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
                 why = ("resident=False asks for it" if self.resident is False else
                        f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
@@ -432,7 +504,7 @@ class PAROProcessor(_BoundProcessor):
                     "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
                     f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
                 )
-        store = binding.stacked_masks[key] = StackedMasks(self.plan, device, lists=lists)
+        store = binding.stacked_masks[key] = StackedMasks(self.head_plan, device, lists=lists)
         return store
 
     def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
@@ -449,18 +521,10 @@ class PAROProcessor(_BoundProcessor):
     def attend(self, binding, attn, layer, call, attention_mask):
         if binding.static_problem or binding.call_problem:
             return self.dense(binding, attn, call, attention_mask)
-        if self._parallel_config is not None:
-            # diffusers' context/tensor parallelism hands each GPU a shard of the sequence or heads:
-            # per-head orders and block masks of the whole sequence would silently apply to the wrong tokens
-            message = (
-                "PARO does not run under diffusers' parallel attention (enable_parallelism): each GPU sees only a "
-                "shard of the sequence or heads. Run one pipeline per GPU instead"
-            )
-            if self.on_mismatch == "error":
-                raise NotImplementedError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
-            binding.warn_once("parallel", message + "; running the model's own attention (on_mismatch='dense')")
+        if self.parallel_problem is not None:
+            binding.warn_once("parallel", self.parallel_problem + "; running the model's own attention (on_mismatch='dense')")
             return self.dense(binding, attn, call, attention_mask)
-        plan, layout = self.plan, binding.inputs.layout
+        plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
         traced = torch.compiler.is_compiling()
         store = None
         if traced:
@@ -480,7 +544,10 @@ class PAROProcessor(_BoundProcessor):
                               "running the model's own attention for such calls")
             return self.dense(binding, attn, call, attention_mask)
         tokens = call.q.shape[2]
-        if tokens != layout.seq_len or (call.text_tokens is not None and call.text_tokens != layout.prefix):
+        if shard is not None:
+            if problem := shard.local_problem(layout, tokens, call.text_tokens):
+                raise PlanError(f"layer {layer}: {problem}")
+        elif tokens != layout.seq_len or (call.text_tokens is not None and call.text_tokens != layout.prefix):
             raise PlanError(
                 f"layer {layer} got {tokens} tokens ({call.text_tokens} text) but this forward's layout is {layout} "
                 f"({layout.seq_len} tokens, {layout.prefix} text): the call does not follow the "
@@ -496,8 +563,13 @@ class PAROProcessor(_BoundProcessor):
             orders, block_mask = binding.orders_device[layer], masks.get(bucket, layer)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
+        q, k, v, rotary = call.q, call.k, call.v, call.rotary
+        if shard is not None:  # this GPU's chunk of the sequence -> its heads over the whole sequence
+            q, k, v = (shard.gather_heads(x, layout.prefix) for x in (q, k, v))
+            if rotary is not None:
+                rotary = shard.gather_rotary(rotary, layout.prefix)
         out = paro_attention(
-            call.q, call.k, call.v,
+            q, k, v,
             layout=layout,
             orders=orders,
             block_mask=block_mask,
@@ -505,8 +577,10 @@ class PAROProcessor(_BoundProcessor):
             qk=plan.qk,
             pv=plan.pv,
             backend=self.backend,
-            rotary=call.rotary,
+            rotary=rotary,
         )
+        if shard is not None:
+            out = shard.scatter_heads(out, layout.prefix)
         if dense is None:
             # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
             # RoPE reads q and k before the model's own RoPE may rotate them in place)

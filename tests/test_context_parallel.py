@@ -1,0 +1,300 @@
+"""PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan and FLUX
+transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give what one process gives
+with the same plan, each running its own slice of the plan's heads; ring attention, head counts the degree does not
+divide, CogVideoX, calibration capture and frame binding are refused with what to do.
+
+diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
+workers patch it to 1 and pass a CPU device mesh. One spawn runs every distributed case (the imports dominate)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from diffusers import ContextParallelConfig, ParallelConfig
+
+from paroattn import Plan, PlanError
+from paroattn.pipelines import PAROProcessor, apply, capture_attention, family_of, self_attention_layers
+from paroattn.pipelines.context_parallel import sequence_problem, ulysses_problem
+from paroattn.plan import model_fingerprint
+from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
+
+WORLD = 2
+HEADS = 4  # two per process: each holds a contiguous slice of more than one head
+TIMESTEPS = (800.0, 200.0)  # one per bucket of the two-bucket plans
+JOIN_TIMEOUT_S = 240
+
+
+def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:
+    """Random orders and masks at density 0.5: every head differs from every other."""
+    return Plan.synthetic(
+        layout=family_of(transformer).call_inputs(transformer, inputs).layout,
+        num_layers=len(self_attention_layers(transformer)), num_heads=heads, density=0.5, orders="random",
+        num_buckets=2, block_size=TINY_BLOCK, model_class=type(transformer).__name__,
+        model_fingerprint=model_fingerprint(transformer.config), seed=seed,
+    )
+
+
+def run(transformer, inputs):
+    with torch.no_grad():
+        return transformer(**inputs)[0]
+
+
+# -- the distributed run ------------------------------------------------------------------------------------------
+
+
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("ring", "ulysses"))
+
+
+def _ulysses_family(family: str, rank: int) -> dict:
+    """PARO on one process, then under Ulysses 2 with the plan applied after and before enable_parallelism."""
+    found = {}
+    transformer = tiny_transformer(family, heads=HEADS)
+    calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
+    plan = make_plan(transformer, calls[0])
+    found["plan_orders"] = plan.orders.clone()
+    found["mask_blocks"] = plan.mask_blocks
+    with apply(transformer, plan, backend="torch"):
+        found["single"] = [run(transformer, inputs) for inputs in calls]
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original
+        found["after"] = [run(transformer, inputs) for inputs in calls]
+        processor = handle.processor
+        found["heads"] = processor._ulysses.heads
+        found["head_orders"] = processor.head_plan.orders.clone()
+        found["mask_heads"] = {tuple(handle.binding.masks.get(b, 0).shape) for b in range(plan.num_buckets)}
+        from paroattn.pipelines.prefetch import MaskStore
+
+        found["list_bytes"] = (MaskStore(processor.head_plan, "cpu", lists=True).host_bytes,
+                               MaskStore(plan, "cpu", lists=True).host_bytes)
+    with apply(transformer, plan, backend="torch", fuse_rope=False):  # the model's own RoPE before the exchange
+        found["unfused_rope"] = [run(transformer, inputs) for inputs in calls]
+
+    before = tiny_transformer(family, heads=HEADS)  # enable_parallelism cannot be called twice on one model
+    with apply(before, plan, backend="torch"):  # before enable_parallelism: diffusers sets the processor's config
+        before.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+        found["before"] = [run(before, inputs) for inputs in calls]
+    return found
+
+
+def _refusals(rank: int) -> dict:
+    found = {}
+    transformer = tiny_transformer("wan", heads=HEADS)
+    plan = make_plan(transformer, tiny_forward_inputs(transformer))
+    with apply(transformer, plan, backend="torch"):
+        try:
+            transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=WORLD, mesh=_mesh((WORLD, 1))))
+        except PlanError as exc:
+            found["ring"] = str(exc)
+    lone = tiny_transformer("flux", heads=HEADS)
+    inputs = tiny_forward_inputs(lone)
+    lone.set_attn_processor(PAROProcessor(make_plan(lone, inputs), backend="torch"))
+    lone.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    try:
+        run(lone, inputs)
+    except RuntimeError as exc:
+        found["lone"] = str(exc)
+    return found
+
+
+def _generate(rank: int, folder: Path) -> dict:
+    """`paro generate --ulysses 2` of a tiny FLUX pipeline against the same generation on one process."""
+    from paroattn.pipelines import generate as generate_module
+
+    written = []
+    write = generate_module._write
+
+    def spy(pixels, path, video, fps):
+        written.append(str(path))
+        return write(pixels, path, video, fps)
+
+    generate_module._write = spy
+    kwargs = {"plan": folder / "plan.safetensors", "height": 96, "width": 96, "steps": 2, "backend": "torch",
+              "extra_call": {"guidance_scale": 3.5}, "log": lambda message: None}
+    result = generate_module.generate(folder / "model", "a red car", out=folder / "ulysses.png", ulysses=WORLD, **kwargs)
+    found = {"result": result, "written": list(written)}
+    if rank == 0:
+        found["single"] = generate_module.generate(folder / "model", "a red car", out=folder / "single.png", **kwargs)
+    return found
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.accelerator.device_count = lambda: 1  # 0 on CPU, which diffusers divides by
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    folder = Path(folder)
+    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank)}
+    results.update(_refusals(rank))
+    results["generate"] = _generate(rank, folder)
+    torch.save(results, folder / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the two processes found, [rank 0, rank 1]."""
+    from paroattn.testing import tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("ulysses")
+    pipe = tiny_pipeline("flux")
+    pipe.save_pretrained(folder / "model")
+    make_plan(pipe.transformer, tiny_forward_inputs(pipe.transformer), heads=2).save(folder / "plan.safetensors")
+    context = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:  # a collective that one process never reached
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} processes did not finish within {JOIN_TIMEOUT_S} s")
+    return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("order", ["after", "before", "unfused_rope"])
+def test_paro_under_ulysses_equals_one_process(ranks, family, order):
+    for found in ranks:
+        for single, parallel in zip(found[family]["single"], found[family][order]):
+            assert parallel.shape == single.shape
+            torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-6)
+    # and the buckets differ, so both were exercised
+    assert not torch.allclose(ranks[0][family]["single"][0], ranks[0][family]["single"][1])
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
+    per_gpu = HEADS // WORLD
+    for rank, found in enumerate(ranks):
+        found = found[family]
+        assert found["heads"] == (rank * per_gpu, (rank + 1) * per_gpu)
+        assert torch.equal(found["head_orders"], found["plan_orders"][:, rank * per_gpu:(rank + 1) * per_gpu])
+        assert found["mask_heads"] == {(per_gpu, *found["mask_blocks"])}  # the bool masks the layers read
+        head_bytes, plan_bytes = found["list_bytes"]
+        assert head_bytes * WORLD == plan_bytes
+    assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
+
+
+def test_ring_attention_is_refused_with_what_to_do(ranks):
+    for found in ranks:
+        assert "ring_degree=2" in found["ring"] and "ContextParallelConfig(ulysses_degree=2)" in found["ring"]
+
+
+def test_lone_processor_must_be_bound_before_a_parallel_forward(ranks):
+    for found in ranks:
+        assert "paroattn.apply" in found["lone"] and "bind" in found["lone"]
+
+
+def test_generate_ulysses_writes_on_rank_0_only_and_equals_one_process(ranks):
+    import numpy as np
+    from PIL import Image
+
+    first, second = ranks[0]["generate"], ranks[1]["generate"]
+    assert second["result"] == {"rank": 1} and second["written"] == []
+    assert first["result"]["ulysses"] == WORLD and first["written"] == [first["result"]["path"]]
+    single = first["single"]
+    assert "ulysses" not in single
+    ulysses_pixels = torch.from_numpy(np.asarray(Image.open(first["result"]["path"]), dtype=np.float32))
+    single_pixels = torch.from_numpy(np.asarray(Image.open(single["path"]), dtype=np.float32))
+    assert (ulysses_pixels - single_pixels).abs().max() <= 1  # 8-bit rounding of equal images
+
+
+# -- refusals and pieces that need no process group ---------------------------------------------------------------
+
+
+def test_head_slice_is_the_heads_of_the_plan():
+    transformer = tiny_transformer("wan", heads=HEADS)
+    plan = make_plan(transformer, tiny_forward_inputs(transformer))
+    part = plan.head_slice(2, 4)
+    assert part.num_heads == 2 and part.layout == plan.layout and part.block_size == plan.block_size
+    assert torch.equal(part.orders, plan.orders[:, 2:4])
+    assert torch.equal(part.block_mask, plan.block_mask[:, :, 2:4])
+    assert torch.equal(part.density, plan.density[:, :, 2:4]) and torch.equal(part.dense, plan.dense)
+    with pytest.raises(PlanError, match="not within the plan's 4 heads"):
+        plan.head_slice(3, 5)
+
+
+def _config(**degrees):
+    return ParallelConfig(context_parallel_config=ContextParallelConfig(**degrees))
+
+
+def test_head_count_the_degree_does_not_divide_is_refused():
+    transformer = tiny_transformer("wan", heads=3)
+    inputs = tiny_forward_inputs(transformer)
+    plan = make_plan(transformer, inputs, heads=3)
+    assert "divides 3 (3)" in ulysses_problem(plan, 2)
+    with apply(transformer, plan, backend="torch") as handle:
+        with pytest.raises(PlanError, match=r"3 heads per layer are not divisible by ulysses_degree=2"):
+            handle.processor._parallel_config = _config(ulysses_degree=2)  # what enable_parallelism does
+
+
+def test_ring_is_refused_and_dense_on_mismatch_keeps_the_reason():
+    transformer = tiny_transformer("wan", heads=HEADS)
+    plan = make_plan(transformer, tiny_forward_inputs(transformer))
+    with apply(transformer, plan, backend="torch") as handle:
+        with pytest.raises(PlanError, match=r"ring_degree=2.*ulysses_degree=4"):
+            handle.processor._parallel_config = _config(ring_degree=2, ulysses_degree=2)
+    with apply(transformer, plan, backend="torch", on_mismatch="dense") as handle:
+        handle.processor._parallel_config = _config(ring_degree=2)
+        assert "ring_degree=2" in handle.processor.parallel_problem and handle.processor._ulysses is None
+
+
+def test_cogvideox_is_refused():
+    transformer = tiny_transformer("cogvideox", heads=HEADS)
+    plan = make_plan(transformer, tiny_forward_inputs(transformer))
+    with apply(transformer, plan, backend="torch") as handle:
+        with pytest.raises(PlanError, match="CogVideoXTransformer3DModel has no context-parallel plan in diffusers"):
+            handle.processor._parallel_config = _config(ulysses_degree=2)
+    # the other way round: a config on the processor it replaces reaches apply, which leaves the model as it was
+    originals = dict(transformer.attn_processors)
+    next(iter(originals.values()))._parallel_config = _config(ulysses_degree=2)
+    with pytest.raises(PlanError, match="run one pipeline per GPU"):
+        apply(transformer, plan, backend="torch")
+    assert all(transformer.attn_processors[key] is processor for key, processor in originals.items())
+
+
+def test_calibration_capture_refuses_context_parallelism():
+    transformer = tiny_transformer("wan")
+    next(iter(transformer.attn_processors.values()))._parallel_config = _config(ulysses_degree=2)
+    with pytest.raises(PlanError, match="calibrate on one GPU"):
+        with capture_attention(transformer, lambda *args: None):
+            pass
+
+
+def test_sequence_the_degree_does_not_split_evenly_is_named():
+    from paroattn import TokenLayout
+
+    assert sequence_problem(TokenLayout(8, 1, 6, 6), 2) is None
+    problem = sequence_problem(TokenLayout(8, 1, 5, 5), 2)
+    assert "25 grid tokens" in problem and "ulysses_degree=2" in problem
+
+
+def test_generate_ulysses_outside_torchrun_says_how_to_launch(tmp_path, monkeypatch):
+    from paroattn.pipelines.context_parallel import join_process_group
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2 --no-python paro generate"):
+        join_process_group(2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4"):
+        join_process_group(2)
