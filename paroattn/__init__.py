@@ -4,16 +4,18 @@
     handle = paroattn.apply(pipe, paroattn.Plan.load("plan.safetensors"))
     video = pipe(prompt).frames[0]
     handle.remove()  # back to the model's own attention
+    paroattn.apply(pipe, paroattn.load_plans("plan.safetensors"))  # Wan 2.2 A14B: a plan per expert
 """
 
 from .attention import paro_attention
 from .errors import PAROInputError, PlanError
 from .layout import ORDERS, TokenLayout
-from .plan import Plan
+from .plan import Plan, load_plans
 
 __version__ = "0.1.0"
 
-__all__ = ["ORDERS", "PAROInputError", "PAROProcessor", "Plan", "PlanError", "TokenLayout", "apply", "paro_attention"]
+__all__ = ["ORDERS", "PAROInputError", "PAROProcessor", "Plan", "PlanError", "TokenLayout", "apply", "load_plans",
+           "paro_attention"]
 
 
 def __getattr__(name):

@@ -93,16 +93,15 @@ def calibrate(
     Runs on one GPU; the plan it writes also serves generations split over several (`paro generate --ulysses N`)."""
     from .calibrate.driver import (
         CalibrationConfig,
+        calibrate_experts,
         default_prompts_file,
         describe_result,
         read_prompts,
-        save_calibration,
+        save_expert_calibrations,
     )
-    from .calibrate.driver import (
-        calibrate as run_calibration,
-    )
-    from .pipelines import family_of, resolve_transformer
+    from .pipelines import family_of, pipeline_experts, resolve_transformer
     from .pipelines.generate import folder_problem, load_pipeline, pipeline_folder_problem
+    from .pipelines.registry import SUPPORTED
     from .summary import describe_plan
 
     # the model folder and the output path are checked before anything loads
@@ -130,17 +129,21 @@ def calibrate(
     pipe.set_progress_bar_config(disable=True)  # calibration shows its own bars
     family = family_of(resolve_transformer(pipe))
     if family is None:
-        _fail(f"{model_dir} holds a {type(resolve_transformer(pipe)).__name__}; paro calibrate supports CogVideoX, Wan 2.1 and FLUX.1")
+        _fail(f"{model_dir} holds a {type(resolve_transformer(pipe)).__name__}; paro calibrate supports {SUPPORTED}")
     try:
         prompt_list = read_prompts(prompts or default_prompts_file(family.is_video), num_prompts)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
-    typer.echo(f"calibrating {type(resolve_transformer(pipe)).__name__} on {len(prompt_list)} prompts, {steps} steps")
-    plan, result = run_calibration(pipe, prompt_list, config, progress=True, log=typer.echo)
-    plan_path, stats_path = save_calibration(plan, result, out)
-    typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
-    typer.echo(describe_result(plan, result))
-    typer.echo(f"wrote {plan_path} and {stats_path}")
+    experts = [name for name, _ in pipeline_experts(pipe)]
+    what = type(resolve_transformer(pipe)).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
+    typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
+    calibrations = calibrate_experts(pipe, prompt_list, config, progress=True, log=typer.echo)
+    for (plan, result), (plan_path, stats_path) in zip(calibrations, save_expert_calibrations(calibrations, out)):
+        if len(calibrations) > 1:
+            typer.echo(f"-- expert {plan.expert}")
+        typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
+        typer.echo(describe_result(plan, result))
+        typer.echo(f"wrote {plan_path} and {stats_path}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
@@ -168,9 +171,9 @@ def bench(ctx: typer.Context) -> None:
 
 @app.command()
 def generate(
-    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 or FLUX.1 model"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 / 2.2 or FLUX.1 model"),
     prompt: str = typer.Option(..., "--prompt", help="text prompt"),
-    plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate` (default: dense, the model's own attention)"),
+    plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate`; an expert pair's other plan is read from beside it (default: dense, the model's own attention)"),
     height: int | None = typer.Option(None, help="height in pixels (default: the pipeline's)"),
     width: int | None = typer.Option(None, help="width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
@@ -213,7 +216,9 @@ def generate(
         typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['path']}")
     if result.get("masks"):
         masks = result["masks"]
-        typer.echo(f"masks: {masks['gpu_bytes'] / 2**20:.1f} MiB on the device, {masks['host_bytes'] / 2**20:.1f} MiB on the host")
+        parts = [masks] if "gpu_bytes" in masks else [m for m in masks.values() if m]  # an expert pair: by expert
+        gpu, host = (sum(m.get(key, 0) for m in parts) for key in ("gpu_bytes", "host_bytes"))
+        typer.echo(f"masks: {gpu / 2**20:.1f} MiB on the device, {host / 2**20:.1f} MiB on the host")
     if compare and result.get("ran_dense"):
         typer.echo("no PARO vs dense comparison: both runs used the model's own attention")
     elif compare:

@@ -4,6 +4,12 @@ On disk: one safetensors file. Tensors: `orders` int8 [L, H], `block_mask_bits` 
 masks [buckets, L, H, nq, nk] bit-packed, 8x smaller), `density` float32 [buckets, L, H],
 `dense` uint8 [buckets, L] (1 = run that layer with the model's own attention in that bucket).
 Everything else is JSON in the safetensors metadata under the key "paroattn_plan". No pickle.
+
+A pipeline with two transformers (Wan 2.2 A14B: `transformer` for the high-noise steps, `transformer_2`
+for the low-noise ones) gets one plan per expert, each in its own file and naming its expert
+(`Plan.expert`); `paro calibrate --out plan.safetensors` writes `plan.safetensors` and
+`plan.transformer_2.safetensors`, each listing both files (`info["experts"]`), and `load_plans` reads
+either back as the pair.
 """
 
 from __future__ import annotations
@@ -202,6 +208,9 @@ class Plan:
     dense: torch.Tensor | None = None  # bool [buckets, L]; all False if None
     prompts: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)  # free-form: calibration settings, versions, timings
+    # the pipeline component the plan was calibrated for ("transformer", "transformer_2" of an expert pair);
+    # "" when unknown (calibrated on a bare transformer)
+    expert: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -214,6 +223,7 @@ class Plan:
         self.orders = _narrowed("orders", self.orders, torch.int8)
         self.block_mask = _narrowed("block_mask", self.block_mask, torch.bool)
         self.bucket_edges = [float(e) for e in self.bucket_edges]
+        self.expert = str(self.expert or "")
         if self.density is None and self.block_mask.dim() == 5:
             self.density = self.block_mask.float().mean(dim=(-1, -2))
         if self.density is not None:
@@ -356,6 +366,7 @@ class Plan:
             "target_density": self.target_density,
             "prompts": self.prompts,
             "info": self.info,
+            "expert": self.expert,
         }
         tensors = {
             "orders": self.orders.contiguous(),
@@ -421,6 +432,7 @@ class Plan:
                 dense=tensors["dense"].bool(),
                 prompts=list(meta.get("prompts", [])),
                 info=dict(meta.get("info", {})),
+                expert=str(meta.get("expert", "")),
                 format_version=version,
             )
         except PlanError as exc:
@@ -429,6 +441,10 @@ class Plan:
             raise PlanError(f"{path}: {exc}") from None
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise PlanError(f"{path}: plan metadata is malformed ({exc!r}): the plan is corrupt, recalibrate") from None
+
+    def describe_expert(self) -> str:
+        """"the transformer_2 plan" or "a plan" (no expert recorded), for messages."""
+        return f"the {self.expert} plan" if self.expert else "a plan"
 
     # -- construction helpers ----------------------------------------------------------------
     @classmethod
@@ -476,3 +492,43 @@ class Plan:
             pv=pv,
             target_density=density,
         )
+
+
+def expert_plan_path(path: str | os.PathLike, expert: str) -> Path:
+    """Where `paro calibrate --out path` writes the plan of `expert`: `path` itself for the first expert
+    ("transformer"), `<stem>.<expert>.safetensors` beside it for the others."""
+    path = Path(path)
+    if expert in ("", "transformer"):
+        return path
+    stem = path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.stem
+    return path.with_name(f"{stem}.{expert}.safetensors")
+
+
+def load_plans(path: str | os.PathLike) -> list[Plan]:
+    """The plan at `path`, or, when it is one plan of an expert pair (`info["experts"]`: expert -> file name
+    in the same folder), every plan of the pair in the order listed. Raises PlanError when a listed file is
+    missing or holds another expert's plan."""
+    path = Path(path)
+    plan = Plan.load(path)
+    files = plan.info.get("experts")
+    if not isinstance(files, dict) or not files:
+        return [plan]
+    plans = []
+    for expert, name in files.items():
+        other_path = path.with_name(str(name))
+        if other_path.name == path.name:
+            other = plan
+        elif not other_path.is_file():
+            raise PlanError(
+                f"{path} is {plan.describe_expert()} of an expert pair; the {expert} plan {other_path} is missing: "
+                f"copy it beside {path.name}, or recalibrate with `paro calibrate MODEL_DIR --out {path}`"
+            )
+        else:
+            other = Plan.load(other_path)
+        if other.expert != expert:
+            raise PlanError(
+                f"{other_path} should hold the {expert} plan of the pair listed in {path.name}; it holds "
+                f"{other.describe_expert()}: recalibrate with `paro calibrate MODEL_DIR --out {path}`"
+            )
+        plans.append(other)
+    return plans

@@ -12,7 +12,8 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
     L, H = plan.num_layers, plan.num_heads
     nq, nk = plan.mask_blocks
     lines = [
-        f"model        {plan.model_class or '(unspecified)'}  fingerprint {plan.model_fingerprint or '-'}",
+        f"model        {plan.model_class or '(unspecified)'}  fingerprint {plan.model_fingerprint or '-'}"
+        + (f"  expert {plan.expert}" if plan.expert else ""),
         f"layout       {plan.layout}  ({plan.layout.seq_len} tokens, prefix {plan.layout.prefix})",
         f"attention    {L} layers x {H} heads, blocks {plan.block_size[0]}x{plan.block_size[1]} ({nq}x{nk} per head)",
         f"quantization qk={plan.qk} pv={plan.pv}",

@@ -1,8 +1,10 @@
 """Tiny models of the supported families, built in code (no downloads), for tests and demos.
 
-    transformer = tiny_transformer("cogvideox")              # or "cogvideox1.5", "wan", "wan-i2v", "flux"
+    transformer = tiny_transformer("cogvideox")              # or "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux"
     kwargs = tiny_forward_inputs(transformer, timestep=500)   # a forward call's keyword arguments
     pipe = tiny_pipeline("wan")                               # a whole diffusers pipeline, random weights
+    pipe = tiny_pipeline("wan2.2")                            # Wan 2.2 A14B-like: two experts, switched
+    pipe = tiny_pipeline("wan2.2-ti2v")                       # Wan 2.2 TI2V-like: 16x VAE, per-token timesteps
 
 Sizes are chosen so each self-attention sequence spans a few 16-token blocks (plans for these
 models use `block_size=16`), and a 2-step pipeline run takes about a second on one CPU core.
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "flux")
+FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux")
+PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
@@ -22,6 +25,13 @@ FLUX_TEXT = 8
 WAN_I2V_TEXT = 512
 WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
+# the tiny expert pair switches at t = 700 (Wan 2.2 A14B T2V: 875), so that a 4-step run gives each expert
+# two steps (t = 1000, 858 | 602, 9) and the bucket (500, 900] on both sides of the switch
+WAN22_BOUNDARY = 0.7
+# the tiny TI2V model: 3 heads and 6 latent channels (TI2V-5B: 24 heads, 48 channels), a VAE that compresses
+# space by 16 (a 2x2 patchify before 8x) like Wan 2.2's
+WAN22_TI2V_HEADS = 3
+WAN22_TI2V_CHANNELS = 6
 
 
 def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, head_dim: int = 16,
@@ -52,16 +62,18 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             use_rotary_positional_embeddings=True,
             patch_bias=not v15,
         )
-    elif family in ("wan", "wan-i2v"):
+    elif family in ("wan", "wan-i2v", "wan2.2-ti2v"):
         from diffusers import WanTransformer3DModel
 
         i2v = family == "wan-i2v"
+        ti2v = family == "wan2.2-ti2v"
+        channels = WAN22_TI2V_CHANNELS if ti2v else 4
         model = WanTransformer3DModel(
             patch_size=(1, 2, 2),
-            num_attention_heads=heads,
+            num_attention_heads=WAN22_TI2V_HEADS if ti2v else heads,
             attention_head_dim=head_dim,
-            in_channels=4 if not i2v else 8,
-            out_channels=4,
+            in_channels=2 * channels if i2v else channels,
+            out_channels=channels,
             text_dim=16,
             freq_dim=16,
             ffn_dim=32,
@@ -229,16 +241,32 @@ def tiny_pipeline(family: str, *, seed: int = 0):
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
             transformer=tiny_transformer("cogvideox", seed=seed), scheduler=CogVideoXDDIMScheduler(timestep_spacing="trailing"),
         )
-    if family == "wan":
+    if family in ("wan", "wan2.2"):
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
         tokenizer, text_encoder = tiny_t5(16, seed)
         vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True],
                                latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        pair = family == "wan2.2"  # same config, other weights: the high- and low-noise experts
         return WanPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
             transformer=tiny_transformer("wan", seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            transformer_2=tiny_transformer("wan", seed=seed + 1) if pair else None,
+            boundary_ratio=WAN22_BOUNDARY if pair else None,
+        )
+    if family == "wan2.2-ti2v":
+        from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+
+        tokenizer, text_encoder = tiny_t5(16, seed)
+        z = WAN22_TI2V_CHANNELS
+        vae = AutoencoderKLWan(base_dim=4, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], latents_mean=[0.0] * z, latents_std=[1.0] * z,
+                               is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
+        return WanPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+            transformer=tiny_transformer("wan2.2-ti2v", seed=seed), scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+            expand_timesteps=True,
         )
     if family == "flux":
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
@@ -255,7 +283,7 @@ def tiny_pipeline(family: str, *, seed: int = 0):
             scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
             text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=tiny_transformer("flux", seed=seed),
         )
-    raise ValueError(f"unknown tiny pipeline {family!r}; expected cogvideox, wan or flux")
+    raise ValueError(f"unknown tiny pipeline {family!r}; expected one of {PIPELINES}")
 
 
 def tiny_call_kwargs(family: str) -> dict:
@@ -264,8 +292,13 @@ def tiny_call_kwargs(family: str) -> dict:
         # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 grid after 2x2 patches
         return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": COGVIDEOX_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 6.0, "output_type": "pt", "use_dynamic_cfg": False}
-    if family == "wan":
+    if family in ("wan", "wan2.2"):
+        # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 tokens; the pair runs one step per expert
         return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": WAN_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
+    if family == "wan2.2-ti2v":
+        # 9 frames of 128x128 -> 3 latent frames of 8x8 (VAE 16 in space) -> 3x4x4 tokens
+        return {"height": 128, "width": 128, "num_frames": 9, "max_sequence_length": WAN_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
     if family == "flux":
         # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens

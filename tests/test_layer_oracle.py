@@ -251,7 +251,7 @@ def assert_buckets_change_within_the_run(recorder: LayerRecorder) -> None:
 
 # -- tests --------------------------------------------------------------------------------------------
 
-FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "flux"]
+FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux"]
 # one falling schedule through all three buckets of [1000, 750, 500, 0], two calls in the first
 TIMESTEPS = [980.0, 800.0, 620.0, 150.0]
 
@@ -294,14 +294,17 @@ PIPELINE_LAYOUTS = {
     # 9 frames of 64 x 64 -> 3 latent frames of 8 x 8 (VAE 4 in time, 8 in space) -> 2 x 2 patches
     "cogvideox": TokenLayout(8, 3, 4, 4),
     "wan": TokenLayout(0, 3, 4, 4),
+    # 9 frames of 128 x 128 -> 3 latent frames of 8 x 8 (Wan 2.2's VAE: 16 in space) -> 2 x 2 patches
+    "wan2.2-ti2v": TokenLayout(0, 3, 4, 4),
     # 96 x 96 -> 12 x 12 latents (VAE 8) -> 6 x 6 tokens of 2 x 2 packed latents, after 8 text tokens
     "flux": TokenLayout(8, 1, 6, 6),
 }
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
+@pytest.mark.parametrize("family", ["cogvideox", "wan", "wan2.2-ti2v", "flux"])
 def test_pipeline_generation_crosses_buckets_and_every_layer_follows_the_plan(family):
-    """A 3-step tiny pipeline run (Wan: cond and uncond calls per step; Flux: the pipeline's t / 1000):
+    """A 3-step tiny pipeline run (Wan: cond and uncond calls per step, Wan 2.2 TI2V a per-token timestep;
+    Flux: the pipeline's t / 1000):
     the first steps fall in bucket 0 of [1000, 500, 0] and the later ones in bucket 1; every layer call
     of every step matches the oracle for the bucket of the timestep the pipeline passed."""
     pipe = tiny_pipeline(family)
@@ -311,9 +314,38 @@ def test_pipeline_generation_crosses_buckets_and_every_layer_follows_the_plan(fa
     kwargs = {**tiny_call_kwargs(family), "num_inference_steps": 3, "output_type": "latent"}
     with torch.no_grad(), apply(pipe, plan, backend="torch"), LayerRecorder(transformer, plan) as recorder:
         pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs)
-    assert len(recorder.forwards) == 3 * (2 if family == "wan" else 1)
+    assert len(recorder.forwards) == 3 * (2 if family.startswith("wan") else 1)
     assert_buckets_change_within_the_run(recorder)
     assert check_every_layer(transformer, plan, recorder) == {0, 1}
+
+
+def test_expert_pair_each_expert_follows_its_own_plan_across_the_switch_and_buckets():
+    """Wan 2.2 A14B-like pair, 4 steps: `transformer` at t = 1000, 858 (buckets 0, 1 of [1000, 900, 500, 0]),
+    `transformer_2` at 602, 9 (buckets 1, 2). Every layer call of each expert matches the oracle with that
+    expert's plan at the bucket of its timestep; bucket 1 runs on both sides of the switch, each with its own
+    masks, and the other expert's plan would be seen."""
+    pipe = tiny_pipeline("wan2.2")
+    pipe.set_progress_bar_config(disable=True)
+    edges = [1000.0, 900.0, 500.0, 0.0]
+    layout = PIPELINE_LAYOUTS["wan"]
+    plans = [discriminating_plan(pipe.transformer, layout, edges, seed=3),
+             discriminating_plan(pipe.transformer_2, layout, edges, seed=4)]
+    plans[0].expert, plans[1].expert = "transformer", "transformer_2"
+    kwargs = {**tiny_call_kwargs("wan2.2"), "num_inference_steps": 4, "output_type": "latent"}
+    with torch.no_grad(), apply(pipe, plans, backend="torch"), \
+            LayerRecorder(pipe.transformer, plans[0]) as high, LayerRecorder(pipe.transformer_2, plans[1]) as low:
+        pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs)
+    assert len(high.forwards) == len(low.forwards) == 4  # two steps each, cond and uncond
+    assert min(t for t, _, _ in high.forwards) > max(t for t, _, _ in low.forwards)
+    assert check_every_layer(pipe.transformer, plans[0], high) == {0, 1}
+    assert check_every_layer(pipe.transformer_2, plans[1], low) == {1, 2}
+
+    # the oracle tells the experts' plans apart on the bucket both run
+    adapter = family_of(pipe.transformer_2)
+    call = next(c for c in low.calls if low.forwards[c["forward"]][1] == 1)
+    right = as_tuple(expected_output(adapter, plans[1], call, layout, 1))[0]
+    swapped = as_tuple(expected_output(adapter, plans[0], call, layout, 1))[0]
+    assert (swapped - right).abs().max() > VISIBLE
 
 
 # -- the op's reordering from first principles -----------------------------------------------------------

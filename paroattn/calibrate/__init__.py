@@ -3,6 +3,8 @@
     from paroattn.calibrate import CalibrationConfig, calibrate
     plan, result = calibrate(pipe, ["a prompt", "another"], CalibrationConfig(density=0.3))
     plan.save("plan.safetensors")
+    # a pipeline with an expert pair (Wan 2.2 A14B): one plan per expert from the same runs
+    pairs = calibrate_experts(pipe, prompts, config)
 
 Stages (one module each): capture (`driver.py`, through `paroattn.pipelines.capture_attention`),
 block statistics of softmax(QK^T) for every candidate order (`block_stats.py`, Triton, with the
@@ -23,13 +25,14 @@ __all__ = [
     "block_stats",
     "build_masks",
     "calibrate",
+    "calibrate_experts",
     "order_scores",
 ]
 
 
 def __getattr__(name):
     # the driver imports diffusers through paroattn.pipelines; load it only when asked for
-    if name in ("CalibrationConfig", "calibrate", "save_calibration"):
+    if name in ("CalibrationConfig", "calibrate", "calibrate_experts", "save_calibration"):
         from . import driver
 
         return getattr(driver, name)

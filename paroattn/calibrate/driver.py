@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 
 from ..layout import ORDERS, TokenLayout
 from ..modes import modes_problem
-from ..plan import Plan, bucket_edges_problem, bucket_index, default_bucket_edges, model_fingerprint
+from ..plan import Plan, bucket_edges_problem, bucket_index, default_bucket_edges, expert_plan_path, model_fingerprint
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .selection import METRICS
@@ -156,11 +157,12 @@ def _store_device(config: CalibrationConfig, stats_device: torch.device, estimat
 
 @dataclass
 class CapturedStats:
-    """Block statistics of one dense capture, from which `plan_from_stats` builds plans.
+    """Block statistics of one dense capture of one transformer, from which `plan_from_stats` builds plans.
 
     `accumulators["all"]` holds every candidate order of the layout; any other entry, one of the
     order sets named in `capture(order_sets=...)` (e.g. `{"identity": [0]}`: FHW alone), fed from
-    the same statistics."""
+    the same statistics. `expert`: the pipeline component the transformer is ("transformer",
+    "transformer_2" of an expert pair; "" for a bare transformer)."""
 
     config: CalibrationConfig
     layout: TokenLayout
@@ -170,20 +172,91 @@ class CapturedStats:
     accumulators: dict[str, StatsAccumulator]
     extras: bool  # max and below-eps statistics captured too (paper metric, incoherence term)
     timings: dict
+    expert: str = ""
 
 
-def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
-            order_sets: dict[str, list[int]] | None = None, extras: bool | None = None, progress: bool = False
-            ) -> CapturedStats:
-    """Run `pipe` densely on `prompts` (one call per prompt, or one batched call with
-    `config.batch_prompts`) and accumulate the block statistics of softmax(QK^T) of every
-    self-attention layer at every `config.stat_every`-th step, for every candidate order and,
-    separately, for each of `order_sets` (name -> indices into ORDERS).
+class _ExpertCapture:
+    """The statistics of one transformer of the pipeline while it runs: its accumulators (made at its first
+    captured call), the bucket of its current step and whether it ran in that step."""
 
-    `extras` (default: what `config.metric` and `config.quant_weight` need) also accumulates the
-    per-block maxima and counts below eps, so `plan_from_stats` can then use the paper metric or the
-    incoherence term."""
-    from ..pipelines import capture_attention, resolve_transformer, self_attention_layers
+    def __init__(self, expert: str, transformer, layers: int, config: CalibrationConfig, edges: list[float],
+                 order_sets: dict[str, list[int]], extras: bool):
+        self.expert, self.transformer, self.layers = expert, transformer, layers
+        self.config, self.edges, self.order_sets, self.extras = config, edges, order_sets, extras
+        self.layout: TokenLayout | None = None
+        self.acc: StatsAccumulator | None = None
+        self.subsets: dict[str, tuple[StatsAccumulator, torch.Tensor]] = {}
+        self.bucket = 0
+        self.ran = False  # captured a call in the current step
+        self.stats_s = 0.0
+        self.captures = 0
+
+    def start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
+        config, L, buckets = self.config, self.layers, len(self.edges) - 1
+        orders = list(layout.distinct_orders())
+        nb = math.ceil(layout.seq_len / config.block_size)
+        estimate = buckets * L * q.shape[1] * len(orders) * nb * nb * 4
+        store = _store_device(config, q.device, estimate)
+        self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
+                                    store_device=store, query_block=config.query_block)
+        for name, subset in self.order_sets.items():
+            missing = [ORDERS[o] for o in subset if o not in orders]
+            if missing:
+                raise ValueError(f"order set {name!r}: {missing} repeat other orders on the layout {layout}; "
+                                 f"its distinct orders are {[ORDERS[o] for o in orders]}")
+            slots = torch.tensor([orders.index(o) for o in subset])
+            accumulator = StatsAccumulator(L, buckets, subset, layout.seq_len, config.block_size,
+                                           store_device=store, query_block=config.query_block)
+            self.subsets[name] = (accumulator, slots)
+
+    def on_capture(self, step: int, layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout,
+                   timestep: float) -> None:
+        config = self.config
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise RuntimeError(
+                f"calibration saw two token layouts ({self.layout} and {layout}); calibrate one "
+                "generation size at a time"
+            )
+        self.bucket = bucket_index(self.edges, float(timestep))
+        if step % config.stat_every:
+            return
+        if self.acc is None:
+            self.start_accumulators(layout, q)
+        self.ran = True
+        start = time.perf_counter()
+        with torch.no_grad():
+            mass, pmax, below = block_stats(
+                q, k, layout, self.acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
+                extras=self.extras,
+            )
+            self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
+            for subset, slots in self.subsets.values():
+                pick = slots.to(mass.device)
+                subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
+                           None if below is None else below[:, pick], batch=q.shape[0])
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+        self.stats_s += time.perf_counter() - start
+        self.captures += 1
+
+    def step_done(self) -> None:
+        if self.ran:
+            for accumulator in [self.acc, *(a for a, _ in self.subsets.values())]:
+                accumulator.step_done(self.bucket)
+        self.ran = False
+
+
+def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
+                    order_sets: dict[str, list[int]] | None = None, extras: bool | None = None,
+                    progress: bool = False) -> list[CapturedStats]:
+    """`capture` of every denoising transformer of the pipeline in the same runs: one `CapturedStats` per
+    expert (`pipeline_experts` order), each with the statistics of the steps its expert ran (Wan 2.2 A14B:
+    `transformer` at t >= boundary_ratio * 1000, `transformer_2` below). Buckets are the config's on both
+    sides of the switch; a bucket an expert never runs gets the mean of its captured steps."""
+    from ..pipelines import capture_attention, pipeline_experts, self_attention_layers
+    from ..pipelines.registry import expert_role
 
     config = replace(config) if config is not None else CalibrationConfig()  # a copy: the stats keep its settings
     config.validate()
@@ -196,72 +269,31 @@ def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *
                              f"ORDERS (0..{len(ORDERS) - 1})")
     if extras is None:
         extras = config.metric == "paper" or config.quant_weight > 0
-    transformer = resolve_transformer(pipe)
-    layers = self_attention_layers(transformer)
-    L = len(layers)
     edges = config.edges()
-    state = {"step": 0, "layout": None, "acc": None, "subsets": {}, "bucket": 0, "stats_s": 0.0, "captures": 0}
+    experts = [_ExpertCapture(name, transformer, len(self_attention_layers(transformer)), config, edges, order_sets,
+                              extras)
+               for name, transformer in pipeline_experts(pipe)]
+    state = {"step": 0}
     timings = {"pipeline_s": 0.0}
 
-    def start_accumulators(layout: TokenLayout, q: torch.Tensor) -> None:
-        orders = list(layout.distinct_orders())
-        nb = math.ceil(layout.seq_len / config.block_size)
-        estimate = (len(edges) - 1) * L * q.shape[1] * len(orders) * nb * nb * 4
-        store = _store_device(config, q.device, estimate)
-        state["acc"] = StatsAccumulator(L, len(edges) - 1, orders, layout.seq_len, config.block_size,
-                                        store_device=store, query_block=config.query_block)
-        for name, subset in order_sets.items():
-            missing = [ORDERS[o] for o in subset if o not in orders]
-            if missing:
-                raise ValueError(f"order set {name!r}: {missing} repeat other orders on the layout {layout}; "
-                                 f"its distinct orders are {[ORDERS[o] for o in orders]}")
-            slots = torch.tensor([orders.index(o) for o in subset])
-            accumulator = StatsAccumulator(L, len(edges) - 1, subset, layout.seq_len, config.block_size,
-                                           store_device=store, query_block=config.query_block)
-            state["subsets"][name] = (accumulator, slots)
-
-    def on_capture(layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, timestep: float):
-        if state["layout"] is None:
-            state["layout"] = layout
-        elif layout != state["layout"]:
-            raise RuntimeError(
-                f"calibration saw two token layouts ({state['layout']} and {layout}); calibrate one "
-                "generation size at a time"
-            )
-        bucket = bucket_index(edges, float(timestep))
-        state["bucket"] = bucket
-        if state["step"] % config.stat_every == 0:
-            if state["acc"] is None:
-                start_accumulators(layout, q)
-            acc = state["acc"]
-            start = time.perf_counter()
-            with torch.no_grad():
-                mass, pmax, below = block_stats(
-                    q, k, layout, acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
-                    extras=extras,
-                )
-                acc.add(layer, bucket, mass, pmax, below, batch=q.shape[0])
-                for subset, slots in state["subsets"].values():
-                    pick = slots.to(mass.device)
-                    subset.add(layer, bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
-                               None if below is None else below[:, pick], batch=q.shape[0])
-            if q.device.type == "cuda":
-                torch.cuda.synchronize(q.device)
-            state["stats_s"] += time.perf_counter() - start
-            state["captures"] += 1
-        bar.update("layers", completed=layer + 1)
+    def callback(expert: _ExpertCapture):
+        def on_capture(layer, q, k, layout, timestep):
+            expert.on_capture(state["step"], layer, q, k, layout, timestep)
+            bar.update("layers", completed=layer + 1)
+        return on_capture
 
     def on_step_end(pipeline, step, timestep, callback_kwargs):
-        if state["step"] % config.stat_every == 0 and state["acc"] is not None:
-            for accumulator in [state["acc"], *(a for a, _ in state["subsets"].values())]:
-                accumulator.step_done(state["bucket"])
+        for expert in experts:
+            expert.step_done()
         state["step"] += 1
         bar.update("steps", completed=step + 1)
         return {}
 
     calls = [list(prompts)] if config.batch_prompts else list(prompts)
-    bar = _Progress(progress, len(prompts), config.steps, L)
-    with bar, torch.no_grad(), capture_attention(pipe, on_capture):
+    bar = _Progress(progress, len(prompts), config.steps, max(e.layers for e in experts))
+    with bar, torch.no_grad(), ExitStack() as stack:
+        for expert in experts:
+            stack.enter_context(capture_attention(expert.transformer, callback(expert)))
         for i, prompt in enumerate(calls):
             state["step"] = 0
             bar.update("steps", completed=0)
@@ -269,14 +301,43 @@ def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *
             pipe(**_call_kwargs(pipe, config, prompt, on_step_end))
             timings["pipeline_s"] += time.perf_counter() - start
             bar.update("prompts", completed=len(prompts) if config.batch_prompts else i + 1)
-    if state["acc"] is None:
-        raise RuntimeError("the pipeline ran but no self-attention call was captured; is this a supported model?")
-    timings["stats_s"] = state["stats_s"]
-    timings["captured_layer_calls"] = state["captures"]
-    accumulators = {"all": state["acc"], **{name: acc for name, (acc, _) in state["subsets"].items()}}
-    return CapturedStats(config=config, layout=state["layout"], prompts=list(prompts),
-                         model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config),
-                         accumulators=accumulators, extras=extras, timings=timings)
+    results = []
+    for expert in experts:
+        if expert.acc is None:
+            if len(experts) == 1:
+                raise RuntimeError("the pipeline ran but no self-attention call was captured; is this a supported model?")
+            raise RuntimeError(
+                f"expert {expert.expert} ({expert_role(pipe, expert.expert)}) ran in no captured step of "
+                f"{config.steps} steps with statistics every {config.stat_every}: raise the steps or lower stat_every"
+            )
+        expert_timings = dict(timings, stats_s=expert.stats_s, captured_layer_calls=expert.captures)
+        accumulators = {"all": expert.acc, **{name: acc for name, (acc, _) in expert.subsets.items()}}
+        results.append(CapturedStats(
+            config=config, layout=expert.layout, prompts=list(prompts), model_class=type(expert.transformer).__name__,
+            model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators, extras=extras,
+            timings=expert_timings, expert=expert.expert,
+        ))
+    return results
+
+
+def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
+            order_sets: dict[str, list[int]] | None = None, extras: bool | None = None, progress: bool = False
+            ) -> CapturedStats:
+    """Run `pipe` densely on `prompts` (one call per prompt, or one batched call with
+    `config.batch_prompts`) and accumulate the block statistics of softmax(QK^T) of every
+    self-attention layer at every `config.stat_every`-th step, for every candidate order and,
+    separately, for each of `order_sets` (name -> indices into ORDERS).
+
+    `extras` (default: what `config.metric` and `config.quant_weight` need) also accumulates the
+    per-block maxima and counts below eps, so `plan_from_stats` can then use the paper metric or the
+    incoherence term. A pipeline with an expert pair needs `capture_experts`."""
+    from ..pipelines import pipeline_experts
+
+    experts = [name for name, _ in pipeline_experts(pipe)]
+    if len(experts) > 1:
+        raise ValueError(f"{type(pipe).__name__} runs {len(experts)} transformers ({', '.join(experts)}): "
+                         "capture them in one run with capture_experts (or calibrate_experts)")
+    return capture_experts(pipe, prompts, config, order_sets=order_sets, extras=extras, progress=progress)[0]
 
 
 def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: str | None = None,
@@ -317,7 +378,8 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
     timings = dict(stats.timings, select_s=time.perf_counter() - start)
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
     if empty and log is not None:
-        log(f"warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
+        who = f"{stats.expert}: " if stats.expert else ""
+        log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
     settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha)
     if orders != "all":
@@ -335,6 +397,7 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         target_density=density,
         density=result.density,
         prompts=list(stats.prompts),
+        expert=stats.expert,
         info={
             "calibration": settings,
             "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
@@ -356,12 +419,31 @@ def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None,
     return plan_from_stats(stats, log=log)
 
 
+def calibrate_experts(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
+                      log=None) -> list[tuple[Plan, CalibrationResult]]:
+    """`calibrate` of every denoising transformer of the pipeline in the same runs (`capture_experts`): one
+    (plan, result) per expert, each plan naming its expert (`Plan.expert`)."""
+    return [plan_from_stats(stats, log=log) for stats in capture_experts(pipe, prompts, config, progress=progress)]
+
+
 def stats_path_for(plan_path: str | Path) -> Path:
     """`plan.safetensors` -> `plan.stats.safetensors` beside it."""
     plan_path = Path(plan_path)
     name = plan_path.name
     stem = name[: -len(".safetensors")] if name.endswith(".safetensors") else plan_path.stem
     return plan_path.with_name(stem + STATS_SUFFIX)
+
+
+def save_expert_calibrations(calibrations: list[tuple[Plan, CalibrationResult]], path: str | Path
+                             ) -> list[tuple[Path, Path]]:
+    """`save_calibration` of each expert's plan: the first expert's at `path`, the others beside it
+    (`expert_plan_path`); with more than one, every plan lists every file (`info["experts"]`) so that
+    `load_plans` reads the pair from either."""
+    paths = [expert_plan_path(path, plan.expert) for plan, _ in calibrations]
+    if len(calibrations) > 1:
+        for plan, _ in calibrations:
+            plan.info["experts"] = {p.expert: target.name for (p, _), target in zip(calibrations, paths)}
+    return [save_calibration(plan, result, target) for (plan, result), target in zip(calibrations, paths)]
 
 
 def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) -> tuple[Path, Path]:

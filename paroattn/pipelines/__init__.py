@@ -4,6 +4,8 @@
     ...
     handle.remove()                              # the original processors, bit-exact
 
+    handle = paroattn.apply(pipe, load_plans(path))   # an expert pair (Wan 2.2 A14B): each expert its own plan
+
     pipe.transformer.set_attn_processor(PAROProcessor(plan))   # also works: the instance finds its layers
 
 For calibration:
@@ -14,13 +16,16 @@ For calibration:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 
+from ..errors import PlanError
 from ..layout import TokenLayout
 from ..plan import Plan
 from .base import CallInputs, FamilyAdapter, pixel_scale_of
 from .processor import Binding, CaptureProcessor, PAROProcessor
-from .registry import family_of, require_family, resolve_transformer
+from .registry import expert_role, family_of, pipeline_experts, require_family, resolve_transformer
 
 __all__ = [
     "CallInputs",
@@ -30,8 +35,10 @@ __all__ = [
     "PAROProcessor",
     "apply",
     "capture_attention",
+    "expert_plans",
     "family_of",
     "layout_for",
+    "pipeline_experts",
     "resolve_transformer",
     "self_attention_layers",
 ]
@@ -51,9 +58,10 @@ def layout_for(pipe_or_transformer, *, height: int, width: int, frames: int | No
     `text_tokens` defaults to the model's text length (CogVideoX config, 512 for Flux, none for Wan).
     A pipeline's own VAE factors are used; a bare transformer gets the released VAEs' (8, and 4 in time)."""
     transformer = resolve_transformer(pipe_or_transformer)
-    return require_family(transformer).layout_for(
+    family = require_family(transformer)
+    return family.layout_for(
         transformer, height=height, width=width, frames=frames, text_tokens=text_tokens,
-        scale=pixel_scale_of(pipe_or_transformer),
+        scale=pixel_scale_of(pipe_or_transformer, family),
     )
 
 
@@ -76,21 +84,31 @@ def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
 
 
 class PAROHandle:
-    """What `apply` returns: `remove()` puts the original processors back; `stats()` reports masks."""
+    """What `apply` returns: `remove()` puts the original processors back; `stats()` reports masks.
+    For an expert pair, `experts` holds each expert's own handle (this one is the first expert's)."""
 
-    def __init__(self, transformer, processor: PAROProcessor | None, binding: Binding | None, originals: dict | None):
+    def __init__(self, transformer, processor: PAROProcessor | None, binding: Binding | None, originals: dict | None,
+                 expert: str = ""):
         self.transformer = transformer
         self.processor = processor
         self.binding = binding
+        self.expert = expert
         self._originals = originals
+        self.experts: dict[str, PAROHandle] = {}
 
     @property
     def active(self) -> bool:
-        return self._originals is not None
+        return self._originals is not None or any(h.active for h in self.experts.values() if h is not self)
 
     def stats(self) -> dict:
         """Mask memory and prefetch counters (after at least one forward on the device); `traced_bytes`:
-        per device, the masks that forwards traced by torch.compile read (`StackedMasks`)."""
+        per device, the masks that forwards traced by torch.compile read (`StackedMasks`). An expert pair
+        reports each expert's under its name."""
+        if len(self.experts) > 1:
+            return {name: handle._own_stats() for name, handle in self.experts.items()}
+        return self._own_stats()
+
+    def _own_stats(self) -> dict:
         if self.binding is None:
             return {}
         stats = self.binding.masks.stats() if self.binding.masks is not None else {}
@@ -99,6 +117,9 @@ class PAROHandle:
         return stats
 
     def remove(self) -> None:
+        for handle in self.experts.values():
+            if handle is not self:
+                handle.remove()
         if self._originals is None:
             return
         self.transformer.set_attn_processor(dict(self._originals))
@@ -112,28 +133,96 @@ class PAROHandle:
         self.remove()
 
 
-def apply(pipe_or_transformer, plan: Plan, backend: str = "auto", on_mismatch: str = "error", *,
-          resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True) -> PAROHandle:
-    """Run every self-attention layer of the pipeline's transformer with `plan`.
+def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[list[tuple[str, object, Plan | None]],
+                                                                              list[str]]:
+    """Pair each denoising transformer of a pipeline with its plan: ([(expert, transformer, plan or None)],
+    problems). A plan names its expert (`Plan.expert`; "" counts as "transformer", the only one of most
+    pipelines); a bare transformer takes one plan whatever it names, since a module does not know its
+    name in a pipeline. Problems: two plans for one expert, a plan for an expert the pipeline lacks, an
+    expert without a plan; each names what the plans were calibrated for and what the pipeline has."""
+    plans = [plans] if isinstance(plans, Plan) else list(plans)
+    if not plans or not all(isinstance(p, Plan) for p in plans):
+        found = ", ".join(type(p).__name__ for p in plans) or "nothing"
+        raise TypeError(f"apply needs a paroattn.Plan or a list of them (one per expert); got {found}: "
+                        "load one with Plan.load(path), an expert pair with load_plans(path)")
+    experts = pipeline_experts(pipe_or_transformer)
+    if experts[0][0] == "":  # a bare transformer
+        if len(plans) > 1:
+            raise PlanError(
+                f"{len(plans)} plans ({', '.join(p.expert or '?' for p in plans)}) for one bare transformer: pass "
+                "the pipeline to bind each expert to its plan, or the one plan of this transformer"
+            )
+        return [("", experts[0][1], plans[0])], []
+    names = [name for name, _ in experts]
+    by_expert: dict[str, Plan] = {}
+    problems = []
+    for plan in plans:
+        expert = plan.expert or "transformer"
+        if expert in by_expert:
+            problems.append(f"two plans were given for expert {expert}; pass one plan per expert")
+        elif expert not in names:
+            problems.append(
+                f"plan was calibrated for expert {expert} of a pipeline with an expert pair; this pipeline "
+                f"({type(pipe_or_transformer).__name__}) has {' and '.join(names)}: pass the plan calibrated "
+                f"for {' and '.join(names)}"
+            )
+        else:
+            by_expert[expert] = plan
+    for name in names:
+        if name not in by_expert:
+            given = ", ".join(p.expert or "transformer" for p in plans)
+            problems.append(
+                f"no plan for expert {name} ({expert_role(pipe_or_transformer, name)}); the plans given were "
+                f"calibrated for {given}: pass every expert's plan (`load_plans(path)` reads the pair "
+                "`paro calibrate` writes)"
+            )
+    return [(name, module, by_expert.get(name)) for name, module in experts], problems
 
-    Raises PlanError when the plan was made for another model class, config, head or layer count
-    (with on_mismatch="dense": warns and leaves the model as it is); a call at another resolution or
-    frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
+
+def apply(pipe_or_transformer, plan: Plan | Sequence[Plan], backend: str = "auto", on_mismatch: str = "error", *,
+          resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True) -> PAROHandle:
+    """Run every self-attention layer of the pipeline's transformer with `plan`; for a pipeline with an
+    expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
+
+    Raises PlanError when a plan was made for another model class, config, head or layer count, or
+    expert (with on_mismatch="dense": warns and leaves that transformer as it is); a call at another
+    resolution or frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
     `prefetch_slots`, `fuse_rope`: see PAROProcessor."""
-    transformer = resolve_transformer(pipe_or_transformer)
-    processor = PAROProcessor(plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
-                              prefetch_slots=prefetch_slots, pixel_scale=pixel_scale_of(pipe_or_transformer),
-                              fuse_rope=fuse_rope)
-    binding = processor.bind(transformer)
-    if binding.static_problem:
-        processor.unbind(binding)
-        return PAROHandle(transformer, None, None, None)
-    try:  # refuses a context-parallel config that cannot hold PARO (diffusers' enable_parallelism before apply)
-        originals = _install(transformer, processor, binding.keys, binding)
+    pairs, problems = expert_plans(pipe_or_transformer, plan)
+    if problems:
+        message = "; ".join(problems)
+        if on_mismatch == "error":
+            raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
+        warnings.warn(message + "; running the model's own attention there (on_mismatch='dense')", stacklevel=2)
+    handles = {}
+    try:
+        for expert, transformer, expert_plan in pairs:
+            if expert_plan is None:
+                handles[expert] = PAROHandle(transformer, None, None, None, expert)
+                continue
+            family = require_family(transformer)
+            processor = PAROProcessor(expert_plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
+                                      prefetch_slots=prefetch_slots,
+                                      pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope)
+            binding = processor.bind(transformer)
+            if binding.static_problem:
+                processor.unbind(binding)
+                handles[expert] = PAROHandle(transformer, None, None, None, expert)
+                continue
+            try:  # refuses a context-parallel config that cannot hold PARO (enable_parallelism before apply)
+                originals = _install(transformer, processor, binding.keys, binding)
+            except Exception:
+                processor.unbind(binding)
+                raise
+            handles[expert] = PAROHandle(transformer, processor, binding, originals, expert)
     except Exception:
-        processor.unbind(binding)
+        for handle in handles.values():
+            handle.remove()
         raise
-    return PAROHandle(transformer, processor, binding, originals)
+    first = next(iter(handles.values()))
+    if len(handles) > 1:
+        first.experts = handles
+    return first
 
 
 @contextmanager

@@ -25,7 +25,8 @@ import torch
 
 from ..layout import TokenLayout
 
-# All released VAEs of the supported families compress space by 8 and (video) time by 4.
+# The VAEs of CogVideoX, Wan 2.1 and FLUX.1 compress space by 8 and (video) time by 4; Wan 2.2 TI2V's by 16 and 4.
+# A pipeline's own factors are always used; these only size the messages about a bare transformer.
 VAE_SPATIAL = 8
 VAE_TEMPORAL = 4
 
@@ -40,11 +41,15 @@ class PixelScale:
 
 
 STANDARD_VAE = PixelScale()
+_SCALE_ATTRIBUTES = ("vae_scale_factor_spatial", "vae_scale_factor", "vae_scale_factor_temporal")
 
 
-def pixel_scale_of(pipe_or_transformer) -> PixelScale:
+def pixel_scale_of(pipe_or_transformer, family: FamilyAdapter | None = None) -> PixelScale:
     """The pipeline's VAE factors (diffusers' `vae_scale_factor_temporal` / `vae_scale_factor_spatial`,
-    or `vae_scale_factor` for image pipelines); the released VAEs' for a bare transformer."""
+    or `vae_scale_factor` for image pipelines); for a bare transformer, the factors of the VAE its family
+    releases with that config (`family.default_scale`), or the common 8 and 4."""
+    if not any(hasattr(pipe_or_transformer, name) for name in _SCALE_ATTRIBUTES):
+        return family.default_scale(pipe_or_transformer) if family is not None else STANDARD_VAE
     spatial = getattr(pipe_or_transformer, "vae_scale_factor_spatial", None)
     if spatial is None:
         spatial = getattr(pipe_or_transformer, "vae_scale_factor", VAE_SPATIAL)
@@ -170,6 +175,10 @@ class FamilyAdapter:
 
     def num_heads(self, transformer) -> int:
         return int(transformer.config.num_attention_heads)
+
+    def default_scale(self, transformer) -> PixelScale:
+        """VAE factors of a bare transformer's released pipeline (a pipeline's own factors take precedence)."""
+        return STANDARD_VAE
 
     # -- per forward -------------------------------------------------------------------------
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:

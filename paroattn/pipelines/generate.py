@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
-from ..plan import Plan
+from ..plan import Plan, load_plans
 from .base import pixel_scale_of
-from .registry import family_of, resolve_transformer
+from .registry import SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16}
@@ -127,7 +127,7 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
 
 def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
     """(frames [F, H, W, 3] or image [1, H, W, 3] as float32 in [0, 1], seconds)."""
-    device = pipe.transformer.device
+    device = resolve_transformer(pipe).device
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -202,34 +202,41 @@ def _default_size(pipe, transformer, call: dict) -> dict | None:
     return size
 
 
-def plan_fit_problem(pipe, plan: Plan, call: dict) -> str | None:
-    """Why `plan` does not fit the pipeline's transformer or the size of `call` (what `apply` and the
-    first forward would raise), or None; runs no model step."""
+def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
+    """Why `plan` (an expert pair: the list of its plans) does not fit the pipeline's transformers or the size
+    of `call` (what `apply` and the first forward would raise), or None; runs no model step."""
+    from . import expert_plans
     from .base import CallInputs
     from .processor import PAROProcessor
 
-    transformer = resolve_transformer(pipe)
-    processor = PAROProcessor(plan, on_mismatch="dense", pixel_scale=pixel_scale_of(pipe))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        binding = processor.bind(transformer)
-    try:
-        if binding.static_problem:
-            return binding.static_problem
-        size = _default_size(pipe, transformer, call)
-        if size is None:
-            return None  # the first forward checks the layout
+    pairs, problems = expert_plans(pipe, plan)
+    if problems:
+        return "; ".join(problems)
+    for expert, transformer, expert_plan in pairs:
+        family = family_of(transformer)
+        scale = pixel_scale_of(pipe, family)
+        processor = PAROProcessor(expert_plan, on_mismatch="dense", pixel_scale=scale)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            binding = processor.bind(transformer)
         try:
-            layout = binding.family.layout_for(
-                transformer, height=int(size["height"]), width=int(size["width"]),
-                frames=None if size["num_frames"] is None else int(size["num_frames"]),
-                text_tokens=call.get("max_sequence_length"), scale=pixel_scale_of(pipe),
-            )
-        except ValueError as exc:
-            return str(exc)
-        return processor.layout_problem(binding, CallInputs(timestep=1000.0, layout=layout))
-    finally:
-        processor.unbind(binding)
+            problem = binding.static_problem
+            size = None if problem else _default_size(pipe, transformer, call)
+            if size is not None:  # None: the first forward checks the layout
+                try:
+                    layout = binding.family.layout_for(
+                        transformer, height=int(size["height"]), width=int(size["width"]),
+                        frames=None if size["num_frames"] is None else int(size["num_frames"]),
+                        text_tokens=call.get("max_sequence_length"), scale=scale,
+                    )
+                except ValueError as exc:
+                    return str(exc)
+                problem = processor.layout_problem(binding, CallInputs(timestep=1000.0, layout=layout))
+        finally:
+            processor.unbind(binding)
+        if problem:
+            return f"{expert}: {problem}" if len(pairs) > 1 else problem
+    return None
 
 
 def _silent(message: str) -> None:
@@ -276,9 +283,12 @@ def generate(
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
-    loaded_plan = Plan.load(plan) if plan is not None else None  # fail on a bad plan before loading the model
-    if loaded_plan is not None and (problem := ulysses_problem(loaded_plan, ulysses)):
-        raise PlanError(f"--ulysses {ulysses}: {problem}")
+    # fail on a bad plan before loading the model; an expert pair's plans are read together
+    loaded_plans = load_plans(plan) if plan is not None else None
+    loaded_plan = loaded_plans[0] if loaded_plans else None
+    for expert_plan in loaded_plans or []:
+        if problem := ulysses_problem(expert_plan, ulysses):
+            raise PlanError(f"--ulysses {ulysses}: {problem}")
     rank = 0
     if ulysses > 1:
         rank, device = join_process_group(ulysses, device)
@@ -288,13 +298,14 @@ def generate(
     pipe = load_pipeline(model_dir, device=device, dtype=dtype)
     transformer = resolve_transformer(pipe)
     if ulysses > 1:
-        enable_ulysses(transformer, ulysses)
+        for _, expert in pipeline_experts(pipe):
+            enable_ulysses(expert, ulysses)
         if rank != 0:
             pipe.set_progress_bar_config(disable=True)
     family = family_of(transformer)
     if family is None:
         raise PlanError(
-            f"{model_dir} holds a {type(transformer).__name__}; paro generate supports CogVideoX, Wan 2.1 and FLUX.1"
+            f"{model_dir} holds a {type(transformer).__name__}; paro generate supports {SUPPORTED}"
         )
     video = family.is_video
     out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
@@ -314,7 +325,7 @@ def generate(
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}
     mismatch = None
     if loaded_plan is not None:  # does the plan fit this model and size? before any generation
-        mismatch = plan_fit_problem(pipe, loaded_plan, call)
+        mismatch = plan_fit_problem(pipe, loaded_plans, call)
         if mismatch is not None:
             if on_mismatch == "error":
                 raise PlanError(mismatch + " (or pass --on-mismatch dense to run the model's own attention)")
@@ -330,10 +341,12 @@ def generate(
     if loaded_plan is not None and mismatch is not None:
         log("dense run (the plan does not fit)")
     elif loaded_plan is not None:
-        handle = apply(pipe, loaded_plan, backend=backend, on_mismatch=on_mismatch)
+        handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
             result["ran_dense"] = "the plan does not fit (see the warning above)"
-        log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, qk={loaded_plan.qk}, pv={loaded_plan.pv})")
+        experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""
+        log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, qk={loaded_plan.qk}, "
+            f"pv={loaded_plan.pv}{experts})")
     else:
         log("dense run (no plan)")
     try:

@@ -40,7 +40,7 @@ from ..attention import BACKENDS, paro_attention, warn
 from ..errors import PlanError
 from ..layout import TokenLayout
 from ..plan import Plan, model_fingerprint
-from .base import STANDARD_VAE, CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
+from .base import CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
 from .registry import family_of, require_family
@@ -312,14 +312,14 @@ class PAROProcessor(_BoundProcessor):
     "dense" warns once and runs the model's own attention instead.
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
     `pixel_scale`: the pipeline's VAE factors, for the sizes that mismatch messages name (`apply` passes
-    the pipeline's; the released VAEs' by default).
+    the pipeline's; by default those of the VAE released with the bound transformer's config).
     `fuse_rope`: hand the model's RoPE tables to the op, which rotates q and k in one Triton pass (True),
     or apply the RoPE first with the model's own code, as the default processor does (False: slower, the
     models' code is a chain of float32 kernels; for A/B).
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
-                 resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale = STANDARD_VAE,
+                 resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale | None = None,
                  fuse_rope: bool = True):
         super().__init__()
         if not isinstance(plan, Plan):
@@ -339,6 +339,10 @@ class PAROProcessor(_BoundProcessor):
         self.parallel_problem: str | None = None  # why the parallel config cannot hold PARO (on_mismatch="dense")
 
     # -- checks ------------------------------------------------------------------------------
+    def scale(self, binding: Binding) -> PixelScale:
+        """The VAE factors that size the messages about `binding`'s transformer."""
+        return self.pixel_scale if self.pixel_scale is not None else binding.family.default_scale(binding.transformer)
+
     def plan_problems(self, binding: Binding) -> list[str]:
         """Ways the plan does not fit the bound transformer (empty when it fits)."""
         plan, transformer = self.plan, binding.transformer
@@ -371,7 +375,7 @@ class PAROProcessor(_BoundProcessor):
                     self.unbind(binding)
                 self._parallel_refused(problem)
             return
-        command = binding.family.calibrate_command(binding.transformer, self.plan.layout, self.pixel_scale)
+        command = binding.family.calibrate_command(binding.transformer, self.plan.layout, self.scale(binding))
         message = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
         if self.on_mismatch == "error":
             self.unbind(binding)
@@ -410,7 +414,7 @@ class PAROProcessor(_BoundProcessor):
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
         plan_layout = self.plan.layout
-        family, transformer, scale = binding.family, binding.transformer, self.pixel_scale
+        family, transformer, scale = binding.family, binding.transformer, self.scale(binding)
         if inputs.layout is None:
             return f"this call has no PARO token layout: {inputs.problem}"
         if inputs.layout == plan_layout:

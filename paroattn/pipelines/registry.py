@@ -1,4 +1,4 @@
-"""Find the transformer of a pipeline and the adapter of its family."""
+"""Find the transformer (or the expert transformers) of a pipeline and the adapter of its family."""
 
 from __future__ import annotations
 
@@ -13,17 +13,39 @@ FAMILIES: tuple[type[FamilyAdapter], ...] = (CogVideoXAdapter, WanAdapter, FluxA
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
 
 
-def resolve_transformer(pipe_or_transformer) -> torch.nn.Module:
-    """The transformer of a diffusers pipeline, or the module itself."""
-    transformer = getattr(pipe_or_transformer, "transformer", None)
-    if isinstance(transformer, torch.nn.Module):
-        return transformer
+# pipeline components that hold a denoising transformer, in the order a pipeline runs them: Wan 2.2 A14B runs
+# `transformer` on the high-noise steps (t >= boundary_ratio * 1000) and `transformer_2` on the others
+EXPERTS = ("transformer", "transformer_2")
+
+
+def pipeline_experts(pipe_or_transformer) -> list[tuple[str, torch.nn.Module]]:
+    """(component name, transformer) of every denoising transformer of a pipeline, in `EXPERTS` order (one for
+    most pipelines, two for an expert pair); `[("", module)]` for a bare transformer module."""
+    experts = [(name, getattr(pipe_or_transformer, name, None)) for name in EXPERTS]
+    experts = [(name, module) for name, module in experts if isinstance(module, torch.nn.Module)]
+    if experts and not isinstance(pipe_or_transformer, torch.nn.Module):
+        return experts
     if isinstance(pipe_or_transformer, torch.nn.Module):
-        return pipe_or_transformer
+        return [("", pipe_or_transformer)]
     raise TypeError(
         f"expected a diffusers pipeline with a `.transformer` or a transformer module; got "
         f"{type(pipe_or_transformer).__name__}"
     )
+
+
+def expert_role(pipe, expert: str) -> str:
+    """What an expert of `pipe` denoises, for messages: "high-noise steps, t >= 875" and the like."""
+    ratio = getattr(getattr(pipe, "config", None), "boundary_ratio", None)
+    if ratio is None or expert not in EXPERTS:
+        return "every step"
+    boundary = float(ratio) * float(getattr(getattr(pipe, "scheduler", None), "config", {}).get(
+        "num_train_timesteps", 1000))
+    return f"high-noise steps, t >= {boundary:g}" if expert == "transformer" else f"low-noise steps, t < {boundary:g}"
+
+
+def resolve_transformer(pipe_or_transformer) -> torch.nn.Module:
+    """The (first) transformer of a diffusers pipeline, or the module itself."""
+    return pipeline_experts(pipe_or_transformer)[0][1]
 
 
 def family_of(transformer) -> FamilyAdapter | None:

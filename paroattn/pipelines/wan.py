@@ -1,4 +1,10 @@
-"""Wan 2.1 (T2V and I2V): `WanAttnProcessor` of the self-attention `attn1` split around its attention.
+"""Wan 2.1 and 2.2 (T2V, I2V, the A14B expert pairs and TI2V-5B): `WanAttnProcessor` of the self-attention
+`attn1` split around its attention.
+
+Wan 2.2 A14B pipelines hold two transformers of this class (`transformer`, `transformer_2`), each bound to its
+own plan by `paroattn.apply`. TI2V-5B's VAE compresses space by 16 (a 2x2 patchify before the 8x VAE); every
+size follows from the pipeline's `vae_scale_factor_spatial` and the transformer's `patch_size`. Its pipeline
+passes a per-token timestep [B, N] (`expand_timesteps`), all equal in text-to-video; the largest is bucketed.
 
 Sequence of `attn1`: the F x H x W video tokens only (no text). q/k RMSNorm over heads*dim before
 the head split, RoPE on all tokens (passed positionally as the 5th argument; `_rotate` reproduces
@@ -20,6 +26,8 @@ from .base import (
     dispatch_dense,
     without_rotary,
 )
+
+WAN22_VAE_CHANNELS = 48
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,13 @@ class WanAdapter(FamilyAdapter):
 
     def __init__(self):
         self._tables = RotaryTables(_op_tables)
+
+    def default_scale(self, transformer) -> PixelScale:
+        # a bare transformer with 48 latent channels is Wan 2.2 TI2V-5B, whose VAE (z_dim 48) compresses
+        # space by 16; the others are released with the Wan 2.1 VAE (8)
+        if int(transformer.config.out_channels or 0) == WAN22_VAE_CHANNELS:
+            return PixelScale(temporal=4, spatial=16)
+        return STANDARD_VAE
 
     def self_attention_layers(self, transformer) -> list[str]:
         return [f"blocks.{i}.attn1.processor" for i in range(len(transformer.blocks))]
