@@ -240,7 +240,7 @@ def test_head_count_the_degree_does_not_divide_is_refused():
     transformer = tiny_transformer("wan", heads=3)
     inputs = tiny_forward_inputs(transformer)
     plan = make_plan(transformer, inputs, heads=3)
-    assert "divides 3 (3)" in ulysses_problem(plan, 2)
+    assert "divides 3 (3)" in ulysses_problem(plan.num_heads, 2)
     with apply(transformer, plan, backend="torch") as handle:
         with pytest.raises(PlanError, match=r"3 heads per layer are not divisible by ulysses_degree=2"):
             handle.processor._parallel_config = _config(ulysses_degree=2)  # what enable_parallelism does
@@ -298,3 +298,17 @@ def test_generate_ulysses_outside_torchrun_says_how_to_launch(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="WORLD_SIZE=4"):
         join_process_group(2)
+
+
+def test_paro_generate_ulysses_outside_torchrun_fails_before_loading(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paroattn.cli import app
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "model_index.json").write_text("{}")
+    result = CliRunner().invoke(app, ["generate", str(tmp_path), "--prompt", "a cat", "--ulysses", "2",
+                                      "--out", str(tmp_path / "out.png")])
+    assert result.exit_code == 2
+    assert "torchrun --nproc-per-node 2" in result.output and "loading" not in result.output

@@ -49,20 +49,20 @@ def context_parallel_config(parallel_config):
     return getattr(parallel_config, "context_parallel_config", None)
 
 
-def ulysses_problem(plan: Plan, degree: int, ring: int = 1) -> str | None:
-    """Why PARO cannot run `plan` under context parallelism of `degree` Ulysses and `ring` ring GPUs, or None."""
+def ulysses_problem(heads: int, degree: int, ring: int = 1) -> str | None:
+    """Why PARO cannot run a plan of `heads` heads per layer under context parallelism of `degree` Ulysses and
+    `ring` ring GPUs, or None."""
     if ring > 1:
         return (
             f"PARO runs under diffusers' Ulysses context parallelism only; this config has ring_degree={ring}, which "
             "splits each head's sequence across GPUs, so no GPU sees the whole token grid the plan's per-head orders "
             f"and block masks are defined on: use ContextParallelConfig(ulysses_degree={ring * degree}) instead"
         )
-    if plan.num_heads % degree:
-        divisors = [n for n in range(2, plan.num_heads + 1) if plan.num_heads % n == 0]
+    if heads % degree:
+        divisors = [n for n in range(2, heads + 1) if heads % n == 0]
         return (
-            f"Ulysses splits the heads evenly across GPUs: the plan's {plan.num_heads} heads per layer are not "
-            f"divisible by ulysses_degree={degree}: use a ulysses_degree that divides {plan.num_heads} "
-            f"({', '.join(map(str, divisors))})"
+            f"Ulysses splits the heads evenly across GPUs: the plan's {heads} heads per layer are not divisible by "
+            f"ulysses_degree={degree}: use a ulysses_degree that divides {heads} ({', '.join(map(str, divisors))})"
         )
     return None
 

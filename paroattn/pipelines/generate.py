@@ -287,7 +287,7 @@ def generate(
     loaded_plans = load_plans(plan) if plan is not None else None
     loaded_plan = loaded_plans[0] if loaded_plans else None
     for expert_plan in loaded_plans or []:
-        if problem := ulysses_problem(expert_plan, ulysses):
+        if problem := ulysses_problem(expert_plan.num_heads, ulysses):
             raise PlanError(f"--ulysses {ulysses}: {problem}")
     rank = 0
     if ulysses > 1:

@@ -397,7 +397,7 @@ class PAROProcessor(_BoundProcessor):
         cp_config = context_parallel_config(config)
         if cp_config is None:
             return
-        problem = ulysses_problem(self.plan, int(cp_config.ulysses_degree or 1), int(cp_config.ring_degree or 1))
+        problem = ulysses_problem(self.plan.num_heads, int(cp_config.ulysses_degree or 1), int(cp_config.ring_degree or 1))
         for binding in self._bindings:
             problem = problem or model_problem(binding.transformer, binding.family.name)
         if not self._parallel_refused(problem):
