@@ -103,6 +103,8 @@ def run_modes(transformer, inputs, layout, args, device, block: int, backend: st
             row["check_max_abs"] = float(error)
             row["check_rel"] = float(error / reference.abs().max().clamp_min(1e-12))
         results[label] = (row, out)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"  {label:20s} on {gpus} GPU(s): {row['step_s'] * 1000:8.1f} ms", flush=True)
     return results
 
 
