@@ -63,7 +63,26 @@ def check_rotary(rotary, q: torch.Tensor) -> None:
         raise PAROInputError(f"RoPE rotates pairs of channels; head dim {D} is odd")
 
 
-def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None) -> None:
+def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None:
+    B = q.shape[0]
+    if not isinstance(suffix_mask, torch.Tensor):
+        raise PAROInputError(f"suffix_mask must be a bool tensor [B, layout.suffix], got {type(suffix_mask).__name__}")
+    if not layout.suffix:
+        raise PAROInputError(
+            f"suffix_mask marks padded suffix tokens, but the layout {layout} has no suffix: pass a layout with "
+            "suffix=S for S tokens after the grid, or no suffix_mask"
+        )
+    if suffix_mask.dtype != torch.bool or tuple(suffix_mask.shape) != (B, layout.suffix):
+        raise PAROInputError(
+            f"suffix_mask must be bool [B, layout.suffix] = [{B}, {layout.suffix}] (True: a token, False: padding); "
+            f"got {suffix_mask.dtype} {tuple(suffix_mask.shape)}"
+        )
+    if suffix_mask.device != q.device:
+        raise PAROInputError(f"suffix_mask must be on q's device {q.device}; got {suffix_mask.device}")
+
+
+def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
+                 suffix_mask=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
     if problem := modes_problem(qk, pv):
         raise PAROInputError(problem)
@@ -95,6 +114,8 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
     B, H, N, D = q.shape
     if rotary is not None:
         check_rotary(rotary, q)
+    if suffix_mask is not None:
+        check_suffix_mask(suffix_mask, q, layout)
     if N != layout.seq_len:
         raise PAROInputError(
             f"sequence length {N} does not match the layout {layout} ({layout.seq_len} tokens): "
@@ -139,15 +160,18 @@ def paro_attention(
     sm_scale: float | None = None,
     backend: str = "auto",
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    suffix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention over per-head reordered tokens, with optional INT8/INT4 QK and FP8/INT8 PV.
 
     Each head h sees its tokens in the order `ORDERS[orders[h]]`: the `layout.prefix` tokens first and
     unchanged (CogVideoX's and Flux's text), then the `frames x height x width` grid tokens enumerated by
-    nested loops over that order's axes, outermost first ("FHW" is the identity). The reordered sequence is
-    cut into blocks of `bq` queries and `bk` keys; a query attends exactly to the keys of its active key
-    blocks (softmax over those keys only). The output comes back in q's shape, dtype and original token
-    order; a query whose row of blocks is empty outputs zeros, never NaN.
+    nested loops over that order's axes, outermost first ("FHW" is the identity), then the `layout.suffix`
+    tokens unchanged (HunyuanVideo's text). The reordered sequence is cut into blocks of `bq` queries and
+    `bk` keys; a query attends exactly to the keys of its active key blocks (softmax over those keys only),
+    less the suffix keys `suffix_mask` marks as padding. The output comes back in q's shape, dtype and
+    original token order; a query with no attended key (its row of blocks empty, or holding padding only)
+    outputs zeros, never NaN.
 
     NaN propagates, as in torch's SDPA, on every backend, dtype and mode: the outputs a NaN input reaches
     are NaN and the others do not depend on it, except that a row with no active block is zeros whatever
@@ -197,6 +221,11 @@ def paro_attention(
         float32 tables [S, D] of the model's rotary embedding for the last S tokens (S <= N), applied to q
         and k before anything else (`kernels.reference.apply_rotary`); the Triton backend fuses it into
         one pass over q and k.
+    suffix_mask : bool Tensor [B, layout.suffix], optional
+        False where a suffix token is padding (a padded text prompt): no query attends that key. Padded
+        queries are computed like the others. K smoothing's mean (qk int8/int4) still reads padded keys
+        (any vector may be subtracted). The Triton kernels take no suffix_mask yet: "triton" raises,
+        "auto" warns and runs "torch"; without padding, pass None (the kernels take a suffix).
 
     Returns
     -------
@@ -207,8 +236,19 @@ def paro_attention(
     PAROInputError
         When an argument breaks this contract; the message says what was expected and what was found.
     """
-    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary)
+    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask)
     bq, bk = block_sizes(block_size)
+    if suffix_mask is not None and backend == "triton":
+        raise PAROInputError(
+            f"backend='triton' takes no suffix_mask yet (the {layout.suffix} suffix tokens with padding): pass "
+            "backend='torch' (or 'auto', which does so with a warning), or suffix_mask=None when no suffix token "
+            "is padding"
+        )
+    if backend == "auto" and suffix_mask is not None:
+        backend = "torch"
+        if q.is_cuda:
+            warn("the Triton kernels take no suffix_mask (padded suffix tokens) yet: backend='auto' runs the torch "
+                 "reference instead, which is much slower", stacklevel=2)
     if backend == "auto":
         backend = "torch"
         if q.is_cuda:
@@ -233,5 +273,5 @@ def paro_attention(
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
     return paro_attention_reference(
-        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale, rotary
+        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale, rotary, suffix_mask
     )

@@ -1,4 +1,4 @@
-"""Token geometry: where each token of a [prefix ; F x H x W] sequence goes under each of the 6 orders.
+"""Token geometry: where each token of a [prefix ; F x H x W ; suffix] sequence goes under each of the 6 orders.
 
 A head's order names the nesting of the three grid axes, outermost first: "HWF" enumerates the
 grid tokens with H outermost and F innermost, so tokens that are neighbours in time become
@@ -20,20 +20,22 @@ _AXIS_INDEX = {"F": 0, "H": 1, "W": 2}
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """A sequence of `prefix` unreordered tokens (text) followed by a row-major F x H x W grid."""
+    """A sequence of `prefix` unreordered tokens (CogVideoX's and Flux's text), a row-major F x H x W grid,
+    then `suffix` unreordered tokens (HunyuanVideo's text, which follows the video tokens)."""
 
     prefix: int
     frames: int
     height: int
     width: int
+    suffix: int = 0
 
     def __post_init__(self):
-        for name in ("prefix", "frames", "height", "width"):
+        for name in ("prefix", "frames", "height", "width", "suffix"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"TokenLayout.{name} must be an int, got {type(value).__name__}")
-        if self.prefix < 0:
-            raise ValueError(f"TokenLayout.prefix must be >= 0, got {self.prefix}")
+        if self.prefix < 0 or self.suffix < 0:
+            raise ValueError(f"TokenLayout.prefix and suffix must be >= 0, got {self.prefix} and {self.suffix}")
         if min(self.frames, self.height, self.width) < 1:
             raise ValueError(
                 f"TokenLayout grid must be at least 1x1x1, got {self.frames}x{self.height}x{self.width}"
@@ -45,7 +47,12 @@ class TokenLayout:
 
     @property
     def seq_len(self) -> int:
-        return self.prefix + self.grid_tokens
+        return self.prefix + self.grid_tokens + self.suffix
+
+    @property
+    def fields(self) -> tuple[int, int, int, int, int]:
+        """(prefix, frames, height, width, suffix): `TokenLayout(*layout.fields) == layout`."""
+        return self.prefix, self.frames, self.height, self.width, self.suffix
 
     @property
     def is_image(self) -> bool:
@@ -63,8 +70,8 @@ class TokenLayout:
         return (self.frames, self.height, self.width)[_AXIS_INDEX[axis]]
 
     def __str__(self) -> str:
-        grid = f"{self.frames}x{self.height}x{self.width}"
-        return f"{self.prefix} + {grid}" if self.prefix else grid
+        text = f"{self.prefix} + " if self.prefix else ""
+        return text + f"{self.frames}x{self.height}x{self.width}" + (f" + {self.suffix}" if self.suffix else "")
 
 
 def order_index(order: str | int) -> int:
@@ -104,9 +111,10 @@ def order_axis_sizes_and_strides(order, frames, height, width):
 
 
 def reordered_to_original(position, order, prefix, frames, height, width):
-    """Original sequence position of the token at `position` of the sequence reordered by `order`."""
+    """Original sequence position of the token at `position` of the sequence reordered by `order`. Positions
+    before the grid (prefix) and after it (suffix) map to themselves."""
     n0, n1, n2, s0, s1, s2 = order_axis_sizes_and_strides(order, frames, height, width)
-    in_grid = (position >= prefix) * 1
+    in_grid = ((position >= prefix) * 1) * ((position < prefix + frames * height * width) * 1)
     g = (position - prefix) * in_grid
     a2 = g % n2
     a1 = (g // n2) % n1
@@ -116,9 +124,10 @@ def reordered_to_original(position, order, prefix, frames, height, width):
 
 
 def original_to_reordered(position, order, prefix, frames, height, width):
-    """Position in the sequence reordered by `order` of the token at original `position`."""
+    """Position in the sequence reordered by `order` of the token at original `position` (prefix and suffix
+    positions map to themselves)."""
     n0, n1, n2, s0, s1, s2 = order_axis_sizes_and_strides(order, frames, height, width)
-    in_grid = (position >= prefix) * 1
+    in_grid = ((position >= prefix) * 1) * ((position < prefix + frames * height * width) * 1)
     g = (position - prefix) * in_grid
     # coordinate along an axis of stride s and size n in the row-major grid: (g // s) % n
     c0 = (g // s0) % n0
@@ -138,7 +147,8 @@ def reorder_index(layout: TokenLayout, order: str | int, device=None) -> torch.T
     name = ORDERS[order_index(order)]
     grid = torch.arange(layout.grid_tokens, device=device).reshape(layout.frames, layout.height, layout.width)
     permuted = grid.permute(*[_AXIS_INDEX[a] for a in name]).reshape(-1) + layout.prefix
-    return torch.cat([torch.arange(layout.prefix, device=device), permuted])
+    suffix = torch.arange(layout.prefix + layout.grid_tokens, layout.seq_len, device=device)
+    return torch.cat([torch.arange(layout.prefix, device=device), permuted, suffix])
 
 
 def inverse_index(index: torch.Tensor) -> torch.Tensor:

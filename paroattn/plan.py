@@ -357,7 +357,8 @@ class Plan:
             "format_version": self.format_version,
             "model_class": self.model_class,
             "model_fingerprint": self.model_fingerprint,
-            "layout": [self.layout.prefix, self.layout.frames, self.layout.height, self.layout.width],
+            # [prefix, frames, height, width] (+ suffix when there is one: files without it read as before)
+            "layout": list(self.layout.fields if self.layout.suffix else self.layout.fields[:4]),
             "block_size": list(self.block_size),
             "block_mask_shape": list(self.block_mask.shape),
             "bucket_edges": self.bucket_edges,

@@ -29,7 +29,8 @@ def _index_maps_kernel(to_original, to_reordered, orders, prefix, frames, height
 
 
 @pytest.mark.parametrize("layout", [TokenLayout(0, 2, 3, 4), TokenLayout(7, 3, 5, 2), TokenLayout(11, 1, 5, 7),
-                                    TokenLayout(3, 5, 1, 1)])
+                                    TokenLayout(3, 5, 1, 1), TokenLayout(0, 2, 3, 4, suffix=9),
+                                    TokenLayout(5, 3, 2, 3, suffix=13)])
 def test_kernel_index_maps_equal_tensor_form(layout):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     orders = torch.arange(6, dtype=torch.int32, device=device)

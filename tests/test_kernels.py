@@ -101,6 +101,19 @@ def test_every_mode_matches_reference(qk, pv):
     assert rel_err(out, ref) <= bound, (qk, pv, rel_err(out, ref))
 
 
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8")])
+def test_suffix_tokens_stay_in_place(qk, pv):
+    """Tokens after the grid (HunyuanVideo's text) are never reordered: the kernels' index maps leave them
+    in place, with text and grid tokens sharing a block (44 tokens: 3 + 2x3x5 + 11)."""
+    layout = TokenLayout(3, 2, 3, 5, suffix=11)
+    H, D = 3, 64
+    q, k, v = make_inputs(2, H, layout.seq_len, D, seed=5)
+    n_blocks = -(-layout.seq_len // SMALL_BLOCK)
+    mask = synthetic_block_mask(H, n_blocks, n_blocks, 0.5, generator=torch.Generator().manual_seed(5))
+    out, ref = both(q, k, v, layout, torch.tensor([2, 3, 5]), mask, SMALL_BLOCK, qk, pv)
+    assert rel_err(out, ref) <= BOUND[pv], rel_err(out, ref)
+
+
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int4", "int8")])
 def test_head_dim_128_seq_major_inputs(qk, pv):
     """[B, N, H, D] storage seen as [B, H, N, D]: read in place, output keeps q's strides."""

@@ -145,6 +145,7 @@ class StatsAccumulator:
         alpha: float = 0.5,
         compute_device: torch.device | str | None = None,
         figure_layers: list[int] | None = None,
+        suffix: int = 0,
     ) -> CalibrationResult:
         """Choose each head's order from the averaged statistics and build the masks of every bucket.
         A bucket without captured steps borrows the mean over all captured buckets (the report says so)."""
@@ -198,7 +199,7 @@ class StatsAccumulator:
         masks, densities, kept_masses = [], [], []
         for b in range(B):
             mass = torch.stack(bucket_maps[b])  # [L, H, nq, nk]
-            mask = build_masks(mass, density, prefix, self.mask_block)
+            mask = build_masks(mass, density, prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)

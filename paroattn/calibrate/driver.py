@@ -373,7 +373,7 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         compute_device = "cuda" if torch.cuda.is_available() else "cpu"
     result = acc.finalize(
         density, layout.prefix, metric=metric, quant_weight=quant_weight, alpha=alpha,
-        compute_device=compute_device, figure_layers=figure_layers,
+        compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix,
     )
     timings = dict(stats.timings, select_s=time.perf_counter() - start)
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]

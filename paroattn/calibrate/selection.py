@@ -77,11 +77,12 @@ def order_scores(
 
 
 def forced_blocks(num_blocks: int | tuple[int, int], prefix: int, block_size: int | tuple[int, int],
-                  device=None) -> torch.Tensor:
+                  device=None, *, suffix: int = 0, seq_len: int = 0) -> torch.Tensor:
     """bool [nq, nk]: blocks every mask keeps: the diagonal (with query blocks larger than key blocks,
     every key block inside the query block's token range), and every block whose query or key range
-    holds a prefix (text) token (prefix tokens are never reordered, so these are the same blocks under
-    every order). Square blocks may be given as single ints."""
+    holds a prefix or suffix (text) token (neither is ever reordered, so these are the same blocks under
+    every order; the suffix is the last `suffix` of `seq_len` tokens). Square blocks may be given as
+    single ints."""
     nq, nk = (num_blocks, num_blocks) if isinstance(num_blocks, int) else num_blocks
     bq, bk = (block_size, block_size) if isinstance(block_size, int) else block_size
     rows = torch.arange(nq, device=device)[:, None]
@@ -91,6 +92,10 @@ def forced_blocks(num_blocks: int | tuple[int, int], prefix: int, block_size: in
     if prefix:
         forced[:text_rows, :] = True
         forced[:, :text_cols] = True
+    if suffix:
+        start = seq_len - suffix
+        forced[start // bq:, :] = True
+        forced[:, start // bk:] = True
     return forced
 
 
@@ -111,8 +116,12 @@ def build_masks(
     density: float,
     prefix: int,
     block_size: int | tuple[int, int],
+    *,
+    suffix: int = 0,
+    seq_len: int = 0,
 ) -> torch.Tensor:
     """mass [L, H, nq, nk] of one timestep bucket, in each head's chosen order -> bool masks.
+    `suffix`, `seq_len`: text tokens after the grid (HunyuanVideo), kept like the prefix.
 
     One budget for the whole bucket: round(density * L * H * nb * nb) blocks, the forced ones
     (diagonal, prefix) first, the rest going to the blocks with the most mass wherever they are,
@@ -120,7 +129,7 @@ def build_masks(
     comparable across heads and layers because every row of P sums to one. If the forced blocks
     alone exceed the budget the masks hold only them (the achieved density then says so)."""
     L, H, nq, nk = mass.shape
-    forced = forced_blocks((nq, nk), prefix, block_size, device=mass.device)
+    forced = forced_blocks((nq, nk), prefix, block_size, device=mass.device, suffix=suffix, seq_len=seq_len)
     masks = forced.expand(L, H, nq, nk).clone()
     budget = round(density * masks.numel()) - int(masks.sum())
     if budget > 0:

@@ -147,11 +147,15 @@ def paro_attention_reference(
     pv: str = "bf16",
     sm_scale: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    suffix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v: [B, H, N, D]; orders [H]; block_mask bool [H, ceil(N/bq), ceil(N/bk)] in reordered
     coordinates; rotary: RoPE tables (cos, sin) [S, D] for the last S tokens of q and k (`apply_rotary`),
-    applied before everything else. Returns [B, H, N, D] in q's dtype and original token order."""
+    applied before everything else; suffix_mask: bool [B, layout.suffix], False where a suffix token is
+    padding, a key no query attends (on top of the block mask). Returns [B, H, N, D] in q's dtype and
+    original token order."""
     B, H, N, D = q.shape
+    key_valid = None if suffix_mask is None else valid_keys(suffix_mask, N)  # [B, N], same in both orders
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     if rotary is not None:
@@ -161,11 +165,12 @@ def paro_attention_reference(
     traced = torch.compiler.is_compiling()
     if qk == pv == "bf16" and q.dtype == torch.float32 and H * N * N <= _SDPA_MASK_ELEMENTS:
         if traced:
-            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe=True)
+            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe=True,
+                                key_valid=key_valid)
         if not (bool(torch.isnan(k).any()) or bool(torch.isnan(v).any())):
             # (NaN in k or v goes through the loop: SDPA's additive mask and its P V product over every key
             # would carry it into rows that mask its key out)
-            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale)
+            return _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, key_valid=key_valid)
     out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
     low_precision_p = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
     # every head's reordering, gathered by its order from the table of all 6 (no host read of the orders)
@@ -194,7 +199,9 @@ def paro_attention_reference(
         for start in range(0, N, _QUERY_CHUNK):
             stop = min(start + _QUERY_CHUNK, N)
             rows = block_mask[h, torch.arange(start, stop, device=q.device) // bq]
-            allowed = expand_block_mask(rows, bk, N)
+            allowed = expand_block_mask(rows, bk, N)  # [rows, N], or [B, rows, N] with padded keys
+            if key_valid is not None:
+                allowed = allowed[None] & key_valid[:, None, :]
             scores = qh[:, start:stop] @ kh.transpose(1, 2)
             if qk != "bf16":
                 row_scale = q_scale.repeat_interleave(bq, dim=1)[:, start:stop]
@@ -219,13 +226,22 @@ def paro_attention_reference(
     return out
 
 
+def valid_keys(suffix_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, N] bool: True for every key a query may attend: all tokens before the suffix, and the suffix tokens
+    `suffix_mask` keeps. The suffix is never reordered, so this holds in both token orders."""
+    B, suffix = suffix_mask.shape
+    head = torch.ones(B, seq_len - suffix, dtype=torch.bool, device=suffix_mask.device)
+    return torch.cat([head, suffix_mask.to(torch.bool)], dim=1)
+
+
 def head_indices(layout: TokenLayout, orders: torch.Tensor, device) -> torch.Tensor:
     """[H, N] LongTensor: row h is `reorder_index(layout, orders[h])`, gathered from `reorder_table` on
     `device` (the orders are not read on the host)."""
     return reorder_table(layout, device=device).index_select(0, orders.to(device=device, dtype=torch.long))
 
 
-def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe: bool = False) -> torch.Tensor:
+def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe: bool = False,
+                 key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """The float32, unquantized case in one fused call (the CPU path of `paro demo`): every head's
     tokens gathered into its order, a token-level mask expanded from the blocks, rows without an
     active key set to zero (SDPA would give NaN), and the rows scattered back to their positions.
@@ -235,9 +251,11 @@ def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe
     in v[:, c], as in the loop. NaN-free inputs give the very same result as without it."""
     B, H, N, D = q.shape
     index = head_indices(layout, orders, q.device)[None, :, :, None].expand(B, H, N, D)
-    allowed = dense_mask_from_blocks(block_mask, bq, bk, N)  # [H, N, N], reordered coordinates
+    allowed = dense_mask_from_blocks(block_mask, bq, bk, N)[None]  # [1, H, N, N], reordered coordinates
+    if key_valid is not None:  # [B, H, N, N]: padded keys masked for every query
+        allowed = allowed & key_valid[:, None, None, :]
     # an additive 4-D mask takes torch's fused CPU kernel; a bool or 3-D one falls back to a slow path
-    bias = torch.zeros(1, H, N, N, dtype=q.dtype, device=q.device).masked_fill_(~allowed[None], float("-inf"))
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
     gathered = [t.gather(2, index) for t in (q, k, v)]
     if nan_safe:
         k_nan, v_nan = torch.isnan(gathered[1]), torch.isnan(gathered[2])
@@ -245,8 +263,8 @@ def _masked_sdpa(q, k, v, layout, orders, block_mask, bq, bk, sm_scale, nan_safe
         gathered[2] = gathered[2].masked_fill(v_nan, 0.0)
     out = F.scaled_dot_product_attention(*gathered, attn_mask=bias, scale=sm_scale)
     if nan_safe:
-        reach = allowed.to(q.dtype)[None]  # [1, H, N, N]: row i attends key j
+        reach = allowed.to(q.dtype)  # [1 or B, H, N, N]: row i attends key j
         hit = (reach @ k_nan.any(dim=-1, keepdim=True).to(q.dtype) > 0) | (reach @ v_nan.to(q.dtype) > 0)
         out = out.masked_fill(hit, float("nan"))
-    out = torch.where(allowed.any(dim=-1)[None, :, :, None], out, torch.zeros_like(out))
+    out = torch.where(allowed.any(dim=-1)[..., None], out, torch.zeros_like(out))
     return torch.empty_like(out).scatter_(2, index, out)
