@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux")
-PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux")
+FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video")
+PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
 WAN_TEXT = 8
 FLUX_TEXT = 8
+# HunyuanVideo's text follows the video: 21 tokens (the real model: 256), not a multiple of the 16-token blocks;
+# tiny forward inputs pad the first item's text after 13 tokens
+HUNYUAN_TEXT = 21
+HUNYUAN_VALID_TEXT = 13
 # Wan's I2V processor hard-codes 512 text tokens before the image tokens in attn2
 WAN_I2V_TEXT = 512
 WAN_I2V_IMAGE = 4
@@ -99,6 +103,14 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             guidance_embeds=False,
             axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
         )
+    elif family == "hunyuan_video":
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        model = HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim, num_layers=1,
+            num_single_layers=2, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=16,
+            pooled_projection_dim=16, rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+        )
     else:
         raise ValueError(f"unknown tiny family {family!r}; expected one of {FAMILIES}")
     # random-init norms are all ones: perturb every parameter a little so norms and RoPE matter
@@ -169,6 +181,18 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
             "timestep": torch.full((batch,), timestep / 1000.0),
             "img_ids": img_ids.reshape(-1, 3),
             "txt_ids": torch.zeros(FLUX_TEXT, 3),
+            "return_dict": False,
+        }
+    if name == "HunyuanVideoTransformer3DModel":
+        mask = torch.ones(batch, HUNYUAN_TEXT, dtype=torch.long)
+        mask[0, HUNYUAN_VALID_TEXT:] = 0  # padded text, as the pipeline pads a short prompt
+        return {
+            "hidden_states": rand(batch, config.in_channels, frames, height, width),
+            "timestep": torch.full((batch,), float(timestep)).to(dtype),
+            "encoder_hidden_states": rand(batch, HUNYUAN_TEXT, config.text_embed_dim),
+            "encoder_attention_mask": mask,
+            "pooled_projections": rand(batch, config.pooled_projection_dim),
+            "guidance": torch.full((batch,), 6000.0).to(dtype),
             "return_dict": False,
         }
     raise ValueError(f"no tiny inputs for {name}")
@@ -283,6 +307,29 @@ def tiny_pipeline(family: str, *, seed: int = 0):
             scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
             text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=tiny_transformer("flux", seed=seed),
         )
+    if family == "hunyuan_video":
+        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+        from transformers import LlamaConfig, LlamaModel
+
+        tokenizer, _ = tiny_t5(16, seed)  # a T5 tokenizer stands in for Llama's: the pipeline only tokenizes
+        torch.manual_seed(seed)
+        text_encoder = LlamaModel(LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+        )).eval()
+        tokenizer_2, text_encoder_2 = tiny_clip(16, seed)
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+            block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+            spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True,
+        )
+        return HunyuanVideoPipeline(
+            text_encoder=text_encoder, tokenizer=tokenizer, transformer=tiny_transformer("hunyuan_video", seed=seed),
+            vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),  # 7.0 in the release: 3 steps stay above t=500
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+        )
     raise ValueError(f"unknown tiny pipeline {family!r}; expected one of {PIPELINES}")
 
 
@@ -304,4 +351,10 @@ def tiny_call_kwargs(family: str) -> dict:
         # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens
         return {"height": 96, "width": 96, "max_sequence_length": FLUX_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 3.5, "output_type": "pt"}
+    if family == "hunyuan_video":
+        # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 tokens, then 21 text tokens (the prompt padded);
+        # the template without a system prompt, so nothing is cropped
+        return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": HUNYUAN_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 6.0, "output_type": "pt",
+                "prompt_template": {"template": "{}", "crop_start": 0}}
     raise ValueError(f"unknown tiny pipeline {family!r}")

@@ -46,11 +46,12 @@ VISIBLE = 1e-3
 
 def grid_permutation(layout: TokenLayout, order: str) -> list[int]:
     """Original position of each reordered position: the prefix first and unchanged, then the grid
-    tokens sorted by their coordinates along the order's axes, outermost first."""
+    tokens sorted by their coordinates along the order's axes, outermost first, then the suffix unchanged."""
     coords = list(itertools.product(range(layout.frames), range(layout.height), range(layout.width)))
     axis = {"F": 0, "H": 1, "W": 2}
     ranked = sorted(range(len(coords)), key=lambda i: tuple(coords[i][axis[a]] for a in order))
-    return list(range(layout.prefix)) + [layout.prefix + i for i in ranked]
+    end = layout.prefix + len(coords)
+    return list(range(layout.prefix)) + [layout.prefix + i for i in ranked] + list(range(end, end + layout.suffix))
 
 
 def bucket_at(edges: list[float], t: float) -> int:
@@ -68,7 +69,7 @@ def attention_modules(transformer) -> list[torch.nn.Module]:
         return [block.attn1 for block in transformer.transformer_blocks]
     if name == "WanTransformer3DModel":
         return [block.attn1 for block in transformer.blocks]
-    if name == "FluxTransformer2DModel":
+    if name in ("FluxTransformer2DModel", "HunyuanVideoTransformer3DModel"):
         return [b.attn for b in transformer.transformer_blocks] + [b.attn for b in transformer.single_transformer_blocks]
     raise AssertionError(name)
 
@@ -96,6 +97,10 @@ def call_layout(transformer, arguments) -> TokenLayout:
         _, _, frames, height, width = latents.shape
         pt, ph, pw = config.patch_size
         return TokenLayout(0, frames // pt, height // ph, width // pw)
+    if name == "HunyuanVideoTransformer3DModel":  # [B, C, F, H, W], text after the video
+        _, _, frames, height, width = latents.shape
+        p, pt = config.patch_size, config.patch_size_t
+        return TokenLayout(0, frames // pt, height // p, width // p, suffix=arguments["encoder_hidden_states"].shape[1])
     if name == "FluxTransformer2DModel":  # packed [B, rows * cols, C], text first
         ids = arguments["img_ids"]
         rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
@@ -196,6 +201,7 @@ class LayerRecorder:
                 "hidden_states": arguments["hidden_states"].clone(),
                 "encoder_hidden_states": _clone(arguments.get("encoder_hidden_states")),
                 "rotary": arguments.get("image_rotary_emb", arguments.get("rotary_emb")),
+                "attention_mask": arguments.get("attention_mask"),
                 "output": _clone(output),
             })
         return hook
@@ -214,9 +220,12 @@ def expected_output(adapter, plan: Plan, call: dict, layout: TokenLayout, bucket
     attn, layer = call["module"], call["layer"]
     split = adapter.qkv(attn, call["hidden_states"], call["encoder_hidden_states"], call["rotary"])
     split = adapter.rotate(split)
+    suffix_mask = None
+    if call.get("attention_mask") is not None:  # HunyuanVideo: [B, 1, 1, N], False at padded text keys
+        suffix_mask = call["attention_mask"][:, 0, 0, layout.seq_len - layout.suffix:]
     out = paro_attention_reference(
         split.q, split.k, split.v, layout, plan.orders[layer].long(), plan.block_mask[bucket, layer],
-        *plan.block_size,
+        *plan.block_size, suffix_mask=suffix_mask,
     )
     return adapter.finish(attn, out, split)
 
@@ -251,7 +260,7 @@ def assert_buckets_change_within_the_run(recorder: LayerRecorder) -> None:
 
 # -- tests --------------------------------------------------------------------------------------------
 
-FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux"]
+FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video"]
 # one falling schedule through all three buckets of [1000, 750, 500, 0], two calls in the first
 TIMESTEPS = [980.0, 800.0, 620.0, 150.0]
 
@@ -298,10 +307,12 @@ PIPELINE_LAYOUTS = {
     "wan2.2-ti2v": TokenLayout(0, 3, 4, 4),
     # 96 x 96 -> 12 x 12 latents (VAE 8) -> 6 x 6 tokens of 2 x 2 packed latents, after 8 text tokens
     "flux": TokenLayout(8, 1, 6, 6),
+    # 9 frames of 64 x 64 -> 3 x 4 x 4 tokens, then 21 text tokens (the prompt's 7, padded)
+    "hunyuan_video": TokenLayout(0, 3, 4, 4, suffix=21),
 }
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "wan", "wan2.2-ti2v", "flux"])
+@pytest.mark.parametrize("family", ["cogvideox", "wan", "wan2.2-ti2v", "flux", "hunyuan_video"])
 def test_pipeline_generation_crosses_buckets_and_every_layer_follows_the_plan(family):
     """A 3-step tiny pipeline run (Wan: cond and uncond calls per step, Wan 2.2 TI2V a per-token timestep;
     Flux: the pipeline's t / 1000):

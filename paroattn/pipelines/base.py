@@ -214,6 +214,11 @@ class FamilyAdapter:
     def is_self_attention(self, attn, encoder_hidden_states) -> bool:
         return True
 
+    def suffix_mask(self, attention_mask: torch.Tensor, layout: TokenLayout) -> tuple[bool, torch.Tensor | None]:
+        """(whether the model's attention mask only marks padded suffix keys, the op's `suffix_mask` [B, suffix]
+        or None when nothing is padded). Families whose masks say something else run such calls densely."""
+        return False, None
+
     def default_processor(self, attn):
         """A fresh default processor for `attn` (for modules a lone PAROProcessor must leave alone)."""
         cls = getattr(type(attn), "_default_processor_cls", None)

@@ -22,7 +22,7 @@ from .base import pixel_scale_of
 from .registry import SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
-_FPS = {"cogvideox": 8, "wan": 16}
+_FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15}
 # what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
 VIDEO_SUFFIXES = (".mp4", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -319,8 +319,9 @@ def generate(
         if not video:
             raise ValueError(f"--frames is for video models; {type(transformer).__name__} makes images")
         call["num_frames"] = frames
-    if loaded_plan is not None and loaded_plan.layout.prefix and "max_sequence_length" not in call:
-        call["max_sequence_length"] = loaded_plan.layout.prefix  # text tokens are part of the plan's sequence
+    text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
+    if text_tokens and "max_sequence_length" not in call:
+        call["max_sequence_length"] = text_tokens  # text tokens are part of the plan's sequence
     fps = _FPS.get(family.name, 8)
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}
     mismatch = None

@@ -66,7 +66,7 @@ def _prepare_stacked(token: int, device: str, head_dim: int, dtype: torch.dtype)
 
 
 @torch._dynamo.assume_constant_result
-def _traced_layout_problem(token: int, shape: tuple[int, int, int, int] | None, problem: str | None) -> str | None:
+def _traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: str | None) -> str | None:
     """`PAROProcessor.layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted
     eagerly while the graph is traced; a mismatch under on_mismatch="error" raises its PlanError here."""
     binding = _BINDINGS[token]
@@ -419,13 +419,12 @@ class PAROProcessor(_BoundProcessor):
             return f"this call has no PARO token layout: {inputs.problem}"
         if inputs.layout == plan_layout:
             return None
-        if inputs.layout.grid_tokens == plan_layout.grid_tokens and (inputs.layout.frames, inputs.layout.height,
-                                                                    inputs.layout.width) == (plan_layout.frames,
-                                                                                             plan_layout.height,
-                                                                                             plan_layout.width):
+        if (inputs.layout.frames, inputs.layout.height, inputs.layout.width) == (plan_layout.frames, plan_layout.height,
+                                                                                 plan_layout.width):
+            planned, found = plan_layout.prefix + plan_layout.suffix, inputs.layout.prefix + inputs.layout.suffix
             return (
-                f"plan was calibrated with {plan_layout.prefix} text tokens; this call has {inputs.layout.prefix}: "
-                f"pass max_sequence_length={plan_layout.prefix} to the pipeline, or run "
+                f"plan was calibrated with {planned} text tokens; this call has {found}: "
+                f"pass max_sequence_length={planned} to the pipeline, or run "
                 f"`{family.calibrate_command(transformer, inputs.layout, scale)}` with the pipeline's text length"
             )
         return (
@@ -447,7 +446,7 @@ class PAROProcessor(_BoundProcessor):
             binding.call_problem = None
         elif traced:  # the messages are formatted eagerly (dynamo cannot trace formatting the layouts)
             layout = inputs.layout
-            shape = None if layout is None else (layout.prefix, layout.frames, layout.height, layout.width)
+            shape = None if layout is None else layout.fields
             binding.call_problem = _traced_layout_problem(binding.token, shape, inputs.problem)
         else:
             binding.call_problem = self.layout_problem(binding, inputs)
@@ -543,10 +542,15 @@ class PAROProcessor(_BoundProcessor):
             dense = bool(plan.dense[bucket, layer])
         if dense is True:
             return self.dense(binding, attn, call, attention_mask)
+        suffix_mask = None
         if attention_mask is not None:
-            binding.warn_once("mask", "PAROProcessor got an attention mask, which a block-sparse plan cannot honour; "
-                              "running the model's own attention for such calls")
-            return self.dense(binding, attn, call, attention_mask)
+            # a mask of padded text keys after the grid (HunyuanVideo) becomes the op's suffix_mask; others
+            # cannot be honoured by a block-sparse plan
+            handled, suffix_mask = binding.family.suffix_mask(attention_mask, layout)
+            if not handled:
+                binding.warn_once("mask", "PAROProcessor got an attention mask, which a block-sparse plan cannot "
+                                  "honour; running the model's own attention for such calls")
+                return self.dense(binding, attn, call, attention_mask)
         tokens = call.q.shape[2]
         if shard is not None:
             if problem := shard.local_problem(layout, tokens, call.text_tokens):
@@ -582,6 +586,7 @@ class PAROProcessor(_BoundProcessor):
             pv=plan.pv,
             backend=self.backend,
             rotary=rotary,
+            suffix_mask=suffix_mask,
         )
         if shard is not None:
             out = shard.scatter_heads(out, layout.prefix)

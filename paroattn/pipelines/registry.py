@@ -7,9 +7,10 @@ import torch
 from .base import FamilyAdapter
 from .cogvideox import CogVideoXAdapter
 from .flux import FluxAdapter
+from .hunyuan_video import HunyuanVideoAdapter
 from .wan import WanAdapter
 
-FAMILIES: tuple[type[FamilyAdapter], ...] = (CogVideoXAdapter, WanAdapter, FluxAdapter)
+FAMILIES: tuple[type[FamilyAdapter], ...] = (CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter)
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
 
 

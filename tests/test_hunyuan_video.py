@@ -1,0 +1,181 @@
+"""HunyuanVideo on tiny offline models: joint attention over [video ; text] with the text padded.
+
+- dense plans equal the model's own attention (padded text included, fused and unfused RoPE), in a forward
+  and a whole pipeline run, and come off bit-exact; sparse plans run and differ;
+- the model's [B, 1, 1, N] key mask becomes the op's suffix_mask, None when no text token is padding (the
+  Triton kernels take such calls); with padding, backend="triton" refuses with what to use;
+- the token refiner's attention keeps its processor;
+- a plan for another size or text length raises PlanError naming both and the fix;
+- calibration, `paro calibrate` and `paro generate --compare` on a saved pipeline folder.
+(Each layer against the reference op: `test_layer_oracle.py`.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from paroattn import PAROInputError, Plan, PlanError, TokenLayout
+from paroattn.cli import app
+from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
+from paroattn.pipelines.generate import plan_fit_problem
+from paroattn.plan import load_plans, model_fingerprint
+from paroattn.testing import (
+    HUNYUAN_TEXT,
+    HUNYUAN_VALID_TEXT,
+    TINY_BLOCK,
+    tiny_call_kwargs,
+    tiny_forward_inputs,
+    tiny_pipeline,
+    tiny_transformer,
+)
+
+PIPELINE_LAYOUT = TokenLayout(0, 3, 4, 4, suffix=HUNYUAN_TEXT)
+
+
+def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, seed=0) -> Plan:
+    return Plan.synthetic(
+        layout=layout, num_layers=len(self_attention_layers(transformer)),
+        num_heads=transformer.config.num_attention_heads, density=density, orders=orders, num_buckets=num_buckets,
+        block_size=TINY_BLOCK, model_class=type(transformer).__name__,
+        model_fingerprint=model_fingerprint(transformer.config), seed=seed,
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    transformer = tiny_transformer("hunyuan_video")
+    inputs = tiny_forward_inputs(transformer, timestep=700.0)
+    assert not bool(inputs["encoder_attention_mask"].all())  # item 0's text is padded
+    with torch.no_grad():
+        reference = transformer(**inputs)[0]
+    layout = family_of(transformer).call_inputs(transformer, inputs).layout
+    return transformer, inputs, reference, layout
+
+
+def run(transformer, inputs):
+    with torch.no_grad():
+        return transformer(**inputs)[0]
+
+
+def test_layers_and_layout():
+    transformer = tiny_transformer("hunyuan_video")
+    assert self_attention_layers(transformer) == [
+        "transformer_blocks.0.attn.processor", "single_transformer_blocks.0.attn.processor",
+        "single_transformer_blocks.1.attn.processor"]
+    # 720p x 129 frames: 33 latent frames of 90 x 160 -> 33 x 45 x 80 tokens, then 256 text tokens
+    layout = layout_for(transformer, height=720, width=1280, frames=129)
+    assert layout == TokenLayout(0, 33, 45, 80, suffix=256) and layout.seq_len == 119056
+
+
+@pytest.mark.parametrize("orders", ["FHW", "random"])
+@pytest.mark.parametrize("fuse_rope", [True, False])
+def test_dense_plan_equals_the_default_processors(model, orders, fuse_rope):
+    transformer, inputs, reference, layout = model
+    refiner = transformer.context_embedder.token_refiner.refiner_blocks[0].attn.processor
+    with apply(transformer, make_plan(transformer, layout, orders=orders), backend="torch", fuse_rope=fuse_rope):
+        assert transformer.context_embedder.token_refiner.refiner_blocks[0].attn.processor is refiner
+        out = run(transformer, inputs)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(transformer, inputs), reference)
+
+
+def test_sparse_plan_runs_and_differs(model):
+    transformer, inputs, reference, layout = model
+    outs = []
+    for fuse_rope in (True, False):
+        with apply(transformer, make_plan(transformer, layout, density=0.5, orders="random"), backend="torch",
+                   fuse_rope=fuse_rope):
+            outs.append(run(transformer, inputs))
+    assert torch.isfinite(outs[0]).all() and (outs[0] - reference).abs().max() > 1e-3
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # the op's RoPE tables = the model's RoPE
+
+
+def test_padding_becomes_the_suffix_mask_and_none_without_padding(model):
+    transformer, inputs, _, layout = model
+    adapter = family_of(transformer)
+    masks = []
+    hook = transformer.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, a, k: masks.append(k["attention_mask"]), with_kwargs=True)
+    try:
+        run(transformer, inputs)
+        run(transformer, {**inputs, "encoder_attention_mask": torch.ones_like(inputs["encoder_attention_mask"])})
+    finally:
+        hook.remove()
+    handled, padded = adapter.suffix_mask(masks[0], layout)
+    assert handled and padded.shape == (2, HUNYUAN_TEXT)
+    assert padded[0].tolist() == [True] * HUNYUAN_VALID_TEXT + [False] * (HUNYUAN_TEXT - HUNYUAN_VALID_TEXT)
+    assert bool(padded[1].all())
+    assert adapter.suffix_mask(masks[1], layout) == (True, None)  # nothing padded: the Triton kernels can run it
+
+
+def test_triton_refuses_padded_text_with_what_to_use(model):
+    transformer, inputs, _, layout = model
+    with apply(transformer, make_plan(transformer, layout, density=0.5), backend="triton"):
+        with pytest.raises(PAROInputError, match="takes no suffix_mask yet.*pass backend='torch'"):
+            run(transformer, inputs)
+
+
+def test_mismatches_name_the_calibrated_and_actual_sizes(model):
+    transformer, inputs, _, layout = model
+    pipe = tiny_pipeline("hunyuan_video")
+    call = tiny_call_kwargs("hunyuan_video")
+    plan = make_plan(pipe.transformer, TokenLayout(0, 3, 4, 6, suffix=HUNYUAN_TEXT))  # made for 64 x 96
+    problem = plan_fit_problem(pipe, plan, call)
+    assert "9 frames of 64x96" in problem and "9 frames of 64x64" in problem
+    assert "paro calibrate MODEL_DIR --height 64 --width 64 --frames 9" in problem
+    longer = make_plan(pipe.transformer, TokenLayout(0, 3, 4, 4, suffix=30))
+    problem = plan_fit_problem(pipe, longer, call)
+    assert "calibrated with 30 text tokens; this call has 21: pass max_sequence_length=30" in problem
+    with apply(transformer, make_plan(transformer, TokenLayout(0, 4, 4, 4, suffix=30)), backend="torch"):
+        with pytest.raises(PlanError, match="calibrated with 30 text tokens; this call has 21"):
+            run(transformer, inputs)
+
+
+def test_pipeline_dense_plan_equals_default_and_calibration_runs(tmp_path):
+    from paroattn.calibrate.driver import CalibrationConfig, calibrate, save_calibration
+
+    pipe = tiny_pipeline("hunyuan_video")
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {**tiny_call_kwargs("hunyuan_video"), "num_inference_steps": 3, "output_type": "latent"}
+
+    def generate():
+        with torch.no_grad():
+            return pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    reference = generate()
+    with apply(pipe, make_plan(pipe.transformer, PIPELINE_LAYOUT, orders="random"), backend="torch"):
+        torch.testing.assert_close(generate(), reference, rtol=1e-5, atol=1e-5)
+    extra = {key: kwargs[key] for key in ("max_sequence_length", "guidance_scale", "prompt_template")}
+    config = CalibrationConfig(density=0.5, block_size=TINY_BLOCK, steps=3, height=64, width=64, frames=9,
+                               num_buckets=2, stat_every=1, pipeline_kwargs=extra)
+    plan, result = calibrate(pipe, ["a red fox in the snow"], config)
+    assert plan.layout == PIPELINE_LAYOUT and plan.expert == "transformer"
+    # the text blocks (tokens 48..68: key and query blocks 3 and 4) stay on in every mask
+    assert plan.block_mask[..., 3:, :].all() and plan.block_mask[..., :, 3:].all()
+    path, _ = save_calibration(plan, result, tmp_path / "plan.safetensors")
+    with apply(pipe, load_plans(path), backend="torch"):
+        out = generate()
+    assert torch.isfinite(out).all() and (out - reference).abs().max() > 1e-4
+
+
+def test_cli_calibrate_and_generate_compare_on_a_saved_pipeline(tmp_path):
+    pipe = tiny_pipeline("hunyuan_video")
+    pipe.save_pretrained(tmp_path / "model")
+    runner = CliRunner()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    size = ["--height", 64, "--width", 64, "--frames", 9]
+    result = runner.invoke(app, [str(a) for a in [
+        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
+        "--num-prompts", 1, "--steps", 3, "--stat-every", 1, "--buckets", 2, "--density", 0.5,
+        "--block-size", TINY_BLOCK, "--device", "cpu", *size]])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(tmp_path / "plan.safetensors").layout == TokenLayout(0, 3, 4, 4, suffix=256)
+    result = runner.invoke(app, [str(a) for a in [
+        "generate", tmp_path / "model", "--prompt", "a cat", "--plan", tmp_path / "plan.safetensors", "--compare",
+        "--steps", 3, "--device", "cpu", "--backend", "torch", "--out", tmp_path / "out.gif", *size]])
+    assert result.exit_code == 0, result.output
+    assert "PARO vs dense: PSNR" in result.output
+    assert (tmp_path / "out.gif").stat().st_size > 0 and (tmp_path / "out_dense.gif").stat().st_size > 0
