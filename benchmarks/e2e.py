@@ -5,13 +5,18 @@ the released models' configs; no downloads) with random bf16 weights on the GPU:
 depend on weight values. One "step" is one transformer forward at the model's default size:
 - CogVideoX-5B: 49 frames 480x720, B=2 (CFG batched), 226 + 13x30x45 = 17776 tokens;
 - Wan2.1-1.3B: 81 frames 480x832, B=1 (one CFG branch; a CFG step is two such calls), 21x30x52 = 32760;
-- FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens.
+- FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens;
+- Wan 2.2 A14B, one expert (both have this config): 81 frames 720x1280, B=1, 21x45x80 = 75600 tokens;
+- Wan 2.2 TI2V-5B: 121 frames 704x1280 (VAE 16x), B=1, per-token timesteps, 31x22x40 = 27280 tokens;
+- HunyuanVideo: 129 frames 720x1280, B=1 (guidance-distilled), 33x45x80 + 256 text = 119056 tokens, the
+  text unpadded (a prompt that fills it: padded text runs the torch reference).
 Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
 fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
 time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
 "model-rope" rows apply the model's own RoPE code before the op (fuse_rope=False) instead of the op's pass.
 
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
+        [--modes "dense,paro d=0.2 int8+fp8"] [--resident-only]     # (models also: wan2.2-a14b, wan2.2-ti2v, hunyuan)
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
 
@@ -22,6 +27,7 @@ driver and the commit.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -56,8 +62,28 @@ CONFIGS = {
         num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
     )),
+    "wan2.2-a14b": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    )),
+    "wan2.2-ti2v": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+        text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    )),
+    "hunyuan": ("HunyuanVideoTransformer3DModel", dict(
+        in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
+        guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+        rope_axes_dim=(16, 56, 56),
+    )),
 }
-LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev"}
+LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev",
+          "wan2.2-a14b": "Wan2.2-A14B expert 720p", "wan2.2-ti2v": "Wan2.2-TI2V-5B", "hunyuan": "HunyuanVideo 720p"}
+# the tiny model of each family, for --smoke
+SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan",
+                  "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video"}
 MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
          ("paro d=0.5 int8+fp8", 0.5, "int8", "fp8"), ("paro d=0.2 int8+fp8", 0.2, "int8", "fp8")]
 # distinct synthetic masks per plan, cycled over layers (timing does not depend on which mask a layer has)
@@ -70,7 +96,7 @@ def build_transformer(name: str, device, dtype, smoke: bool):
     if smoke:
         from paroattn.testing import tiny_transformer
 
-        return tiny_transformer({"cogvideox": "cogvideox", "wan": "wan", "flux": "flux"}[name], head_dim=64).to(device)
+        return tiny_transformer(SMOKE_FAMILIES[name], head_dim=64).to(device)
     cls_name, config = CONFIGS[name]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -109,6 +135,17 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool) -> dict:
     if name == "wan":
         return {"hidden_states": rand(1, 16, 21, 60, 104), "encoder_hidden_states": rand(1, 512, 4096),
                 "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
+    if name == "wan2.2-a14b":
+        return {"hidden_states": rand(1, 16, 21, 90, 160), "encoder_hidden_states": rand(1, 512, 4096),
+                "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
+    if name == "wan2.2-ti2v":  # the pipeline's expand_timesteps: one timestep per token
+        return {"hidden_states": rand(1, 48, 31, 44, 80), "encoder_hidden_states": rand(1, 512, 4096),
+                "timestep": torch.full((1, 31 * 22 * 40), 900.0, device=device), "return_dict": False}
+    if name == "hunyuan":
+        return {"hidden_states": rand(1, 16, 33, 90, 160), "encoder_hidden_states": rand(1, 256, 4096),
+                "encoder_attention_mask": torch.ones(1, 256, device=device, dtype=torch.long),
+                "pooled_projections": rand(1, 768), "timestep": torch.full((1,), 900.0, device=device, dtype=dtype),
+                "guidance": torch.full((1,), 6000.0, device=device, dtype=dtype), "return_dict": False}
     img_ids = torch.zeros(64, 64, 3, device=device)
     img_ids[..., 1] = torch.arange(64, device=device)[:, None]
     img_ids[..., 2] = torch.arange(64, device=device)[None, :]
@@ -160,10 +197,12 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     print(f"[{LABELS[name]}] built in {time.perf_counter() - t0:.1f} s, layout {layout} ({layout.seq_len} tokens)", flush=True)
     backend = "torch" if device.type == "cpu" else "auto"
     dense_s = None
-    masks_by_density: dict[float, torch.Tensor] = {}
+    plans_by_density: dict[float, Plan] = {}
     for label, density, qk, pv in MODES:
+        if args.modes and label not in args.modes:
+            continue
         runs = [("resident", True, True)]
-        if density == 0.2:
+        if density == 0.2 and not args.resident_only:
             # prefetch overhead: the same plan with masks streamed per layer; what the op's RoPE pass
             # buys: the same plan with the model's own RoPE code applied first (fuse_rope=False)
             runs = [("resident", True, True), ("streamed", False, True), ("model-rope", True, False)]
@@ -171,11 +210,12 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
           try:
             handle = None
             if density is not None:
-                if density not in masks_by_density:
-                    masks_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block,
-                                                               query_block=args.query_block).block_mask
-                plan = synthetic_plan(transformer, layout, density, qk, pv, block, query_block=args.query_block)
-                plan = Plan(**{**plan.__dict__, "block_mask": masks_by_density[density], "density": None})
+                if density not in plans_by_density:  # one plan per density (building and checking it is slow at
+                    # full size): the modes differ only in qk and pv, which the copy sets (valid MODES entries)
+                    plans_by_density[density] = synthetic_plan(transformer, layout, density, "bf16", "bf16", block,
+                                                               query_block=args.query_block)
+                plan = copy.copy(plans_by_density[density])
+                plan.qk, plan.pv = qk, pv
                 handle = apply(transformer, plan, backend=backend, resident=resident, fuse_rope=fuse_rope)
                 handle.processor.prepare(handle.binding, device)
             if device.type == "cuda":
@@ -296,6 +336,10 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (torch backend): checks the script")
     parser.add_argument("--query-block", type=int, default=None,
                         help="query block of the synthetic plans (key blocks stay 64; 128: the fast D=128 tiles)")
+    parser.add_argument("--modes", type=lambda text: [m.strip() for m in text.split(",")], default=None,
+                        help=f"comma-separated subset of the modes: {', '.join(m[0] for m in MODES)}")
+    parser.add_argument("--resident-only", action="store_true",
+                        help="skip the d=0.2 runs with streamed masks and with the model's own RoPE")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)
