@@ -14,7 +14,8 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
     lines = [
         f"model        {plan.model_class or '(unspecified)'}  fingerprint {plan.model_fingerprint or '-'}"
         + (f"  expert {plan.expert}" if plan.expert else ""),
-        f"layout       {plan.layout}  ({plan.layout.seq_len} tokens, prefix {plan.layout.prefix})",
+        f"layout       {plan.layout}  ({plan.layout.seq_len} tokens, prefix {plan.layout.prefix}"
+        + (f", suffix {plan.layout.suffix})" if plan.layout.suffix else ")"),
         f"attention    {L} layers x {H} heads, blocks {plan.block_size[0]}x{plan.block_size[1]} ({nq}x{nk} per head)",
         f"quantization qk={plan.qk} pv={plan.pv}",
         f"density      target {plan.target_density:.3f}, achieved {plan.achieved_density():.3f}",

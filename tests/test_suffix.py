@@ -183,3 +183,14 @@ def test_a_plan_with_a_suffix_round_trips(tmp_path):
     plan.save(tmp_path / "p.safetensors")
     assert Plan.load(tmp_path / "p.safetensors").layout == layout
     assert plan.mask_blocks == (3, 3)
+
+
+def test_inspect_summary_names_the_suffix_and_the_expert():
+    from paroattn import Plan
+    from paroattn.summary import describe_plan
+
+    plan = Plan.synthetic(layout=TokenLayout(0, 2, 3, 4, suffix=21), num_layers=1, num_heads=2, density=0.5,
+                          block_size=BLOCK)
+    plan.expert = "transformer_2"
+    text = describe_plan(plan)
+    assert "2x3x4 + 21  (45 tokens, prefix 0, suffix 21)" in text and "expert transformer_2" in text
