@@ -1,6 +1,7 @@
 """PARO under `torch.compile(transformer, fullgraph=True)`: one graph, no break, no recompile per step.
 
-Tiny CogVideoX, Wan and FLUX models in float32 with the torch backend, plans with random orders, density
+Tiny CogVideoX, Wan (2.1, and 2.2 TI2V with per-token timesteps), FLUX and HunyuanVideo (padded text: the
+suffix mask traced as a tensor) models in float32 with the torch backend, plans with random orders, density
 < 1 and 3 buckets ([1000, 750, 500, 0]), forward calls whose tensor timesteps (as pipelines pass them)
 fall through every bucket:
 - the compiled transformer equals the eager PARO run, which `test_layer_oracle.py` checks against the plan;
@@ -40,7 +41,7 @@ from paroattn.pipelines.prefetch import StackedMasks
 from paroattn.plan import bucket_index, bucket_tensor, default_bucket_edges, model_fingerprint
 from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
-FAMILIES = ["cogvideox", "wan", "flux"]
+FAMILIES = ["cogvideox", "wan", "flux", "wan2.2-ti2v", "hunyuan_video"]
 EDGES = [1000.0, 750.0, 500.0, 0.0]
 # falling timesteps, two per bucket of EDGES: the first calls in bucket 0, later ones in 1, then 2
 TIMESTEPS = [980.0, 900.0, 700.0, 600.0, 400.0, 150.0]
