@@ -29,7 +29,7 @@ HUNYUAN_VALID_TEXT = 13
 WAN_I2V_TEXT = 512
 WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
-# the tiny expert pair switches at t = 700 (Wan 2.2 A14B T2V: 875), so that a 4-step run gives each expert
+# the tiny expert pair switches at t = 700 (boundary_ratio 0.7 in its pipeline config), so that a 4-step run gives each expert
 # two steps (t = 1000, 858 | 602, 9) and the bucket (500, 900] on both sides of the switch
 WAN22_BOUNDARY = 0.7
 # the tiny TI2V model: 3 heads and 6 latent channels (TI2V-5B: 24 heads, 48 channels), a VAE that compresses

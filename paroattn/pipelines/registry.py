@@ -35,7 +35,7 @@ def pipeline_experts(pipe_or_transformer) -> list[tuple[str, torch.nn.Module]]:
 
 
 def expert_role(pipe, expert: str) -> str:
-    """What an expert of `pipe` denoises, for messages: "high-noise steps, t >= 875" and the like."""
+    """What an expert of `pipe` denoises, for messages: "high-noise steps, t >= 700" and the like."""
     ratio = getattr(getattr(pipe, "config", None), "boundary_ratio", None)
     if ratio is None or expert not in EXPERTS:
         return "every step"
