@@ -29,8 +29,8 @@ HUNYUAN_VALID_TEXT = 13
 WAN_I2V_TEXT = 512
 WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
-# the tiny expert pair switches at t = 700 (boundary_ratio 0.7 in its pipeline config), so that a 4-step run gives each expert
-# two steps (t = 1000, 858 | 602, 9) and the bucket (500, 900] on both sides of the switch
+# the tiny expert pair switches at t = 700 (boundary_ratio 0.7 in its pipeline config), so that a 4-step run
+# gives each expert two steps (t = 1000, 858 | 602, 9) and the bucket (500, 900] on both sides of the switch
 WAN22_BOUNDARY = 0.7
 # the tiny TI2V model: 3 heads and 6 latent channels (TI2V-5B: 24 heads, 48 channels), a VAE that compresses
 # space by 16 (a 2x2 patchify before 8x) like Wan 2.2's
