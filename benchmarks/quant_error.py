@@ -66,11 +66,13 @@ class Variant:
     (that many consecutive tokens of the reordered sequence), "token", or "thread" (keys only: the 4
     groups {j : j mod 8 in {2t, 2t + 1}} of each key block)."""
 
+    inputs: str = "float32"  # "float32" or "bf16": q, k, v rounded to bf16 first (the op's usual input dtype)
     qk: str = "exact"  # "exact", "int8", "int4"
     q_group: str | int = "block"
     k_group: str | int = "block"
     smooth_k: bool = True  # subtract K's sampled mean before quantizing (the kernels do)
-    p: str = "exact"  # "exact", "fp8" (e4m3 of P * 448, the kernels'), "fp8-raw" (e4m3 of P in [0, 1]), "int8"
+    # "exact", "bf16", "fp8" (e4m3 of P * 448, the kernels'), "fp8-raw" (e4m3 of P in [0, 1]), "int8" (P * 127)
+    p: str = "exact"
     v: str = "exact"  # "exact", "fp8", "int8"
     v_group: str = "channel"  # "channel" (one scale per channel over all tokens, the kernels') or "token"
     smooth_v: bool = False  # subtract V's per-channel mean before quantizing, add it to the output after
@@ -121,6 +123,8 @@ VARIANTS = [
     ("PV only", "int8 P only (P * 127)", Variant(p="int8")),
     ("PV only", "int8 V only, per channel", Variant(v="int8")),
     ("PV only", "int8 P and V (current)", Variant(p="int8", v="int8")),
+    ("both", "bf16 op (q, k, v and P rounded to bf16)", Variant(inputs="bf16", p="bf16")),
+    ("both", "int8 QK + bf16 PV (q, k, v and P rounded to bf16)", Variant(inputs="bf16", qk="int8", p="bf16")),
     ("both", "int8 QK + fp8 PV (current)", CURRENT[("int8", "fp8")]),
     ("both", "int8 QK + fp8 PV, Q per token", dataclasses.replace(CURRENT[("int8", "fp8")], q_group="token")),
     ("both", "int8 QK + fp8 PV, V smoothed, quantized denominator",
@@ -131,6 +135,7 @@ VARIANTS = [
 ]
 # the denoising step (--step): the op's modes and the variants that change the picture
 STEP_VARIANTS = [
+    "bf16 op (q, k, v and P rounded to bf16)",
     "int8 QK, per block (current)", "fp8 P and V (current)", "fp8 P and V, V smoothed, quantized denominator",
     "int8 QK + fp8 PV (current)", "int8 QK + fp8 PV, V smoothed, quantized denominator", "int4 QK + fp8 PV (current)",
 ]
@@ -173,6 +178,8 @@ def quantize_p(p: torch.Tensor, mode: str) -> torch.Tensor:
     """P (after the row-max shift, in [0, 1]) as the PV product sees it, dequantized."""
     if mode == "exact":
         return p
+    if mode == "bf16":
+        return p.to(torch.bfloat16).float()
     if mode == "fp8":
         return (p * E4M3_MAX).to(E4M3).float() / E4M3_MAX
     if mode == "fp8-raw":
@@ -202,6 +209,8 @@ def emulate(q, k, v, layout: TokenLayout, orders, block_mask, bq: int, bk: int, 
     B, H, N, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
+    if variant.inputs == "bf16":
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     quantized_qk = variant.qk != "exact"
@@ -355,7 +364,9 @@ def model_problems(layers=(0, 3, 7), density: float = 0.5, sigma: float = 0.5, s
     def op(variant, record):
         calls = iter(range(10**6))
 
-        def attention(q, k, v, *, layout, orders, block_mask, block_size, rotary=None, **_):
+        def attention(q, k, v, *, layout, orders, block_mask, block_size, rotary=None, suffix_mask=None, **_):
+            if suffix_mask is not None:
+                raise NotImplementedError("the study's op has no suffix_mask (the reference model has no suffix)")
             problem = _problem_from_call(q, k, v, layout, orders, block_mask, block_size, rotary)
             layer = next(calls)
             if record and layer in layers:
