@@ -1,9 +1,9 @@
 """Where the error of quantized PARO attention comes from: QK or PV, which factor, and what finer
 quantization granularity would buy. A CPU study in float32 on the torch reference's quantization grid.
 
-    python benchmarks/quant_error.py --out benchmarks/results/quant-error-cpu.json   # ~5 min on 2 cores
-    python benchmarks/quant_error.py --table benchmarks/results/quant-error-cpu.json # markdown from the JSON
-    python benchmarks/quant_error.py --smoke                                         # seconds: the checks only
+    python benchmarks/quant_error.py --step --out benchmarks/results/quant-error-cpu.json  # ~6 CPU minutes
+    python benchmarks/quant_error.py --table benchmarks/results/quant-error-cpu.json       # markdown from the JSON
+    python benchmarks/quant_error.py --smoke                                               # seconds: the checks
 
 `emulate` is the reference op (`paroattn.kernels.reference.paro_attention_reference`) with every
 quantization step a parameter (`Variant`): QK exact / int8 / int4 with Q and K scales per block (the
