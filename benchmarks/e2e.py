@@ -17,8 +17,16 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
 
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
         [--modes "dense,paro d=0.2 int8+fp8"] [--resident-only]     # (models also: wan2.2-a14b, wan2.2-ti2v, hunyuan)
+    python benchmarks/e2e.py --compile fullgraph,reduce-overhead [--models ...]   # compiled rows (below)
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
+
+With --compile, each model runs instead dense and PARO (d=0.2 int8 QK + fp8 PV; --compile-densities for
+more) eagerly and under `torch.compile(transformer, ...)` for each named setting ("default": no options,
+"fullgraph": fullgraph=True, "reduce-overhead": fullgraph=True with whole-transformer CUDA graphs), in one
+run: the first call (compile included) is reported apart from the median step after it, and each
+compiled PARO output is compared with the eager PARO output of the same inputs (max |difference| over
+max |eager output|).
 
 The JSON records the GPU, torch, triton, date, the plans' block sizes and, where available, the
 driver and the commit.
@@ -264,6 +272,111 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     return rows
 
 
+COMPILE_SETTINGS = {"default": {}, "fullgraph": {"fullgraph": True},
+                    "reduce-overhead": {"fullgraph": True, "mode": "reduce-overhead"}}
+
+
+def time_first_and_steps(fn, inputs, iters: int, device) -> tuple[float, float, list[float], torch.Tensor]:
+    """Seconds of the first call (compiles where fn is compiled), median seconds of the `iters` calls after
+    it, their times, and the last call's output (a copy: CUDA-graph outputs are overwritten by the next replay)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(iters + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(**inputs)[0]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            out = out.clone()
+    return times[0], statistics.median(times[1:]), times[1:], out
+
+
+def bench_compiled(name: str, args, device, dtype) -> list[dict]:
+    """Dense and PARO, eager and compiled with each of args.compile, one model, one run."""
+    transformer = build_transformer(name, device, dtype, args.smoke)
+    inputs = step_inputs(name, transformer, device, dtype, args.smoke)
+    layout = family_of(transformer).call_inputs(transformer, inputs).layout
+    block = 16 if args.smoke else 64
+    backend = "torch" if device.type == "cpu" else "auto"
+    settings = [s.strip() for s in args.compile.split(",")]
+    batch = int(next(iter(inputs.values())).shape[0])
+    rows, dense = [], {}
+
+    def run(label, density, compile_setting, fn, reference=None):
+        first, seconds, times, out = time_first_and_steps(fn, inputs, args.iters, device)
+        row = {"model": LABELS[name], "mode": label, "masks": "resident" if density else "-",
+               "compile": compile_setting, "first_call_s": first, "step_s": seconds, "times_s": times,
+               "tokens": layout.seq_len, "batch": batch}
+        if density is None:
+            dense[compile_setting] = seconds
+        row["speedup"] = dense[compile_setting] / seconds
+        row["speedup_vs_eager_dense"] = dense["eager"] / seconds
+        if reference is not None:
+            row["max_error_vs_eager"] = float((out.float() - reference.float()).abs().max()
+                                              / reference.float().abs().max())
+        rows.append(row)
+        if args.json:  # each row as it comes: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"info": args.info, "rows": args.rows_before + rows}, indent=1))
+        print(f"  {label:22s} {compile_setting:15s} first {first:7.1f} s  step {seconds * 1000:9.1f} ms  "
+              f"x{row['speedup']:.2f} (vs eager dense x{row['speedup_vs_eager_dense']:.2f})"
+              + (f"  max error vs eager {row['max_error_vs_eager']:.1e}" if reference is not None else ""),
+              flush=True)
+        return out
+
+    def compiled_rows(label, density, reference=None):
+        for setting in settings:
+            torch._dynamo.reset()
+            try:
+                run(label, density, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]), reference)
+            except Exception as exc:  # one setting that fails must not hide the others
+                print(f"  {label:22s} {setting:15s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
+                rows.append({"model": LABELS[name], "mode": label, "compile": setting, "step_s": float("nan"),
+                             "speedup": float("nan"), "error": str(exc)[:2000]})
+            torch._dynamo.reset()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    print(f"[{LABELS[name]}] layout {layout} ({layout.seq_len} tokens), compiled: {settings}", flush=True)
+    run("dense", None, "eager", transformer)
+    compiled_rows("dense", None)
+    for density in args.compile_densities:
+        label = f"paro d={density:g} int8+fp8"
+        plan = synthetic_plan(transformer, layout, density, "int8", "fp8", block, query_block=args.query_block)
+        handle = apply(transformer, plan, backend=backend, resident=True)
+        handle.processor.prepare(handle.binding, device)
+        eager = run(label, density, "eager", transformer)
+        compiled_rows(label, density, reference=eager)
+        handle.remove()
+    return rows  # the model and its inputs are freed with this frame and its closures
+
+
+def compiled_table(results: dict) -> str:
+    """Step times eager and compiled, dense and PARO, with the compile (first call) times."""
+    info, rows = results["info"], [r for r in results["rows"] if r.get("step_s") == r.get("step_s")]
+    settings = list(dict.fromkeys(r["compile"] for r in rows if r.get("compile") not in (None, "eager")))
+    out = [", ".join([info["device"]] + [f"{k} {info[k]}" for k in ("driver", "torch", "triton", "commit")
+                                         if info.get(k)] + [info["date"]]), "",
+           "| model (tokens, batch) | PARO mode | how | dense step | PARO step | PARO vs dense (same how) | "
+           "PARO vs eager dense | first call dense / PARO | PARO vs eager PARO, max error |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["model"] == model and r["mode"] != "dense"):
+            for how in ["eager", *settings]:
+                d = next((r for r in rows if r["model"] == model and r["mode"] == "dense" and r["compile"] == how), None)
+                p = next((r for r in rows if r["model"] == model and r["mode"] == mode and r["compile"] == how), None)
+                if d is None or p is None:
+                    continue
+                first = "" if how == "eager" else f"{d['first_call_s']:.0f} s / {p['first_call_s']:.0f} s"
+                error = f"{p['max_error_vs_eager']:.1e}" if "max_error_vs_eager" in p else ""
+                out.append(f"| {model} ({d['tokens']}, {d['batch']}) | {mode.replace('paro ', '')} | {how} | "
+                           f"{d['step_s'] * 1000:.1f} ms | {p['step_s'] * 1000:.1f} ms | {p['speedup']:.2f}x | "
+                           f"{p['speedup_vs_eager_dense']:.2f}x | {first} | {error} |")
+    return "\n".join(out)
+
+
 def _environment() -> dict:
     """Driver and commit, best effort: absent where nvidia-smi or a git checkout is not there."""
     env = {}
@@ -340,12 +453,18 @@ def main(argv=None):
                         help=f"comma-separated subset of the modes: {', '.join(m[0] for m in MODES)}")
     parser.add_argument("--resident-only", action="store_true",
                         help="skip the d=0.2 runs with streamed masks and with the model's own RoPE")
+    parser.add_argument("--compile", default=None, metavar="SETTINGS",
+                        help=f"compiled rows instead: comma-separated of {', '.join(COMPILE_SETTINGS)}")
+    parser.add_argument("--compile-densities", default="0.2", type=lambda s: [float(d) for d in s.split(",")],
+                        help="PARO densities of the compiled rows (int8 QK + fp8 PV)")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)
     if args.table:
         for path in args.table:
-            print(f"`{path.name}`: " + markdown_tables(json.loads(path.read_text())) + "\n")
+            results = json.loads(path.read_text())
+            compiled = any(r.get("compile") for r in results["rows"])
+            print(f"`{path.name}`: " + (compiled_table if compiled else markdown_tables)(results) + "\n")
         return None
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
@@ -367,7 +486,8 @@ def main(argv=None):
     rows = []
     for name in args.models.split(","):
         try:
-            rows += bench_model(name.strip(), args, device, dtype)
+            args.info, args.rows_before = info, rows
+            rows += (bench_compiled if args.compile else bench_model)(name.strip(), args, device, dtype)
         except Exception as exc:  # keep the other models' numbers; say what broke
             import traceback
 
@@ -379,6 +499,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         if args.json:
             args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    if args.compile:
+        print("\n" + compiled_table({"info": info, "rows": rows}))
+        return rows
     print("\nmodel          mode                    masks      step ms   speedup  peak GiB  masks GPU MiB")
     for r in rows:
         print(f"{r['model']:14s} {r['mode']:22s}  {r['masks']:9s} {r['step_s'] * 1000:8.1f}  {r['speedup']:7.2f}x"

@@ -200,8 +200,10 @@ def paro_attention(
         trusted (a check would sync); host tensors are checked.
     block_mask : bool Tensor [H, ceil(N / bq), ceil(N / bk)] or ActiveBlocks
         Active blocks in reordered coordinates (a plan's `block_mask[bucket, layer]`), or the same as
-        prebuilt active-block lists (`ActiveBlocks.from_mask`), which processors pass: a bool mask is
-        converted on every call, which syncs the host.
+        prebuilt active-block lists (`ActiveBlocks.from_mask`), which processors pass. The Triton backend
+        converts a bool mask on the GPU without a host sync and keeps the lists for the next call with
+        the same mask, rebuilt after any in-place change made through torch; a mask changed without
+        torch seeing it (through `.data`, NumPy or DLPack) must be passed as a new tensor.
     block_size : int or (bq, bk)
         Query and key block sizes of the mask, positive ints. The Triton kernels take 32, 64 or 128 (16 in the interpreter).
     qk : {"bf16", "int8", "int4"}

@@ -5,6 +5,7 @@ CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-toke
     paro bench [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--graph] [--out DIR]
     paro bench --table RESULTS.json [...]             # every method's table (no GPU)
     paro bench --table RESULTS.json [...] --summary   # bf16 and int8+fp8 per model (no GPU)
+    paro bench --host [--out DIR]                     # host time per eager call vs CUDA-graph replay
 
 `python -m paroattn.bench` and, in a source checkout, `python benchmarks/attention.py` take the same
 options. The JSON goes to `--out`: by default `benchmarks/results/` of the source checkout this
@@ -407,6 +408,81 @@ def _sweep_and_pin(results, name, layout, H, D, block_size, orders_cpu, sets, mo
         dispatch.set_kernel_config(D, bq, bk, qk, pv, best[1] if best else None)
 
 
+HOST_CASES = {"short": (0.5, 1000), "flux.1-dev": (0.2, 300)}  # shape: (density, calls per timing)
+HOST_WAYS = ("lists", "lists + RoPE", "bool mask on the GPU", "bool mask on the host")
+
+
+def _wall_us(call, calls: int) -> float:
+    """Wall time per call of `calls` calls back to back, the GPU work queued behind them: the host's
+    launch work where it is longer than the GPU's (best of 3)."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def host_times(out_dir=None) -> dict:
+    """Eager wall time per call back to back vs the replay of a CUDA graph of the same calls (GPU time
+    alone), for paro bf16 and int8 QK + fp8 PV at 128 x 64 blocks given active-block lists (with and
+    without RoPE tables) or a bool mask (on the GPU or on the host), and for SDPA: the short shape
+    (d=0.5, host-bound) and FLUX.1-dev (d=0.2)."""
+    import triton
+
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "date": datetime.date.today().isoformat(), **_environment(), "block": [128, 64], "host_rows": []}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (density, calls) in HOST_CASES.items():
+        B, H, layout, D = SHAPES[name]
+        N = layout.seq_len
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), density, generator=torch.Generator().manual_seed(2))
+        blocks, mask_gpu = ActiveBlocks.from_mask(mask).to("cuda"), mask.cuda()
+        orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
+        angles = torch.rand(layout.grid_tokens, D // 2, device="cuda", generator=g).repeat_interleave(2, dim=-1)
+        rotary = (angles.cos(), angles.sin())
+        for qk, pv in (("bf16", "bf16"), ("int8", "fp8")):
+            kw = dict(layout=layout, orders=orders, block_size=(128, 64), qk=qk, pv=pv)
+            ways = {"lists": dict(block_mask=blocks), "lists + RoPE": dict(block_mask=blocks, rotary=rotary),
+                    "bool mask on the GPU": dict(block_mask=mask_gpu), "bool mask on the host": dict(block_mask=mask)}
+            row = {"shape": name, "density": density, "qk": qk, "pv": pv}
+            for way, extra in ways.items():
+                row[way] = _wall_us(lambda extra=extra: paro_attention(q, k, v, **kw, **extra), calls)
+            row["cuda graph"] = _graph_ms(lambda q, k, v: paro_attention(q, k, v, block_mask=blocks, **kw),
+                                          [(q, k, v)]) * 1e3
+            results["host_rows"].append(row)
+            print(row, flush=True)
+        results["host_rows"].append({"shape": name, "density": density, "qk": "sdpa", "pv": "",
+                                     "lists": _wall_us(lambda: F.scaled_dot_product_attention(q, k, v), calls),
+                                     "cuda graph": _graph_ms(F.scaled_dot_product_attention, [(q, k, v)]) * 1e3})
+    if out_dir is not None:
+        slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")
+        path = Path(out_dir) / f"host-{slug}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+        print(f"wrote {path}")
+    print(host_table(results))
+    return results
+
+
+def host_table(results: dict) -> str:
+    """The host-time rows of a `--host` results file, us per call."""
+    lines = [environment_line({**results, "timing": "wall time per call back to back vs CUDA-graph replay"}), "",
+             "| shape, d | mode | " + " | ".join(HOST_WAYS) + " | CUDA graph replay |", "|---" * 7 + "|"]
+    for r in results["host_rows"]:
+        mode = "SDPA" if r["qk"] == "sdpa" else MODE_LABELS.get((r["qk"], r["pv"]), f"{r['qk']}+{r['pv']}")
+        cells = [f"{r[way]:.0f} us" if way in r else "" for way in HOST_WAYS]
+        lines.append(f"| {LABELS.get(r['shape'], r['shape'])}, {r['density']} | {mode} | " + " | ".join(cells)
+                     + f" | {r['cuda graph']:.0f} us |")
+    return "\n".join(lines)
+
+
 def format_table(results: dict) -> str:
     lines = [f"GPU: {results['gpu']}  torch {results['torch']}  triton {results['triton']}  {results['date']}",
              "| shape | method | density | ms | eff. TFLOP/s | speedup vs SDPA default |",
@@ -544,14 +620,20 @@ def main(argv=None) -> dict:
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     parser.add_argument("--summary", action="store_true",
                         help="with --table: per model, bf16 and int8+fp8 at d = 1 / 0.5 / 0.2 vs SDPA, and the host time")
+    parser.add_argument("--host", action="store_true",
+                        help="host time per eager call (lists, RoPE, bool masks) vs CUDA-graph replay, and exit")
     args = parser.parse_args(argv)
+    if args.host and not args.table:
+        return host_times(args.out)
     shapes = [s for s in args.shapes.split(",") if s] if args.shapes else None
     densities = [float(d) for d in args.densities.split(",")] if args.densities else None
     modes = [tuple(m.split("+")) for m in args.modes.split(",")] if args.modes else None
     if args.table:
         files = [json.loads(Path(path).read_text()) for path in args.table]
         for path, results in zip(args.table, files):
-            if args.summary:
+            if "host_rows" in results:
+                print(f"`{Path(path).name}`: " + host_table(results) + "\n")
+            elif args.summary:
                 print(f"`{Path(path).name}`: " + summary_table(results, shapes, modes, densities) + "\n")
             else:
                 print(f"`{Path(path).name}`: {environment_line(results)}\n\n{markdown_tables(results)}")

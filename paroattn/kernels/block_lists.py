@@ -56,14 +56,23 @@ class ActiveBlocks:
             )
 
     @classmethod
-    def from_mask(cls, block_mask: torch.Tensor) -> ActiveBlocks:
-        """bool [H, nq, nk] -> lists. Padding entries repeat index 0 and are never read (count bounds the loop)."""
+    def from_mask(cls, block_mask: torch.Tensor, *, sync: bool = True) -> ActiveBlocks:
+        """bool [H, nq, nk] -> lists, as wide as the longest one, padded with index 0 (never read: count
+        bounds the loop).
+
+        The width is read on the host: on a GPU that waits for the work queued before it. `sync=False`
+        builds lists nk wide on the mask's device with nothing read back (what `paro_attention` does with
+        a bool mask): the same counts, schedule and active entries, with the inactive blocks (ascending)
+        as padding."""
         if block_mask.dtype != torch.bool or block_mask.dim() != 3:
             raise ValueError(f"block_mask must be bool [H, nq, nk], got {block_mask.dtype} {tuple(block_mask.shape)}")
         nk = block_mask.shape[-1]
         counts = block_mask.sum(dim=-1, dtype=torch.int32)
+        if not sync:
+            # a stable sort puts the active blocks first, each group in ascending key order
+            order = torch.sort(block_mask.view(torch.int8), dim=-1, descending=True, stable=True).indices
+            return cls(counts, order.to(torch.int32), nk)
         max_active = max(int(counts.max()) if counts.numel() else 0, 1)
-        # stable sort puts active blocks first, in ascending key order
         order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices[..., :max_active]
         valid = torch.arange(max_active, device=block_mask.device) < counts[..., None]
         indices = torch.where(valid, order, torch.zeros_like(order)).to(torch.int32)

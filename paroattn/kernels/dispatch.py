@@ -126,20 +126,16 @@ def arch_of(device: torch.device) -> str:
     """"sm90", "sm80", ... for a CUDA device; "interpreter" under TRITON_INTERPRET=1."""
     if interpreting():
         return INTERPRETER
-    major, minor = _capability(device)
-    return f"sm{major}{minor}"
-
-
-_CAPABILITIES: dict[torch.device, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
     # asked on every call of the op: torch's query costs more host time than the rest of the choice
     # (a plain dict, which torch.compile traces, where functools.cache would only be warned about)
-    capability = _CAPABILITIES.get(device)
-    if capability is None:
-        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
-    return capability
+    arch = _ARCHS.get(device)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = _ARCHS[device] = f"sm{major}{minor}"
+    return arch
+
+
+_ARCHS: dict[torch.device, str] = {}
 
 
 def _has_tma(arch: str) -> bool:

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import CachedLauncher, aligned
+
 _BLOCK_N = 32  # with 8 heads per program and 4 warps: the fastest of a sweep on the three models (H200)
 _NUM_WARPS = 4
 # heads one program rotates: each table tile is read once per program, and the heads' loads are issued
@@ -82,19 +84,26 @@ def heads_per_program(blocks: int, batch: int, heads: int) -> int:
     return best
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+_LAUNCHER = CachedLauncher(_rotate_kernel)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """q, k [B, H, N, D] (any strides) with RoPE on their last S tokens (cos, sin: float32 [S, D]), as
-    new contiguous tensors: `reference.apply_rotary` of each."""
+    new contiguous tensors (or written into `out`, two contiguous [B, H, N, D] tensors of q's dtype):
+    `reference.apply_rotary` of each."""
     B, H, N, D = q.shape
-    q_out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
-    k_out = torch.empty_like(q_out)
+    if out is None:
+        q_out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
+        out = (q_out, torch.empty_like(q_out))
+    q_out, k_out = out
     if q_out.numel() == 0:
         return q_out, k_out
     cos, sin = cos.contiguous(), sin.contiguous()
     blocks = -(-N // _BLOCK_N)
     per_program = heads_per_program(blocks, B, H)
-    _rotate_kernel[(blocks, B * (H // per_program))](
-        q, k, cos, sin, q_out, k_out, *q.stride(), *k.stride(), N, H, N - cos.shape[0],
-        HEAD_DIM=D, BLOCK_N=_BLOCK_N, HEADS_PER_PROGRAM=per_program, num_warps=_NUM_WARPS,
-    )
+    key = (q.shape, q.dtype, q.stride(), k.stride(), cos.shape[0], aligned(q, k, cos, sin, q_out, k_out))
+    _LAUNCHER(key, (blocks, B * (H // per_program)),
+              (q, k, cos, sin, q_out, k_out, *q.stride(), *k.stride(), N, H, N - cos.shape[0]),
+              dict(HEAD_DIM=D, BLOCK_N=_BLOCK_N, HEADS_PER_PROGRAM=per_program), num_warps=_NUM_WARPS)
     return q_out, k_out

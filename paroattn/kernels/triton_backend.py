@@ -5,15 +5,19 @@ The kernels are in `block_sparse_attention.py` (and the RoPE pass in `rotary.py`
 128 x 64 blocks on sm_90, the warp-specialized Gluon kernel of `hopper_attention.py`; their definition
 is `reference.py`. Which of them runs, with which tiles, is `dispatch.py`'s table.
 
-Host-side work per call is kept small and sync-free when the caller passes what a processor has:
-device `orders` (or CPU orders, converted once and cached) and prebuilt `ActiveBlocks` on the GPU.
-A bool `block_mask` is converted to `ActiveBlocks` on every call (it syncs to size the lists):
-convenient for tests, not for a hot loop.
+Host-side work per call is kept small and sync-free: device `orders` (or CPU orders, converted once
+and cached); prebuilt `ActiveBlocks` on the GPU, which processors pass, or a bool `block_mask`,
+converted on the device without a sync (lists as wide as the key blocks) and cached per mask. The
+launches reuse one buffer set per stream and shape (`workspace`) and skip Triton's per-call argument
+binding after a key's first launch (`launcher.CachedLauncher`); docs/notes/host-overhead.md has the
+numbers.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -34,6 +38,7 @@ from .block_sparse_attention import (
     _kv_prologue_kernel,
 )
 from .dispatch import KernelChoice, arch_of, kernel_choice, unsupported_reason
+from .launcher import CachedLauncher, aligned
 from .reference import key_mean_stride
 from .rotary import rotate_qk
 
@@ -69,45 +74,122 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return t
 
 
-def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, bq=None):
-    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax, qq, q_scale), placeholders
-    for the parts the modes do not use. K and V are written reordered and contiguous, quantized in the
-    integer/8-bit modes. With q (and its block bq >= bk) it also writes the reordered Q: in q's dtype,
-    or int8/int4 values with per-block scales for integer QK. Separate so benchmarks can time the
-    prologue alone."""
-    B, H, N, D = k.shape
-    nk = -(-N // bk)
+@dataclass
+class Buffers:
+    """What a call writes and then reads back: the prologue's reordered (quantized) K, V and Q with their
+    scales, the RoPE pass's rotated q and k, and the descriptors the attention kernels read them by.
+    Placeholders where the modes do not use a part."""
+
+    kq: torch.Tensor
+    k_scale: torch.Tensor
+    vq: torch.Tensor
+    qq: torch.Tensor
+    q_scale: torch.Tensor
+    rotated: tuple[torch.Tensor, torch.Tensor] | None = None
+    descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
+
+
+def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
+             write_q: bool, rotary: bool = False) -> Buffers:
+    nk, nq = -(-N // bk), -(-N // bq)
     n_pad = nk * bk
-    qk_code, pv_code = QK_CODES[qk], PV_CODES[pv]
-    device = k.device
-    k_mean, v_amax = _statistics(k, v, qk, pv, key_mean_stride(N, height, width))
     placeholder = _placeholder(device)
-    k_scale = placeholder
-    if qk_code != QK_FP:
+    k_scale = qq = q_scale = placeholder
+    if qk != "bf16":
         kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
         k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
     else:
-        kq = torch.empty(B * H, n_pad, D, dtype=k.dtype, device=device)
-    if pv_code != PV_FP:
-        vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv_code == PV_FP8 else torch.int8, device=device)
+        kq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
+    if pv != "bf16":
+        vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv == "fp8" else torch.int8, device=device)
     else:
-        vq = torch.empty(B * H, n_pad, D, dtype=v.dtype, device=device)
-    qq = q_scale = placeholder
-    nq = 0
-    if q is not None:
-        nq = -(-N // bq)
-        qq = torch.empty(B * H, nq * bq, D, dtype=q.dtype if qk_code == QK_FP else torch.int8, device=device)
-        if qk_code != QK_FP:
+        vq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
+    if write_q:
+        qq = torch.empty(B * H, nq * bq, D, dtype=dtype if qk == "bf16" else torch.int8, device=device)
+        if qk != "bf16":
             q_scale = torch.empty(B * H, nq, dtype=torch.float32, device=device)
-    _kv_prologue_kernel[(nk, B * H)](
-        k, v, k_mean if k_mean is not None else placeholder, v_amax if v_amax is not None else placeholder,
-        kq, k_scale, vq, q if q is not None else k, qq, q_scale,
-        *k.stride(), *v.stride(), *(q if q is not None else k).stride(),
-        orders, N, n_pad, H, nq, prefix, frames, height, width,
-        HEAD_DIM=D, BLOCK_N=bk, QK_MODE=qk_code, PV_MODE=pv_code, WRITE_Q=q is not None,
-        BLOCK_Q=bq or bk, num_warps=4,  # 8 warps: int8+fp8 11-12% slower (H200, docs/notes/prologue.md)
+    rotated = None
+    if rotary:
+        q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
+        rotated = (q_rot, torch.empty_like(q_rot))
+    return Buffers(kq, k_scale, vq, qq, q_scale, rotated)
+
+
+# Eager calls reuse one buffer set per (device, stream, shape, dtype, blocks, modes): allocating the four to
+# six buffers and building their descriptors cost more host time than the rest of a call (about 25 and
+# 10 us, docs/notes/host-overhead.md). Calls on one stream run in order, so a call's prologue writes the
+# buffers only after the previous call's kernels read them; a call on another stream gets its own set.
+# While a CUDA graph is captured, each call allocates (from the graph's pool). The oldest set goes
+# beyond WORKSPACES sets, its memory back to torch's allocator.
+WORKSPACES = 4
+_WORKSPACES: OrderedDict[tuple, Buffers] = OrderedDict()
+
+
+def _stream_of(device: torch.device) -> int | None:
+    """The current stream's handle on a CUDA device (None: capturing a graph, no reuse); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device.index)
+
+
+def workspace(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, write_q: bool, rotary: bool) -> Buffers:
+    """The reused buffer set of this call's stream and shape (a fresh set while a graph is captured)."""
+    stream = _stream_of(q.device)
+    B, H, N, D = q.shape
+    if stream is None:
+        return allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q, rotary)
+    key = (q.device, stream, q.shape, q.dtype, bq, bk, qk, pv, write_q, rotary)
+    buffers = _WORKSPACES.get(key)
+    if buffers is None:
+        buffers = _WORKSPACES[key] = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q, rotary)
+        while len(_WORKSPACES) > WORKSPACES:
+            _WORKSPACES.popitem(last=False)
+    elif len(_WORKSPACES) > 1:
+        _WORKSPACES.move_to_end(key)
+    return buffers
+
+
+def release_workspaces() -> None:
+    """Drop the reused buffer sets (their memory returns to torch's caching allocator)."""
+    _WORKSPACES.clear()
+
+
+_PROLOGUE = CachedLauncher(_kv_prologue_kernel)
+_ATTENTION = CachedLauncher(_attention_kernel)
+
+
+def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, bq=None, buffers=None, key=None):
+    """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax, qq, q_scale), placeholders
+    for the parts the modes do not use. K and V are written reordered and contiguous, quantized in the
+    integer/8-bit modes. With q (and its block bq >= bk) it also writes the reordered Q: in q's dtype,
+    or int8/int4 values with per-block scales for integer QK. Into `buffers` where given (`allocate`),
+    else new ones; `key`: the launch's `CachedLauncher` key (None: a full launch). Separate so
+    benchmarks can time the prologue alone."""
+    B, H, N, D = k.shape
+    nk = -(-N // bk)
+    n_pad = nk * bk
+    device = k.device
+    if buffers is None:
+        buffers = allocate(B, H, N, D, k.dtype, device, bq or bk, bk, qk, pv, q is not None)
+    k_mean, v_amax = _statistics(k, v, qk, pv, key_mean_stride(N, height, width))
+    placeholder = _placeholder(device)
+    nq = -(-N // bq) if q is not None else 0
+    q_src = q if q is not None else k
+    _PROLOGUE(
+        key, (nk, B * H),
+        (k, v, k_mean if k_mean is not None else placeholder, v_amax if v_amax is not None else placeholder,
+         buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale,
+         *k.stride(), *v.stride(), *q_src.stride(), orders, N, n_pad, H, nq, prefix, frames, height, width),
+        dict(HEAD_DIM=D, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], WRITE_Q=q is not None,
+             BLOCK_Q=bq or bk),
+        num_warps=4,  # 8 warps: int8+fp8 11-12% slower (H200, docs/notes/prologue.md)
     )
-    return kq, k_scale, vq, v_amax if v_amax is not None else placeholder, qq, q_scale
+    return (buffers.kq, buffers.k_scale, buffers.vq, v_amax if v_amax is not None else placeholder, buffers.qq,
+            buffers.q_scale)
 
 
 def launch_choice(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str) -> KernelChoice:
@@ -139,26 +221,46 @@ def launch(
         out = torch.empty_like(q)
     if out.numel() == 0:
         return out
-    if cos is not None:
-        q, k = rotate_qk(q, k, cos, sin)
     nq, nk = -(-N // bq), -(-N // bk)
     choice = launch_choice(q, bq, bk, qk, pv)
     config = choice.config
-    q_tma = choice.prologue_writes_q(q, out)
+    # the Gluon kernel reads q with unit stride along D (`hopper_attention.takes_strides`); the RoPE pass
+    # writes contiguous copies
+    warp_specialized = choice.warp_specialized and (cos is not None or q.stride(-1) == 1) and out.stride(-1) == 1
+    q_tma = choice.q_tma and not warp_specialized
+    buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None)
+    # launch keys (`launcher.CachedLauncher`): what the arguments vary in besides the buffers' shape
+    lists = (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype)
+    geometry = (q.shape, q.dtype, prefix, frames, height, width, bq, bk, qk, pv)
+    if cos is not None:
+        q, k = rotate_qk(q, k, cos, sin, out=buffers.rotated)
+    prologue_key = (geometry, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
-                                                      q if q_tma else None, bq)
-    if choice.runs_warp_specialized(q, out):
+                                                      q if q_tma else None, bq, buffers, prologue_key)
+    key = (geometry, lists, q.stride(), out.stride(), aligned(q, out, orders, counts, indices, schedule))
+    if warp_specialized:
+        descriptors = buffers.descriptors.get("gluon")
+        if descriptors is None:
+            descriptors = buffers.descriptors["gluon"] = hopper_attention.descriptors(kq, vq)
         return hopper_attention.launch(q, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
-                                       prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages)
-    k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if choice.kv_tma else (kq, vq)
-    q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
-    _attention_kernel[(nq, B * H)](
-        q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale,
-        orders, counts, indices, schedule,
-        *q.stride(), *out.stride(),
-        N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
-        P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=choice.kv_tma, OVERLAP_QK=config.overlap_qk, Q_TMA=q_tma,
+                                       prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages,
+                                       kv_descriptors=descriptors, key=key)
+    k_desc, v_desc, q_desc = kq, vq, qq
+    if choice.kv_tma or q_tma:
+        descriptors = buffers.descriptors.get("triton")
+        if descriptors is None:
+            k_desc, v_desc = _descriptors(kq, vq, bk, D, pv) if choice.kv_tma else (kq, vq)
+            q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
+            descriptors = buffers.descriptors["triton"] = (k_desc, v_desc, q_desc)
+        k_desc, v_desc, q_desc = descriptors
+    _ATTENTION(
+        key, (nq, B * H),
+        (q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule,
+         *q.stride(), *out.stride(),
+         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E),
+        dict(HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
+             P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=choice.kv_tma, OVERLAP_QK=config.overlap_qk,
+             Q_TMA=q_tma),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -201,6 +303,41 @@ def _device_orders(orders: torch.Tensor, device: torch.device) -> torch.Tensor:
     return orders.to(device=device, dtype=torch.int32)
 
 
+# Lists built from bool masks, reused while a mask is unchanged. Keyed by the mask's memory and view; the
+# entry holds the mask, so no other tensor can take that memory while it is cached, and an in-place
+# write through torch (on any view of the mask) bumps the version counter the entry is checked against.
+# Inference tensors have no version counter: theirs are built on every call, as while compiling.
+MASK_LISTS = 64
+_MASK_LISTS: OrderedDict[tuple, tuple[torch.Tensor, int, ActiveBlocks]] = OrderedDict()
+
+
+def lists_of(mask: torch.Tensor, device: torch.device) -> ActiveBlocks:
+    """`ActiveBlocks` of a bool block mask on `device`, built there without a host sync
+    (`ActiveBlocks.from_mask(sync=False)`), or the cached ones of this mask."""
+    if torch.compiler.is_compiling() or mask.is_inference():
+        return ActiveBlocks.from_mask(_on_device(mask, device), sync=False)
+    key = (mask.data_ptr(), mask.shape, mask.stride(), mask.device, device)
+    entry = _MASK_LISTS.get(key)
+    if entry is not None and entry[1] == mask._version:
+        return entry[2]
+    blocks = ActiveBlocks.from_mask(_on_device(mask, device), sync=False)
+    _MASK_LISTS[key] = (mask, mask._version, blocks)
+    _MASK_LISTS.move_to_end(key)
+    while len(_MASK_LISTS) > MASK_LISTS:
+        _MASK_LISTS.popitem(last=False)
+    return blocks
+
+
+def _on_device(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`mask` on `device` without waiting for the GPU: a copy from pageable host memory would wait for
+    the work queued on the stream, one from pinned memory is queued behind it."""
+    if mask.device == device:
+        return mask
+    if mask.device.type == "cpu" and device.type == "cuda":
+        return mask.pin_memory().to(device, non_blocking=True)
+    return mask.to(device)
+
+
 def check_triton_inputs(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str) -> None:
     reason = unsupported_reason(q, bq, bk, qk, pv)
     if reason is not None:
@@ -230,7 +367,7 @@ def paro_attention_triton(
             "torch.no_grad() / torch.inference_mode() (diffusers pipelines do), or use backend='torch' to train"
         )
     device = q.device
-    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(device))
+    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else lists_of(block_mask, device)
     if blocks.counts.device != device:
         blocks = blocks.to(device)
     schedule = blocks.schedule
