@@ -212,10 +212,11 @@ def launch(
     q, k, v, orders, counts, indices, schedule,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    reuse_buffers: bool = True,
 ) -> torch.Tensor:
     """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and
     the attention kernel. Inputs are checked already. `out` (tests poison it) defaults to a new tensor
-    shaped and strided like q."""
+    shaped and strided like q. `reuse_buffers`: the stream's buffer set (`workspace`), else new ones."""
     B, H, N, D = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -228,7 +229,10 @@ def launch(
     # writes contiguous copies
     warp_specialized = choice.warp_specialized and (cos is not None or q.stride(-1) == 1) and out.stride(-1) == 1
     q_tma = choice.q_tma and not warp_specialized
-    buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None)
+    if reuse_buffers:
+        buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None)
+    else:
+        buffers = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, q_tma, cos is not None)
     # launch keys (`launcher.CachedLauncher`): what the arguments vary in besides the buffers' shape
     lists = (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype)
     geometry = (q.shape, q.dtype, prefix, frames, height, width, bq, bk, qk, pv)
@@ -274,9 +278,11 @@ def block_sparse_attention(
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables). One opaque node for torch.compile; its output has q's shape, dtype and strides."""
+    float32 RoPE tables). One opaque node for torch.compile; its output has q's shape, dtype and strides.
+    Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph trees run the op's
+    warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer set would live."""
     return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                  cos, sin)
+                  cos, sin, reuse_buffers=False)
 
 
 @block_sparse_attention.register_fake
