@@ -22,6 +22,7 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 BLOCK = 16 if INTERPRETED else 32
 DTYPE = torch.float16  # the interpreter's bf16 dot is wrong
 LAYOUT = TokenLayout(3, 2, 4, 5)  # 43 tokens: a ragged last block
+GRID = (LAYOUT.prefix, LAYOUT.frames, LAYOUT.height, LAYOUT.width)  # the launchers' layout arguments
 
 
 def make_inputs(B, H, N, D, seed, seq_major=True):
@@ -118,7 +119,7 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     n = -(-LAYOUT.seq_len // BLOCK)
     mask = ActiveBlocks.from_mask(random_mask(H, n, n, 6)).to(DEVICE)
     orders = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
-    args = (orders, mask.counts, mask.indices, mask.schedule, *vars(LAYOUT).values(), BLOCK, BLOCK, qk, pv,
+    args = (orders, mask.counts, mask.indices, mask.schedule, *GRID, BLOCK, BLOCK, qk, pv,
             1 / math.sqrt(D))
     first, second = make_inputs(1, H, LAYOUT.seq_len, D, seed=7), make_inputs(1, H, LAYOUT.seq_len, D, seed=8)
     out_first = triton_backend.launch(*first, *args)
@@ -132,7 +133,7 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     # the reused set holds what a fresh set (as while a CUDA graph is captured) gets from this call
     B, _, N, _ = first[0].shape
     fresh = triton_backend.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
-    triton_backend.prepare_kv(*first[1:], orders, *vars(LAYOUT).values(), BLOCK, qk, pv, buffers=fresh)
+    triton_backend.prepare_kv(*first[1:], orders, *GRID, BLOCK, qk, pv, buffers=fresh)
     for name in ("kq", "k_scale", "vq"):
         assert torch.equal(getattr(fresh, name), getattr(buffers, name)), name
     reference = paro_attention(*first, layout=LAYOUT, orders=orders, block_mask=mask, block_size=BLOCK, qk=qk,
@@ -254,7 +255,7 @@ def test_the_custom_op_keeps_no_buffer_set():
     blocks = ActiveBlocks.from_mask(random_mask(H, n, n, 14)).to(DEVICE)
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=15)
     args = (q, k, v, torch.tensor([2, 4], dtype=torch.int32, device=DEVICE), blocks.counts, blocks.indices,
-            blocks.schedule, *vars(LAYOUT).values(), BLOCK, BLOCK, "int8", "bf16", 1 / math.sqrt(D))
+            blocks.schedule, *GRID, BLOCK, BLOCK, "int8", "bf16", 1 / math.sqrt(D))
     through_op = triton_backend.block_sparse_attention(*args)
     assert not triton_backend._WORKSPACES
     assert torch.equal(through_op, triton_backend.launch(*args))
