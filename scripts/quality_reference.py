@@ -1,15 +1,18 @@
 """The quality study of QUALITY.md on the reference model, and the plans that `paro demo` ships.
 
-One dense capture over the calibration prompts gives the block statistics of every candidate order
-and of the identity order (`paroattn.calibrate.driver.capture`); from them, plans for every density,
-quantization and order choice. Each plan generates the fixed evaluation prompts with the fixed
-seed, compared with the dense videos (PSNR / SSIM / cosine, mean over the prompts).
+Dense captures over calibration prompts give the block statistics of every candidate order and of
+the identity order (`paroattn.calibrate.driver.capture`); from them, plans for every density,
+quantization and calibration variant (`plan_from_stats`). Each plan generates the held-out
+evaluation prompts (`demo.EVAL_PROMPTS`) from every seed, compared with the dense videos of the same
+seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
-    python scripts/quality_reference.py --out /tmp/quality --ship paroattn/reference/assets/plans   # GPU: ~1 min
-    python scripts/quality_reference.py --out /tmp/q --quick                              # CPU smoke: seconds
+    python scripts/quality_reference.py --out /tmp/quality --ship paroattn/reference/assets/plans   # GPU: ~2 min
+    python scripts/quality_reference.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
 
-Writes `quality.json` and `quality_table.md` into --out; with --ship, the plans for densities
-0.5 / 0.3 / 0.2 with their stats files.
+A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
+VARIANTS, combined with '+': "more prompts+dense last"). Writes `quality.jsonl` (one row per line, as
+soon as it is measured), `quality.json` and `quality_table.md` into --out; with --ship, the demo's
+plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,58 +34,90 @@ from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.reference import demo
 from paroattn.reference.model import DEFAULT_STEPS, load_reference_pipeline
 
-DENSITIES = (1.0, 0.5, 0.3, 0.2)
+QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
+# calibration variants: plan_from_stats arguments on top of the shipped calibration (demo.study_config);
+# "capture" picks the prompts the statistics come from
+VARIANTS = {
+    "calibrated": {},
+    "identity": {"orders": "identity"},
+    "paper metric": {"metric": "paper"},
+    "mass metric": {"metric": "mass"},
+    "global budget": {"layer_floor": 0.0},
+    "layer floor 0.5": {"layer_floor": 0.5},
+    "layer floor 1": {"layer_floor": 1.0},
+    "no dense layers": {"dense_layers": []},
+    "dense first and last": {"dense_layers": [0, -1]},
+    "dense last": {"dense_layers": [-1]},
+    "dense first": {"dense_layers": [0]},
+    "no dilation": {"dilation": 0},
+    "dilation 1": {"dilation": 1},
+    "more prompts": {"capture": "more"},
+}
+DEFAULT_GRIDS = (
+    "0.5,0.3,0.2:bf16:calibrated,identity",
+    "1,0.5:int8fp8:calibrated,identity",
+)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ship", type=Path, default=None, help="write the demo's plans (and stats files) here")
+    p.add_argument("--grid", action="append", default=None,
+                   help=f"DENSITIES:QUANTS:VARIANTS (repeatable); default {' and '.join(DEFAULT_GRIDS)}")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="sampling steps of every evaluated video")
     p.add_argument("--calibration-steps", type=int, default=DEFAULT_STEPS)
-    p.add_argument("--prompts", type=int, default=len(demo.EVAL_PROMPTS), help="first N evaluation prompts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=len(demo.EVAL_PROMPTS), help="first N evaluation prompts")
+    p.add_argument("--seeds", default="0,1", help="comma-separated sampling seeds of the evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
-    p.add_argument("--block-size", type=int, default=64, help="plan block size (the shipped plans use 64)")
-    p.add_argument("--query-block", type=int, default=None, help="query block of the plans (default: --block-size)")
-    p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES), help="comma-separated densities")
-    p.add_argument("--quants", default=",".join(demo.QUANT_MODES), help=f"comma-separated, from {list(demo.QUANT_MODES)}")
-    p.add_argument("--no-paper", action="store_true", help="skip the rows with the paper's order metric")
-    p.add_argument("--quant-weight", type=float, default=0.0,
-                   help="weight of the incoherence term in the order choice of every row (as paro calibrate's)")
-    p.add_argument("--quick", action="store_true", help="CPU smoke: 2 steps, 1 prompt, a few configurations")
+    p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     return p.parse_args(argv)
 
 
-def configurations(args):
-    """(density, quant label, identity order?, metric) of every row of the study."""
-    quick = args.quick
+def parse_grid(spec: str) -> list[tuple[float, str, str]]:
+    """'0.5,0.3:bf16:calibrated,identity' -> [(0.5, 'bf16', 'calibrated'), ...]."""
+    try:
+        densities, quants, variants = spec.split(":")
+    except ValueError:
+        raise SystemExit(f"--grid {spec!r}: expected DENSITIES:QUANTS:VARIANTS") from None
     rows = []
-    densities = (0.3,) if quick else tuple(float(d) for d in args.densities.split(","))
-    quants = ("bf16", "int8 QK + fp8 PV") if quick else tuple(q.strip() for q in args.quants.split(","))
-    unknown = [q for q in quants if q not in demo.QUANT_MODES]
-    if unknown:
-        raise SystemExit(f"--quants: unknown {unknown}; expected names from {list(demo.QUANT_MODES)}")
-    for density in densities:
-        for quant in quants:
-            for identity in (False, True):
-                if density >= 1.0 and quant == "bf16":
-                    continue  # that is the dense model itself
-                rows.append((density, quant, identity, "mass"))
-    for density in (() if quick or args.no_paper else [d for d in densities if d < 1.0]):
-        for quant in ("bf16", "int8 QK"):
-            rows.append((density, quant, False, "paper"))
+    for d in densities.split(","):
+        for q in quants.split(","):
+            if q not in QUANTS:
+                raise SystemExit(f"--grid {spec!r}: unknown quantization {q!r}; expected one of {list(QUANTS)}")
+            for v in variants.split(","):
+                unknown = [part for part in v.split("+") if part not in VARIANTS]
+                if unknown:
+                    raise SystemExit(f"--grid {spec!r}: unknown variant {unknown}; expected names from {list(VARIANTS)}")
+                rows.append((float(d), q, v))
     return rows
+
+
+def variant_arguments(name: str) -> dict:
+    merged = {}
+    for part in name.split("+"):
+        merged.update(VARIANTS[part])
+    return merged
+
+
+def compute_density(plan) -> float:
+    """Mean share of (query, key) blocks computed over buckets, layers and heads, dense layers as 1."""
+    density = torch.where(plan.dense[..., None], torch.ones_like(plan.density), plan.density)
+    return float(density.mean())
+
+
+def summary(values: list[float]) -> dict:
+    return {"mean": float(np.mean(values)), "min": float(np.min(values)), "max": float(np.max(values)),
+            "std": float(np.std(values))}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.ship is not None and (args.block_size != 64 or args.query_block not in (None, 64)):
-        raise SystemExit("--ship writes the demo's plans, which use 64-token blocks; drop --block-size")
-    if args.quick:
-        args.steps, args.calibration_steps, args.prompts = 2, 2, 1
+    start_time = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
+    rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
+    seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pipe = load_reference_pipeline(device=args.device, dtype=dtype)
     log = []
@@ -90,56 +126,82 @@ def main(argv=None) -> int:
         print(line, flush=True)
         log.append(line)
 
-    config = demo.study_config(args.calibration_steps, seed=args.seed, block_size=args.block_size,
-                               query_block=args.query_block)
-    stats = capture(pipe, demo.CALIBRATION_PROMPTS, config, order_sets={"identity": [ORDERS.index("FHW")]},
-                    extras=True)
-    capture_s = stats.timings["pipeline_s"]
-    say(f"capture: {len(demo.CALIBRATION_PROMPTS)} prompts x {args.calibration_steps} steps in {capture_s:.1f} s, "
-        f"layout {stats.layout}")
+    captures = {}
+
+    def stats_for(name: str):
+        if name not in captures:
+            prompts = demo.CALIBRATION_PROMPTS + (demo.MORE_CALIBRATION_PROMPTS if name == "more" else [])
+            config = demo.study_config(args.calibration_steps)
+            captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]},
+                                     extras=True)
+            say(f"capture {name!r}: {len(prompts)} prompts x {args.calibration_steps} steps in "
+                f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
+        return captures[name]
 
     if args.ship is not None:
         for density in demo.SHIPPED_DENSITIES:
-            plan, result = plan_from_stats(stats, density)
+            plan, result = plan_from_stats(stats_for("two"), density)
             path = args.ship / demo.shipped_plan_path(density).name
             save_calibration(plan, result, path)
             plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
             plan.save(path)  # without the absolute path of this machine
-            say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}")
+            say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}, density {compute_density(plan):.3f}")
 
-    prompts = demo.EVAL_PROMPTS[: args.prompts]
-    dense, dense_t = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed)
-    say(f"dense: {dense_t['total_s']:.2f} s ({dense_t['attention_s']:.2f} s in self-attention)")
+    prompts = demo.EVAL_PROMPTS[: args.eval_prompts]
+    dense = {}
+    for seed in seeds:
+        dense[seed], timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed)
+        say(f"dense, seed {seed}: {timing['total_s']:.2f} s ({timing['attention_s']:.2f} s in self-attention)")
     rows = []
-    for density, quant, identity, metric in configurations(args):
-        qk, pv = demo.QUANT_MODES[quant]
-        plan, result = plan_from_stats(stats, density, qk=qk, pv=pv, orders="identity" if identity else "all",
-                                       metric=metric, quant_weight=args.quant_weight)
-        backend = args.backend
+    jsonl = (args.out / "quality.jsonl").open("w")
+    for density, quant, variant in rows_spec:
+        if args.time_limit is not None and time.perf_counter() - start_time > args.time_limit:
+            say(f"time limit: skipped d={density} {quant} {variant} and the rows after it")
+            break
+        if density >= 1.0 and quant == "bf16":
+            continue  # the dense model itself
+        kwargs = variant_arguments(variant)
+        stats = stats_for(kwargs.pop("capture", "two"))
+        qk, pv = demo.QUANT_MODES[QUANTS[quant]]
         try:
-            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)
-        except Exception as exc:  # noqa: BLE001 -- a kernel failure must not lose the rest of the table: say so, use the reference
-            say(f"backend {backend} failed ({type(exc).__name__}: {exc}); torch reference for this row")
-            backend = "torch"
-            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=args.seed, backend=backend)
-        metrics = demo.compare(dense, frames)
+            plan, result = plan_from_stats(stats, density, qk=qk, pv=pv, **kwargs)
+        except ValueError as exc:
+            say(f"d={density} {quant} {variant}: not built ({exc})")
+            continue
+        per_video = {"psnr_db": [], "ssim": [], "cosine": []}
+        seconds = 0.0
+        for seed in seeds:
+            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=seed, backend=args.backend)
+            seconds += timing["total_s"]
+            for i in range(len(prompts)):
+                m = demo.compare(dense[seed][i:i + 1], frames[i:i + 1])
+                for key in per_video:
+                    per_video[key].append(m[key])
         row = {
-            "density": density, "achieved_density": plan.achieved_density(), "quant": quant, "qk": qk, "pv": pv,
-            "orders": "identity" if identity else "calibrated", "metric": metric,
-            "kept_mass": float(result.kept_mass.mean()), "backend": backend, **metrics, **timing,
+            "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant,
+            "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
+            "dense_layers": result.dense_layers, **{k: summary(v) for k, v in per_video.items()},
+            "per_video": per_video, "seconds": seconds,
             "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
         }
         rows.append(row)
-        say(f"d={density:.1f} {quant:17s} {row['orders']:10s} {metric:5s} kept={row['kept_mass']:.4f} "
-            f"PSNR={metrics['psnr_db']:6.2f} SSIM={metrics['ssim']:.4f} cos={metrics['cosine']:.5f} "
-            f"({timing['total_s']:.2f} s)")
+        jsonl.write(json.dumps(row) + "\n")
+        jsonl.flush()
+        say(f"d={density:.1f} {quant:7s} {variant:28s} computed={row['achieved_density']:.3f} "
+            f"kept={row['kept_mass']:.4f} PSNR={row['psnr_db']['mean']:6.2f} "
+            f"[{row['psnr_db']['min']:5.2f}, {row['psnr_db']['max']:5.2f}] SSIM={row['ssim']['mean']:.4f} "
+            f"[{row['ssim']['min']:.3f}] ({seconds:.1f} s)")
+    jsonl.close()
 
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps, "calibration_steps": args.calibration_steps,
-        "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight, "prompts": prompts, "calibration_prompts": demo.CALIBRATION_PROMPTS, "seed": args.seed,
-        "dense_time": dense_t, "capture_s": capture_s, "rows": rows,
+        "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps,
+        "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
+        "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
+        "calibration": {k: v for k, v in vars(demo.study_config(args.calibration_steps)).items()
+                        if k in ("metric", "layer_floor", "dilation", "dense_layers", "block_size")},
+        "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))
     (args.out / "quality_table.md").write_text(markdown_table(rows))
@@ -150,13 +212,14 @@ def main(argv=None) -> int:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| density | quantization | orders | metric | kept mass | PSNR dB | SSIM | cosine |",
-        "|---|---|---|---|---|---|---|---|",
+        "| density (computed) | quantization | variant | kept mass | PSNR dB mean [min, max] | SSIM mean [min] |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        p, s = r["psnr_db"], r["ssim"]
         lines.append(
-            f"| {r['density']:.1f} ({r['achieved_density']:.3f}) | {r['quant']} | {r['orders']} | {r['metric']} | "
-            f"{r['kept_mass']:.4f} | {r['psnr_db']:.2f} | {r['ssim']:.4f} | {r['cosine']:.5f} |"
+            f"| {r['density']:g} ({r['achieved_density']:.3f}) | {QUANTS[r['quant']]} | {r['variant']} | "
+            f"{r['kept_mass']:.3f} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] |"
         )
     return "\n".join(lines) + "\n"
 

@@ -13,13 +13,14 @@ buckets * L * H * O * nb^2 * 2 bytes (CogVideoX-5B with 6 buckets: 11 GB; Wan2.1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .selection import (
     block_entries,
     build_masks,
+    dense_layer_indices,
     incoherence,
     kept_mass_fraction,
     order_scores,
@@ -42,6 +43,7 @@ class CalibrationResult:
     figure_layers: list[int]
     figure_original: torch.Tensor | None
     figure_reordered: torch.Tensor | None
+    dense_layers: list[int] = field(default_factory=list)  # layers whose masks keep every block (run densely)
 
 
 class StatsAccumulator:
@@ -146,9 +148,13 @@ class StatsAccumulator:
         compute_device: torch.device | str | None = None,
         figure_layers: list[int] | None = None,
         suffix: int = 0,
+        layer_floor: float = 0.0,
+        dilation: int = 0,
+        dense_layers=(),
     ) -> CalibrationResult:
         """Choose each head's order from the averaged statistics and build the masks of every bucket.
-        A bucket without captured steps borrows the mean over all captured buckets (the report says so)."""
+        A bucket without captured steps borrows the mean over all captured buckets (the report says so).
+        `layer_floor`, `dilation` and `dense_layers` go to `build_masks`."""
         self.flush()
         if compute_device is None:
             compute_device = self.store_device
@@ -199,7 +205,8 @@ class StatsAccumulator:
         masks, densities, kept_masses = [], [], []
         for b in range(B):
             mass = torch.stack(bucket_maps[b])  # [L, H, nq, nk]
-            mask = build_masks(mass, density, prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len)
+            mask = build_masks(mass, density, prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len,
+                               layer_floor=layer_floor, dilation=dilation, dense_layers=dense_layers)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)
@@ -215,4 +222,5 @@ class StatsAccumulator:
             figure_layers=figure_layers,
             figure_original=torch.stack(fig_original) if fig_original else None,
             figure_reordered=torch.stack(fig_reordered) if fig_reordered else None,
+            dense_layers=dense_layer_indices(dense_layers, L),
         )

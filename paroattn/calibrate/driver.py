@@ -57,6 +57,12 @@ class CalibrationConfig:
     # unquantized picks worse and quantized ones no better (BENCHMARKS.md, Calibration)
     quant_weight: float = 0.0
     alpha: float = 0.5  # the paper metric's weight of the sparse term
+    # mask budget options (selection.build_masks): layers run densely, paid for out of the same
+    # budget (negative indices count from the end); the share of `density` every other layer gets
+    # before the global competition; growth of the chosen blocks by this many blocks
+    dense_layers: list[int] = field(default_factory=list)
+    layer_floor: float = 0.0
+    dilation: int = 0
     eps: float = 1e-3  # "small" threshold of P for the block-sparse score
     seed: int = 0
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
@@ -83,6 +89,9 @@ class CalibrationConfig:
                                              or self.query_block & (self.query_block - 1)):
             raise ValueError(f"query_block must be a power-of-two multiple of block_size {self.block_size}, "
                              f"got {self.query_block}")
+        if not 0.0 <= self.layer_floor <= 1.0 or self.dilation < 0:
+            raise ValueError(f"layer_floor must be in [0, 1] and dilation >= 0, got {self.layer_floor} and "
+                             f"{self.dilation}")
         if self.steps < 1 or self.stat_every < 1:
             raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
         problem = bucket_edges_problem([float(e) for e in self.edges()])
@@ -343,16 +352,22 @@ def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *
 def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: str | None = None,
                     pv: str | None = None, metric: str | None = None, quant_weight: float | None = None,
                     alpha: float | None = None, orders: str = "all", compute_device: str | torch.device | None = None,
-                    log=None) -> tuple[Plan, CalibrationResult]:
+                    dense_layers: list[int] | None = None, layer_floor: float | None = None,
+                    dilation: int | None = None, log=None) -> tuple[Plan, CalibrationResult]:
     """(Plan, CalibrationResult) from captured statistics, without running the pipeline again: each
     head's order chosen among the candidates of the accumulator `orders` ("all", or a name given to
-    `capture(order_sets=...)`), masks at `density`. Arguments left None take the capture config's."""
+    `capture(order_sets=...)`), masks at `density`. Arguments left None take the capture config's.
+    `dense_layers` are flagged dense in every bucket, their masks full (density 1), and the other layers
+    share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone)."""
     config = stats.config
     density = config.density if density is None else density
     qk, pv = config.qk if qk is None else qk, config.pv if pv is None else pv
     metric = config.metric if metric is None else metric
     quant_weight = config.quant_weight if quant_weight is None else quant_weight
     alpha = config.alpha if alpha is None else alpha
+    dense_layers = list(config.dense_layers if dense_layers is None else dense_layers)
+    layer_floor = config.layer_floor if layer_floor is None else layer_floor
+    dilation = config.dilation if dilation is None else dilation
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if problem := modes_problem(qk, pv):
@@ -373,15 +388,19 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         compute_device = "cuda" if torch.cuda.is_available() else "cpu"
     result = acc.finalize(
         density, layout.prefix, metric=metric, quant_weight=quant_weight, alpha=alpha,
-        compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix,
+        compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=layer_floor,
+        dilation=dilation, dense_layers=dense_layers,
     )
+    dense = torch.zeros(result.block_mask.shape[:2], dtype=torch.bool)
+    dense[:, result.dense_layers] = True
     timings = dict(stats.timings, select_s=time.perf_counter() - start)
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
     if empty and log is not None:
         who = f"{stats.expert}: " if stats.expert else ""
         log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
-    settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha)
+    settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha,
+                    dense_layers=result.dense_layers, layer_floor=layer_floor, dilation=dilation)
     if orders != "all":
         settings["order_set"] = orders
     plan = Plan(
@@ -396,6 +415,7 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         pv=pv,
         target_density=density,
         density=result.density,
+        dense=dense,
         prompts=list(stats.prompts),
         expert=stats.expert,
         info={

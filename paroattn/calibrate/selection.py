@@ -111,6 +111,37 @@ def pool_query_blocks(mass: torch.Tensor, factor: int) -> torch.Tensor:
     return mass.unflatten(-2, (-1, factor)).sum(-2)
 
 
+def dilate(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """bool [..., nq, nk] -> the same with every block within `radius` blocks (rows and columns) of a
+    kept one kept too."""
+    if radius <= 0:
+        return mask
+    shape = mask.shape
+    flat = mask.reshape(-1, 1, *shape[-2:]).float()
+    grown = torch.nn.functional.max_pool2d(flat, 2 * radius + 1, stride=1, padding=radius)
+    return grown.bool().reshape(shape)
+
+
+def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """bool, shaped like `scores`: its `count` largest finite entries."""
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    count = min(count, int(torch.isfinite(scores).sum()))
+    if count > 0:
+        chosen[scores.flatten().topk(count, sorted=False).indices] = True
+    return chosen.view(scores.shape)
+
+
+def dense_layer_indices(dense_layers, num_layers: int) -> list[int]:
+    """Layer indices (negative ones count from the end, as in Python) -> sorted distinct indices."""
+    out = set()
+    for layer in dense_layers or ():
+        if not -num_layers <= int(layer) < num_layers:
+            raise ValueError(f"dense layer {layer} does not exist: the model has {num_layers} layers "
+                             f"(indices 0..{num_layers - 1}, or negative from the end)")
+        out.add(int(layer) % num_layers)
+    return sorted(out)
+
+
 def build_masks(
     mass: torch.Tensor,
     density: float,
@@ -119,21 +150,63 @@ def build_masks(
     *,
     suffix: int = 0,
     seq_len: int = 0,
+    layer_floor: float = 0.0,
+    dilation: int = 0,
+    dense_layers=(),
 ) -> torch.Tensor:
     """mass [L, H, nq, nk] of one timestep bucket, in each head's chosen order -> bool masks.
     `suffix`, `seq_len`: text tokens after the grid (HunyuanVideo), kept like the prefix.
 
-    One budget for the whole bucket: round(density * L * H * nb * nb) blocks, the forced ones
+    One budget for the whole bucket: round(density * L * H * nq * nk) blocks, the forced ones
     (diagonal, prefix) first, the rest going to the blocks with the most mass wherever they are,
     so heads with spread-out attention get more blocks than heads with local attention. Masses are
     comparable across heads and layers because every row of P sums to one. If the forced blocks
-    alone exceed the budget the masks hold only them (the achieved density then says so)."""
+    alone exceed the budget the masks hold only them (the achieved density then says so).
+
+    - `dense_layers`: layers that keep every block (run densely); they are paid for out of the same
+      budget, so the other layers get fewer blocks and the mean density stays `density`.
+    - `layer_floor` in [0, 1]: each other layer first gets `layer_floor * density` of its blocks (the
+      best of that layer, whichever heads they are in), then the global competition shares the rest;
+      1 gives every layer the same density.
+    - `dilation`: the mass-ranked choice is grown by `dilation` blocks in every direction of the block
+      grid (in each head's order), with as many seeds as leave the budget, then topped up by mass."""
     L, H, nq, nk = mass.shape
+    if not 0.0 <= layer_floor <= 1.0:
+        raise ValueError(f"layer_floor must be in [0, 1], got {layer_floor}")
+    if dilation < 0:
+        raise ValueError(f"dilation must be >= 0 blocks, got {dilation}")
     forced = forced_blocks((nq, nk), prefix, block_size, device=mass.device, suffix=suffix, seq_len=seq_len)
     masks = forced.expand(L, H, nq, nk).clone()
-    budget = round(density * masks.numel()) - int(masks.sum())
-    if budget > 0:
-        scores = mass.float().masked_fill(forced, float("-inf")).flatten()
-        chosen = scores.topk(min(budget, scores.numel()), sorted=False).indices
-        masks.view(-1)[chosen] = True
+    dense = dense_layer_indices(dense_layers, L)
+    masks[dense] = True
+    total = round(density * masks.numel())
+    if dense and int(masks.sum()) > total:
+        raise ValueError(f"dense layers {dense} alone hold {int(masks.sum()) / masks.numel():.3f} of the blocks, "
+                         f"more than density {density}: keep fewer layers dense or raise the density")
+    scores = mass.float().masked_fill(masks, float("-inf"))
+    if layer_floor > 0:
+        per_layer = round(layer_floor * density * H * nq * nk)
+        for layer in range(L):
+            if layer in dense:
+                continue
+            want = per_layer - int(masks[layer].sum())
+            if want > 0:
+                masks[layer] |= _top(scores[layer], want)
+        scores = scores.masked_fill(masks, float("-inf"))
+    budget = total - int(masks.sum())
+    if budget <= 0:
+        return masks
+    if dilation:
+        low, high = 0, budget  # the most seeds whose grown set still fits the budget
+        while low < high:
+            seeds = (low + high + 1) // 2
+            grown = dilate(_top(scores, seeds), dilation) & ~masks
+            if int(grown.sum()) <= budget:
+                low = seeds
+            else:
+                high = seeds - 1
+        masks |= dilate(_top(scores, low), dilation)
+        scores = scores.masked_fill(masks, float("-inf"))
+        budget = total - int(masks.sum())
+    masks |= _top(scores, budget)
     return masks

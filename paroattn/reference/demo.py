@@ -35,12 +35,25 @@ CALIBRATION_PROMPTS = [
     "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
     "white ring moving up slowly and blue triangle moving left quickly, zoom in, plain background",
 ]
-# the fixed evaluation set of QUALITY.md; the demo uses the first --num-prompts of them
+# more calibration prompts, for measuring what more of them buys (QUALITY.md); none is an evaluation prompt
+MORE_CALIBRATION_PROMPTS = [
+    "blue square moving down quickly, pan right, dotted background",
+    "orange ring rotating slowly and white circle moving left slowly, cloudy background",
+    "cyan triangle moving up quickly, zoom out, cloudy background",
+    "magenta square moving left slowly and yellow triangle rotating quickly, pan down, plain background",
+    "green ring moving right slowly, zoom in, dotted background",
+    "red triangle rotating quickly and cyan circle moving up slowly, plain background",
+]
+# the fixed evaluation set of QUALITY.md, held out from calibration; the demo uses the first --num-prompts
 EVAL_PROMPTS = [
     "yellow square moving right slowly, pan up, dotted background",
     "magenta circle rotating quickly and cyan ring moving down slowly, cloudy background",
     "orange triangle moving left quickly, zoom out, plain background",
     "green circle moving up quickly and red square moving right slowly, pan right, dotted background",
+    "white triangle moving down slowly, pan left, cloudy background",
+    "blue ring moving right quickly and orange square moving up slowly, zoom in, dotted background",
+    "red square rotating slowly, pan down, plain background",
+    "cyan circle moving left slowly and magenta triangle moving down quickly, cloudy background",
 ]
 QUANT_MODES = {  # label -> (qk, pv)
     "bf16": ("bf16", "bf16"),
