@@ -71,6 +71,12 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0,1", help="comma-separated sampling seeds of the evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
+    p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's)")
+    p.add_argument("--height", type=int, default=None, help="video height in pixels (default: the model's)")
+    p.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
+    p.add_argument("--ship-densities", default=",".join(f"{d:g}" for d in demo.SHIPPED_DENSITIES),
+                   help="densities of the plans --ship writes")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     return p.parse_args(argv)
 
@@ -119,7 +125,8 @@ def main(argv=None) -> int:
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
     seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    pipe = load_reference_pipeline(device=args.device, dtype=dtype)
+    pipe = load_reference_pipeline(args.model_dir, device=args.device, dtype=dtype)
+    size = {k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width)) if v}
     log = []
 
     def say(line: str) -> None:
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
     def stats_for(name: str):
         if name not in captures:
             prompts = demo.CALIBRATION_PROMPTS + (demo.MORE_CALIBRATION_PROMPTS if name == "more" else [])
-            config = demo.study_config(args.calibration_steps)
+            config = demo.study_config(args.calibration_steps, size=size)
             captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]},
                                      extras=True)
             say(f"capture {name!r}: {len(prompts)} prompts x {args.calibration_steps} steps in "
@@ -139,7 +146,9 @@ def main(argv=None) -> int:
         return captures[name]
 
     if args.ship is not None:
-        for density in demo.SHIPPED_DENSITIES:
+        if args.model_dir is not None or size:
+            raise SystemExit("--ship writes the plans of the shipped model at its size; drop --model-dir and the size")
+        for density in (float(d) for d in args.ship_densities.split(",")):
             plan, result = plan_from_stats(stats_for("two"), density)
             path = args.ship / demo.shipped_plan_path(density).name
             save_calibration(plan, result, path)
@@ -150,7 +159,7 @@ def main(argv=None) -> int:
     prompts = demo.EVAL_PROMPTS[: args.eval_prompts]
     dense = {}
     for seed in seeds:
-        dense[seed], timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed)
+        dense[seed], timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
         say(f"dense, seed {seed}: {timing['total_s']:.2f} s ({timing['attention_s']:.2f} s in self-attention)")
     rows = []
     jsonl = (args.out / "quality.jsonl").open("w")
@@ -171,7 +180,8 @@ def main(argv=None) -> int:
         per_video = {"psnr_db": [], "ssim": [], "cosine": []}
         seconds = 0.0
         for seed in seeds:
-            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=seed, backend=args.backend)
+            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=seed, backend=args.backend,
+                                                size=size)
             seconds += timing["total_s"]
             for i in range(len(prompts)):
                 m = demo.compare(dense[seed][i:i + 1], frames[i:i + 1])
@@ -197,6 +207,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps,
+        "model": str(args.model_dir or "paroattn/reference/assets"), "layout": str(next(iter(captures.values())).layout),
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
         "calibration": {k: v for k, v in vars(demo.study_config(args.calibration_steps)).items()

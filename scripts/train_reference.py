@@ -70,6 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks (one compiled block, reused; CUDA)")
+    p.add_argument("--frames", type=int, default=None, help=f"video frames (default {VIDEO_SHAPE['num_frames']})")
+    p.add_argument("--height", type=int, default=None, help=f"video height in pixels (default {VIDEO_SHAPE['height']})")
+    p.add_argument("--width", type=int, default=None, help=f"video width in pixels (default {VIDEO_SHAPE['width']})")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from these weights (an assets folder, e.g. the shipped model) instead of a fresh model")
     p.add_argument("--smoke", action="store_true", help="tiny model and videos: checks the script end to end on a CPU")
     p.add_argument("--max-steps-this-chunk", type=int, default=None, help="stop this chunk after this many steps (tests)")
     args = p.parse_args(argv)
@@ -210,9 +215,19 @@ def main(argv=None) -> int:
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     transformer_config = SMOKE_TRANSFORMER if args.smoke else TRANSFORMER_CONFIG
     text_config = SMOKE_TEXT_ENCODER if args.smoke else TEXT_ENCODER_CONFIG
-    video_shape = SMOKE_VIDEO if args.smoke else VIDEO_SHAPE
+    video_shape = dict(SMOKE_VIDEO if args.smoke else VIDEO_SHAPE)
+    for key, value in (("num_frames", args.frames), ("height", args.height), ("width", args.width)):
+        if value is not None:
+            video_shape[key] = value
 
     transformer, text_encoder, scheduler = new_reference_modules(transformer_config, text_config)
+    if args.init is not None:
+        from paroattn.reference.model import load_reference_pipeline
+
+        start = load_reference_pipeline(args.init)
+        transformer.load_state_dict({k: v.float() for k, v in start.transformer.state_dict().items()})
+        text_encoder.load_state_dict(start.text_encoder.state_dict())
+        print(f"initialized from {args.init}", flush=True)
     transformer.to(device).train()
     text_encoder.to(device).train()
     if args.compile:

@@ -71,13 +71,16 @@ def shipped_plan_path(density: float) -> Path:
 
 
 def study_config(steps: int = DEFAULT_STEPS, *, seed: int = 0, block_size: int = 64,
-                 query_block: int | None = None):
+                 query_block: int | None = None, size: dict | None = None):
     """The calibration of the quality study and the shipped plans: the calibration prompts as one
-    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device)."""
+    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device).
+    `size`: num_frames / height / width of the videos, if not the model's default."""
     from ..calibrate.driver import CalibrationConfig
 
+    size = size or {}
     return CalibrationConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
-                             batch_prompts=True, generator_device="cpu")
+                             batch_prompts=True, generator_device="cpu", frames=size.get("num_frames"),
+                             height=size.get("height"), width=size.get("width"))
 
 
 # -- generation and comparison --------------------------------------------------------------------
@@ -127,19 +130,21 @@ def progress_bar(pipe, label: str | None):
 
 
 def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 0,
-           guidance_scale: float = DEFAULT_GUIDANCE, progress: str | None = None) -> tuple[np.ndarray, dict]:
+           guidance_scale: float = DEFAULT_GUIDANCE, progress: str | None = None,
+           size: dict | None = None) -> tuple[np.ndarray, dict]:
     """(frames [B, F, H, W, 3] float32 in [0, 1], {"total_s", "attention_s"}); `progress`: label of a step
-    bar for the timed run (none by default)."""
+    bar for the timed run (none by default); `size`: num_frames / height / width, if not the default."""
+    size = size or {}
     cuda = pipe.transformer.device.type == "cuda"
     if cuda:
         # one untimed step first: Triton compiles its kernels and cuDNN picks its plans on first use
-        pipe(prompts[:1], num_inference_steps=1, guidance_scale=guidance_scale, output_type="np")
+        pipe(prompts[:1], num_inference_steps=1, guidance_scale=guidance_scale, output_type="np", **size)
     with attention_timer(pipe) as timer, progress_bar(pipe, progress):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         frames = pipe(prompts, num_inference_steps=steps, guidance_scale=guidance_scale,
-                      generator=torch.Generator().manual_seed(seed), output_type="np").frames
+                      generator=torch.Generator().manual_seed(seed), output_type="np", **size).frames
         if cuda:
             torch.cuda.synchronize()
         total = time.perf_counter() - start
@@ -155,11 +160,12 @@ def compare(dense: np.ndarray, other: np.ndarray) -> dict[str, float]:
 
 
 def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "auto", guidance_scale=DEFAULT_GUIDANCE,
-                  progress: str | None = None):
+                  progress: str | None = None, size: dict | None = None):
     from ..pipelines import apply
 
     with apply(pipe, plan, backend=backend):
-        return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale, progress=progress)
+        return sample(pipe, prompts, steps=steps, seed=seed, guidance_scale=guidance_scale, progress=progress,
+                      size=size)
 
 
 # -- pictures -------------------------------------------------------------------------------------
