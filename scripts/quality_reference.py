@@ -71,6 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0,1", help="comma-separated sampling seeds of the evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
+    p.add_argument("--block-size", type=int, default=64, help="plan block size (the shipped plans use 64)")
+    p.add_argument("--query-block", type=int, default=None, help="query block of the plans (default: --block-size)")
+    p.add_argument("--quant-weight", type=float, default=0.0,
+                   help="weight of the incoherence term in the order choice of every row (as paro calibrate's)")
     p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
     p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's)")
     p.add_argument("--height", type=int, default=None, help="video height in pixels (default: the model's)")
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
     def stats_for(name: str):
         if name not in captures:
             prompts = demo.CALIBRATION_PROMPTS + (demo.MORE_CALIBRATION_PROMPTS if name == "more" else [])
-            config = demo.study_config(args.calibration_steps, size=size)
+            config = demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
+                                       query_block=args.query_block)
             captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]},
                                      extras=True)
             say(f"capture {name!r}: {len(prompts)} prompts x {args.calibration_steps} steps in "
@@ -146,8 +151,9 @@ def main(argv=None) -> int:
         return captures[name]
 
     if args.ship is not None:
-        if args.model_dir is not None or size:
-            raise SystemExit("--ship writes the plans of the shipped model at its size; drop --model-dir and the size")
+        if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
+            raise SystemExit("--ship writes the demo's plans: the shipped model at its size, 64-token blocks; "
+                             "drop --model-dir, the size and the block options")
         for density in (float(d) for d in args.ship_densities.split(",")):
             plan, result = plan_from_stats(stats_for("two"), density)
             path = args.ship / demo.shipped_plan_path(density).name
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
             break
         if density >= 1.0 and quant == "bf16":
             continue  # the dense model itself
-        kwargs = variant_arguments(variant)
+        kwargs = {"quant_weight": args.quant_weight, **variant_arguments(variant)}
         stats = stats_for(kwargs.pop("capture", "two"))
         qk, pv = demo.QUANT_MODES[QUANTS[quant]]
         try:
@@ -209,16 +215,31 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps,
         "model": str(args.model_dir or "paroattn/reference/assets"), "layout": str(next(iter(captures.values())).layout),
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
+        "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
         "calibration": {k: v for k, v in vars(demo.study_config(args.calibration_steps)).items()
                         if k in ("metric", "layer_floor", "dilation", "dense_layers", "block_size")},
         "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))
+    if args.ship is not None:
+        summary_path = args.ship / demo.QUALITY_SUMMARY.name
+        summary_path.write_text(json.dumps(demo_summary(rows, report["device"], len(prompts), seeds), indent=1) + "\n")
+        say(f"wrote {summary_path}")
     (args.out / "quality_table.md").write_text(markdown_table(rows))
     (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
     print(f"wrote {args.out / 'quality.json'} and {args.out / 'quality_table.md'}")
     return 0
+
+
+def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) -> dict:
+    """What `paro demo` prints about other densities: mean PSNR / SSIM of the calibrated rows with
+    the demo's default quantization, by density."""
+    qk, pv = demo.DEFAULT_QK, demo.DEFAULT_PV
+    by_density = {f"{r['density']:.2f}": {"psnr_db": round(r["psnr_db"]["mean"], 2), "ssim": round(r["ssim"]["mean"], 3)}
+                  for r in rows if r["variant"] == "calibrated" and (r["qk"], r["pv"]) == (qk, pv)}
+    return {"device": device, "qk": qk, "pv": pv, "eval_prompts": prompts, "seeds": seeds,
+            "by_density": dict(sorted(by_density.items(), reverse=True))}
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -38,6 +38,40 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     pictures = sorted((tmp_path / "attention").glob("*.png"))
     assert len(pictures) == 5
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
+    assert "PARO vs dense by density on this model (qk=int8 pv=fp8, 8 held-out prompts x 2 seeds" in result.output
+    assert "d=0.7: 30.1 dB / SSIM 0.96" in result.output and "d=0.3: 20.8 dB" in result.output
+
+
+def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
+    """The default density has a shipped plan, and the shipped quality summary measured it at SSIM >= 0.9
+    vs dense with the default precisions; the CLI's defaults are the demo's."""
+    import inspect
+
+    from paroattn.cli import demo as cli_demo
+    from paroattn.reference import demo
+
+    assert demo.shipped_plan_path(demo.DEFAULT_DENSITY).is_file()
+    summary = json.loads(demo.QUALITY_SUMMARY.read_text())
+    assert (summary["qk"], summary["pv"]) == (demo.DEFAULT_QK, demo.DEFAULT_PV)
+    assert summary["by_density"][f"{demo.DEFAULT_DENSITY:.2f}"]["ssim"] >= 0.9
+    assert set(summary["by_density"]) >= {f"{d:.2f}" for d in demo.SHIPPED_DENSITIES if d > 0.2}
+    cli = {name: p.default.default for name, p in inspect.signature(cli_demo).parameters.items()}
+    assert (cli["density"], cli["qk"], cli["pv"]) == (demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV)
+    run = inspect.signature(demo.run_demo).parameters
+    assert (run["density"].default, run["qk"].default, run["pv"].default) == (0.7, "int8", "fp8")
+
+
+def test_density_cost_line_reads_the_summary(tmp_path):
+    from paroattn.reference.demo import density_cost_line
+
+    assert density_cost_line(tmp_path / "missing.json") is None
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"device": "GPU X", "qk": "int8", "pv": "fp8", "eval_prompts": 3, "seeds": [0],
+                                "by_density": {"0.70": {"psnr_db": 31.04, "ssim": 0.951},
+                                               "0.30": {"psnr_db": 20.0, "ssim": 0.7}}}))
+    assert density_cost_line(path) == ("PARO vs dense by density on this model (qk=int8 pv=fp8, 3 held-out prompts "
+                                       "x 1 seeds, GPU X): d=0.7: 31.0 dB / SSIM 0.95, d=0.3: 20.0 dB / SSIM 0.70; "
+                                       "QUALITY.md")
 
 
 def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):

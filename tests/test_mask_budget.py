@@ -52,6 +52,11 @@ def test_layer_floor_gives_every_layer_its_share_of_the_density(floor):
     assert bool((per_layer >= floor * density - 0.01).all()), per_layer
     with pytest.raises(ValueError, match="layer_floor must be in"):
         build_masks(mass, density, 0, 16, layer_floor=1.5)
+    # with a dense layer the floor shares what it leaves: the mean density stays on target
+    masks = build_masks(mass, 0.5, 0, 16, layer_floor=floor, dense_layers=[-1])
+    assert abs(float(masks.float().mean()) - 0.5) <= 0.01 and bool(masks[3].all())
+    per_layer = masks[:3].float().mean(dim=(1, 2, 3))
+    assert bool((per_layer >= floor * (4 * 0.5 - 1) / 3 - 0.01).all()), per_layer
 
 
 def test_dilation_grows_the_chosen_blocks_within_the_budget():

@@ -165,9 +165,9 @@ def build_masks(
 
     - `dense_layers`: layers that keep every block (run densely); they are paid for out of the same
       budget, so the other layers get fewer blocks and the mean density stays `density`.
-    - `layer_floor` in [0, 1]: each other layer first gets `layer_floor * density` of its blocks (the
-      best of that layer, whichever heads they are in), then the global competition shares the rest;
-      1 gives every layer the same density.
+    - `layer_floor` in [0, 1]: each other layer first gets `layer_floor` times its equal share of the
+      budget (the best blocks of that layer, whichever heads they are in), then the global competition
+      shares the rest; 1 gives every sparse layer the same density.
     - `dilation`: the mass-ranked choice is grown by `dilation` blocks in every direction of the block
       grid (in each head's order), with as many seeds as leave the budget, then topped up by mass."""
     L, H, nq, nk = mass.shape
@@ -184,11 +184,11 @@ def build_masks(
         raise ValueError(f"dense layers {dense} alone hold {int(masks.sum()) / masks.numel():.3f} of the blocks, "
                          f"more than density {density}: keep fewer layers dense or raise the density")
     scores = mass.float().masked_fill(masks, float("-inf"))
-    if layer_floor > 0:
-        per_layer = round(layer_floor * density * H * nq * nk)
-        for layer in range(L):
-            if layer in dense:
-                continue
+    sparse_layers = [layer for layer in range(L) if layer not in dense]
+    if layer_floor > 0 and sparse_layers:
+        # the floor shares what the dense layers leave of the budget
+        per_layer = round(layer_floor * (total - int(masks[dense].sum())) / len(sparse_layers))
+        for layer in sparse_layers:
             want = per_layer - int(masks[layer].sum())
             if want > 0:
                 masks[layer] |= _top(scores[layer], want)
