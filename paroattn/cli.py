@@ -233,8 +233,8 @@ def demo(
     out_dir: Path = typer.Option(Path("paro-demo"), "--out-dir", help="folder for demo.gif, attention PNGs and metrics.json"),
     density: float = typer.Option(0.7, help="block density of the plan (shipped: 0.7, 0.6, 0.5, 0.3, 0.2; others are "
                                             "calibrated); 0.7 stays close to dense on this small model (QUALITY.md)"),
-    qk: str = typer.Option("int8", "--qk", help="QK precision: bf16, int8 or int4"),
-    pv: str = typer.Option("fp8", "--pv", help="PV precision: bf16, fp8 or int8"),
+    qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
+    pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
     steps: int = typer.Option(20, help="denoising steps"),
     num_prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-4; each adds about 45 s on 2 CPU cores)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),

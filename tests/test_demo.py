@@ -38,7 +38,7 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     pictures = sorted((tmp_path / "attention").glob("*.png"))
     assert len(pictures) == 5
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
-    assert "PARO vs dense by density on this model (qk=int8 pv=fp8, 8 held-out prompts x 2 seeds" in result.output
+    assert "PARO vs dense by density on this model (qk=bf16 pv=bf16, 8 held-out prompts x 2 seeds" in result.output
     assert "d=0.7: 30.1 dB / SSIM 0.96" in result.output and "d=0.3: 20.8 dB" in result.output
 
 
@@ -58,7 +58,7 @@ def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
     cli = {name: p.default.default for name, p in inspect.signature(cli_demo).parameters.items()}
     assert (cli["density"], cli["qk"], cli["pv"]) == (demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV)
     run = inspect.signature(demo.run_demo).parameters
-    assert (run["density"].default, run["qk"].default, run["pv"].default) == (0.7, "int8", "fp8")
+    assert (run["density"].default, run["qk"].default, run["pv"].default) == (0.7, "bf16", "bf16")
 
 
 def test_density_cost_line_reads_the_summary(tmp_path):
