@@ -236,7 +236,7 @@ def demo(
     qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
     pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
     steps: int = typer.Option(20, help="denoising steps"),
-    num_prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-4; each adds about 45 s on 2 CPU cores)"),
+    num_prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-8)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
