@@ -39,7 +39,6 @@ import copy
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paroattn import Plan, TokenLayout  # noqa: E402
+from paroattn.bench import environment  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.plan import model_fingerprint  # noqa: E402
@@ -377,21 +377,6 @@ def compiled_table(results: dict) -> str:
     return "\n".join(out)
 
 
-def _environment() -> dict:
-    """Driver and commit, best effort: absent where nvidia-smi or a git checkout is not there."""
-    env = {}
-    repo = Path(__file__).resolve().parents[1]
-    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-                     ("commit", ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0]
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.strip():
-            env[key] = out.strip()
-    return env
-
-
 TABLE_MODES = ["paro d=0.5 bf16", "paro d=0.2 bf16", "paro d=0.5 int8+fp8", "paro d=0.2 int8+fp8"]
 
 
@@ -475,7 +460,7 @@ def main(argv=None):
     key_block = 16 if args.smoke else 64  # bench_model's block
     info["block"] = [args.query_block or key_block, key_block]
     if device.type == "cuda":
-        info.update(_environment())
+        info.update(environment())
     try:
         import triton
 

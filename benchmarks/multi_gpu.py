@@ -174,7 +174,7 @@ def main(argv=None):
             "block": [args.query_block or (16 if args.smoke else 64), 16 if args.smoke else 64],
             "parallelism": f"diffusers ContextParallelConfig(ulysses_degree={world})" if world > 1 else "none"}
     if device.type == "cuda":
-        info.update(e2e._environment())
+        info.update(e2e.environment())
         import triton
 
         info["triton"] = triton.__version__

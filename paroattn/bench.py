@@ -88,26 +88,30 @@ MODE_LABELS = {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8 QK", ("int8", "
                ("int8", "int8"): "int8 QK + int8 PV", ("int4", "fp8"): "int4 QK + fp8 PV"}
 
 
-def _environment() -> dict:
-    """Driver and commit, best effort: absent where nvidia-smi or a git checkout is not there."""
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def environment() -> dict:
+    """Driver and commit of the code that runs, best effort. The commit is recorded only when this package's
+    checkout is the top level of a git work tree: a copy of the code inside another checkout (an exported tree
+    on a GPU machine) would otherwise record that checkout's HEAD, which is not the code that ran."""
     env = {}
-    commands = [("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])]
-    if REPO is not None:
-        commands.append(("commit", ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]))
-    for key, cmd in commands:
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0]
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if out.strip():
-            env[key] = out.strip()
-    if "commit" in env:
-        try:
-            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-            env["commit"] += "+changes" if dirty else ""
-        except (OSError, subprocess.SubprocessError):
-            pass
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = ""
+    if driver:
+        env["driver"] = driver
+    top = _git("rev-parse", "--show-toplevel") if REPO is not None else None
+    if top and Path(top).resolve() == REPO and (commit := _git("rev-parse", "--short", "HEAD")):
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        env["commit"] = commit + ("+changes" if dirty else "")
     return env
 
 
@@ -230,7 +234,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
-        **_environment(),
+        **environment(),
         "block": [block_q, block_k],
         "tma": tma,
         "timing": "cuda-graph replay" if graph else "do_bench (eager calls, L2 flushed)",
@@ -436,7 +440,7 @@ def host_times(out_dir=None) -> dict:
     import triton
 
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "date": datetime.date.today().isoformat(), **_environment(), "block": [128, 64], "host_rows": []}
+               "date": datetime.date.today().isoformat(), **environment(), "block": [128, 64], "host_rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (density, calls) in HOST_CASES.items():
         B, H, layout, D = SHAPES[name]
