@@ -244,3 +244,57 @@ def test_bench_help_lists_the_benchmarks_options():
     assert "paro bench" in result.output
     for option in ("--shapes", "--densities", "--table", "--summary"):
         assert option in result.output
+
+
+# -- paro calibrate: mask options --------------------------------------------------------------
+
+@pytest.mark.parametrize("option, value, fragments", [
+    ("--dense-layers", "0,x", ["--dense-layers '0,x'", "comma-separated layer indices"]),
+    ("--dense-layers", "1.5", ["--dense-layers '1.5'", "e.g. --dense-layers 0,-1"]),
+    ("--layer-floor", "1.5", ["--layer-floor 1.5", "[0, 1]"]),
+    ("--layer-floor", "-0.1", ["--layer-floor -0.1", "[0, 1]"]),
+    ("--dilation", "-1", ["--dilation -1", ">= 0"]),
+])
+def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
+    import paroattn.pipelines.generate as generate
+
+    saved_tiny_flux(tmp_path)
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", option, value])
+    assert_clean_failure(result, *fragments)
+
+
+def test_calibrate_rejects_dense_layers_the_model_lacks_before_capture(tmp_path, monkeypatch):
+    import paroattn.calibrate.driver as driver
+
+    saved_tiny_flux(tmp_path)
+    monkeypatch.setattr(driver, "calibrate_experts", lambda *a, **k: pytest.fail("captured"))
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--dense-layers", "0,9"])
+    # the layer count is known once the pipeline has loaded (its loading bars come before the error)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
+    for fragment in ("--dense-layers 0,9", "has 3 attention layers", "0..2", "-3..-1"):
+        assert fragment in errors[0], result.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
+    import paroattn.calibrate.driver as driver
+
+    saved_tiny_flux(tmp_path)
+    seen = {}
+
+    def fake_calibrate(pipe, prompts, config, **kwargs):
+        seen["config"] = config
+        return []
+
+    monkeypatch.setattr(driver, "calibrate_experts", fake_calibrate)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors",
+                     "--dense-layers", "0,-1", "--layer-floor", "0.25", "--dilation", "1"])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert (config.dense_layers, config.layer_floor, config.dilation) == ([0, -1], 0.25, 1)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors"])
+    assert result.exit_code == 0, result.output
+    assert (seen["config"].dense_layers, seen["config"].layer_floor, seen["config"].dilation) == ([], 0.0, 0)
