@@ -153,7 +153,7 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
         record["dense_forward_s"] = _timed(lambda: model(**inputs(900)), repeat=timed_calls)
         state = {"acc": None, "stats_s": 0.0, "layer0": None, "variant": None}
 
-        def keep_layer0(layer, q, k, layout, timestep):
+        def keep_layer0(layer, q, k, layout, timestep, suffix_mask):
             if layer == 0 and state["layer0"] is None:
                 state["layer0"] = (q.clone(), k.clone(), layout)
 
@@ -178,10 +178,11 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
         nb = math.ceil(layout.seq_len / 64)
         state["acc"] = StatsAccumulator(L, buckets, orders, layout.seq_len, 64, store_device="cpu")
 
-        def on_capture(layer, q, k, layout, timestep):
+        def on_capture(layer, q, k, layout, timestep, suffix_mask):
             _sync()
             t0 = time.perf_counter()
-            mass, pmax, below = block_stats(q, k, layout, orders, 64, backend=backend, extras=False, group=best_group)
+            mass, pmax, below = block_stats(q, k, layout, orders, 64, backend=backend, extras=False, group=best_group,
+                                             suffix_mask=suffix_mask)
             state["acc"].add(layer, 0, mass, pmax, below, batch=q.shape[0])
             _sync()
             state["stats_s"] += time.perf_counter() - t0

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     calls = torch.zeros(layers)
     g = torch.Generator().manual_seed(0)
 
-    def on_capture(layer, q, k, layout, timestep):
+    def on_capture(layer, q, k, layout, timestep, suffix_mask):
         N, D = q.shape[-2:]
         rows = torch.randperm(N, generator=g)[: args.queries]
         scores = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) / math.sqrt(D)

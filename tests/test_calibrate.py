@@ -10,6 +10,7 @@ from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
 from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
+from paroattn.layout import reorder_index
 
 # the Triton statistics kernel runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +52,61 @@ def test_torch_block_stats_match_naive_and_conserve_mass(layout):
     # orders that give the same sequence give the same statistics
     distinct = layout.distinct_orders()
     assert len(distinct) == (2 if layout.frames == 1 else 6)
+
+
+def stats_of_real_keys(q, k, layout, orders, block_size, suffix_mask, eps):
+    """The statistics with the padded text keys removed: per batch item, softmax over the real keys only,
+    written back into their columns (the padded columns stay empty), then tiled like the naive form."""
+    B, H, N, _ = q.shape
+    nb = -(-N // block_size)
+    real = torch.cat([torch.ones(B, N - layout.suffix, dtype=torch.bool), suffix_mask], dim=1)
+    mass = torch.zeros(H, len(orders), nb, nb)
+    pmax, below = torch.zeros_like(mass), torch.zeros_like(mass)
+    for b in range(B):
+        keys = real[b].nonzero().flatten()
+        for h in range(H):
+            p = torch.zeros(N, N)
+            p[:, keys] = torch.softmax(q[b, h].float() @ k[b, h, keys].float().T / q.shape[-1] ** 0.5, dim=-1)
+            for oi, order in enumerate(orders):
+                index = reorder_index(layout, order)
+                pr, kept = p[index][:, index], real[b][index]
+                for i in range(nb):
+                    for j in range(nb):
+                        tile = pr[i * block_size:(i + 1) * block_size, j * block_size:(j + 1) * block_size]
+                        tile_kept = kept[j * block_size:(j + 1) * block_size]
+                        mass[h, oi, i, j] += tile.sum()
+                        pmax[h, oi, i, j] = max(pmax[h, oi, i, j], tile.max())
+                        below[h, oi, i, j] += ((tile < eps) & tile_kept).sum()
+    return mass, pmax, below
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_stats_leave_out_padded_text_keys(backend):
+    layout = TokenLayout(0, 2, 3, 4, suffix=13)  # 37 tokens: the text crosses a block edge
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 2, layout.seq_len, 16, generator=g) * 2).half()
+    k = (torch.randn(2, 2, layout.seq_len, 16, generator=g) * 2).half()
+    suffix_mask = torch.ones(2, 13, dtype=torch.bool)
+    suffix_mask[0, 5:] = False  # item 0: 8 padded text keys, item 1: none
+    orders = list(layout.distinct_orders())
+    want = stats_of_real_keys(q, k, layout, orders, 16, suffix_mask, eps=1e-2)
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"
+    got = block_stats(q.to(device), k.to(device), layout, orders, 16, eps=1e-2, backend=backend,
+                      suffix_mask=suffix_mask.to(device))
+    got = [t.cpu() for t in got]
+    _close(got[:2], want[:2], atol=1e-4)
+    key_mask = torch.cat([torch.ones(2, layout.seq_len - 13, dtype=torch.bool), suffix_mask], dim=1)
+    _close(block_stats_naive(q.float(), k.float(), layout, orders, 16, eps=1e-2, key_mask=key_mask), want)
+    assert (got[2] - want[2]).abs().max() <= 2  # fp16: entries of P right at eps may land on either side
+    # the padded keys take no mass away from the real ones: every row still sums to one
+    assert torch.allclose(got[0].sum((-1, -2)), torch.full(got[0].shape[:2], 2.0 * layout.seq_len), rtol=1e-4)
+    # an all-True mask is no mask
+    unmasked = block_stats(q.to(device), k.to(device), layout, orders, 16, eps=1e-2, backend=backend)
+    all_real = block_stats(q.to(device), k.to(device), layout, orders, 16, eps=1e-2, backend=backend,
+                           suffix_mask=torch.ones(2, 13, dtype=torch.bool, device=device))
+    _close([t.cpu() for t in all_real], [t.cpu() for t in unmasked], atol=0)
+    with pytest.raises(ValueError, match=r"suffix_mask must be a bool \[B, suffix\] = \[2, 13\]"):
+        block_stats(q, k, layout, orders, 16, backend="torch", suffix_mask=suffix_mask[:, :12])
 
 
 def test_block_stats_default_orders_are_the_distinct_ones():

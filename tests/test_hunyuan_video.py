@@ -6,6 +6,7 @@
   Triton kernels take such calls); with padding, backend="triton" refuses with what to use;
 - the token refiner's attention keeps its processor;
 - a plan for another size or text length raises PlanError naming both and the fix;
+- calibration statistics leave the padded text keys out, as the op does;
 - calibration, `paro calibrate` and `paro generate --compare` on a saved pipeline folder.
 (Each layer against the reference op: `test_layer_oracle.py`.)
 """
@@ -131,6 +132,50 @@ def test_mismatches_name_the_calibrated_and_actual_sizes(model):
     with apply(transformer, make_plan(transformer, TokenLayout(0, 4, 4, 4, suffix=30)), backend="torch"):
         with pytest.raises(PlanError, match="calibrated with 30 text tokens; this call has 21"):
             run(transformer, inputs)
+
+
+def test_capture_statistics_leave_out_padded_text_keys(model):
+    from test_calibrate import stats_of_real_keys
+
+    from paroattn.calibrate.block_stats import block_stats
+    from paroattn.pipelines import capture_attention
+
+    transformer, inputs, reference, layout = model
+    seen = []
+    with capture_attention(transformer, lambda layer, q, k, layout, t, suffix_mask: seen.append((q, k, suffix_mask))):
+        torch.testing.assert_close(run(transformer, inputs), reference, rtol=0, atol=0)
+    assert len(seen) == len(self_attention_layers(transformer))
+    real = inputs["encoder_attention_mask"].bool()
+    for q, k, suffix_mask in seen:
+        assert torch.equal(suffix_mask, real)  # item 0 has HUNYUAN_VALID_TEXT real text tokens
+        orders = list(layout.distinct_orders())
+        got = block_stats(q, k, layout, orders, TINY_BLOCK, backend="torch", suffix_mask=suffix_mask)
+        want = stats_of_real_keys(q, k, layout, orders, TINY_BLOCK, suffix_mask, eps=1e-3)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[2], want[2])
+
+
+def test_calibration_gives_padded_text_keys_no_mass():
+    from paroattn.calibrate.driver import CalibrationConfig, capture
+
+    pipe = tiny_pipeline("hunyuan_video")
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = tiny_call_kwargs("hunyuan_video")
+    extra = {key: kwargs[key] for key in ("max_sequence_length", "guidance_scale", "prompt_template")}
+    config = CalibrationConfig(density=0.5, block_size=TINY_BLOCK, steps=1, height=64, width=64, frames=9,
+                               num_buckets=1, bucket_edges=[1000.0, 0.0], stat_every=1, pipeline_kwargs=extra)
+    # the tiny pipeline pads this prompt's text to 21 tokens, 14 of them real: tokens 62..68 are padding,
+    # and key block 4 (tokens 64..68) holds nothing else
+    stats = capture(pipe, ["a red fox in the snow"], config, extras=True)
+    assert stats.layout == PIPELINE_LAYOUT
+    acc = stats.accumulators["all"]
+    acc.flush()
+    for layer in range(acc.num_layers):
+        mass = acc.mass[(0, layer)].float()
+        assert mass[..., 4].abs().max() == 0, f"layer {layer}: padded keys hold mass"
+        # rows still sum to one over the real keys
+        torch.testing.assert_close(mass.sum((-1, -2)), torch.full(mass.shape[:2], 69.0), rtol=2e-3, atol=0)
 
 
 def test_pipeline_dense_plan_equals_default_and_calibration_runs(tmp_path):

@@ -76,7 +76,7 @@ def test_capture_is_exact_and_reports_every_call(model):
     name, transformer, inputs, reference = model
     seen = []
 
-    def callback(layer, q, k, layout, timestep):
+    def callback(layer, q, k, layout, timestep, suffix_mask):
         seen.append((layer, q.shape, k.shape, layout, timestep))
 
     before = dict(transformer.attn_processors)
@@ -332,7 +332,7 @@ def test_wan_pipeline_capture_sees_each_step_twice():
     pipe = tiny_pipeline("wan")
     pipe.set_progress_bar_config(disable=True)
     timesteps = []
-    with torch.no_grad(), capture_attention(pipe, lambda layer, q, k, layout, t: layer == 0 and timesteps.append(t)):
+    with torch.no_grad(), capture_attention(pipe, lambda layer, q, k, layout, t, suffix_mask: layer == 0 and timesteps.append(t)):
         pipeline_output(pipe, {**tiny_call_kwargs("wan"), "output_type": "latent"})
     assert len(timesteps) == 4 and timesteps[0] == timesteps[1] and timesteps[2] == timesteps[3]
     assert 0.0 <= timesteps[2] < timesteps[0] <= 1000.0

@@ -2,7 +2,8 @@
 
 Two Triton passes per layer (the torch reference beside it: `block_stats_reference.py`):
 
-  pass 1  `_row_lse_kernel`     each query row's log-sum-exp over all N keys (base 2). It does not
+  pass 1  `_row_lse_kernel`     each query row's log-sum-exp over all N keys (base 2; over the real
+                                ones when a key mask drops padded text). It does not
                                 depend on the order, so it runs once per (batch, head).
   pass 2  `_block_stats_kernel` one program per (reordered query block, head, order): walks every
                                 key block of the reordered sequence and reduces its tile of
@@ -40,14 +41,15 @@ if triton is not None:
 
     @triton.jit
     def _row_lse_kernel(
-        Q, K, LSE,
+        Q, K, LSE, KEEP,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         H, N, D, qk_scale_log2,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     ):
-        """LSE[b, h, n] = log2(sum_j exp2(q_n . k_j * qk_scale_log2)), online over key blocks."""
+        """LSE[b, h, n] = log2(sum_j exp2(q_n . k_j * qk_scale_log2)), online over key blocks; with
+        HAS_KEY_MASK only over the keys j with KEEP[b, j] != 0."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -64,27 +66,33 @@ if triton is not None:
             k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
             k = tl.load(k_ptrs, mask=(offs_n[None, :] < N) & d_valid[:, None], other=0.0)
             s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
-            s = tl.where(offs_n[None, :] < N, s, float("-inf"))
+            key_valid = offs_n < N
+            if HAS_KEY_MASK:
+                key_valid = key_valid & (tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0)
+            s = tl.where(key_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            # a row whose keys so far are all dropped keeps m = -inf: subtract 0 there, not -inf (NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_sub) + tl.sum(tl.exp2(s - m_sub[:, None]), axis=1)
             m_i = m_new
         tl.store(LSE + pid_bh * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
 
     @triton.jit
     def _block_stats_kernel(
-        Q, K, LSE, ORDERS, MASS, PMAX, BELOW,
+        Q, K, LSE, KEEP, ORDERS, MASS, PMAX, BELOW,
         stride_qb, stride_qh, stride_qn,
         stride_kb, stride_kh, stride_kn,
         B, H, N, D, head_offset, num_orders, num_blocks,
         prefix, frames, height, width,
         qk_scale_log2, eps,
         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-        EXTRAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        EXTRAS: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     ):
         """Program (i, h, o): query block i of the sequence reordered by ORDERS[o], head
         head_offset + h; adds into MASS (and, with EXTRAS, PMAX/BELOW)[h, o, i, :] (the outputs hold
         only this launch's heads). GROUP key blocks are handled per iteration: one [BLOCK, GROUP*BLOCK]
-        tile, reduced to GROUP numbers, which amortizes the reductions' synchronization."""
+        tile, reduced to GROUP numbers, which amortizes the reductions' synchronization. With HAS_KEY_MASK,
+        keys j with KEEP[b, j] == 0 are absent: no mass, and not counted below eps."""
         i = tl.program_id(0)
         h_local = tl.program_id(1)
         oi = tl.program_id(2)
@@ -109,6 +117,8 @@ if triton is not None:
                 k_ptrs = K + b * stride_kb + h * stride_kh + ok[None, :] * stride_kn + offs_d[:, None]
                 k = tl.load(k_ptrs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)
                 s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+                if HAS_KEY_MASK:
+                    k_valid = k_valid & (tl.load(KEEP + b * N + ok, mask=k_valid, other=0) != 0)
                 valid = q_valid[:, None] & k_valid[None, :]
                 p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
                 js = j0 + tl.arange(0, GROUP)
@@ -141,6 +151,7 @@ def block_stats_triton(
     extras: bool = True,
     group: int = 1,
     max_output_bytes: int = 1 << 30,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`.
     `extras=False` skips max and count below eps (returned as None); `group` key blocks per
@@ -161,12 +172,13 @@ def block_stats_triton(
     block_d = max(16, triton.next_power_of_2(D))
     scale_log2 = sm_scale * LOG2E
     lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    keep = lse if key_mask is None else key_mask.to(torch.int8).contiguous()  # lse: a pointer never read
     _row_lse_kernel[(triton.cdiv(N, 64), B * H)](
-        q, k, lse,
+        q, k, lse, keep,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         H, N, D, scale_log2,
-        BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, INPUT_PRECISION=precision,
+        BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, INPUT_PRECISION=precision, HAS_KEY_MASK=key_mask is not None,
     )
     n_blocks = triton.cdiv(N, block_size)
     O = len(orders)
@@ -185,13 +197,14 @@ def block_stats_triton(
         pmax = torch.zeros_like(mass) if extras else mass
         below = torch.zeros_like(mass) if extras else mass
         _block_stats_kernel[(n_blocks, count, O)](
-            q, k, lse, order_tensor, mass, pmax, below,
+            q, k, lse, keep, order_tensor, mass, pmax, below,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             B, H, N, D, head_offset, O, n_blocks,
             layout.prefix, layout.frames, layout.height, layout.width,
             scale_log2, eps,
             BLOCK=block_size, BLOCK_D=block_d, GROUP=group, EXTRAS=extras, INPUT_PRECISION=precision,
+            HAS_KEY_MASK=key_mask is not None,
             num_warps=4 if group * block_size <= 128 else 8,
         )
         results.append((mass, pmax, below) if extras else (mass, None, None))
@@ -213,25 +226,37 @@ def block_stats(
     backend: str = "auto",
     extras: bool = True,
     group: int = 1,
+    suffix_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mass, pmax, below), each float32 [H, O, nq, nk], for q, k [B, H, N, D] and the candidate
     `orders` (default: the layout's distinct orders: 6 for video, 2 for images). See
     `block_stats_reference` for the definitions. backend: "auto" (Triton on CUDA, torch elsewhere),
     "triton" or "torch". `extras=False`: only the mass (pmax and below come back as None), which is all
-    the default order metric needs for unquantized plans; the Triton kernel then skips two reductions."""
+    the default order metric needs for unquantized plans; the Triton kernel then skips two reductions.
+    `suffix_mask` [B, layout.suffix] bool (True = a real text token), as the op takes it: the False keys
+    are absent from the statistics (softmax over the real keys only), as they are from the op's attention."""
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[2] != layout.seq_len:
         raise ValueError(f"q has {q.shape[2]} tokens but the layout {layout} has {layout.seq_len}")
     if orders is None:
         orders = list(layout.distinct_orders())
+    key_mask = None
+    if suffix_mask is not None:
+        B, N, S = q.shape[0], q.shape[2], layout.suffix
+        if suffix_mask.dtype != torch.bool or tuple(suffix_mask.shape) != (B, S):
+            raise ValueError(f"suffix_mask must be a bool [B, suffix] = [{B}, {S}] tensor for the layout {layout}; "
+                             f"got {suffix_mask.dtype} {tuple(suffix_mask.shape)}")
+        key_mask = torch.cat([suffix_mask.new_ones(B, N - S), suffix_mask.to(q.device)], dim=1)
     if backend == "auto":
         backend = "triton" if (triton is not None and q.device.type == "cuda") else "torch"
     if backend == "triton":
         if not triton_available(q.device):
             raise RuntimeError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); use backend='torch'")
-        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale, extras=extras, group=group)
+        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale, extras=extras, group=group,
+                                  key_mask=key_mask)
     if backend == "torch":
-        mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale)
+        mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale,
+                                                        key_mask=key_mask)
         return (mass, pmax, below) if extras else (mass, None, None)
     raise ValueError(f"backend={backend!r}; expected 'auto', 'triton' or 'torch'")

@@ -11,6 +11,10 @@ the sequence *reordered* by each order:
 Every row of P sums to one, so `mass.sum((-1, -2)) == B * N` for every head and order: masses of
 different heads, layers and steps are on one scale and can be ranked against each other.
 
+`key_mask` ([B, N] bool over the original token positions, True = a real key; None: all real) drops
+keys as the op's `suffix_mask` does (HunyuanVideo's padded text): the softmax runs over the real keys
+alone, so a dropped key's entries hold no mass and count neither in the max nor below eps.
+
 `block_stats_naive` materializes each head's N x N map and is the oracle of the Triton kernel in
 `block_stats.py` (small shapes only). `block_stats_torch` gives the same numbers with memory bounded
 by `query_chunk * N` floats; it is the CPU path and the fallback where Triton is unavailable.
@@ -38,6 +42,7 @@ def block_stats_naive(
     block_size: int,
     eps: float = 1e-3,
     sm_scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The definition: full softmax map per (batch, head), permuted, cut into tiles. Small N only."""
     B, H, N, D = q.shape
@@ -52,11 +57,13 @@ def block_stats_naive(
     indices = [reorder_index(layout, o, device=q.device) for o in orders]
     for b in range(B):
         for h in range(H):
-            p = torch.softmax((q[b, h].float() @ k[b, h].float().T) * sm_scale, dim=-1)
+            keep = torch.ones(N, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[b]
+            scores = (q[b, h].float() @ k[b, h].float().T) * sm_scale
+            p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
             for oi, index in enumerate(indices):
                 pr = p[index][:, index]
                 tiles = _pad_to_blocks(pr, padded, padded).view(n_blocks, block_size, n_blocks, block_size)
-                small = _pad_to_blocks((pr < eps).float(), padded, padded)
+                small = _pad_to_blocks(((pr < eps) & keep[index]).float(), padded, padded)
                 small = small.view(n_blocks, block_size, n_blocks, block_size)
                 mass[h, oi] += tiles.sum(dim=(1, 3))
                 pmax[h, oi] = torch.maximum(pmax[h, oi], tiles.amax(dim=(1, 3)))
@@ -64,8 +71,10 @@ def block_stats_naive(
     return mass, pmax, below
 
 
-def row_logsumexp_torch(q: torch.Tensor, k: torch.Tensor, sm_scale: float, query_chunk: int = 1024) -> torch.Tensor:
-    """[B, H, N] natural-log log-sum-exp of each row of q k^T * sm_scale, in chunks of queries."""
+def row_logsumexp_torch(q: torch.Tensor, k: torch.Tensor, sm_scale: float, query_chunk: int = 1024,
+                        key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, N] natural-log log-sum-exp of each row of q k^T * sm_scale over the keys `key_mask` keeps,
+    in chunks of queries."""
     B, H, N, D = q.shape
     lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
     for b in range(B):
@@ -73,6 +82,8 @@ def row_logsumexp_torch(q: torch.Tensor, k: torch.Tensor, sm_scale: float, query
             kh = k[b, h].float()
             for start in range(0, N, query_chunk):
                 scores = (q[b, h, start : start + query_chunk].float() @ kh.T) * sm_scale
+                if key_mask is not None:
+                    scores = scores.masked_fill(~key_mask[b], float("-inf"))
                 lse[b, h, start : start + query_chunk] = torch.logsumexp(scores, dim=-1)
     return lse
 
@@ -86,6 +97,7 @@ def block_stats_torch(
     eps: float = 1e-3,
     sm_scale: float | None = None,
     query_chunk: int = 1024,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same results as `block_stats_naive` with memory bounded by about 3 * query_chunk * N floats:
     pass 1 computes each row's log-sum-exp once (it does not depend on the order), pass 2 walks the
@@ -100,7 +112,7 @@ def block_stats_torch(
     mass = torch.zeros(H, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
     pmax = torch.zeros_like(mass)
     below = torch.zeros_like(mass)
-    lse = row_logsumexp_torch(q, k, sm_scale, query_chunk)
+    lse = row_logsumexp_torch(q, k, sm_scale, query_chunk, key_mask)
     indices = [reorder_index(layout, o, device=q.device) for o in orders]
     for oi, index in enumerate(indices):
         for b in range(B):
@@ -108,10 +120,15 @@ def block_stats_torch(
                 qh = q[b, h].index_select(0, index).float()
                 kh = k[b, h].index_select(0, index).float()
                 lse_h = lse[b, h].index_select(0, index)
+                keep = None if key_mask is None else key_mask[b].index_select(0, index)
                 for start in range(0, N, rows_per_chunk):
                     stop = min(start + rows_per_chunk, N)
                     p = torch.exp((qh[start:stop] @ kh.T) * sm_scale - lse_h[start:stop, None])
-                    small = (p < eps).float()
+                    if keep is None:
+                        small = (p < eps).float()
+                    else:
+                        p = p.masked_fill(~keep, 0.0)
+                        small = ((p < eps) & keep).float()
                     rows = -(-(stop - start) // block_size) * block_size
                     first = start // block_size
                     nb = rows // block_size

@@ -219,7 +219,7 @@ class _ExpertCapture:
             self.subsets[name] = (accumulator, slots)
 
     def on_capture(self, step: int, layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout,
-                   timestep: float) -> None:
+                   timestep: float, suffix_mask: torch.Tensor | None = None) -> None:
         config = self.config
         if self.layout is None:
             self.layout = layout
@@ -238,7 +238,7 @@ class _ExpertCapture:
         with torch.no_grad():
             mass, pmax, below = block_stats(
                 q, k, layout, self.acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
-                extras=self.extras,
+                extras=self.extras, suffix_mask=suffix_mask,
             )
             self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
             for subset, slots in self.subsets.values():
@@ -286,8 +286,8 @@ def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None =
     timings = {"pipeline_s": 0.0}
 
     def callback(expert: _ExpertCapture):
-        def on_capture(layer, q, k, layout, timestep):
-            expert.on_capture(state["step"], layer, q, k, layout, timestep)
+        def on_capture(layer, q, k, layout, timestep, suffix_mask):
+            expert.on_capture(state["step"], layer, q, k, layout, timestep, suffix_mask)
             bar.update("layers", completed=layer + 1)
         return on_capture
 

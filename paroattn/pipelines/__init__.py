@@ -10,7 +10,7 @@
 
 For calibration:
     self_attention_layers(transformer) -> processor keys in plan layer order
-    capture_attention(pipe, callback)  -> context manager; callback(layer, q, k, layout, timestep)
+    capture_attention(pipe, callback)  -> context manager; callback(layer, q, k, layout, timestep, suffix_mask)
     layout_for(transformer, height=, width=, frames=) -> the TokenLayout of a generation size
 """
 
@@ -227,9 +227,10 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan], backend: str = "auto
 
 @contextmanager
 def capture_attention(pipe_or_transformer, callback):
-    """Dense attention identical to the model's own, calling `callback(layer, q, k, layout, timestep)`
+    """Dense attention identical to the model's own, calling `callback(layer, q, k, layout, timestep, suffix_mask)`
     for every self-attention call: q, k [B, H, N, D] after norms and RoPE, `layout` the call's
-    TokenLayout, `timestep` on the 0..1000 scale (Wan calls twice per step: cond, then uncond).
+    TokenLayout, `timestep` on the 0..1000 scale (Wan calls twice per step: cond, then uncond),
+    `suffix_mask` the op's [B, suffix] bool mask of real text keys, None when no key is padding.
     The original processors come back on exit. Yields the list of self-attention processor keys."""
     transformer = resolve_transformer(pipe_or_transformer)
     processor = CaptureProcessor(callback)

@@ -280,7 +280,8 @@ class _BoundProcessor:
 
 class CaptureProcessor(_BoundProcessor):
     """Dense attention, identical to the model's own, that first calls
-    `callback(layer, q, k, layout, timestep)` with q, k [B, H, N, D] after norms and RoPE."""
+    `callback(layer, q, k, layout, timestep, suffix_mask)` with q, k [B, H, N, D] after norms and RoPE and
+    the op's `suffix_mask` of the call ([B, suffix] bool, False at padded text keys; None: none padded)."""
 
     def __init__(self, callback):
         super().__init__()
@@ -299,7 +300,10 @@ class CaptureProcessor(_BoundProcessor):
         if inputs.layout is None:
             raise PlanError(f"cannot capture attention of this call: {inputs.problem}")
         call = binding.family.rotate(call)
-        self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep_1000())
+        suffix_mask = None
+        if attention_mask is not None:  # padded text keys (HunyuanVideo): absent from the statistics as from the op
+            _, suffix_mask = binding.family.suffix_mask(attention_mask, inputs.layout)
+        self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep_1000(), suffix_mask)
         return self.dense(binding, attn, call, attention_mask)
 
 
