@@ -138,7 +138,7 @@ def main() -> int:
             pointers.update(KDesc=kq, VDesc=vq)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=bk, QK_MODE=qk_mode,
                          PV_MODE=pv_mode, EVEN_N=even, USE_TMA=tma, OVERLAP_QK=overlap,
-                         Q_TMA=q_tma, EXP2_F16X2=0,
+                         Q_TMA=q_tma,
                          P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
             kernel = _compile(kernels._attention_kernel, pointers, constants,

@@ -271,26 +271,10 @@ def _key_block_scores(
 
 
 @triton.jit
-def _exp2_e4m3(x):
-    # exp2 of float32 arguments (<= log2(448), down to -inf) two at a time in half precision, rounded
-    # straight to e4m3: (the e4m3 values, the f16 values they were rounded from). Two elements per
-    # invocation: $2, $3 in; $0 the two e4m3 bytes, $1 the f16 pair, element 0 in the low half
-    # (cvt.rn.f16x2.f32 d, a, b puts a in d's upper half; the e4m3 pack keeps each half's place).
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 h;
-        cvt.rn.f16x2.f32 h, $3, $2;
-        ex2.approx.f16x2 $1, h;
-        cvt.rn.satfinite.e4m3x2.f16x2 $0, $1;
-        }""",
-        "=h,=r,r,r", [x], dtype=(tl.float8e4nv, tl.float16), is_pure=True, pack=2)
-
-
-@triton.jit
 def _key_block_update(
     acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PV_MODE: tl.constexpr, P_LOG2_SCALE: tl.constexpr,
-    USE_TMA: tl.constexpr, INT_SCORES: tl.constexpr, EXP2_F16X2: tl.constexpr,
+    USE_TMA: tl.constexpr, INT_SCORES: tl.constexpr,
 ):
     # online softmax over key block kb's scores, then the P V product
     block_max = tl.max(s, axis=1)
@@ -303,17 +287,8 @@ def _key_block_update(
     p_shift = m_new - P_LOG2_SCALE
     if INT_SCORES:
         p_shift += INT_SCORE_OFFSET * scale
-    if PV_MODE == 1 and EXP2_F16X2 != 0:
-        # e4m3 P straight from half-precision exponentials; the row sum from the f16 values, in float32
-        # (1) or in f16 (2)
-        p8, p16 = _exp2_e4m3(s * scale - p_shift[:, None])
-        if EXP2_F16X2 == 1:
-            l_i = l_i * alpha + tl.sum(p16.to(tl.float32), axis=1)
-        else:
-            l_i = l_i * alpha + tl.sum(p16, axis=1, dtype=tl.float16).to(tl.float32)
-    else:
-        p = tl.math.exp2(s * scale - p_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = tl.math.exp2(s * scale - p_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
     if PV_MODE == 0:
@@ -321,10 +296,7 @@ def _key_block_update(
         acc = tl.dot(p.to(v.dtype), v, acc=acc)
     elif PV_MODE == 1:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
-        if EXP2_F16X2 != 0:
-            acc = tl.dot(_in_pv_key_order(p8), v, acc=acc)
-        else:
-            acc = tl.dot(_in_pv_key_order(p).to(tl.float8e4nv), v, acc=acc)
+        acc = tl.dot(_in_pv_key_order(p).to(tl.float8e4nv), v, acc=acc)
     else:
         v = _load_key_columns(VQ_bh, VDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
         acc += _int_to_float(tl.dot(_in_pv_key_order(_round_to_int(p)).to(tl.int8), v, out_dtype=tl.int32))
@@ -341,7 +313,6 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
     P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, Q_TMA: tl.constexpr,
-    EXP2_F16X2: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -405,7 +376,7 @@ def _attention_kernel(
                 False, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0, EXP2_F16X2)
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
             s, scale, kb = s_next, scale_next, kb_next
     else:
         for i in range(0, n_unmasked):
@@ -415,7 +386,7 @@ def _attention_kernel(
                 USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0, EXP2_F16X2)
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
     if not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
@@ -423,7 +394,7 @@ def _attention_kernel(
                 True, USE_TMA)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, NK - 1, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0, EXP2_F16X2)
+                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)

@@ -52,9 +52,6 @@ class KernelConfig:
     # run `hopper_attention`'s warp-specialized Gluon kernel (a loader warp, two consumer warpgroups):
     # bf16/fp16 at 128 x 64 blocks on sm_90; elsewhere the Triton kernel runs with the other fields
     warp_specialized: bool = False
-    # fp8 PV: exponentials two at a time in half precision (ex2.approx.f16x2), rounded straight to e4m3
-    # by inline PTX; the row sum from the f16 values in float32 (1) or f16 (2); 0: float32 exp2
-    exp2_f16x2: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,6 @@ class KernelChoice:
     kv_tma: bool  # Triton kernel: K/V tiles by descriptor loads
     q_tma: bool  # Triton kernel: the prologue writes the reordered Q, read by descriptor loads
     refused: tuple[str, ...] = ()  # variants of the entry this GPU does not run, and why
-    exp2_f16x2: int = 0  # Triton kernel, fp8 PV: KernelConfig.exp2_f16x2 where this GPU runs it
 
     def runs_warp_specialized(self, q: torch.Tensor, out: torch.Tensor) -> bool:
         return self.warp_specialized and hopper_attention.takes_strides(q, out)
@@ -153,8 +149,6 @@ def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv:
         return (f"KernelConfig(warp_specialized=True) runs (qk, pv) in {hopper_attention.MODES} at blocks "
                 f"({hopper_attention.BLOCK_M}, {hopper_attention.BLOCK_N}); got {config} for blocks ({bq}, {bk}), "
                 f"modes ({qk}, {pv})")
-    if config.exp2_f16x2 and pv != "fp8":
-        return f"KernelConfig(exp2_f16x2) rounds P to fp8: it needs pv='fp8'; got {config} for pv={pv!r}"
     if config.q_tma and (not config.tma or bq < bk):
         return (f"KernelConfig(q_tma=True) needs tma=True and query blocks at least as large as key blocks; "
                 f"got {config} for blocks ({bq}, {bk})")
@@ -193,11 +187,7 @@ def kernel_choice(arch: str, head_dim: int, bq: int, bk: int, qk: str, pv: str) 
     if warp_specialized and (reason := _gluon_refusal(arch)):
         refused.append(reason)
         warp_specialized = False
-    exp2_f16x2 = config.exp2_f16x2
-    if exp2_f16x2 and (arch == INTERPRETER or int(arch[2:]) < 89):
-        refused.append(f"half-precision exponentials to e4m3 are inline PTX for sm_89 or newer; this is {arch}")
-        exp2_f16x2 = 0
-    choice = _CHOICES[key] = KernelChoice(config, warp_specialized, tma, q_tma, tuple(refused), exp2_f16x2)
+    choice = _CHOICES[key] = KernelChoice(config, warp_specialized, tma, q_tma, tuple(refused))
     return choice
 
 

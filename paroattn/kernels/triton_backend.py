@@ -264,7 +264,7 @@ def launch(
          N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E),
         dict(HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
              P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=choice.kv_tma, OVERLAP_QK=config.overlap_qk,
-             Q_TMA=q_tma, EXP2_F16X2=choice.exp2_f16x2),
+             Q_TMA=q_tma),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
