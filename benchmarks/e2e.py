@@ -9,7 +9,8 @@ depend on weight values. One "step" is one transformer forward at the model's de
 - Wan 2.2 A14B, one expert (both have this config): 81 frames 720x1280, B=1, 21x45x80 = 75600 tokens;
 - Wan 2.2 TI2V-5B: 121 frames 704x1280 (VAE 16x), B=1, per-token timesteps, 31x22x40 = 27280 tokens;
 - HunyuanVideo: 129 frames 720x1280, B=1 (guidance-distilled), 33x45x80 + 256 text = 119056 tokens, the
-  text unpadded (a prompt that fills it: padded text runs the torch reference).
+  text padded as a prompt pads it: --text-tokens real ones (96 by default; 256: a prompt that fills it).
+  Dense runs the model's masked SDPA, PARO the kernels with the op's suffix_mask.
 Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
 fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
 time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
@@ -17,6 +18,7 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
 
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
         [--modes "dense,paro d=0.2 int8+fp8"] [--resident-only]     # (models also: wan2.2-a14b, wan2.2-ti2v, hunyuan)
+        [--text-tokens 96]                                          # hunyuan: real tokens of the 256
     python benchmarks/e2e.py --compile fullgraph,reduce-overhead [--models ...]   # compiled rows (below)
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
@@ -94,6 +96,8 @@ SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.
                   "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video"}
 MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
          ("paro d=0.5 int8+fp8", 0.5, "int8", "fp8"), ("paro d=0.2 int8+fp8", 0.2, "int8", "fp8")]
+# real tokens of HunyuanVideo's 256 text tokens (the rest is padding): a prompt of a few sentences
+HUNYUAN_REAL_TEXT = 96
 # distinct synthetic masks per plan, cycled over layers (timing does not depend on which mask a layer has)
 DISTINCT_MASKS = 6
 
@@ -120,7 +124,7 @@ def build_transformer(name: str, device, dtype, smoke: bool):
     return model.to(dtype).eval()
 
 
-def step_inputs(name: str, transformer, device, dtype, smoke: bool) -> dict:
+def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens: int = HUNYUAN_REAL_TEXT) -> dict:
     if smoke:
         from paroattn.testing import tiny_forward_inputs
 
@@ -151,7 +155,7 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool) -> dict:
                 "timestep": torch.full((1, 31 * 22 * 40), 900.0, device=device), "return_dict": False}
     if name == "hunyuan":
         return {"hidden_states": rand(1, 16, 33, 90, 160), "encoder_hidden_states": rand(1, 256, 4096),
-                "encoder_attention_mask": torch.ones(1, 256, device=device, dtype=torch.long),
+                "encoder_attention_mask": (torch.arange(256, device=device) < text_tokens).long()[None],
                 "pooled_projections": rand(1, 768), "timestep": torch.full((1,), 900.0, device=device, dtype=dtype),
                 "guidance": torch.full((1,), 6000.0, device=device, dtype=dtype), "return_dict": False}
     img_ids = torch.zeros(64, 64, 3, device=device)
@@ -199,14 +203,16 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     rows = []
     t0 = time.perf_counter()
     transformer = build_transformer(name, device, dtype, args.smoke)
-    inputs = step_inputs(name, transformer, device, dtype, args.smoke)
+    inputs = step_inputs(name, transformer, device, dtype, args.smoke, args.text_tokens)
     layout = family_of(transformer).call_inputs(transformer, inputs).layout
     block = 16 if args.smoke else 64
     print(f"[{LABELS[name]}] built in {time.perf_counter() - t0:.1f} s, layout {layout} ({layout.seq_len} tokens)", flush=True)
     backend = "torch" if device.type == "cpu" else "auto"
     dense_s = None
     plans_by_density: dict[float, Plan] = {}
-    for label, density, qk, pv in MODES:
+    # in the order --modes names them (dense first: the speedups are over it), so a run cut short has the first
+    named = args.modes or []
+    for label, density, qk, pv in sorted(MODES, key=lambda m: named.index(m[0]) if m[0] in named else len(MODES)):
         if args.modes and label not in args.modes:
             continue
         runs = [("resident", True, True)]
@@ -246,6 +252,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                 dense_s = seconds
             row["speedup"] = dense_s / seconds
             rows.append(row)
+            if args.json:  # each row as it comes: a run cut short keeps what it measured
+                args.json.write_text(json.dumps({"info": args.info, "rows": args.rows_before + rows}, indent=1))
             print(f"  {label:22s} {row['masks']:9s} {seconds * 1000:9.1f} ms  x{row['speedup']:.2f}"
                   + (f"  peak {row['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in row else "")
                   + (f"  masks on GPU {row['mask_gpu_mib']:.1f} MiB" if "mask_gpu_mib" in row else ""), flush=True)
@@ -296,7 +304,7 @@ def time_first_and_steps(fn, inputs, iters: int, device) -> tuple[float, float, 
 def bench_compiled(name: str, args, device, dtype) -> list[dict]:
     """Dense and PARO, eager and compiled with each of args.compile, one model, one run."""
     transformer = build_transformer(name, device, dtype, args.smoke)
-    inputs = step_inputs(name, transformer, device, dtype, args.smoke)
+    inputs = step_inputs(name, transformer, device, dtype, args.smoke, args.text_tokens)
     layout = family_of(transformer).call_inputs(transformer, inputs).layout
     block = 16 if args.smoke else 64
     backend = "torch" if device.type == "cpu" else "auto"
@@ -435,7 +443,10 @@ def main(argv=None):
     parser.add_argument("--query-block", type=int, default=None,
                         help="query block of the synthetic plans (key blocks stay 64; 128: the fast D=128 tiles)")
     parser.add_argument("--modes", type=lambda text: [m.strip() for m in text.split(",")], default=None,
-                        help=f"comma-separated subset of the modes: {', '.join(m[0] for m in MODES)}")
+                        help=f"comma-separated subset of the modes, run in this order (dense first): "
+                             f"{', '.join(m[0] for m in MODES)}")
+    parser.add_argument("--text-tokens", type=int, default=HUNYUAN_REAL_TEXT,
+                        help="hunyuan: real text tokens of the 256, the rest padding (256: none padded)")
     parser.add_argument("--resident-only", action="store_true",
                         help="skip the d=0.2 runs with streamed masks and with the model's own RoPE")
     parser.add_argument("--compile", default=None, metavar="SETTINGS",
@@ -467,6 +478,9 @@ def main(argv=None):
         info["triton"] = triton.__version__
     except ImportError:
         pass
+    if "hunyuan" in args.models and not args.smoke:
+        info["hunyuan_text_tokens"] = f"{args.text_tokens} of 256 real"
+        LABELS["hunyuan"] = f"HunyuanVideo 720p, text {args.text_tokens}/256"
     print(info, flush=True)
     rows = []
     for name in args.models.split(","):

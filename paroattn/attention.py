@@ -225,9 +225,11 @@ def paro_attention(
         one pass over q and k.
     suffix_mask : bool Tensor [B, layout.suffix], optional
         False where a suffix token is padding (a padded text prompt): no query attends that key. Padded
-        queries are computed like the others. K smoothing's mean (qk int8/int4) still reads padded keys
-        (any vector may be subtracted). The Triton kernels take no suffix_mask yet: "triton" raises,
-        "auto" warns and runs "torch"; without padding, pass None (the kernels take a suffix).
+        queries are computed like the others. Padded keys still enter the statistics of the quantized
+        modes, as in the reference: K smoothing's mean (any vector may be subtracted), the per-block
+        scales of K (qk int8/int4) and the per-channel scales of V (pv fp8/int8), so a NaN there reaches
+        the outputs those scales reach (the NaN paragraph). The Triton kernels take it (one key-mask
+        load per key block that overlaps the suffix); without padding, pass None, which skips the mask.
 
     Returns
     -------
@@ -240,17 +242,6 @@ def paro_attention(
     """
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask)
     bq, bk = block_sizes(block_size)
-    if suffix_mask is not None and backend == "triton":
-        raise PAROInputError(
-            f"backend='triton' takes no suffix_mask yet (the {layout.suffix} suffix tokens with padding): pass "
-            "backend='torch' (or 'auto', which does so with a warning), or suffix_mask=None when no suffix token "
-            "is padding"
-        )
-    if backend == "auto" and suffix_mask is not None:
-        backend = "torch"
-        if q.is_cuda:
-            warn("the Triton kernels take no suffix_mask (padded suffix tokens) yet: backend='auto' runs the torch "
-                 "reference instead, which is much slower", stacklevel=2)
     if backend == "auto":
         backend = "torch"
         if q.is_cuda:
@@ -270,7 +261,7 @@ def paro_attention(
 
         return triton_backend.paro_attention_triton(
             q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
-            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary,
+            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask,
         )
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()

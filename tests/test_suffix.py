@@ -5,8 +5,7 @@ the padded suffix keys removed for every query.
 
 Suffix lengths that are not multiples of the block size put grid and text tokens in one block; query
 blocks whose active key blocks hold padding only output zeros. The Triton kernels (interpreter on CPU)
-take a suffix without padding (`test_kernels.py`); with a suffix_mask, backend="triton" refuses and "auto"
-runs the reference.
+take a suffix (`test_kernels.py`) and its suffix_mask (`test_key_mask.py`).
 """
 
 from __future__ import annotations
@@ -149,17 +148,6 @@ def test_suffix_mask_is_checked():
     no_suffix = TokenLayout(0, 1, 3, 7)
     with pytest.raises(PAROInputError, match="has no suffix"):
         paro_attention(q, q, q, **{**kwargs, "layout": no_suffix}, suffix_mask=torch.ones(2, 5, dtype=torch.bool))
-
-
-def test_triton_refuses_a_suffix_mask_and_auto_takes_the_reference():
-    layout = TokenLayout(0, 1, 2, 8, suffix=5)
-    q = torch.randn(1, 1, layout.seq_len, 64, dtype=torch.float16)
-    kwargs = dict(layout=layout, orders=torch.tensor([0]), block_mask=torch.ones(1, 2, 2, dtype=torch.bool),
-                  block_size=BLOCK, suffix_mask=torch.tensor([[True, True, False, False, False]]))
-    with pytest.raises(PAROInputError, match="backend='triton' takes no suffix_mask yet.*pass backend='torch'"):
-        paro_attention(q, q, q, backend="triton", **kwargs)
-    out = paro_attention(q.float(), q.float(), q.float(), backend="auto", **kwargs)
-    torch.testing.assert_close(out, paro_attention(q.float(), q.float(), q.float(), backend="torch", **kwargs))
 
 
 def test_calibrated_masks_keep_every_block_that_holds_suffix_text():

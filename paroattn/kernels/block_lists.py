@@ -51,8 +51,8 @@ class ActiveBlocks:
             raise PAROInputError(f"ActiveBlocks indices must be key blocks in 0..{nk - 1}; build lists with from_mask")
         if max_active > 1 and bool((index[..., 1:] <= index[..., :-1])[valid[..., 1:]].any()):
             raise PAROInputError(
-                "ActiveBlocks lists must be strictly ascending (the kernel masks the partial last key block only "
-                "as a list's last entry); build lists with ActiveBlocks.from_mask"
+                "ActiveBlocks lists must be strictly ascending (the kernel masks the partial last key block and the "
+                "padded suffix's key blocks only as a list's last entries); build lists with ActiveBlocks.from_mask"
             )
 
     @classmethod

@@ -33,7 +33,11 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
 Tiles are the mask's blocks: BLOCK_M = bq, BLOCK_N = bk. Only the last key block of the sequence can
 hold positions >= N; when it is active it is the last entry of a row's (ascending) list, so the main
-loop runs unmasked and that block alone runs with a column mask.
+loop runs unmasked and that block alone runs with a column mask. With a key padding mask (HAS_KEY_MASK:
+the suffix's `suffix_mask`) the key blocks that overlap the suffix [N - suffix, N) are likewise the last
+entries of each list: the main loop stays unmasked and only those blocks run with a column mask (a
+position < N that is not padding); a block holding padding only is skipped, so a row whose attended keys
+are all padding keeps l = 0 and writes zeros (its running max stays -inf and never meets exp2(-inf + inf)).
 """
 
 from __future__ import annotations
@@ -126,6 +130,16 @@ def _quantize_block(x, QK_MODE: tl.constexpr):
 
 
 @triton.jit
+def _kept_keys(KeyMask, stride_mb, stride_ms, b64, offs_n, N, suffix_start):
+    # bool per position of offs_n (reordered key positions): a key a query may attend, i.e. a position < N
+    # before the suffix or one the key mask [B, suffix] keeps (the suffix is never reordered: its positions
+    # are the same in both orders)
+    in_suffix = (offs_n >= suffix_start) & (offs_n < N)
+    kept = tl.load(KeyMask + b64 * stride_mb + (offs_n - suffix_start) * stride_ms, mask=in_suffix, other=0)
+    return (offs_n < suffix_start) | (in_suffix & (kept != 0))
+
+
+@triton.jit
 def _gather_rows(base, orig, valid, stride_n, stride_d, offs_d):
     # the rows `orig` (original token positions) of one (batch, head) of the caller's q, k or v, columns
     # offs_d; rows past the sequence read as 0
@@ -154,13 +168,13 @@ def _in_pv_key_order(p):
 
 @triton.jit
 def _kv_prologue_kernel(
-    K, V, KMean, VAmax, KQ, KScale, VQ, Q, QQ, QScale,
+    K, V, KMean, VAmax, KQ, KScale, VQ, Q, QQ, QScale, KeyMask,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    Orders, N, N_PAD, H, NQ, prefix, frames, height, width,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_mb, stride_ms,
+    Orders, N, N_PAD, H, NQ, prefix, frames, height, width, suffix_start,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr,
+    WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -201,7 +215,11 @@ def _kv_prologue_kernel(
             tl.store(QScale + bh64 * NQ + kb, q_scale)
         tl.store(QQ + (bh64 * NQ * BLOCK_Q + offs_q[:, None]) * HEAD_DIM + offs_d[None, :], q)
 
+    # V rows of padded keys (HAS_KEY_MASK) are stored as zeros: their P is 0, and a NaN there must not reach
+    # the P V product (0 * NaN). Their values still enter V's per-channel scales, as in the reference.
     if PV_MODE == 0:
+        if HAS_KEY_MASK:
+            valid = valid & _kept_keys(KeyMask, stride_mb, stride_ms, b.to(tl.int64), offs_n, N, suffix_start)
         v = _gather_rows(v_base, orig, valid, stride_vn, stride_vd, offs_d)
         tl.store(VQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v)
     else:
@@ -209,7 +227,10 @@ def _kv_prologue_kernel(
         # (transposed) store stays contiguous along keys
         offs_v = _pv_key_at(offs_n)
         orig_v = reordered_to_original(offs_v, order, prefix, frames, height, width)
-        v = _gather_rows(v_base, orig_v, offs_v < N, stride_vn, stride_vd, offs_d)
+        valid_v = offs_v < N
+        if HAS_KEY_MASK:
+            valid_v = valid_v & _kept_keys(KeyMask, stride_mb, stride_ms, b.to(tl.int64), offs_v, N, suffix_start)
+        v = _gather_rows(v_base, orig_v, valid_v, stride_vn, stride_vd, offs_d)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
                                  448.0 if PV_MODE == 1 else 127.0)
         # one IEEE reciprocal per channel, then products (as the reference): with a division per
@@ -306,13 +327,14 @@ def _key_block_update(
 @triton.jit
 def _attention_kernel(
     Q, Out, KQ, KScale, VQ, VAmax, KDesc, VDesc, QDesc, QScale,
-    Orders, Counts, Indices, Schedule,
+    Orders, Counts, Indices, Schedule, KeyMask,
     stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, qk_scale,
+    stride_ob, stride_oh, stride_on, stride_od, stride_mb, stride_ms,
+    N, N_PAD, H, NQ, NK, MAX_ACTIVE, prefix, frames, height, width, suffix_start, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
     P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, Q_TMA: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -356,7 +378,13 @@ def _attention_kernel(
     count = tl.load(Counts + row)
     active = Indices + row.to(tl.int64) * MAX_ACTIVE
     n_unmasked = count
-    if not EVEN_N:
+    if HAS_KEY_MASK:
+        # the entries of the blocks from the suffix's first on (at most NK - first_masked of them) end the
+        # ascending list; they include the last, partial block, so EVEN_N's tail below is not needed
+        first_masked = suffix_start // BLOCK_N
+        for j in range(0, tl.minimum(count, NK - first_masked)):
+            n_unmasked -= (tl.load(active + count - 1 - j) >= first_masked).to(count.dtype)
+    elif not EVEN_N:
         # the sequence's last key block holds positions >= N; if active it is the list's last entry
         last = tl.load(active + tl.maximum(count - 1, 0))
         has_tail = (count > 0) & (last == NK - 1)
@@ -387,7 +415,23 @@ def _attention_kernel(
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
                 P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
-    if not EVEN_N:
+    if HAS_KEY_MASK:
+        for i in range(n_unmasked, count):
+            kb = tl.load(active + i)
+            kept = _kept_keys(KeyMask, stride_mb, stride_ms, b64, kb * BLOCK_N + tl.arange(0, BLOCK_N), N,
+                              suffix_start)
+            # the mask is one row for every query of the tile: a block of padding only adds nothing and is
+            # skipped, so every block that runs has a finite score in each row (no -inf running max meets
+            # another -inf in exp2's argument)
+            if tl.max(kept.to(tl.int32), axis=0) > 0:
+                s, scale = _key_block_scores(
+                    q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
+                    False, USE_TMA)
+                s = tl.where(kept[None, :], s, float("-inf"))
+                acc, l_i, m_i = _key_block_update(
+                    acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
+                    P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
+    elif not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
                 q, score_scale, NK - 1, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,

@@ -162,12 +162,14 @@ _PROLOGUE = CachedLauncher(_kv_prologue_kernel)
 _ATTENTION = CachedLauncher(_attention_kernel)
 
 
-def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, bq=None, buffers=None, key=None):
+def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, bq=None, buffers=None, key=None,
+               key_mask=None):
     """The statistics and the K/V prologue: returns (kq, k_scale, vq, v_amax, qq, q_scale), placeholders
     for the parts the modes do not use. K and V are written reordered and contiguous, quantized in the
     integer/8-bit modes. With q (and its block bq >= bk) it also writes the reordered Q: in q's dtype,
     or int8/int4 values with per-block scales for integer QK. Into `buffers` where given (`allocate`),
-    else new ones; `key`: the launch's `CachedLauncher` key (None: a full launch). Separate so
+    else new ones; `key`: the launch's `CachedLauncher` key (None: a full launch). `key_mask` (bool
+    [B, suffix], False at padded suffix keys): V's rows of padded keys are stored as zeros. Separate so
     benchmarks can time the prologue alone."""
     B, H, N, D = k.shape
     nk = -(-N // bk)
@@ -179,13 +181,15 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
     placeholder = _placeholder(device)
     nq = -(-N // bq) if q is not None else 0
     q_src = q if q is not None else k
+    mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (placeholder, (0, 0))
     _PROLOGUE(
         key, (nk, B * H),
         (k, v, k_mean if k_mean is not None else placeholder, v_amax if v_amax is not None else placeholder,
-         buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale,
-         *k.stride(), *v.stride(), *q_src.stride(), orders, N, n_pad, H, nq, prefix, frames, height, width),
+         buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale, mask_arg,
+         *k.stride(), *v.stride(), *q_src.stride(), *mask_strides, orders, N, n_pad, H, nq, prefix, frames, height,
+         width, prefix + frames * height * width),
         dict(HEAD_DIM=D, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], WRITE_Q=q is not None,
-             BLOCK_Q=bq or bk),
+             BLOCK_Q=bq or bk, HAS_KEY_MASK=key_mask is not None),
         num_warps=4,  # 8 warps: int8+fp8 11-12% slower (H200, docs/notes/prologue.md)
     )
     return (buffers.kq, buffers.k_scale, buffers.vq, v_amax if v_amax is not None else placeholder, buffers.qq,
@@ -211,12 +215,14 @@ def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
 def launch(
     q, k, v, orders, counts, indices, schedule,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    reuse_buffers: bool = True,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, reuse_buffers: bool = True,
 ) -> torch.Tensor:
     """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and
-    the attention kernel. Inputs are checked already. `out` (tests poison it) defaults to a new tensor
-    shaped and strided like q. `reuse_buffers`: the stream's buffer set (`workspace`), else new ones."""
+    the attention kernel. Inputs are checked already. `key_mask`: bool [B, suffix] (any strides), False
+    at the padded keys of the tokens after the grid (the op's `suffix_mask`). `out` (tests poison it)
+    defaults to a new tensor shaped and strided like q. `reuse_buffers`: the stream's buffer set
+    (`workspace`), else new ones."""
     B, H, N, D = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -226,8 +232,11 @@ def launch(
     choice = launch_choice(q, bq, bk, qk, pv)
     config = choice.config
     # the Gluon kernel reads q with unit stride along D (`hopper_attention.takes_strides`); the RoPE pass
-    # writes contiguous copies
-    warp_specialized = choice.warp_specialized and (cos is not None or q.stride(-1) == 1) and out.stride(-1) == 1
+    # writes contiguous copies. It takes no key mask: calls with padded suffix keys run the Triton kernel,
+    # which masks them (the Gluon kernel's pipelined consumers cannot be checked in the interpreter, and
+    # the padded model, HunyuanVideo, runs integer QK, which is the Triton kernel's anyway)
+    warp_specialized = (choice.warp_specialized and key_mask is None and (cos is not None or q.stride(-1) == 1)
+                        and out.stride(-1) == 1)
     q_tma = choice.q_tma and not warp_specialized
     if reuse_buffers:
         buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None)
@@ -239,9 +248,12 @@ def launch(
     if cos is not None:
         q, k = rotate_qk(q, k, cos, sin, out=buffers.rotated)
     prologue_key = (geometry, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
-    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
-                                                      q if q_tma else None, bq, buffers, prologue_key)
     key = (geometry, lists, q.stride(), out.stride(), aligned(q, out, orders, counts, indices, schedule))
+    if key_mask is not None:  # its strides and alignment (HAS_KEY_MASK, a constexpr, is in the keys already)
+        prologue_key = (*prologue_key, key_mask.stride(), aligned(key_mask))
+        key = (*key, key_mask.stride(), aligned(key_mask))
+    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
+                                                      q if q_tma else None, bq, buffers, prologue_key, key_mask)
     if warp_specialized:
         descriptors = buffers.descriptors.get("gluon")
         if descriptors is None:
@@ -257,14 +269,16 @@ def launch(
             q_desc = TensorDescriptor.from_tensor(qq.reshape(-1, D), [bq, D]) if q_tma else qq
             descriptors = buffers.descriptors["triton"] = (k_desc, v_desc, q_desc)
         k_desc, v_desc, q_desc = descriptors
+    suffix_start = prefix + frames * height * width
+    mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (kq, (0, 0))  # kq: unread
     _ATTENTION(
         key, (nq, B * H),
-        (q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule,
-         *q.stride(), *out.stride(),
-         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, sm_scale * LOG2E),
+        (q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule, mask_arg,
+         *q.stride(), *out.stride(), *mask_strides,
+         N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, suffix_start, sm_scale * LOG2E),
         dict(HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
              P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=choice.kv_tma, OVERLAP_QK=config.overlap_qk,
-             Q_TMA=q_tma),
+             Q_TMA=q_tma, HAS_KEY_MASK=key_mask is not None),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -275,19 +289,19 @@ def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables). One opaque node for torch.compile; its output has q's shape, dtype and strides.
+    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens). One opaque node for torch.compile; its output has q's shape, dtype and strides.
     Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph trees run the op's
     warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer set would live."""
     return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                  cos, sin, reuse_buffers=False)
+                  cos, sin, key_mask, reuse_buffers=False)
 
 
 @block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
-                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None):
+                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None, key_mask=None):
     return torch.empty_like(q)
 
 
@@ -364,6 +378,7 @@ def paro_attention_triton(
     pv: str = "bf16",
     sm_scale: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    suffix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller."""
     check_triton_inputs(q, bq, bk, qk, pv)
@@ -381,7 +396,7 @@ def paro_attention_triton(
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     args = (q, k, v, _device_orders(orders, device), blocks.counts, blocks.indices, schedule,
             layout.prefix, layout.frames, layout.height, layout.width, bq, bk, qk, pv, float(sm_scale),
-            *(rotary if rotary is not None else (None, None)))
+            *(rotary if rotary is not None else (None, None)), suffix_mask)
     if torch.compiler.is_compiling():
         return block_sparse_attention(*args)  # one opaque node in the graph
     return launch(*args)  # eager: the same function without the custom-op dispatch (~tens of us)

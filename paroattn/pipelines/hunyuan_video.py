@@ -5,8 +5,9 @@ Sequence of a joint-attention call: [F x H x W video ; T text], the text after t
 256 tokens by default, padded to that length). q/k RMSNorm over head_dim (the dual-stream blocks project and
 normalize the text with their own `add_*_proj` / `norm_added_*`), RoPE on the video tokens only, then
 `dispatch_attention_fn` on [B, S, H, D] with a [B, 1, 1, N] bool mask that is False at padded text keys.
-PARO passes that mask's text part as the op's `suffix_mask` (None when nothing is padded) and the RoPE as
-tables over the whole sequence whose text rows are the identity (cos 1, sin 0: exact).
+PARO passes that mask's text part as the op's `suffix_mask` (None when nothing is padded; under torch.compile
+always, as a traced tensor), which the Triton kernels and the reference both take, and the RoPE as tables over
+the whole sequence whose text rows are the identity (cos 1, sin 0: exact).
 """
 
 from __future__ import annotations
