@@ -397,10 +397,6 @@ def markdown_tables(results: dict) -> str:
     env += ([f"commit {info['commit']}"] if info.get("commit") else []) + [info["date"]]
     if info.get("block"):
         env.append(f"plans of {info['block'][0]} x {info['block'][1]} blocks")
-    out = [", ".join(env), "",
-           "| model (tokens, batch) | dense | " + " | ".join(m.replace("paro ", "") for m in TABLE_MODES)
-           + " | d=0.2 int8+fp8, model's RoPE |",
-           "|---" * (len(TABLE_MODES) + 3) + "|"]
     models = list(dict.fromkeys(r["model"] for r in rows))
 
     def find(model, mode, masks):
@@ -409,16 +405,20 @@ def markdown_tables(results: dict) -> str:
     def cell(r):
         return f"{r['step_s'] * 1000:.1f} ms, {r['speedup']:.2f}x" if r else ""
 
+    # the PARO columns some model of the file has (a run of a few --modes gets a narrower table)
+    columns = [(mode.replace("paro ", ""), mode, "resident") for mode in TABLE_MODES]
+    columns.append(("d=0.2 int8+fp8, model's RoPE", "paro d=0.2 int8+fp8", "model-rope"))
+    columns = [c for c in columns if any(find(model, c[1], c[2]) for model in models)]
+    out = [", ".join(env), "", "| model (tokens, batch) | dense | " + " | ".join(c[0] for c in columns) + " |",
+           "|---" * (len(columns) + 2) + "|"]
     for model in models:
         dense = find(model, "dense", "-")
         if dense is None:
             continue
-        cells = [cell(find(model, mode, "resident")) for mode in TABLE_MODES]
-        cells.append(cell(find(model, "paro d=0.2 int8+fp8", "model-rope")))
+        cells = [cell(find(model, mode, masks)) for _, mode, masks in columns]
         out.append(f"| {model} ({dense['tokens']}, {dense['batch']}) | {dense['step_s'] * 1000:.1f} ms | "
                    + " | ".join(cells) + " |")
-    out += ["", "| model, d=0.2 | masks on the GPU, resident | streamed (3 slots) | step, streamed vs resident: bf16 "
-            "| int8+fp8 | peak GPU memory, dense / d=0.2 int8+fp8 |", "|---|---|---|---|---|---|"]
+    masks_rows = []
     for model in models:
         resident, streamed = (find(model, "paro d=0.2 int8+fp8", how) for how in ("resident", "streamed"))
         streamed_bf16, dense = find(model, "paro d=0.2 bf16", "streamed"), find(model, "dense", "-")
@@ -428,9 +428,13 @@ def markdown_tables(results: dict) -> str:
         def overhead(r):
             return f"{r['prefetch_overhead'] * 100:+.2f}%" if r and "prefetch_overhead" in r else ""
 
-        out.append(f"| {model} | {resident['mask_gpu_mib']:.1f} MiB | {streamed['mask_gpu_mib']:.1f} MiB | "
-                   f"{overhead(streamed_bf16)} | {overhead(streamed)} | "
-                   f"{dense.get('peak_gpu_gib', float('nan')):.1f} / {resident.get('peak_gpu_gib', float('nan')):.1f} GiB |")
+        masks_rows.append(
+            f"| {model} | {resident['mask_gpu_mib']:.1f} MiB | {streamed['mask_gpu_mib']:.1f} MiB | "
+            f"{overhead(streamed_bf16)} | {overhead(streamed)} | "
+            f"{dense.get('peak_gpu_gib', float('nan')):.1f} / {resident.get('peak_gpu_gib', float('nan')):.1f} GiB |")
+    if masks_rows:  # runs with streamed masks (not --resident-only)
+        out += ["", "| model, d=0.2 | masks on the GPU, resident | streamed (3 slots) | step, streamed vs resident: "
+                "bf16 | int8+fp8 | peak GPU memory, dense / d=0.2 int8+fp8 |", "|---|---|---|---|---|---|", *masks_rows]
     return "\n".join(out)
 
 
