@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..errors import PAROInputError
 from ..layout import TokenLayout
-from . import hopper_attention
+from . import hopper_attention, statistics
 from .block_lists import ActiveBlocks
 from .block_sparse_attention import (
     P_LOG2_SCALES,
@@ -41,6 +41,7 @@ from .dispatch import KernelChoice, arch_of, kernel_choice, unsupported_reason
 from .launcher import CachedLauncher, aligned
 from .reference import key_mean_stride
 from .rotary import rotate_qk
+from .statistics import Statistics
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
 PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}
@@ -53,14 +54,12 @@ LOG2E = 1.4426950408889634
 
 def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str, mean_stride: int):
     """K smoothing's mean [B, H, D] (over every `mean_stride`-th token, `reference.key_smoothing_mean`)
-    and V's per-channel max |V| [B, H, D], float32, one launch each and only where the modes need
-    them; the kernels form the scales."""
-    k_mean = v_amax = None
-    if qk != "bf16":
-        k_mean = torch.mean(k[:, :, ::mean_stride], dim=2, dtype=torch.float32)
-    if pv != "bf16":
-        v_amax = torch.linalg.vector_norm(v, float("inf"), dim=2, dtype=torch.float32)
-    return k_mean, v_amax
+    and V's per-channel max |V| [B, H, D], float32, where the modes need them (else None): what
+    `prepare_kv` computes in its buffers (`statistics.compute`), in new ones."""
+    B, H, N, D = k.shape
+    out = Statistics(B, H, N, D, k.device)
+    statistics.compute(k, v, out, mean_stride, qk != "bf16", pv != "bf16")
+    return out.k_mean if qk != "bf16" else None, out.v_amax if pv != "bf16" else None
 
 
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
@@ -76,9 +75,9 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 
 @dataclass
 class Buffers:
-    """What a call writes and then reads back: the prologue's reordered (quantized) K, V and Q with their
-    scales, the RoPE pass's rotated q and k, and the descriptors the attention kernels read them by.
-    Placeholders where the modes do not use a part."""
+    """What a call writes and then reads back: the statistics of the quantized modes, the prologue's
+    reordered (quantized) K, V and Q with their scales, the RoPE pass's rotated q and k, and the
+    descriptors the attention kernels read them by. Placeholders (or None) where the modes do not use a part."""
 
     kq: torch.Tensor
     k_scale: torch.Tensor
@@ -86,6 +85,7 @@ class Buffers:
     qq: torch.Tensor
     q_scale: torch.Tensor
     rotated: tuple[torch.Tensor, torch.Tensor] | None = None
+    statistics: Statistics | None = None
     descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
 
 
@@ -112,7 +112,8 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
     if rotary:
         q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
         rotated = (q_rot, torch.empty_like(q_rot))
-    return Buffers(kq, k_scale, vq, qq, q_scale, rotated)
+    stats = Statistics(B, H, N, D, device) if qk != "bf16" or pv != "bf16" else None
+    return Buffers(kq, k_scale, vq, qq, q_scale, rotated, stats)
 
 
 # Eager calls reuse one buffer set per (device, stream, shape, dtype, blocks, modes): allocating the four to
@@ -177,23 +178,26 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
     device = k.device
     if buffers is None:
         buffers = allocate(B, H, N, D, k.dtype, device, bq or bk, bk, qk, pv, q is not None)
-    k_mean, v_amax = _statistics(k, v, qk, pv, key_mean_stride(N, height, width))
-    placeholder = _placeholder(device)
+    stats = buffers.statistics
+    k_mean = v_amax = placeholder = _placeholder(device)
+    if stats is not None:
+        statistics.compute(k, v, stats, key_mean_stride(N, height, width), qk != "bf16", pv != "bf16",
+                           None if key is None else (key, stats.split, stats.aligned))
+        k_mean = stats.k_mean if qk != "bf16" else placeholder
+        v_amax = stats.v_amax if pv != "bf16" else placeholder
     nq = -(-N // bq) if q is not None else 0
     q_src = q if q is not None else k
     mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (placeholder, (0, 0))
     _PROLOGUE(
         key, (nk, B * H),
-        (k, v, k_mean if k_mean is not None else placeholder, v_amax if v_amax is not None else placeholder,
-         buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale, mask_arg,
+        (k, v, k_mean, v_amax, buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale, mask_arg,
          *k.stride(), *v.stride(), *q_src.stride(), *mask_strides, orders, N, n_pad, H, nq, prefix, frames, height,
          width, prefix + frames * height * width),
         dict(HEAD_DIM=D, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], WRITE_Q=q is not None,
              BLOCK_Q=bq or bk, HAS_KEY_MASK=key_mask is not None),
         num_warps=4,  # 8 warps: int8+fp8 11-12% slower (H200, docs/notes/prologue.md)
     )
-    return (buffers.kq, buffers.k_scale, buffers.vq, v_amax if v_amax is not None else placeholder, buffers.qq,
-            buffers.q_scale)
+    return buffers.kq, buffers.k_scale, buffers.vq, v_amax, buffers.qq, buffers.q_scale
 
 
 def launch_choice(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str) -> KernelChoice:
