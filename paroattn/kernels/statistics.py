@@ -79,16 +79,16 @@ def _statistics_kernel(
     if arrived == SPLIT - 1:
         row = bh64 * SPLIT * HEAD_DIM + offs_d
         if K_MEAN:
-            total = tl.load(KPartial + row, volatile=True)
+            k_sum = tl.load(KPartial + row, volatile=True)
             for i in range(1, SPLIT):
-                total += tl.load(KPartial + row + i * HEAD_DIM, volatile=True)
+                k_sum += tl.load(KPartial + row + i * HEAD_DIM, volatile=True)
             # IEEE division, as torch's mean (the GPU's plain `/` is approximate)
-            tl.store(KMean + bh64 * HEAD_DIM + offs_d, tl.math.div_rn(total, tl.zeros_like(total) + SAMPLES))
+            tl.store(KMean + bh64 * HEAD_DIM + offs_d, tl.math.div_rn(k_sum, tl.zeros_like(k_sum) + SAMPLES))
         if V_AMAX:
-            amax = tl.load(VPartial + row, volatile=True)
+            v_max = tl.load(VPartial + row, volatile=True)
             for i in range(1, SPLIT):
-                amax = _max_nan(amax, tl.load(VPartial + row + i * HEAD_DIM, volatile=True))
-            tl.store(VAmax + bh64 * HEAD_DIM + offs_d, amax)
+                v_max = _max_nan(v_max, tl.load(VPartial + row + i * HEAD_DIM, volatile=True))
+            tl.store(VAmax + bh64 * HEAD_DIM + offs_d, v_max)
         tl.store(Arrivals + bh, 0)
 
 
