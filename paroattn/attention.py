@@ -242,6 +242,7 @@ def paro_attention(
     """
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask)
     bq, bk = block_sizes(block_size)
+    checked = False  # whether the kernels' support of this call was checked already
     if backend == "auto":
         backend = "torch"
         if q.is_cuda:
@@ -252,7 +253,7 @@ def paro_attention(
 
                 reason = unsupported_reason(q, bq, bk, qk, pv)
             if reason is None:
-                backend = "triton"
+                backend, checked = "triton", True
             else:  # correct but slow: say so (once per call site, the warnings default)
                 warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
                      stacklevel=2)
@@ -261,7 +262,7 @@ def paro_attention(
 
         return triton_backend.paro_attention_triton(
             q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
-            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask,
+            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, supported=checked,
         )
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()

@@ -53,12 +53,17 @@ class CachedLauncher:
             if compiled is not None:
                 stream = driver.active.get_current_stream(device)
                 all_args = (*args, *constexprs.values())
-                enter = knobs.runtime.launch_enter_hook  # profilers' hooks (proton) run as in a full launch
+                # profilers' hooks (proton) run as in a full launch; an empty hook chain (releases whose hooks
+                # are `HookChain`s) calls nothing, so none is passed and no launch metadata is built for it
+                enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+                if enter is not None and not getattr(enter, "calls", True):
+                    enter = None
+                if leave is not None and not getattr(leave, "calls", True):
+                    leave = None
                 metadata = compiled.launch_metadata(grid, stream, *all_args) if enter is not None else None
                 try:
                     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                                 compiled.function, compiled.packed_metadata, metadata, enter,
-                                 knobs.runtime.launch_exit_hook, *all_args)
+                                 compiled.function, compiled.packed_metadata, metadata, enter, leave, *all_args)
                     self.direct_launches += 1
                     return
                 except TypeError:  # the launcher parses its arguments before it launches anything

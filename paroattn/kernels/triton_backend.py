@@ -383,9 +383,12 @@ def paro_attention_triton(
     sm_scale: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     suffix_mask: torch.Tensor | None = None,
+    supported: bool = False,
 ) -> torch.Tensor:
-    """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller."""
-    check_triton_inputs(q, bq, bk, qk, pv)
+    """See `paroattn.paro_attention`; inputs were checked against the op contract by the caller, and with
+    `supported` the kernels' support of the call too (`dispatch.unsupported_reason`)."""
+    if not supported:
+        check_triton_inputs(q, bq, bk, qk, pv)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise PAROInputError(
             "the triton backend is inference-only (no backward): q, k or v requires grad. Run under "
