@@ -401,10 +401,12 @@ def test_streamed_masks_are_refused_under_compile():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8")])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("family", ["wan", "flux"])
-def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode):
-    """The Triton kernels (bf16, head dim 128, 64 x 64 blocks) in a transformer compiled with inductor, and
+def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode, qk, pv):
+    """The Triton kernels (bf16 or int8 QK + fp8 PV with its statistics launch, head dim 128, 64 x 64 blocks)
+    in a transformer compiled with inductor, and
     captured in CUDA graphs (mode="reduce-overhead"): compiled once, no CUDA graph skipped, the outputs of
     calls through all 3 buckets those of the eager run to within bf16 rounding (inductor fuses the ops around
     the kernel), and each call's bucket picks its masks: the same compiled model with a plan whose every
@@ -419,8 +421,8 @@ def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode):
     plan = Plan.synthetic(
         layout=family_of(transformer).call_inputs(transformer, calls[0]).layout,
         num_layers=len(self_attention_layers(transformer)), num_heads=transformer.config.num_attention_heads,
-        density=0.4, orders="random", num_buckets=3, block_size=64, model_class=type(transformer).__name__,
-        model_fingerprint=model_fingerprint(transformer.config),
+        density=0.4, orders="random", num_buckets=3, block_size=64, qk=qk, pv=pv,
+        model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config),
     )
     one_bucket = Plan(**{**plan.__dict__, "block_mask": plan.block_mask[[0, 0, 0]], "density": None, "dense": None})
 
@@ -441,7 +443,7 @@ def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode):
     got_0, _ = compiled_run(one_bucket)
     for g, g0, t in zip(got, got_0, timesteps, strict=True):
         difference = float((g.float() - g0.float()).abs().mean()) / scale
-        print(f"{family} {mode} t={t:.0f}: compiled vs eager up to {error:.1e}, vs bucket 0's masks {difference:.1e}")
+        print(f"{family} {mode} {qk}+{pv} t={t:.0f}: compiled vs eager up to {error:.1e}, vs bucket 0's masks {difference:.1e}")
         if bucket_index(EDGES, t) == 0:
             assert difference < 1e-4
         else:
