@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paroattn  # noqa: E402
-from paroattn.bench import SHAPES, _graph_ms, environment  # noqa: E402
+from paroattn.bench import SHAPES, _graph_ms, environment, wall_us  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 OTHER = "paroattn_other"
@@ -47,21 +46,6 @@ def import_other(checkout: Path):
     import importlib
 
     return importlib.import_module(OTHER)
-
-
-def wall_us(call, calls: int = 1000) -> float:
-    """Wall time per call of `calls` calls back to back, the GPU work queued behind them (best of 3)."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
 
 
 def main(argv=None):
@@ -97,8 +81,8 @@ def main(argv=None):
     for r in range(args.rounds):
         for name in (("other", "this") if r % 2 == 0 else ("this", "other")):
             for mode in modes:
-                times[name, mode].append(wall_us(calls[name, mode]))
-        sdpa.append(wall_us(lambda: F.scaled_dot_product_attention(q, k, v)))
+                times[name, mode].append(wall_us(calls[name, mode], 1000))
+        sdpa.append(wall_us(lambda: F.scaled_dot_product_attention(q, k, v), 1000))
     graph = {mode: _graph_ms(lambda q, k, v, call=calls["this", mode]: call(), [(q, k, v)]) * 1e3 for mode in modes}
     print(f"\nus per call, min / median of {args.rounds} rounds\n| mode | other | this | CUDA-graph replay |\n|---|---|---|---|")
     for mode in modes:

@@ -416,7 +416,7 @@ HOST_CASES = {"short": (0.5, 1000), "flux.1-dev": (0.2, 300)}  # shape: (density
 HOST_WAYS = ("lists", "lists + RoPE", "bool mask on the GPU", "bool mask on the host")
 
 
-def _wall_us(call, calls: int) -> float:
+def wall_us(call, calls: int) -> float:
     """Wall time per call of `calls` calls back to back, the GPU work queued behind them: the host's
     launch work where it is longer than the GPU's (best of 3)."""
     for _ in range(20):
@@ -457,13 +457,13 @@ def host_times(out_dir=None) -> dict:
                     "bool mask on the GPU": dict(block_mask=mask_gpu), "bool mask on the host": dict(block_mask=mask)}
             row = {"shape": name, "density": density, "qk": qk, "pv": pv}
             for way, extra in ways.items():
-                row[way] = _wall_us(lambda extra=extra: paro_attention(q, k, v, **kw, **extra), calls)
+                row[way] = wall_us(lambda extra=extra: paro_attention(q, k, v, **kw, **extra), calls)
             row["cuda graph"] = _graph_ms(lambda q, k, v: paro_attention(q, k, v, block_mask=blocks, **kw),
                                           [(q, k, v)]) * 1e3
             results["host_rows"].append(row)
             print(row, flush=True)
         results["host_rows"].append({"shape": name, "density": density, "qk": "sdpa", "pv": "",
-                                     "lists": _wall_us(lambda: F.scaled_dot_product_attention(q, k, v), calls),
+                                     "lists": wall_us(lambda: F.scaled_dot_product_attention(q, k, v), calls),
                                      "cuda graph": _graph_ms(F.scaled_dot_product_attention, [(q, k, v)]) * 1e3})
     if out_dir is not None:
         slug = re.sub(r"[^a-z0-9]+", "-", results["gpu"].lower()).strip("-")

@@ -21,15 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .block_sparse_attention import _max_nan
 from .launcher import CachedLauncher, aligned
 
 PROGRAMS_PER_SM = 4  # programs per SM the split aims at: enough loads in flight to stream V at full bandwidth
 _SMS: dict[torch.device, int] = {}
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -100,7 +96,8 @@ def block_of(D: int) -> int:
 def _sms(device: torch.device) -> int:
     sms = _SMS.get(device)
     if sms is None:
-        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        cuda = device.type == "cuda"
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
     return sms
 
 

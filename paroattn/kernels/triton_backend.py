@@ -296,8 +296,8 @@ def block_sparse_attention(
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens). One opaque node for torch.compile; its output has q's shape, dtype and strides.
-    Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph trees run the op's
+    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens). One opaque node for
+    torch.compile; its output has q's shape, dtype and strides. Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph trees run the op's
     warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer set would live."""
     return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
                   cos, sin, key_mask, reuse_buffers=False)
