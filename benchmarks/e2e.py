@@ -210,9 +210,12 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
     backend = "torch" if device.type == "cpu" else "auto"
     dense_s = None
     plans_by_density: dict[float, Plan] = {}
-    # in the order --modes names them (dense first: the speedups are over it), so a run cut short has the first
     named = args.modes or []
-    for label, density, qk, pv in sorted(MODES, key=lambda m: named.index(m[0]) if m[0] in named else len(MODES)):
+
+    def position(mode):  # dense first (the speedups are over it), then as --modes names them: a cut run has those
+        return -1 if mode[0] == "dense" else named.index(mode[0]) if mode[0] in named else len(MODES)
+
+    for label, density, qk, pv in sorted(MODES, key=position):
         if args.modes and label not in args.modes:
             continue
         runs = [("resident", True, True)]
@@ -250,7 +253,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                 handle.remove()
             if density is None:
                 dense_s = seconds
-            row["speedup"] = dense_s / seconds
+            row["speedup"] = dense_s / seconds if dense_s is not None else float("nan")  # dense not run
             rows.append(row)
             if args.json:  # each row as it comes: a run cut short keeps what it measured
                 args.json.write_text(json.dumps({"info": args.info, "rows": args.rows_before + rows}, indent=1))

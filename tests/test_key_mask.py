@@ -131,8 +131,11 @@ def test_padded_keys_and_values_do_not_matter():
 
 
 def test_one_launch_keys_masks_of_other_strides_apart():
-    """The launch cache (`CachedLauncher`) keys on the mask's strides: a strided view of a [B, 1, 1, N] model
-    mask (what the HunyuanVideo adapter passes), then a contiguous mask, then no mask, in one process."""
+    """The launch cache (`CachedLauncher`) keys on the mask's strides and alignment: each launch of a key
+    after its first skips Triton's specialization, so the most specialized mask goes first (contiguous,
+    16-byte aligned), then one with another suffix stride, then a strided, misaligned view of a [B, 1, 1, N]
+    model mask (what the HunyuanVideo adapter passes), then no mask, each twice, in one process. A key that
+    left out the stride or the alignment would run the first mask's kernel on the others."""
     layout = TokenLayout(0, 2, 3, 5, suffix=11)
     B, H, D = 2, 2, 64
     N = layout.seq_len
@@ -148,10 +151,15 @@ def test_one_launch_keys_masks_of_other_strides_apart():
             SMALL_BLOCK, "bf16", "bf16", 1 / math.sqrt(D))
     reference = [paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, block_size=SMALL_BLOCK,
                                 backend="torch", suffix_mask=m) for m in (view, None)]
-    for mask, want in ((view, reference[0]), (view.contiguous(), reference[0]), (None, reference[1]),
-                       (view, reference[0])):
-        got = triton_backend.launch(*args, key_mask=mask)
-        assert rel_err(got, want) <= BOUND["bf16"]
+    suffix_strided = view.t().contiguous().t()  # the same values, strides (1, B)
+    direct = triton_backend._ATTENTION.direct_launches
+    for mask, want in ((view.contiguous(), reference[0]), (suffix_strided, reference[0]), (view, reference[0]),
+                       (None, reference[1])):
+        for _ in range(2):
+            got = triton_backend.launch(*args, key_mask=mask)
+            assert rel_err(got, want) <= BOUND["bf16"]
+    if DEVICE == "cuda":  # the interpreter always launches in full
+        assert triton_backend._ATTENTION.direct_launches - direct >= 4
     # the custom op that torch.compile records takes the mask too
     through_op = torch.ops.paroattn.block_sparse_attention(*args, None, None, view)
     assert rel_err(through_op, reference[0]) <= BOUND["bf16"]
