@@ -111,21 +111,11 @@ class HunyuanVideoAdapter(FamilyAdapter):
         dual = attn.add_q_proj is not None
         if not dual and encoder_hidden_states is not None:
             hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
-        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = _heads(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), attn.norm_q, attn.norm_k)
         if dual and encoder_hidden_states is not None:
-            text_q = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            text_k = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            text_v = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if attn.norm_added_q is not None:
-                text_q = attn.norm_added_q(text_q)
-            if attn.norm_added_k is not None:
-                text_k = attn.norm_added_k(text_k)
+            text_projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text_q, text_k, text_v = _heads(attn, encoder_hidden_states, text_projections, attn.norm_added_q,
+                                            attn.norm_added_k)
             query = torch.cat([query, text_q], dim=1)
             key = torch.cat([key, text_k], dim=1)
             value = torch.cat([value, text_v], dim=1)
@@ -176,3 +166,15 @@ class HunyuanVideoAdapter(FamilyAdapter):
         if getattr(attn, "to_add_out", None) is not None:
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
+
+
+def _heads(attn, states, projections, norm_q, norm_k):
+    """q, k, v [B, S, H, D] of one stream (the video's or, in dual-stream blocks, the text's): its own
+    projections, then its q/k norms where the block has them."""
+    query, key, value = (project(states).unflatten(2, (attn.heads, -1)) for project in projections)
+    if norm_q is not None:
+        query = norm_q(query)
+    if norm_k is not None:
+        key = norm_k(key)
+    return query, key, value
+
