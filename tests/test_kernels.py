@@ -203,7 +203,7 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
     IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
     is the reference's sampled mean (at least 16 tokens here, so the stride is > 1: 7, 22 tokens). B=2, mixed
     orders, [B, N, H, D] storage, a ragged last block, query blocks twice the key blocks."""
-    from paroattn.kernels import reference
+    from paroattn.kernels import reference, statistics
     from paroattn.layout import reorder_index
 
     layout = TokenLayout(5, 3, 8, 6)  # 149 tokens
@@ -216,7 +216,9 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
         k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, q, bq)
     stride = reference.key_mean_stride(N, layout.height, layout.width)
     assert stride == 7  # the largest stride coprime with 8 x 6 that keeps >= 16 of 149 tokens
-    k_mean, _ = triton_backend._statistics(k, v, qk, pv, stride)
+    stats = statistics.Statistics(2, H, N, D, k.device)
+    statistics.compute(k, v, stats, stride, k_mean=True, v_amax=False)
+    k_mean = stats.k_mean
     torch.testing.assert_close(k_mean, reference.key_smoothing_mean(k.flatten(0, 1), stride).view(2, H, D),
                                rtol=1e-6, atol=1e-6)
     qmax = reference.QK_QMAX[qk]

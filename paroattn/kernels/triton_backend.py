@@ -52,16 +52,6 @@ LOG2E = 1.4426950408889634
 # The launches.
 
 
-def _statistics(k: torch.Tensor, v: torch.Tensor, qk: str, pv: str, mean_stride: int):
-    """K smoothing's mean [B, H, D] (over every `mean_stride`-th token, `reference.key_smoothing_mean`)
-    and V's per-channel max |V| [B, H, D], float32, where the modes need them (else None): what
-    `prepare_kv` computes in its buffers (`statistics.compute`), in new ones."""
-    B, H, N, D = k.shape
-    out = Statistics(B, H, N, D, k.device)
-    statistics.compute(k, v, out, mean_stride, qk != "bf16", pv != "bf16")
-    return out.k_mean if qk != "bf16" else None, out.v_amax if pv != "bf16" else None
-
-
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 
 
