@@ -30,8 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paroattn  # noqa: E402
-from paroattn.bench import SHAPES, _graph_ms, environment, wall_us  # noqa: E402
-from paroattn.masks import synthetic_block_mask  # noqa: E402
+from paroattn.bench import _graph_ms, environment, host_inputs, wall_us  # noqa: E402
 
 OTHER = "paroattn_other"
 
@@ -55,14 +54,7 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     versions = {"other": import_other(args.other), "this": paroattn}
-    B, H, layout, D = SHAPES["short"]
-    N = layout.seq_len
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), 0.5, generator=torch.Generator().manual_seed(2))
-    orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
-    angles = torch.rand(layout.grid_tokens, D // 2, device="cuda", generator=g).repeat_interleave(2, dim=-1)
-    rotary = (angles.cos(), angles.sin())
+    layout, (q, k, v), mask, orders, rotary = host_inputs("short", 0.5, torch.Generator(device="cuda").manual_seed(0))
     modes = {"bf16": ("bf16", "bf16", None), "int8+fp8": ("int8", "fp8", None),
              "int8+fp8 RoPE": ("int8", "fp8", rotary), "bf16 RoPE": ("bf16", "bf16", rotary)}
     calls = {}

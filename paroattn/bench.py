@@ -432,6 +432,19 @@ def wall_us(call, calls: int) -> float:
     return best
 
 
+def host_inputs(name: str, density: float, generator: torch.Generator):
+    """The inputs of the host-time measurements at shape `name`: its layout, bf16 q, k, v on the GPU (drawn
+    from `generator`), a synthetic bool mask of 128 x 64 blocks at `density` (on the host), random orders per
+    head and RoPE tables (drawn from `generator`)."""
+    B, H, layout, D = SHAPES[name]
+    N = layout.seq_len
+    qkv = tuple(torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
+    mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), density, generator=torch.Generator().manual_seed(2))
+    orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
+    angles = torch.rand(layout.grid_tokens, D // 2, device="cuda", generator=generator).repeat_interleave(2, dim=-1)
+    return layout, qkv, mask, orders, (angles.cos(), angles.sin())
+
+
 def host_times(out_dir=None) -> dict:
     """Eager wall time per call back to back vs the replay of a CUDA graph of the same calls (GPU time
     alone), for paro bf16 and int8 QK + fp8 PV at 128 x 64 blocks given active-block lists (with and
@@ -443,14 +456,8 @@ def host_times(out_dir=None) -> dict:
                "date": datetime.date.today().isoformat(), **environment(), "block": [128, 64], "host_rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (density, calls) in HOST_CASES.items():
-        B, H, layout, D = SHAPES[name]
-        N = layout.seq_len
-        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-        mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), density, generator=torch.Generator().manual_seed(2))
+        layout, (q, k, v), mask, orders, rotary = host_inputs(name, density, g)
         blocks, mask_gpu = ActiveBlocks.from_mask(mask).to("cuda"), mask.cuda()
-        orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
-        angles = torch.rand(layout.grid_tokens, D // 2, device="cuda", generator=g).repeat_interleave(2, dim=-1)
-        rotary = (angles.cos(), angles.sin())
         for qk, pv in (("bf16", "bf16"), ("int8", "fp8")):
             kw = dict(layout=layout, orders=orders, block_size=(128, 64), qk=qk, pv=pv)
             ways = {"lists": dict(block_mask=blocks), "lists + RoPE": dict(block_mask=blocks, rotary=rotary),
