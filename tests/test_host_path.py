@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from paroattn import TokenLayout, paro_attention  # noqa: E402
+from paroattn.kernels import launcher as launcher_module  # noqa: E402
 from paroattn.kernels import triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
@@ -192,9 +193,12 @@ def test_direct_launches_equal_full_launches(qk, pv, D, bq):
     for rope in (None, (angles.cos(), angles.sin())):
         extra = {"rotary": rope} if rope is not None else {}
         expected = full(q, k, v, **extra)
-        before = sum(launcher.direct_launches for launcher in launchers if launcher is not None)
+        before = launch_counts(launchers)
         assert torch.equal(paro_attention(q, k, v, **kwargs, **extra), expected)
-        assert sum(launcher.direct_launches for launcher in launchers if launcher is not None) > before
+        after = launch_counts(launchers)
+        assert after[0] > before[0]
+        if RAW_LAUNCHES:  # every direct launch went through the C function
+            assert after[1] - before[1] == after[0] - before[0]
         if qk == "bf16":
             continue  # the Gluon kernel's 16-byte loads of q need q 16-byte aligned
         # one element further into the storage: q's address is 2 bytes off 16, a new key
@@ -202,6 +206,59 @@ def test_direct_launches_equal_full_launches(qk, pv, D, bq):
         expected = full(shifted, k, v, **extra)
         paro_attention(q, k, v, **kwargs, **extra)  # the aligned key again, then the shifted one
         assert torch.equal(paro_attention(shifted, k, v, **kwargs, **extra), expected)
+
+
+def launch_counts(launchers) -> tuple[int, int]:
+    """Direct launches and, of those, launches through the C function, summed over `launchers`."""
+    present = [launcher for launcher in launchers if launcher is not None]
+    return sum(launcher.direct_launches for launcher in present), sum(launcher.raw_launches for launcher in present)
+
+
+# the triton whose C launch function the launcher calls itself (`launcher._raw_launch`)
+RAW_LAUNCHES = getattr(launcher_module.nvidia_driver, "_BASE_ARGS_FORMAT", None) == launcher_module.RAW_LAUNCH_FORMAT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 128), ("bf16", "bf16", 128), ("int8", "bf16", 64)])
+def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
+    """Descriptors are encoded once and the encoding kept: three buffer sets at three addresses (each call
+    after `release_workspaces` makes a new one; the old ones are held, so their memory is not reused),
+    then calls alternating between them with other inputs must each read their own set's K and V (an
+    encoding kept for another set's descriptor would read that set's). Each equals a full launch."""
+    from paroattn.kernels import hopper_attention, rotary
+
+    layout = TokenLayout(5, 2, 8, 12)
+    H, N = 2, layout.seq_len
+    g = torch.Generator(device="cuda").manual_seed(3)
+    inputs = [tuple(torch.randn(1, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+              for _ in range(4)]
+    blocks = ActiveBlocks.from_mask(random_mask(H, -(-N // 128), -(-N // 64), 4)).to("cuda")
+    kwargs = dict(layout=layout, orders=torch.tensor([3, 1], dtype=torch.int32, device="cuda"), block_mask=blocks,
+                  block_size=(128, 64), qk=qk, pv=pv, backend="triton")
+    launchers = (triton_backend._PROLOGUE, triton_backend._ATTENTION, rotary._LAUNCHER, hopper_attention._LAUNCHER)
+    expected = []
+    for q, k, v in inputs:
+        for launcher in launchers:
+            if launcher is not None:
+                launcher.clear()
+        expected.append(paro_attention(q, k, v, **kwargs))
+    sets = []
+    for i in range(3):
+        triton_backend.release_workspaces()
+        assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
+        sets.append(dict(triton_backend._WORKSPACES))
+    assert len({id(buffers.kq) for workspace in sets for buffers in workspace.values()}) == 3
+    before = launch_counts(launchers)
+    for which, i in ((0, 3), (2, 1), (1, 0), (0, 2), (2, 3)):
+        triton_backend._WORKSPACES.clear()
+        triton_backend._WORKSPACES.update(sets[which])
+        assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
+    after = launch_counts(launchers)
+    assert after[0] - before[0] >= 5 * 2
+    if RAW_LAUNCHES:
+        assert after[1] - before[1] == after[0] - before[0]
+    triton_backend.release_workspaces()
 
 
 @pytest.mark.gpu

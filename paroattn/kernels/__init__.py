@@ -2,7 +2,11 @@
 
 import os
 
+# read once: triton decides between compiling and interpreting when the kernels are defined, which is when
+# this package is imported, and the op asks on every call (an os.environ read costs about 1 us)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpreting() -> bool:
     """Whether Triton runs in its CPU interpreter (tests on machines without CUDA)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETING

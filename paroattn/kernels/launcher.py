@@ -11,6 +11,14 @@ The key is the caller's promise: two launches with one key have one specializati
 what their arguments can vary in: shapes, strides, integer arguments, dtypes and the 16-byte alignment
 of each tensor's address (`aligned`); floats and the addresses themselves are not specialized on. The
 constexprs, the launch options and the current device are added to the key here.
+
+Below Triton's launcher (`CompiledKernel.run`, a Python object) is a generated C function that parses
+the arguments and launches. It asks each tensor argument for its address and the driver whether that
+address is a device pointer, and, wrapped by the Python launcher, encodes every tensor descriptor into a
+CUDA tensor map, on every launch. Where the launcher is the one this was checked against (triton 3.6:
+`_raw_launch`), a direct launch calls the C function itself with addresses as integers and each
+descriptor's encoding made once and kept (descriptors are immutable; the callers keep theirs with their
+buffers). Anything else takes the Python launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +32,18 @@ try:
     from triton import knobs
 except ImportError:  # pragma: no cover - triton releases before knobs: full launches only
     knobs = None
+try:
+    from triton.backends.nvidia import driver as nvidia_driver
+except ImportError:  # pragma: no cover - no CUDA backend: the Python launcher only
+    nvidia_driver = None
+
+# the C function's leading arguments, as `_Entry` passes them: grid x, y, z, stream, function, cooperative
+# grid, PDL, global and profile scratch, packed metadata, launch metadata, enter and exit hooks
+RAW_LAUNCH_FORMAT = "iiiKKppOOOOOO"
+
+# encodings of descriptors kept per launch entry; beyond this many, the entry's are dropped (callers that
+# make descriptors per call, as the custom op does, would otherwise grow it without bound)
+DESCRIPTOR_ENCODINGS = 64
 
 
 def aligned(*tensors: torch.Tensor) -> int:
@@ -34,23 +54,88 @@ def aligned(*tensors: torch.Tensor) -> int:
     return bits
 
 
+def _raw_launch(compiled) -> tuple | None:
+    """(the C launch function, {argument position: descriptor metadata}) under a compiled kernel's Python
+    launcher, or None where that launcher is not the one this was checked against: triton 3.6's
+    `CudaLauncher`, no scratch memory, its `launch` the C function or the closure
+    `wrap_handle_tensordesc` makes around it. Not public API, hence every check."""
+    if nvidia_driver is None or getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != RAW_LAUNCH_FORMAT:
+        return None
+    run = compiled.run
+    launch = getattr(run, "launch", None)
+    if (launch is None or type(run).__name__ != "CudaLauncher" or getattr(run, "global_scratch_size", 1)
+            or getattr(run, "profile_scratch_size", 1) or not hasattr(run, "launch_cooperative_grid")
+            or not hasattr(run, "launch_pdl")):
+        return None
+    code = getattr(launch, "__code__", None)
+    if code is None:  # the C function itself: the kernel takes no descriptors
+        return launch, {}
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    positions = sorted(cells["tensordesc_indices"])
+    metadata = cells["tensordesc_meta"] or [None] * len(positions)
+    return cells["launcher"], dict(zip(positions, metadata))
+
+
+class _Entry:
+    """What a key's direct launches need: the compiled kernel and, where `_raw_launch` found it, its C
+    launch function with the positions of the tensor and descriptor arguments."""
+
+    __slots__ = ("compiled", "launch", "head", "pointers", "descriptors", "encodings")
+
+    def __init__(self, compiled, all_args: tuple):
+        self.compiled = compiled
+        raw = _raw_launch(compiled)
+        self.launch = raw[0] if raw else None
+        self.descriptors = raw[1] if raw else {}
+        run = compiled.run
+        # the C function's arguments between the grid and the kernel's: stream (per launch), function,
+        # cooperative grid, PDL, global and profile scratch (none), packed metadata
+        self.head = (compiled.function, getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False),
+                     None, None, compiled.packed_metadata)
+        # a key's arguments keep their kinds (the callers' promise), so where the tensors are is known
+        self.pointers = tuple(i for i, a in enumerate(all_args) if isinstance(a, torch.Tensor))
+        self.encodings: dict = {}
+
+    def arguments(self, all_args: tuple) -> list:
+        """The kernel's arguments as the C function takes them: addresses, and descriptors encoded."""
+        values = list(all_args)
+        for i in self.pointers:
+            values[i] = values[i].data_ptr()
+        for i in sorted(self.descriptors, reverse=True):  # from the end: earlier positions stay put
+            descriptor = values[i]
+            entry = self.encodings.get(id(descriptor))
+            if entry is None:
+                if len(self.encodings) >= DESCRIPTOR_ENCODINGS:
+                    self.encodings.clear()
+                # the descriptor is held with its encoding, so its id cannot be reused while the entry lives
+                entry = self.encodings[id(descriptor)] = (descriptor,
+                                                          nvidia_driver.make_tensordesc_arg(descriptor, self.descriptors[i]))
+            values[i:i + 1] = entry[1]
+        return values
+
+
 class CachedLauncher:
     """`launcher(key, grid, args, constexprs, **options)` runs `kernel[grid](*args, **constexprs, **options)`;
     `constexprs` in the kernel's parameter order after `args`. Only the first launch of a key binds and
-    specializes; `key=None` always takes the full path, as does the Triton interpreter."""
+    specializes; `key=None` always takes the full path, as does the Triton interpreter. A key's arguments
+    keep their kinds: a tensor where the first launch had one, a descriptor where it had one."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
         self.direct_launches = 0  # launches that skipped the binding (tests check the cache is used)
+        self.raw_launches = 0  # of those, launches through the C function (tests check it is taken)
         self._direct = True  # cleared if this triton's launcher does not take the call (the full path always works)
+        self._raw = True  # cleared if the C function does not take the call (the Python launcher then does)
 
     def __call__(self, key, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
         if key is not None and self._direct and knobs is not None and not interpreting():
             device = driver.active.get_current_device()
             key = (device, key, *constexprs.values(), *options.values())
-            compiled = self._compiled.get(key)
-            if compiled is not None:
+            entry = self._compiled.get(key)
+            if entry is not None:
                 stream = driver.active.get_current_stream(device)
                 all_args = (*args, *constexprs.values())
                 # profilers' hooks (proton) run as in a full launch; an empty hook chain (releases whose hooks
@@ -60,10 +145,21 @@ class CachedLauncher:
                     enter = None
                 if leave is not None and not getattr(leave, "calls", True):
                     leave = None
+                compiled = entry.compiled
                 metadata = compiled.launch_metadata(grid, stream, *all_args) if enter is not None else None
+                grid_x, grid_y, grid_z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+                if entry.launch is not None and self._raw:
+                    try:
+                        entry.launch(grid_x, grid_y, grid_z, stream, *entry.head, metadata, enter, leave,
+                                     *entry.arguments(all_args))
+                        self.direct_launches += 1
+                        self.raw_launches += 1
+                        return
+                    except TypeError:  # it parses every argument before it launches anything
+                        self._raw = False
                 try:
-                    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                                 compiled.function, compiled.packed_metadata, metadata, enter, leave, *all_args)
+                    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                                 metadata, enter, leave, *all_args)
                     self.direct_launches += 1
                     return
                 except TypeError:  # the launcher parses its arguments before it launches anything
@@ -77,7 +173,7 @@ class CachedLauncher:
             # signature's order, after the positional ones, and where a compiled kernel came back
             if (compiled is not None and hasattr(compiled, "packed_metadata")
                     and names is not None and list(names) == [*names[:len(args)], *constexprs]):
-                self._compiled[key] = compiled
+                self._compiled[key] = _Entry(compiled, (*args, *constexprs.values()))
             return
         self.kernel[grid](*args, **constexprs, **options)
 
