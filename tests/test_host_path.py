@@ -262,6 +262,70 @@ def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not RAW_LAUNCHES, reason="needs a CUDA GPU and a triton whose C launcher is known")
+@pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 128), ("bf16", "bf16", 128), ("int8", "int8", 64)])
+def test_replayed_calls_equal_full_launches(qk, pv, D):
+    """Eager calls into a kept buffer set replay the launches of an earlier call with the same key
+    (`launcher.LaunchSequence`). Calls that differ in what the key must separate (strides, RoPE, a key
+    mask, the softmax scale), in their tensors only (other q, k, v, orders, lists, tables, masks), or
+    whose recording call passed one tensor as q, k and v, each equal a full launch of the same call,
+    replayed (second pass) as recorded (first pass)."""
+    from paroattn.kernels import hopper_attention, launcher, rotary
+
+    layout = TokenLayout(5, 2, 8, 12, suffix=9)
+    H, N = 3, layout.seq_len
+    nq, nk = -(-N // 128), -(-N // 64)
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def qkv(seq_major):
+        shape = (1, N, H, D) if seq_major else (1, H, N, D)
+        out = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+        return [t.transpose(1, 2) if seq_major else t for t in out]
+
+    def lists(seed):
+        return ActiveBlocks.from_mask(random_mask(H, nq, nk, seed)).to("cuda")
+
+    def orders(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    angles = [torch.rand(N - 5 - 9, D, device="cuda", generator=g) for _ in range(2)]
+    tables = [(a.cos(), a.sin()) for a in angles]
+    masks = [torch.tensor([[True] * 9], device="cuda"), torch.tensor([[True] * 4 + [False] * 5], device="cuda")]
+    shared = qkv(False)[0]
+    calls = [  # (q, k, v), keyword arguments
+        (qkv(False), dict(orders=orders([0, 4, 5]), block_mask=lists(1))),
+        (qkv(False), dict(orders=orders([3, 1, 2]), block_mask=lists(2))),  # same key, other tensors
+        (qkv(True), dict(orders=orders([0, 4, 5]), block_mask=lists(1))),  # other strides
+        (qkv(False), dict(orders=orders([5, 5, 0]), block_mask=lists(3), rotary=tables[0])),
+        (qkv(False), dict(orders=orders([5, 5, 0]), block_mask=lists(3), rotary=tables[1])),
+        (qkv(False), dict(orders=orders([2, 0, 1]), block_mask=lists(4), suffix_mask=masks[0])),
+        (qkv(False), dict(orders=orders([2, 0, 1]), block_mask=lists(4), suffix_mask=masks[1])),
+        (qkv(False), dict(orders=orders([1, 1, 1]), block_mask=lists(5), sm_scale=0.05)),
+        # the first call of its key (its own scale) passes one tensor as q, k and v: its launches must not be
+        # replayed for the next call, whose three tensors differ (which slot a launch read is ambiguous)
+        ((shared, shared, shared), dict(orders=orders([4, 2, 0]), block_mask=lists(6), sm_scale=0.07)),
+        (qkv(False), dict(orders=orders([4, 2, 0]), block_mask=lists(6), sm_scale=0.07)),
+    ]
+    common = dict(layout=layout, block_size=(128, 64), qk=qk, pv=pv, backend="triton")
+    launchers = (triton_backend._PROLOGUE, triton_backend._ATTENTION, rotary._LAUNCHER, hopper_attention._LAUNCHER)
+    expected = []
+    for inputs, kwargs in calls:
+        for each in launchers:
+            if each is not None:
+                each.clear()
+        triton_backend.release_workspaces()
+        expected.append(paro_attention(*inputs, **common, **kwargs))
+    for replaying in (False, True, True):
+        before = launcher.LaunchSequence.replayed_calls
+        for (inputs, kwargs), result in zip(calls, expected):
+            assert torch.equal(paro_attention(*inputs, **common, **kwargs), result)
+        replays = launcher.LaunchSequence.replayed_calls - before
+        # the first pass records each key (its later calls of a key replay already), then every call replays
+        assert replays == len(calls) if replaying else 0 < replays < len(calls)
+    triton_backend.release_workspaces()
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="needs a CUDA GPU")
 def test_bool_mask_call_does_not_sync_and_graph_capture_allocates_its_own_buffers():
     layout = TokenLayout(0, 2, 16, 16)

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from . import hopper_attention, interpreting
+from .launcher import invalidate_sequences
 
 HEAD_DIMS = (64, 128)
 TUNED_ARCH = "sm90"
@@ -201,6 +202,7 @@ def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config:
     else:
         _PINNED[key] = config
     _CHOICES.clear()
+    invalidate_sequences()  # recorded launches of the old choice
 
 
 def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:

@@ -19,6 +19,11 @@ CUDA tensor map, on every launch. Where the launcher is the one this was checked
 `_raw_launch`), a direct launch calls the C function itself with addresses as integers and each
 descriptor's encoding made once and kept (descriptors are immutable; the callers keep theirs with their
 buffers). Anything else takes the Python launcher.
+
+A `LaunchSequence` goes one step further for a caller that makes the same launches call after call into
+buffers it keeps: the launches of one call are recorded (`Recording`) with their arguments ready for the
+C function, and a later call with the same key replays them with its own tensors put in their places,
+none of the callers' Python between the launches run again.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class _Entry:
     """What a key's direct launches need: the compiled kernel and, where `_raw_launch` found it, its C
     launch function with the positions of the tensor and descriptor arguments."""
 
-    __slots__ = ("compiled", "launch", "head", "pointers", "descriptors", "encodings")
+    __slots__ = ("compiled", "launch", "head", "pointers", "descriptors", "descriptor_positions", "encodings")
 
     def __init__(self, compiled, all_args: tuple):
         self.compiled = compiled
@@ -96,24 +101,125 @@ class _Entry:
                      None, None, compiled.packed_metadata)
         # a key's arguments keep their kinds (the callers' promise), so where the tensors are is known
         self.pointers = tuple(i for i, a in enumerate(all_args) if isinstance(a, torch.Tensor))
+        self.descriptor_positions = tuple(sorted(self.descriptors, reverse=True))
         self.encodings: dict = {}
+
+    def encoded(self, descriptor, position: int) -> list:
+        """The C function's arguments for the descriptor at `position`: its tensor map, shape and strides."""
+        entry = self.encodings.get(id(descriptor))
+        if entry is None:
+            if len(self.encodings) >= DESCRIPTOR_ENCODINGS:
+                self.encodings.clear()
+            # the descriptor is held with its encoding, so its id cannot be reused while the entry lives
+            entry = self.encodings[id(descriptor)] = (
+                descriptor, nvidia_driver.make_tensordesc_arg(descriptor, self.descriptors[position]))
+        return entry[1]
 
     def arguments(self, all_args: tuple) -> list:
         """The kernel's arguments as the C function takes them: addresses, and descriptors encoded."""
         values = list(all_args)
         for i in self.pointers:
             values[i] = values[i].data_ptr()
-        for i in sorted(self.descriptors, reverse=True):  # from the end: earlier positions stay put
-            descriptor = values[i]
-            entry = self.encodings.get(id(descriptor))
-            if entry is None:
-                if len(self.encodings) >= DESCRIPTOR_ENCODINGS:
-                    self.encodings.clear()
-                # the descriptor is held with its encoding, so its id cannot be reused while the entry lives
-                entry = self.encodings[id(descriptor)] = (descriptor,
-                                                          nvidia_driver.make_tensordesc_arg(descriptor, self.descriptors[i]))
-            values[i:i + 1] = entry[1]
+        for i in self.descriptor_positions:  # from the end: earlier positions stay put
+            values[i:i + 1] = self.encoded(values[i], i)
         return values
+
+
+# bumped by whatever makes recorded launches stale: a launcher cleared or its direct path turned off, a
+# kernel config pinned (`dispatch.set_kernel_config`)
+_GENERATION = 0
+_RECORDING: list | None = None
+
+
+def invalidate_sequences() -> None:
+    """Every `LaunchSequence` recorded so far declines to replay from now on."""
+    global _GENERATION
+    _GENERATION += 1
+
+
+def _hooks_idle() -> bool:
+    """No profiler hook is installed (launch hooks take metadata a replay does not build)."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
+
+
+class Recording:
+    """`with Recording() as records:` collects the launches made in its scope as (launcher, entry, grid,
+    arguments); None for a launch no sequence can replay (a full launch, or no C function)."""
+
+    def __enter__(self) -> list:
+        global _RECORDING
+        self.outer, self.records = _RECORDING, []
+        _RECORDING = self.records
+        return self.records
+
+    def __exit__(self, *exc) -> None:
+        global _RECORDING
+        _RECORDING = self.outer
+
+
+class LaunchSequence:
+    """The launches of one call, replayable with another call's tensors. `build` takes the records of the
+    call, the call's own tensors (`slots`: what changes from call to call, e.g. q, k, v, out and the lists)
+    and the addresses of the buffers the caller keeps (`owned`); every other tensor argument, and every
+    descriptor's base, must be one of those buffers, whose addresses are then fixed in the sequence. The
+    caller keeps the sequence with those buffers and keys it on everything its launches depend on besides
+    the slots' addresses: shapes, strides, dtypes, alignment, integer and float arguments."""
+
+    replayed_calls = 0  # over all sequences (tests check replays happen)
+
+    def __init__(self, device: int, launches: list):
+        self.device = device
+        self.generation = _GENERATION
+        self.launches = launches  # (launcher, C function, grid, head, template, [(position, slot)])
+
+    @classmethod
+    def build(cls, records: list, slots: tuple, owned: set[int]) -> LaunchSequence | None:
+        """The sequence of `records`, or None where one of its launches cannot be replayed."""
+        if not records or any(record is None for record in records):
+            return None
+        present = [id(t) for t in slots if t is not None]
+        if len(set(present)) < len(present):
+            return None  # one tensor in two slots: which one a launch took is unknown (another call may differ)
+        launches = []
+        for launcher, entry, grid, all_args in records:
+            template, places = [], []
+            for i, value in enumerate(all_args):
+                if i in entry.descriptors:
+                    if value.base.data_ptr() not in owned:
+                        return None
+                    template.extend(entry.encoded(value, i))
+                elif isinstance(value, torch.Tensor):
+                    slot = next((j for j, t in enumerate(slots) if t is value), None)
+                    if slot is None and value.data_ptr() not in owned:
+                        return None  # a temporary of this call: its address is not the next call's
+                    places.append((len(template), slot))
+                    template.append(value.data_ptr())
+                else:
+                    template.append(value)
+            launches.append((launcher, entry.launch, tuple(grid) + (1,) * (3 - len(grid)), entry.head, template,
+                             [(position, slot) for position, slot in places if slot is not None]))
+        return cls(driver.active.get_current_device(), launches)
+
+    def replay(self, slots: tuple) -> bool:
+        """Launch the recorded kernels with `slots` in their places, on the current stream; False (nothing
+        launched) where the sequence is stale: another device, a launcher cleared, a profiler hook."""
+        if self.generation != _GENERATION or not _hooks_idle():
+            return False
+        device = driver.active.get_current_device()
+        if device != self.device:
+            return False
+        stream = driver.active.get_current_stream(device)
+        for launcher, launch, grid, head, template, places in self.launches:
+            values = template.copy()
+            for position, slot in places:
+                values[position] = slots[slot].data_ptr()
+            launch(*grid, stream, *head, None, None, None, *values)
+            launcher.direct_launches += 1
+            launcher.raw_launches += 1
+        LaunchSequence.replayed_calls += 1
+        return True
 
 
 class CachedLauncher:
@@ -154,9 +260,14 @@ class CachedLauncher:
                                      *entry.arguments(all_args))
                         self.direct_launches += 1
                         self.raw_launches += 1
+                        if _RECORDING is not None:
+                            _RECORDING.append((self, entry, grid, all_args))
                         return
                     except TypeError:  # it parses every argument before it launches anything
                         self._raw = False
+                        invalidate_sequences()
+                if _RECORDING is not None:
+                    _RECORDING.append(None)
                 try:
                     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
                                  metadata, enter, leave, *all_args)
@@ -164,9 +275,11 @@ class CachedLauncher:
                     return
                 except TypeError:  # the launcher parses its arguments before it launches anything
                     self._direct = False
-                    self._compiled.clear()
+                    self.clear()
                     self.kernel[grid](*args, **constexprs, **options)
                     return
+            if _RECORDING is not None:
+                _RECORDING.append(None)
             compiled = self.kernel[grid](*args, **constexprs, **options)
             names = getattr(self.kernel, "arg_names", None)
             # the direct call passes every parameter by position: only where the constexprs came in the
@@ -175,7 +288,11 @@ class CachedLauncher:
                     and names is not None and list(names) == [*names[:len(args)], *constexprs]):
                 self._compiled[key] = _Entry(compiled, (*args, *constexprs.values()))
             return
+        if _RECORDING is not None:
+            _RECORDING.append(None)
         self.kernel[grid](*args, **constexprs, **options)
 
     def clear(self) -> None:
+        """Forget the compiled kernels: each key's next launch is a full one (and no sequence replays)."""
         self._compiled.clear()
+        invalidate_sequences()
