@@ -18,7 +18,7 @@ address is a device pointer, and, wrapped by the Python launcher, encodes every 
 CUDA tensor map, on every launch. Where the launcher is the one this was checked against (triton 3.6:
 `_raw_launch`), a direct launch calls the C function itself with addresses as integers and each
 descriptor's encoding made once and kept (descriptors are immutable; the callers keep theirs with their
-buffers). Anything else takes the Python launcher.
+buffers; an encoding is kept while its descriptor lives). Anything else takes the Python launcher.
 
 A `LaunchSequence` goes one step further for a caller that makes the same launches call after call into
 buffers it keeps: the launches of one call are recorded (`Recording`) with their arguments ready for the
@@ -27,6 +27,8 @@ none of the callers' Python between the launches run again.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from triton.runtime import driver
@@ -107,13 +109,17 @@ class _Entry:
     def encoded(self, descriptor, position: int) -> list:
         """The C function's arguments for the descriptor at `position`: its tensor map, shape and strides."""
         entry = self.encodings.get(id(descriptor))
-        if entry is None:
+        if entry is not None and entry[0]() is descriptor:
+            return entry[1]
+        encoding = nvidia_driver.make_tensordesc_arg(descriptor, self.descriptors[position])
+        # kept by a weak reference: a descriptor must not keep its buffer alive (CUDA-graph trees refuse
+        # memory of their pool that outlives a call), and a dead descriptor's id may come back for another.
+        # An encoding that holds the tensor itself (descriptors without metadata) is not kept
+        if not any(isinstance(value, torch.Tensor) for value in encoding):
             if len(self.encodings) >= DESCRIPTOR_ENCODINGS:
                 self.encodings.clear()
-            # the descriptor is held with its encoding, so its id cannot be reused while the entry lives
-            entry = self.encodings[id(descriptor)] = (
-                descriptor, nvidia_driver.make_tensordesc_arg(descriptor, self.descriptors[position]))
-        return entry[1]
+            self.encodings[id(descriptor)] = (weakref.ref(descriptor), encoding)
+        return encoding
 
     def arguments(self, all_args: tuple) -> list:
         """The kernel's arguments as the C function takes them: addresses, and descriptors encoded."""
