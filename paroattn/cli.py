@@ -88,6 +88,8 @@ def calibrate(
     dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default: on the reference model it cost 0.6-5.7 dB (QUALITY.md)"),
     layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, 0..1; off by default (0): +0.3 dB at d=0.5, -0.5 dB at d=0.2 on the reference model (QUALITY.md)"),
     dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 2.4-2.7 dB at the same density on the reference model (QUALITY.md)"),
+    dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, paid for by the later buckets so that --density stays the mean over steps, e.g. 0.2; 0 (the default) turns it off"),
+    shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
@@ -120,6 +122,12 @@ def calibrate(
         _fail(f"--layer-floor {layer_floor}: expected a share of --density in [0, 1] (0, the default, turns it off)")
     if dilation < 0:
         _fail(f"--dilation {dilation}: expected a number of blocks >= 0 (0, the default, turns it off)")
+    if not 0.0 <= dense_steps < 1.0:
+        _fail(f"--dense-steps {dense_steps}: expected a share of the denoising steps in [0, 1) (0, the default, "
+              "turns it off)")
+    if dense_steps >= density and density < 1.0:
+        _fail(f"--dense-steps {dense_steps} spends all of --density {density} (the mean density over steps) on the "
+              "dense steps: lower --dense-steps or raise --density")
     try:
         config = CalibrationConfig(
             density=density, qk=qk, pv=pv, block_size=block_size, query_block=query_block, steps=steps, height=height, width=width,
@@ -127,6 +135,7 @@ def calibrate(
             bucket_edges=[float(x) for x in bucket_edges.split(",")] if bucket_edges else None,
             figure_layers=[int(x) for x in figure_layers.split(",")] if figure_layers else None,
             dense_layers=layers_to_keep_dense, layer_floor=layer_floor, dilation=dilation,
+            dense_steps=dense_steps, shared_budget=shared_budget,
         )
         config.validate()
     except ValueError as exc:
@@ -156,7 +165,10 @@ def calibrate(
     experts = [name for name, _ in pipeline_experts(pipe)]
     what = type(resolve_transformer(pipe)).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
     typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
-    calibrations = calibrate_experts(pipe, prompt_list, config, progress=True, log=typer.echo)
+    try:
+        calibrations = calibrate_experts(pipe, prompt_list, config, progress=True, log=typer.echo)
+    except ValueError as exc:  # a budget the capture shows cannot be met (dense buckets holding more steps)
+        _fail(str(exc))
     for (plan, result), (plan_path, stats_path) in zip(calibrations, save_expert_calibrations(calibrations, out)):
         if len(calibrations) > 1:
             typer.echo(f"-- expert {plan.expert}")

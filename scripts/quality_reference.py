@@ -52,6 +52,11 @@ VARIANTS = {
     "no dilation": {"dilation": 0},
     "dilation 1": {"dilation": 1},
     "more prompts": {"capture": "more"},
+    "dense steps 0.2": {"dense_steps": 0.2},
+    "dense steps 0.3": {"dense_steps": 0.3},
+    "no dense steps": {"dense_steps": 0.0},
+    "shared budget": {"shared_budget": True},
+    "per-bucket budget": {"shared_budget": False},
 }
 DEFAULT_GRIDS = (
     "0.5,0.3,0.2:bf16:calibrated,identity",
@@ -112,9 +117,12 @@ def variant_arguments(name: str) -> dict:
 
 
 def compute_density(plan) -> float:
-    """Mean share of (query, key) blocks computed over buckets, layers and heads, dense layers as 1."""
-    density = torch.where(plan.dense[..., None], torch.ones_like(plan.density), plan.density)
-    return float(density.mean())
+    """Mean share of (query, key) blocks computed over denoising steps, layers and heads, dense layers and
+    buckets as 1: each bucket counts by its share of the steps (`info["step_shares"]`; equal shares in plans
+    without it)."""
+    density = torch.where(plan.dense[..., None], torch.ones_like(plan.density), plan.density).mean(dim=(1, 2))
+    shares = torch.tensor(plan.info.get("step_shares") or [1.0 / plan.num_buckets] * plan.num_buckets)
+    return float((density * shares).sum() / shares.sum())
 
 
 def summary(values: list[float]) -> dict:
@@ -196,7 +204,9 @@ def main(argv=None) -> int:
         row = {
             "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant,
             "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
-            "dense_layers": result.dense_layers, **{k: summary(v) for k, v in per_video.items()},
+            "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
+            "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
+            "step_shares": result.step_shares, **{k: summary(v) for k, v in per_video.items()},
             "per_video": per_video, "seconds": seconds,
             "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
         }
@@ -218,7 +228,8 @@ def main(argv=None) -> int:
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
         "calibration": {k: v for k, v in vars(demo.study_config(args.calibration_steps)).items()
-                        if k in ("metric", "layer_floor", "dilation", "dense_layers", "block_size")},
+                        if k in ("metric", "layer_floor", "dilation", "dense_layers", "block_size", "dense_steps",
+                                 "shared_budget")},
         "rows": rows,
     }
     (args.out / "quality.json").write_text(json.dumps(report, indent=1))

@@ -254,6 +254,9 @@ def test_bench_help_lists_the_benchmarks_options():
     ("--layer-floor", "1.5", ["--layer-floor 1.5", "[0, 1]"]),
     ("--layer-floor", "-0.1", ["--layer-floor -0.1", "[0, 1]"]),
     ("--dilation", "-1", ["--dilation -1", ">= 0"]),
+    ("--dense-steps", "1", ["--dense-steps 1.0", "[0, 1)"]),
+    ("--dense-steps", "-0.2", ["--dense-steps -0.2", "[0, 1)"]),
+    ("--dense-steps", "0.3", ["--dense-steps 0.3 spends all of --density 0.3", "lower --dense-steps"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
     import paroattn.pipelines.generate as generate
@@ -291,10 +294,29 @@ def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
 
     monkeypatch.setattr(driver, "calibrate_experts", fake_calibrate)
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors",
-                     "--dense-layers", "0,-1", "--layer-floor", "0.25", "--dilation", "1"])
+                     "--dense-layers", "0,-1", "--layer-floor", "0.25", "--dilation", "1", "--dense-steps", "0.2",
+                     "--shared-budget"])
     assert result.exit_code == 0, result.output
     config = seen["config"]
     assert (config.dense_layers, config.layer_floor, config.dilation) == ([0, -1], 0.25, 1)
+    assert (config.dense_steps, config.shared_budget) == (0.2, True)
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors"])
     assert result.exit_code == 0, result.output
     assert (seen["config"].dense_layers, seen["config"].layer_floor, seen["config"].dilation) == ([], 0.0, 0)
+    assert (seen["config"].dense_steps, seen["config"].shared_budget) == (0.0, False)
+
+
+def test_calibrate_reports_dense_steps_the_captured_schedule_cannot_pay_for(tmp_path, monkeypatch):
+    import paroattn.calibrate.driver as driver
+
+    saved_tiny_flux(tmp_path)
+
+    def refuse(*args, **kwargs):  # what plan_from_stats raises once the steps per bucket are known
+        raise ValueError("dense buckets [0] hold 0.300 of the denoising steps, as much as density 0.3 or more")
+
+    monkeypatch.setattr(driver, "calibrate_experts", refuse)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--density", "0.3",
+                     "--dense-steps", "0.2"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.rstrip().splitlines()[-1].startswith("error: dense buckets [0] hold 0.300")
+    assert not (tmp_path / "out.safetensors").exists()

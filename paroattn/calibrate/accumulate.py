@@ -19,13 +19,18 @@ import torch
 
 from .selection import (
     block_entries,
+    bucket_densities,
     build_masks,
     dense_layer_indices,
     incoherence,
+    kept_blocks,
     kept_mass_fraction,
+    leading_buckets,
     order_scores,
     pool_query_blocks,
+    shared_bucket_densities,
     sparse_fraction,
+    step_shares,
 )
 
 
@@ -44,6 +49,9 @@ class CalibrationResult:
     figure_original: torch.Tensor | None
     figure_reordered: torch.Tensor | None
     dense_layers: list[int] = field(default_factory=list)  # layers whose masks keep every block (run densely)
+    dense_buckets: list[int] = field(default_factory=list)  # leading buckets whose masks keep every block
+    bucket_density: list[float] = field(default_factory=list)  # the density each bucket's masks were built for
+    step_shares: list[float] = field(default_factory=list)  # share of the denoising steps in each bucket
 
 
 class StatsAccumulator:
@@ -151,10 +159,19 @@ class StatsAccumulator:
         layer_floor: float = 0.0,
         dilation: int = 0,
         dense_layers=(),
+        bucket_steps: list[int] | None = None,
+        dense_steps: float = 0.0,
+        shared_budget: bool = False,
     ) -> CalibrationResult:
         """Choose each head's order from the averaged statistics and build the masks of every bucket.
         A bucket without captured steps borrows the mean over all captured buckets (the report says so).
-        `layer_floor`, `dilation` and `dense_layers` go to `build_masks`."""
+        `layer_floor`, `dilation` and `dense_layers` go to `build_masks`.
+
+        `density` is the mean over denoising steps: each bucket counts by its share of the steps,
+        `bucket_steps` (denoising steps per bucket; default: the captured ones). `dense_steps`: the fewest
+        leading buckets holding that share of the steps keep every block, and the other buckets share what
+        is left (`selection.bucket_densities`). `shared_budget`: one budget over every bucket instead of one
+        per bucket (`selection.shared_bucket_densities`)."""
         self.flush()
         if compute_device is None:
             compute_device = self.store_device
@@ -169,6 +186,11 @@ class StatsAccumulator:
         step_weight = torch.tensor([float(w) for w in self.steps_per_bucket]).clamp_min(0)
         if float(step_weight.sum()) == 0:
             step_weight = torch.ones(B)
+        if bucket_steps is not None and len(bucket_steps) != B:
+            raise ValueError(f"bucket_steps has {len(bucket_steps)} entries for {B} buckets")
+        shares = step_shares(self.steps_per_bucket if bucket_steps is None else bucket_steps)
+        dense_buckets = leading_buckets(shares, dense_steps)
+        targets = bucket_densities(density, shares, dense_buckets)  # refuses a budget the dense buckets exceed
         figure_layers = sorted(set(figure_layers or []) & set(range(L)))
         per_layer_scores = []
         per_layer_orders = []
@@ -184,7 +206,7 @@ class StatsAccumulator:
             for b, m in enumerate(maps):
                 if m is None:
                     continue
-                kept += float(step_weight[b]) * kept_mass_fraction(m, density).cpu()
+                kept += float(step_weight[b]) * kept_mass_fraction(m, targets[b]).cpu()
                 used += float(step_weight[b])
             kept /= used
             count = float(self.scalar_count[layer])
@@ -202,11 +224,19 @@ class StatsAccumulator:
             if layer in figure_layers:
                 fig_original.append(overall[:, original_slot].half().cpu())
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
+        bucket_mass = [torch.stack(maps) for maps in bucket_maps]  # [L, H, nq, nk] each
+        if shared_budget:
+            kept_always = [kept_blocks(m.shape, prefix, self.mask_block, device=m.device, suffix=suffix,
+                                       seq_len=self.seq_len, dense_layers=dense_layers) for m in bucket_mass]
+            targets = shared_bucket_densities(bucket_mass, kept_always, density, shares, dense_buckets)
         masks, densities, kept_masses = [], [], []
         for b in range(B):
-            mass = torch.stack(bucket_maps[b])  # [L, H, nq, nk]
-            mask = build_masks(mass, density, prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len,
-                               layer_floor=layer_floor, dilation=dilation, dense_layers=dense_layers)
+            mass = bucket_mass[b]
+            if b in dense_buckets:
+                mask = torch.ones(mass.shape, dtype=torch.bool, device=mass.device)
+            else:
+                mask = build_masks(mass, targets[b], prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len,
+                                   layer_floor=layer_floor, dilation=dilation, dense_layers=dense_layers)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)
@@ -223,4 +253,7 @@ class StatsAccumulator:
             figure_original=torch.stack(fig_original) if fig_original else None,
             figure_reordered=torch.stack(fig_reordered) if fig_reordered else None,
             dense_layers=dense_layer_indices(dense_layers, L),
+            dense_buckets=dense_buckets,
+            bucket_density=list(targets),
+            step_shares=shares,
         )

@@ -63,6 +63,11 @@ class CalibrationConfig:
     dense_layers: list[int] = field(default_factory=list)
     layer_floor: float = 0.0
     dilation: int = 0
+    # budget between timestep buckets (`density` is the mean over denoising steps, each bucket counted by
+    # its steps): the fewest leading (noisiest) buckets holding this share of the steps keep every block and
+    # run densely, paid for by the other buckets; and one budget over all buckets instead of one per bucket
+    dense_steps: float = 0.0
+    shared_budget: bool = False
     eps: float = 1e-3  # "small" threshold of P for the block-sparse score
     seed: int = 0
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
@@ -92,6 +97,11 @@ class CalibrationConfig:
         if not 0.0 <= self.layer_floor <= 1.0 or self.dilation < 0:
             raise ValueError(f"layer_floor must be in [0, 1] and dilation >= 0, got {self.layer_floor} and "
                              f"{self.dilation}")
+        if not 0.0 <= self.dense_steps < 1.0:
+            raise ValueError(f"dense_steps must be a share of the denoising steps in [0, 1), got {self.dense_steps}")
+        if self.dense_steps >= self.density and self.density < 1.0:
+            raise ValueError(f"dense_steps {self.dense_steps} spends all of density {self.density} (the mean density "
+                             "over steps) on the dense steps: lower dense_steps or raise the density")
         if self.steps < 1 or self.stat_every < 1:
             raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
         problem = bucket_edges_problem([float(e) for e in self.edges()])
@@ -182,6 +192,9 @@ class CapturedStats:
     extras: bool  # max and below-eps statistics captured too (paper metric, incoherence term)
     timings: dict
     expert: str = ""
+    # denoising steps in each bucket (every step the expert ran, captured or not), summed over pipeline calls;
+    # None: unknown (the plan then weighs buckets by their captured steps)
+    bucket_steps: list[int] | None = None
 
 
 class _ExpertCapture:
@@ -197,6 +210,8 @@ class _ExpertCapture:
         self.subsets: dict[str, tuple[StatsAccumulator, torch.Tensor]] = {}
         self.bucket = 0
         self.ran = False  # captured a call in the current step
+        self.called = False  # ran in the current step, captured or not
+        self.bucket_steps = [0] * (len(edges) - 1)  # denoising steps it ran in each bucket
         self.stats_s = 0.0
         self.captures = 0
 
@@ -229,6 +244,7 @@ class _ExpertCapture:
                 "generation size at a time"
             )
         self.bucket = bucket_index(self.edges, float(timestep))
+        self.called = True
         if step % config.stat_every:
             return
         if self.acc is None:
@@ -251,6 +267,9 @@ class _ExpertCapture:
         self.captures += 1
 
     def step_done(self) -> None:
+        if self.called:
+            self.bucket_steps[self.bucket] += 1
+        self.called = False
         if self.ran:
             for accumulator in [self.acc, *(a for a, _ in self.subsets.values())]:
                 accumulator.step_done(self.bucket)
@@ -324,7 +343,7 @@ def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None =
         results.append(CapturedStats(
             config=config, layout=expert.layout, prompts=list(prompts), model_class=type(expert.transformer).__name__,
             model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators, extras=extras,
-            timings=expert_timings, expert=expert.expert,
+            timings=expert_timings, expert=expert.expert, bucket_steps=list(expert.bucket_steps),
         ))
     return results
 
@@ -353,12 +372,17 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
                     pv: str | None = None, metric: str | None = None, quant_weight: float | None = None,
                     alpha: float | None = None, orders: str = "all", compute_device: str | torch.device | None = None,
                     dense_layers: list[int] | None = None, layer_floor: float | None = None,
-                    dilation: int | None = None, log=None) -> tuple[Plan, CalibrationResult]:
+                    dilation: int | None = None, dense_steps: float | None = None, shared_budget: bool | None = None,
+                    log=None) -> tuple[Plan, CalibrationResult]:
     """(Plan, CalibrationResult) from captured statistics, without running the pipeline again: each
     head's order chosen among the candidates of the accumulator `orders` ("all", or a name given to
     `capture(order_sets=...)`), masks at `density`. Arguments left None take the capture config's.
     `dense_layers` are flagged dense in every bucket, their masks full (density 1), and the other layers
-    share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone)."""
+    share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone).
+    `density` is the mean over denoising steps (`stats.bucket_steps` weigh the buckets); `dense_steps`: the
+    leading buckets holding that share of the steps are flagged dense in every layer, their masks full, the
+    other buckets sparser; `shared_budget`: one budget over all buckets. The plan records the buckets kept
+    dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`)."""
     config = stats.config
     density = config.density if density is None else density
     qk, pv = config.qk if qk is None else qk, config.pv if pv is None else pv
@@ -368,8 +392,12 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
     dense_layers = list(config.dense_layers if dense_layers is None else dense_layers)
     layer_floor = config.layer_floor if layer_floor is None else layer_floor
     dilation = config.dilation if dilation is None else dilation
+    dense_steps = config.dense_steps if dense_steps is None else dense_steps
+    shared_budget = config.shared_budget if shared_budget is None else shared_budget
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
+    if not 0.0 <= dense_steps < 1.0:
+        raise ValueError(f"dense_steps must be a share of the denoising steps in [0, 1), got {dense_steps}")
     if problem := modes_problem(qk, pv):
         raise ValueError(problem)
     if metric not in METRICS:
@@ -389,10 +417,12 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
     result = acc.finalize(
         density, layout.prefix, metric=metric, quant_weight=quant_weight, alpha=alpha,
         compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=layer_floor,
-        dilation=dilation, dense_layers=dense_layers,
+        dilation=dilation, dense_layers=dense_layers, bucket_steps=stats.bucket_steps, dense_steps=dense_steps,
+        shared_budget=shared_budget,
     )
     dense = torch.zeros(result.block_mask.shape[:2], dtype=torch.bool)
     dense[:, result.dense_layers] = True
+    dense[result.dense_buckets, :] = True
     timings = dict(stats.timings, select_s=time.perf_counter() - start)
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
     if empty and log is not None:
@@ -400,7 +430,8 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
     settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha,
-                    dense_layers=result.dense_layers, layer_floor=layer_floor, dilation=dilation)
+                    dense_layers=result.dense_layers, layer_floor=layer_floor, dilation=dilation,
+                    dense_steps=dense_steps, shared_budget=shared_budget)
     if orders != "all":
         settings["order_set"] = orders
     plan = Plan(
@@ -422,6 +453,9 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
             "calibration": settings,
             "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
             "steps_per_bucket": result.steps_per_bucket,
+            "step_shares": result.step_shares,
+            "dense_buckets": result.dense_buckets,
+            "bucket_density": result.bucket_density,
             "kept_mass": float(result.kept_mass.mean()),
             "kept_mass_min": float(result.kept_mass.min()),
             "timings": timings,
@@ -525,6 +559,12 @@ def describe_result(plan: Plan, result: CalibrationResult) -> str:
             f"{b}: d={float(plan.density[b].mean()):.3f} kept={float(kept[b].mean()):.4f}" for b in range(plan.num_buckets)
         ),
         f"captured steps per bucket (prompts x steps): {result.steps_per_bucket}",
+    ]
+    if result.dense_buckets:
+        share = sum(result.step_shares[b] for b in result.dense_buckets)
+        lines.append(f"dense buckets {result.dense_buckets} ({share:.2f} of the denoising steps, the model's own "
+                     "attention), paid for by the others")
+    lines += [
         f"time: pipeline {t.get('pipeline_s', 0):.1f} s (statistics inside it {t.get('stats_s', 0):.1f} s), "
         f"order selection and masks {t.get('select_s', 0):.1f} s",
     ]

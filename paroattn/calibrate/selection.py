@@ -142,6 +142,17 @@ def dense_layer_indices(dense_layers, num_layers: int) -> list[int]:
     return sorted(out)
 
 
+def kept_blocks(shape, prefix: int, block_size: int | tuple[int, int], device=None, *, suffix: int = 0,
+                seq_len: int = 0, dense_layers=()) -> torch.Tensor:
+    """bool `shape` = [L, H, nq, nk]: the blocks `build_masks` keeps before spending its budget: the forced
+    ones (`forced_blocks`) and every block of the dense layers."""
+    L, H, nq, nk = shape
+    forced = forced_blocks((nq, nk), prefix, block_size, device=device, suffix=suffix, seq_len=seq_len)
+    kept = forced.expand(L, H, nq, nk).clone()
+    kept[dense_layer_indices(dense_layers, L)] = True
+    return kept
+
+
 def build_masks(
     mass: torch.Tensor,
     density: float,
@@ -175,10 +186,9 @@ def build_masks(
         raise ValueError(f"layer_floor must be in [0, 1], got {layer_floor}")
     if dilation < 0:
         raise ValueError(f"dilation must be >= 0 blocks, got {dilation}")
-    forced = forced_blocks((nq, nk), prefix, block_size, device=mass.device, suffix=suffix, seq_len=seq_len)
-    masks = forced.expand(L, H, nq, nk).clone()
+    masks = kept_blocks(mass.shape, prefix, block_size, device=mass.device, suffix=suffix, seq_len=seq_len,
+                        dense_layers=dense_layers)
     dense = dense_layer_indices(dense_layers, L)
-    masks[dense] = True
     total = round(density * masks.numel())
     if dense and int(masks.sum()) > total:
         raise ValueError(f"dense layers {dense} alone hold {int(masks.sum()) / masks.numel():.3f} of the blocks, "
@@ -210,3 +220,91 @@ def build_masks(
         budget = total - int(masks.sum())
     masks |= _top(scores, budget)
     return masks
+
+
+# -- how the budget is shared between timestep buckets --------------------------------------------
+# A bucket's density costs in proportion to the denoising steps that fall in it: the budget is the mean
+# density over steps, `sum_b w_b * d_b = density` with w_b the share of the steps in bucket b.
+
+def step_shares(steps_per_bucket) -> list[float]:
+    """Denoising steps per bucket -> each bucket's share of the steps (equal shares if none was counted)."""
+    steps = [max(0.0, float(s)) for s in steps_per_bucket]
+    total = sum(steps)
+    if total == 0:
+        return [1.0 / len(steps)] * len(steps)
+    return [s / total for s in steps]
+
+
+def leading_buckets(shares: list[float], share: float) -> list[int]:
+    """The fewest leading buckets (bucket 0 holds the first, noisiest steps) whose steps make up at least
+    `share` of all steps; none for share 0."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"dense_steps must be a share of the denoising steps in [0, 1), got {share}")
+    chosen, covered = [], 0.0
+    for b, w in enumerate(shares):
+        if covered >= share - 1e-9:
+            break
+        chosen.append(b)
+        covered += w
+    return chosen
+
+
+def bucket_densities(density: float, shares: list[float], dense_buckets: list[int]) -> list[float]:
+    """Per-bucket densities: 1 in `dense_buckets`, the same density d' in the others, with
+    `sum_b shares[b] * d_b = density`. Raises ValueError when the dense buckets alone spend the budget."""
+    dense_share = sum(shares[b] for b in dense_buckets)
+    if not dense_buckets:
+        return [density] * len(shares)
+    if density >= 1.0:
+        return [1.0] * len(shares)
+    if dense_share >= density:
+        raise ValueError(
+            f"dense buckets {dense_buckets} hold {dense_share:.3f} of the denoising steps, as much as density "
+            f"{density} or more, which leaves nothing to the other buckets: keep fewer steps dense (dense_steps) "
+            "or raise the density")
+    rest = (density - dense_share) / (1.0 - dense_share)
+    return [1.0 if b in dense_buckets else rest for b in range(len(shares))]
+
+
+def shared_bucket_densities(masses: list[torch.Tensor], kept: list[torch.Tensor], density: float,
+                            shares: list[float], dense_buckets: list[int]) -> list[float]:
+    """Per-bucket densities from one budget over every (bucket, layer, head) block: a block of bucket b costs
+    shares[b] (the steps it runs in), so the blocks with the most mass per step are chosen wherever they are,
+    down to one mass threshold for all buckets, until `sum_b shares[b] * d_b = density`.
+
+    masses[b] [L, H, nq, nk]: bucket b's block masses in the chosen orders (comparable across buckets, as every
+    row of P sums to one); kept[b]: bool, the same shape, the blocks its masks keep whatever the budget (diagonal,
+    text, dense layers). Buckets in `dense_buckets` are 1; a bucket without steps gets the density the sparse
+    buckets would each have under per-bucket budgets. Raises ValueError as `bucket_densities` does."""
+    uniform = bucket_densities(density, shares, dense_buckets)
+    sparse = [b for b in range(len(masses)) if b not in dense_buckets and shares[b] > 0]
+    if not sparse or density >= 1.0:
+        return uniform
+    total = masses[0].numel()
+    forced = {b: int(kept[b].sum()) for b in sparse}
+    budget = density * total - sum(shares[b] * total for b in dense_buckets) - sum(shares[b] * forced[b] for b in sparse)
+    scores = {b: masses[b].float().masked_fill(kept[b], float("-inf")).flatten() for b in sparse}
+
+    def cost(threshold: float) -> float:
+        return sum(shares[b] * int((scores[b] >= threshold).sum()) for b in sparse)
+
+    finite = torch.cat([s[torch.isfinite(s)] for s in scores.values()])
+    counts = {b: 0 for b in sparse}
+    if budget > 0 and finite.numel():
+        low, high = float(finite.min()), float(finite.max())  # cost(high) is the cheapest non-empty choice
+        if cost(low) <= budget:
+            high = low
+        elif cost(high) <= budget:
+            for _ in range(60):  # the lowest threshold whose blocks fit the budget (cost falls as it rises)
+                mid = 0.5 * (low + high)
+                if cost(mid) <= budget:
+                    high = mid
+                else:
+                    low = mid
+        else:
+            high = float("inf")
+        counts = {b: int((scores[b] >= high).sum()) for b in sparse}
+    out = list(uniform)
+    for b in sparse:
+        out[b] = (forced[b] + counts[b]) / total
+    return out
