@@ -52,28 +52,20 @@ LOG2E = 1.4426950408889634
 # The launches.
 
 
-_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """A 1-element tensor for pointer arguments a mode does not read (allocated once per device)."""
-    t = _PLACEHOLDERS.get(device)
-    if t is None:
-        t = _PLACEHOLDERS[device] = torch.zeros(1, dtype=torch.float32, device=device)
-    return t
-
-
 @dataclass
 class Buffers:
     """What a call writes and then reads back: the statistics of the quantized modes, the prologue's
     reordered (quantized) K, V and Q with their scales, the RoPE pass's rotated q and k, and the
-    descriptors the attention kernels read them by. Placeholders (or None) where the modes do not use a part."""
+    descriptors the attention kernels read them by. `placeholder` (1 element) where the modes do not use a
+    part, and for pointer arguments a mode does not read: one per set, as the set's memory is (a placeholder
+    kept across calls, made in a CUDA-graph pool, would outlive what the graph trees account for)."""
 
     kq: torch.Tensor
     k_scale: torch.Tensor
     vq: torch.Tensor
     qq: torch.Tensor
     q_scale: torch.Tensor
+    placeholder: torch.Tensor
     rotated: tuple[torch.Tensor, torch.Tensor] | None = None
     statistics: Statistics | None = None
     descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
@@ -82,19 +74,19 @@ class Buffers:
     sequences: dict | None = None
 
     def addresses(self) -> set[int]:
-        """Where this set's buffers (and the placeholders its launches may take) live."""
-        tensors = [self.kq, self.k_scale, self.vq, self.qq, self.q_scale, *(self.rotated or ())]
+        """Where this set's buffers (its placeholder included) live."""
+        tensors = [self.kq, self.k_scale, self.vq, self.qq, self.q_scale, self.placeholder, *(self.rotated or ())]
         if self.statistics is not None:
             stats = self.statistics
             tensors += [stats.k_mean, stats.v_amax, stats.k_partial, stats.v_partial, stats.arrivals]
-        return {t.data_ptr() for t in tensors} | {t.data_ptr() for t in _PLACEHOLDERS.values()}
+        return {t.data_ptr() for t in tensors}
 
 
 def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
              write_q: bool, rotary: bool = False) -> Buffers:
     nk, nq = -(-N // bk), -(-N // bq)
     n_pad = nk * bk
-    placeholder = _placeholder(device)
+    placeholder = torch.zeros(1, dtype=torch.float32, device=device)
     k_scale = qq = q_scale = placeholder
     if qk != "bf16":
         kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
@@ -114,7 +106,7 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
         q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
         rotated = (q_rot, torch.empty_like(q_rot))
     stats = Statistics(B, H, N, D, device) if qk != "bf16" or pv != "bf16" else None
-    return Buffers(kq, k_scale, vq, qq, q_scale, rotated, stats)
+    return Buffers(kq, k_scale, vq, qq, q_scale, placeholder, rotated, stats)
 
 
 # Eager calls reuse one buffer set per (device, stream, shape, dtype, blocks, modes): allocating the four to
@@ -182,7 +174,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
     if buffers is None:
         buffers = allocate(B, H, N, D, k.dtype, device, bq or bk, bk, qk, pv, q is not None)
     stats = buffers.statistics
-    k_mean = v_amax = placeholder = _placeholder(device)
+    k_mean = v_amax = placeholder = buffers.placeholder
     if stats is not None:
         statistics.compute(k, v, stats, key_mean_stride(N, height, width), qk != "bf16", pv != "bf16",
                            None if key is None else (key, stats.split, stats.aligned))
