@@ -39,7 +39,7 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     assert len(pictures) == 5
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
     assert "PARO vs dense by density on this model (qk=bf16 pv=bf16, 8 held-out prompts x 2 seeds" in result.output
-    assert "d=0.7: 30.1 dB / SSIM 0.96" in result.output and "d=0.3: 20.8 dB" in result.output
+    assert "d=0.7: 30.5 dB / SSIM 0.96" in result.output and "d=0.3: 20.9 dB" in result.output
 
 
 def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():

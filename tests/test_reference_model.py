@@ -99,7 +99,7 @@ def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_p
 
 
 def test_shipped_plans_fit_the_shipped_model(reference_pipe):
-    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path
+    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path, study_config
 
     transformer = reference_pipe.transformer
     for density in SHIPPED_DENSITIES:
@@ -108,6 +108,10 @@ def test_shipped_plans_fit_the_shipped_model(reference_pipe):
         assert plan.layout == TokenLayout(0, 8, 16, 16)
         assert abs(plan.achieved_density() - density) < 0.01
         assert shipped_plan_path(density).with_name(plan.info["stats_file"]["name"]).is_file()
+        # made with the demo's calibration (scripts/quality_reference.py --ship)
+        calibration = plan.info["calibration"]
+        assert (calibration["shared_budget"], calibration["dense_steps"]) == (study_config().shared_budget,
+                                                                             study_config().dense_steps)
 
 
 def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(reference_pipe):

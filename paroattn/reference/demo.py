@@ -34,7 +34,7 @@ QUALITY_SUMMARY = PLANS_DIR / "quality_summary.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # what paths in the demo's log are relative to
 SHIPPED_DENSITIES = (0.7, 0.6, 0.5, 0.3, 0.2)
 # what `paro demo` runs by default: the sparsest shipped plan whose videos stay close to dense on the
-# held-out prompts (QUALITY.md: SSIM 0.959, PSNR 30.1 dB at d=0.7; int8 QK + fp8 PV measure the same
+# held-out prompts (QUALITY.md: SSIM 0.961, PSNR 30.5 dB at d=0.7; int8 QK + fp8 PV measure the same
 # there, but their exact emulation in the torch reference op is ~9x slower than dense on a CPU)
 DEFAULT_DENSITY, DEFAULT_QK, DEFAULT_PV = 0.7, "bf16", "bf16"
 CALIBRATION_PROMPTS = [
@@ -79,14 +79,15 @@ def shipped_plan_path(density: float) -> Path:
 def study_config(steps: int = DEFAULT_STEPS, *, seed: int = 0, block_size: int = 64,
                  query_block: int | None = None, size: dict | None = None):
     """The calibration of the quality study and the shipped plans: the calibration prompts as one
-    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device).
+    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device), one
+    block budget over all timestep buckets (QUALITY.md, Calibration options).
     `size`: num_frames / height / width of the videos, if not the model's default."""
     from ..calibrate.driver import CalibrationConfig
 
     size = size or {}
     return CalibrationConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
                              batch_prompts=True, generator_device="cpu", frames=size.get("num_frames"),
-                             height=size.get("height"), width=size.get("width"))
+                             height=size.get("height"), width=size.get("width"), shared_budget=True)
 
 
 # -- generation and comparison --------------------------------------------------------------------
