@@ -288,10 +288,12 @@ def shared_bucket_densities(masses: list[torch.Tensor], kept: list[torch.Tensor]
     def cost(threshold: float) -> float:
         return sum(shares[b] * int((scores[b] >= threshold).sum()) for b in sparse)
 
-    finite = torch.cat([s[torch.isfinite(s)] for s in scores.values()])
+    free = (masses[b].float()[~kept[b]] for b in sparse)  # the blocks the budget decides, one bucket at a time
+    ranges = [(float(m.min()), float(m.max())) for m in free if m.numel()]
     counts = {b: 0 for b in sparse}
-    if budget > 0 and finite.numel():
-        low, high = float(finite.min()), float(finite.max())  # cost(high) is the cheapest non-empty choice
+    if budget > 0 and ranges:
+        # cost(high) is the cheapest non-empty choice, cost(low) takes every block
+        low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
         if cost(low) <= budget:
             high = low
         elif cost(high) <= budget:
