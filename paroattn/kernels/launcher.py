@@ -28,6 +28,7 @@ none of the callers' Python between the launches run again.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -134,7 +135,7 @@ class _Entry:
 # bumped by whatever makes recorded launches stale: a launcher cleared or its direct path turned off, a
 # kernel config pinned (`dispatch.set_kernel_config`)
 _GENERATION = 0
-_RECORDING: list | None = None
+_RECORDINGS = threading.local()  # per thread: launches of another thread's calls must not enter a recording
 
 
 def invalidate_sequences() -> None:
@@ -155,14 +156,16 @@ class Recording:
     arguments); None for a launch no sequence can replay (a full launch, or no C function)."""
 
     def __enter__(self) -> list:
-        global _RECORDING
-        self.outer, self.records = _RECORDING, []
-        _RECORDING = self.records
+        self.outer, self.records = _recording(), []
+        _RECORDINGS.records = self.records
         return self.records
 
     def __exit__(self, *exc) -> None:
-        global _RECORDING
-        _RECORDING = self.outer
+        _RECORDINGS.records = self.outer
+
+
+def _recording() -> list | None:
+    return getattr(_RECORDINGS, "records", None)
 
 
 class LaunchSequence:
@@ -266,14 +269,14 @@ class CachedLauncher:
                                      *entry.arguments(all_args))
                         self.direct_launches += 1
                         self.raw_launches += 1
-                        if _RECORDING is not None:
-                            _RECORDING.append((self, entry, grid, all_args))
+                        if (records := _recording()) is not None:
+                            records.append((self, entry, grid, all_args))
                         return
                     except TypeError:  # it parses every argument before it launches anything
                         self._raw = False
                         invalidate_sequences()
-                if _RECORDING is not None:
-                    _RECORDING.append(None)
+                if (records := _recording()) is not None:
+                    records.append(None)
                 try:
                     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
                                  metadata, enter, leave, *all_args)
@@ -284,8 +287,8 @@ class CachedLauncher:
                     self.clear()
                     self.kernel[grid](*args, **constexprs, **options)
                     return
-            if _RECORDING is not None:
-                _RECORDING.append(None)
+            if (records := _recording()) is not None:
+                records.append(None)
             compiled = self.kernel[grid](*args, **constexprs, **options)
             names = getattr(self.kernel, "arg_names", None)
             # the direct call passes every parameter by position: only where the constexprs came in the
@@ -294,8 +297,8 @@ class CachedLauncher:
                     and names is not None and list(names) == [*names[:len(args)], *constexprs]):
                 self._compiled[key] = _Entry(compiled, (*args, *constexprs.values()))
             return
-        if _RECORDING is not None:
-            _RECORDING.append(None)
+        if (records := _recording()) is not None:
+            records.append(None)
         self.kernel[grid](*args, **constexprs, **options)
 
     def clear(self) -> None:
