@@ -5,7 +5,8 @@ comparison of host time runs both versions in one process: the other version's `
 copied under another name (`paroattn_other`, its custom op renamed to match), both are imported, and
 their calls alternate over rounds of 1000 calls (best of 3 per round). Short shape (1, 24, 1024, 128),
 d=0.5, 128 x 64 blocks, active-block lists; bf16 and int8 QK + fp8 PV, without and with RoPE tables;
-SDPA each round; the CUDA-graph replay of this version's calls (GPU time alone).
+SDPA each round; the CUDA-graph replay of this version's calls (GPU time alone); and the host time alone
+(`bench.host_us`: 100 calls issued on an idle GPU, timed without waiting for it).
 
     python benchmarks/host_ab.py OTHER_CHECKOUT [--rounds 6] [--json results.json]
     # e.g. OTHER_CHECKOUT from: git worktree add /tmp/before <commit>
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paroattn  # noqa: E402
-from paroattn.bench import _graph_ms, environment, host_inputs, wall_us  # noqa: E402
+from paroattn.bench import _graph_ms, environment, host_inputs, host_us, wall_us  # noqa: E402
 
 OTHER = "paroattn_other"
 
@@ -69,25 +70,33 @@ def main(argv=None):
         difference = (calls["this", mode]().float() - calls["other", mode]().float()).abs().max()
         print(f"{mode}: max |this - other| = {float(difference):.3g}", flush=True)
     times = {key: [] for key in calls}
-    sdpa = []
+    host = {key: [] for key in calls}
+    sdpa, sdpa_host = [], []
     for r in range(args.rounds):
         for name in (("other", "this") if r % 2 == 0 else ("this", "other")):
             for mode in modes:
                 times[name, mode].append(wall_us(calls[name, mode], 1000))
+                host[name, mode].append(host_us(calls[name, mode]))
         sdpa.append(wall_us(lambda: F.scaled_dot_product_attention(q, k, v), 1000))
+        sdpa_host.append(host_us(lambda: F.scaled_dot_product_attention(q, k, v)))
     graph = {mode: _graph_ms(lambda q, k, v, call=calls["this", mode]: call(), [(q, k, v)]) * 1e3 for mode in modes}
-    print(f"\nus per call, min / median of {args.rounds} rounds\n| mode | other | this | CUDA-graph replay |\n|---|---|---|---|")
+    print(f"\nus per call, min / median of {args.rounds} rounds: wall time back to back; host alone\n"
+          "| mode | other | this | CUDA-graph replay | host alone, other | host alone, this |\n|---|---|---|---|---|---|")
+
+    def cell(values):
+        return f"{min(values):.0f} / {statistics.median(values):.0f}"
+
     for mode in modes:
-        cells = [f"{min(times[n, mode]):.0f} / {statistics.median(times[n, mode]):.0f}" for n in ("other", "this")]
-        print(f"| {mode} | {cells[0]} | {cells[1]} | {graph[mode]:.0f} |")
-    print(f"| SDPA | {min(sdpa):.0f} / {statistics.median(sdpa):.0f} | | |")
+        print(f"| {mode} | {cell(times['other', mode])} | {cell(times['this', mode])} | {graph[mode]:.0f} | "
+              f"{cell(host['other', mode])} | {cell(host['this', mode])} |")
+    print(f"| SDPA | {cell(sdpa)} | | | {cell(sdpa_host)} | |")
     if args.json:
-        rows = [{"code": name, "mode": mode, "us_per_round": t, "min_us": min(t), "median_us": statistics.median(t)}
-                for (name, mode), t in times.items()]
+        rows = [{"code": name, "mode": mode, "us_per_round": t, "min_us": min(t), "median_us": statistics.median(t),
+                 "host_alone_us_per_round": host[name, mode]} for (name, mode), t in times.items()]
         info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **environment(),
                 "date": time.strftime("%Y-%m-%d"), "other": str(args.other)}
-        args.json.write_text(json.dumps({"info": info, "sdpa_us": sdpa, "rows": rows, "cuda_graph_replay_us": graph},
-                                        indent=1))
+        args.json.write_text(json.dumps({"info": info, "sdpa_us": sdpa, "sdpa_host_alone_us": sdpa_host, "rows": rows,
+                                         "cuda_graph_replay_us": graph}, indent=1))
 
 
 if __name__ == "__main__":

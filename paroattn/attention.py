@@ -81,9 +81,22 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
         raise PAROInputError(f"suffix_mask must be on q's device {q.device}; got {suffix_mask.device}")
 
 
-def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
-                 suffix_mask=None) -> None:
-    """Raise PAROInputError naming what was expected, what was found and what to do."""
+_CHECKED: set[tuple] = set()
+_TRITON_BACKEND = None
+
+
+def _triton_backend():
+    """`kernels.triton_backend`, imported on first use (defining the kernels takes seconds) and kept: an
+    import statement costs about 1 us on every call."""
+    global _TRITON_BACKEND
+    if _TRITON_BACKEND is None:
+        from .kernels import triton_backend
+
+        _TRITON_BACKEND = triton_backend
+    return _TRITON_BACKEND
+
+
+def _check_arguments(qk, pv, backend, block_size) -> None:
     if problem := modes_problem(qk, pv):
         raise PAROInputError(problem)
     if backend not in BACKENDS:
@@ -95,11 +108,26 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
             "block_size must be a positive int or a pair (bq, bk) of positive ints, e.g. 64 or (128, 64); "
             f"got {block_size!r}"
         )
+
+
+def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
+                 suffix_mask=None) -> None:
+    """Raise PAROInputError naming what was expected, what was found and what to do."""
+    # the arguments that are not tensors repeat from call to call: checked once per combination (an
+    # exact int or pair of ints as block_size only, so that True never passes for 1)
+    exact = type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
+                                        and type(block_size[0]) is int and type(block_size[1]) is int)
+    static = (qk, pv, backend, block_size) if exact else None
+    if static is None or static not in _CHECKED:
+        _check_arguments(qk, pv, backend, block_size)
+        if static is not None and len(_CHECKED) < 256:
+            _CHECKED.add(static)
     if not isinstance(layout, TokenLayout):
         raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise PAROInputError(f"{name} must be [B, H, N, D], got shape {tuple(t.shape)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise PAROInputError(f"{name} must be [B, H, N, D], got shape {tuple(t.shape)}")
     if not (q.shape == k.shape == v.shape):
         raise PAROInputError(
             f"q, k, v must have one shape [B, H, N, D] (self-attention); got "
@@ -249,18 +277,14 @@ def paro_attention(
             if torch.compiler.is_compiling():
                 reason = _traced_unsupported_reason(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv) or None
             else:
-                from .kernels.dispatch import unsupported_reason
-
-                reason = unsupported_reason(q, bq, bk, qk, pv)
+                reason = _triton_backend().unsupported_reason(q, bq, bk, qk, pv)
             if reason is None:
                 backend, checked = "triton", True
             else:  # correct but slow: say so (once per call site, the warnings default)
                 warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
                      stacklevel=2)
     if backend == "triton":
-        from .kernels import triton_backend
-
-        return triton_backend.paro_attention_triton(
+        return _triton_backend().paro_attention_triton(
             q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
             qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, supported=checked,
         )

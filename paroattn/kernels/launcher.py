@@ -211,15 +211,17 @@ class LaunchSequence:
                              [(position, slot) for position, slot in places if slot is not None]))
         return cls(driver.active.get_current_device(), launches)
 
-    def replay(self, slots: tuple) -> bool:
-        """Launch the recorded kernels with `slots` in their places, on the current stream; False (nothing
-        launched) where the sequence is stale: another device, a launcher cleared, a profiler hook."""
+    def replay(self, slots: tuple, stream: int | None = None) -> bool:
+        """Launch the recorded kernels with `slots` in their places, on `stream` (the current device's
+        current stream, which the caller may know already); False (nothing launched) where the sequence is
+        stale: another current device, a launcher cleared, a profiler hook."""
         if self.generation != _GENERATION or not _hooks_idle():
             return False
         device = driver.active.get_current_device()
         if device != self.device:
             return False
-        stream = driver.active.get_current_stream(device)
+        if stream is None:
+            stream = driver.active.get_current_stream(device)
         for launcher, launch, grid, head, template, places in self.launches:
             values = template.copy()
             for position, slot in places:

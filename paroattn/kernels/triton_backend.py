@@ -131,9 +131,10 @@ def _stream_of(device: torch.device) -> int | None:
     return driver.active.get_current_stream(device.index)
 
 
-def workspace(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, write_q: bool, rotary: bool) -> Buffers:
-    """The reused buffer set of this call's stream and shape (a fresh set while a graph is captured)."""
-    stream = _stream_of(q.device)
+def workspace(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, write_q: bool, rotary: bool,
+              stream: int | None) -> Buffers:
+    """The reused buffer set of `stream` (`_stream_of(q.device)`) and this call's shape (a fresh set while
+    a graph is captured)."""
     B, H, N, D = q.shape
     if stream is None:
         return allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q, rotary)
@@ -236,7 +237,8 @@ def launch(
                         and out.stride(-1) == 1)
     q_tma = choice.q_tma and not warp_specialized
     if reuse_buffers:
-        buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None)
+        stream = _stream_of(q.device)
+        buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None, stream)
     else:
         buffers = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, q_tma, cos is not None)
     # launch keys (`launcher.CachedLauncher`): what the arguments vary in besides the buffers' shape
@@ -253,14 +255,17 @@ def launch(
             None if cos is None else (cos.shape, cos.stride(), sin.stride()),
             None if key_mask is None else key_mask.stride(), aligned(*(t for t in slots if t is not None)))
     sequence = buffers.sequences.get(call)
-    if sequence is not None and sequence.replay(slots):
+    if sequence is not None and sequence.replay(slots, stream):
         return out
     with Recording() as records:
         _launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
                 cos, sin, key_mask, out, buffers, choice, warp_specialized, q_tma, lists, geometry)
     if len(buffers.sequences) >= SEQUENCES:
         buffers.sequences.clear()
-    buffers.sequences[call] = LaunchSequence.build(records, slots, buffers.addresses())
+    # the kernels ran on the current device, the buffers live on q's: a replay launches on q's device's
+    # stream (`stream`), so only where the two are one device
+    same_device = q.device.type == "cuda" and torch.cuda.current_device() == q.device.index
+    buffers.sequences[call] = LaunchSequence.build(records, slots, buffers.addresses()) if same_device else None
     return out
 
 
@@ -410,7 +415,7 @@ def paro_attention_triton(
     `supported` the kernels' support of the call too (`dispatch.unsupported_reason`)."""
     if not supported:
         check_triton_inputs(q, bq, bk, qk, pv)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise PAROInputError(
             "the triton backend is inference-only (no backward): q, k or v requires grad. Run under "
             "torch.no_grad() / torch.inference_mode() (diffusers pipelines do), or use backend='torch' to train"
