@@ -241,25 +241,22 @@ def launch(
         buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None, stream)
     else:
         buffers = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, q_tma, cos is not None)
-    # launch keys (`launcher.CachedLauncher`): what the arguments vary in besides the buffers' shape
-    lists = (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype)
-    geometry = (q.shape, q.dtype, prefix, frames, height, width, bq, bk, qk, pv)
+    arguments = (q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
+                 cos, sin, key_mask, out)
     if buffers.sequences is None:
-        _launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv,
-                sm_scale, cos, sin, key_mask, out, buffers, choice, warp_specialized, q_tma, lists, geometry)
+        _launch(arguments, buffers, choice, warp_specialized, q_tma)
         return out
     # calls into a kept buffer set replay the launches of the first call like them (`launcher.LaunchSequence`):
     # the key holds what the launches depend on besides the addresses of the call's own tensors (`slots`)
     slots = (q, k, v, out, orders, counts, indices, schedule, cos, sin, key_mask)
-    call = (geometry, lists, q.stride(), k.stride(), v.stride(), out.stride(), sm_scale,
-            None if cos is None else (cos.shape, cos.stride(), sin.stride()),
-            None if key_mask is None else key_mask.stride(), aligned(*(t for t in slots if t is not None)))
+    call = (*_launch_keys(arguments), sm_scale, None if cos is None else (cos.shape, cos.stride(), sin.stride()),
+            None if key_mask is None else key_mask.stride(), out.stride(),
+            aligned(*(t for t in slots if t is not None)))
     sequence = buffers.sequences.get(call)
     if sequence is not None and sequence.replay(slots, stream):
         return out
     with Recording() as records:
-        _launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                cos, sin, key_mask, out, buffers, choice, warp_specialized, q_tma, lists, geometry)
+        _launch(arguments, buffers, choice, warp_specialized, q_tma)
     if len(buffers.sequences) >= SEQUENCES:
         buffers.sequences.clear()
     # the kernels ran on the current device, the buffers live on q's: a replay launches on q's device's
@@ -269,9 +266,20 @@ def launch(
     return out
 
 
-def _launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-            cos, sin, key_mask, out, buffers, choice, warp_specialized, q_tma, lists, geometry):
-    """`launch`'s kernels, each through its `CachedLauncher`."""
+def _launch_keys(arguments: tuple) -> tuple:
+    """(geometry, lists, q's, k's and v's strides) of `launch`'s arguments: what its launches vary in
+    besides the buffers' shape (the `CachedLauncher` keys are built from them)."""
+    q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv = arguments[:15]
+    geometry = (q.shape, q.dtype, prefix, frames, height, width, bq, bk, qk, pv)
+    lists = (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype)
+    return geometry, lists, q.stride(), k.stride(), v.stride()
+
+
+def _launch(arguments: tuple, buffers: Buffers, choice: KernelChoice, warp_specialized: bool, q_tma: bool) -> None:
+    """`launch`'s kernels on its arguments, each through its `CachedLauncher`."""
+    (q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
+     cos, sin, key_mask, out) = arguments
+    geometry, lists = _launch_keys(arguments)[:2]
     B, H, N, D = q.shape
     nq, nk = -(-N // bq), -(-N // bk)
     config = choice.config
@@ -289,8 +297,8 @@ def _launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, 
         if descriptors is None:
             descriptors = buffers.descriptors["gluon"] = hopper_attention.descriptors(kq, vq)
         hopper_attention.launch(q, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
-                                       prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages,
-                                       kv_descriptors=descriptors, key=key)
+                                prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages,
+                                kv_descriptors=descriptors, key=key)
         return
     k_desc, v_desc, q_desc = kq, vq, qq
     if choice.kv_tma or q_tma:
