@@ -89,6 +89,10 @@ def _triton_backend():
     """`kernels.triton_backend`, imported on first use (defining the kernels takes seconds) and kept: an
     import statement costs about 1 us on every call."""
     global _TRITON_BACKEND
+    if torch.compiler.is_compiling():  # traced code must not read the global: it is guarded, and may change
+        from .kernels import triton_backend
+
+        return triton_backend
     if _TRITON_BACKEND is None:
         from .kernels import triton_backend
 
@@ -114,10 +118,11 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
                  suffix_mask=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
     # the arguments that are not tensors repeat from call to call: checked once per combination (an
-    # exact int or pair of ints as block_size only, so that True never passes for 1)
+    # exact int or pair of ints as block_size only, so that True never passes for 1). Not while traced:
+    # the set would change between the trace and the next call, which would recompile it
     exact = type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
                                         and type(block_size[0]) is int and type(block_size[1]) is int)
-    static = (qk, pv, backend, block_size) if exact else None
+    static = (qk, pv, backend, block_size) if exact and not torch.compiler.is_compiling() else None
     if static is None or static not in _CHECKED:
         _check_arguments(qk, pv, backend, block_size)
         if static is not None and len(_CHECKED) < 256:
