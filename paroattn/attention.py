@@ -117,11 +117,13 @@ def _check_arguments(qk, pv, backend, block_size) -> None:
 def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
                  suffix_mask=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
-    # the arguments that are not tensors repeat from call to call: checked once per combination (an
-    # exact int or pair of ints as block_size only, so that True never passes for 1). Not while traced:
-    # the set would change between the trace and the next call, which would recompile it
-    exact = type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
-                                        and type(block_size[0]) is int and type(block_size[1]) is int)
+    # the arguments that are not tensors repeat from call to call: checked once per combination (strings,
+    # and an exact int or pair of ints as block_size, so that True never passes for 1 and nothing
+    # unhashable is looked up). Not while traced: the set would change between the trace and the next
+    # call, which would recompile it
+    exact = (type(qk) is str and type(pv) is str and type(backend) is str
+             and (type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
+                                              and type(block_size[0]) is int and type(block_size[1]) is int)))
     static = (qk, pv, backend, block_size) if exact and not torch.compiler.is_compiling() else None
     if static is None or static not in _CHECKED:
         _check_arguments(qk, pv, backend, block_size)

@@ -383,3 +383,20 @@ def test_the_custom_op_keeps_no_buffer_set():
     assert not triton_backend._WORKSPACES
     assert torch.equal(through_op, triton_backend.launch(*args))
     assert len(triton_backend._WORKSPACES) == 1
+
+
+def test_argument_checks_kept_per_combination_still_refuse_what_differs():
+    """`check_inputs` checks the arguments that are not tensors once per combination: a combination that
+    passed must not let another through, not even one equal to it in Python (True == 1) or unhashable."""
+    from paroattn.errors import PAROInputError
+
+    q = torch.randn(1, 1, 16, 64)
+    kwargs = dict(layout=TokenLayout(0, 1, 2, 8), orders=torch.zeros(1, dtype=torch.int32),
+                  block_mask=torch.ones(1, 1, 1, dtype=torch.bool), backend="torch")
+    for _ in range(2):  # the second call finds its combination checked
+        paro_attention(q, q, q, block_size=16, qk="int8", **kwargs)
+    paro_attention(q, q, q, block_size=1, qk="int8", **{**kwargs, "block_mask": torch.ones(1, 16, 16, dtype=torch.bool)})
+    for bad in (dict(block_size=True), dict(block_size=(16, True)), dict(block_size=16, qk="int9"),
+                dict(block_size=16, qk=["int8"]), dict(block_size=16, pv="fp9")):
+        with pytest.raises(PAROInputError):
+            paro_attention(q, q, q, **{**kwargs, **bad})

@@ -201,14 +201,15 @@ class LaunchSequence:
                     template.extend(entry.encoded(value, i))
                 elif isinstance(value, torch.Tensor):
                     slot = next((j for j, t in enumerate(slots) if t is value), None)
-                    if slot is None and value.data_ptr() not in owned:
+                    if slot is not None:
+                        places.append((len(template), slot))
+                    elif value.data_ptr() not in owned:
                         return None  # a temporary of this call: its address is not the next call's
-                    places.append((len(template), slot))
                     template.append(value.data_ptr())
                 else:
                     template.append(value)
             launches.append((launcher, entry.launch, tuple(grid) + (1,) * (3 - len(grid)), entry.head, template,
-                             [(position, slot) for position, slot in places if slot is not None]))
+                             places))
         return cls(driver.active.get_current_device(), launches)
 
     def replay(self, slots: tuple, stream: int | None = None) -> bool:
