@@ -144,11 +144,16 @@ def invalidate_sequences() -> None:
     _GENERATION += 1
 
 
-def _hooks_idle() -> bool:
-    """No profiler hook is installed (launch hooks take metadata a replay does not build)."""
+def _launch_hooks() -> tuple:
+    """Triton's (enter, exit) launch hooks, each None where nothing is installed: profilers' hooks (proton)
+    run as in a full launch, and an empty hook chain (releases whose hooks are `HookChain`s) calls nothing,
+    so none is passed and no launch metadata is built for it."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    return ((enter is None or not getattr(enter, "calls", True))
-            and (leave is None or not getattr(leave, "calls", True)))
+    if enter is not None and not getattr(enter, "calls", True):
+        enter = None
+    if leave is not None and not getattr(leave, "calls", True):
+        leave = None
+    return enter, leave
 
 
 class Recording:
@@ -216,8 +221,8 @@ class LaunchSequence:
         """Launch the recorded kernels with `slots` in their places, on `stream` (the current device's
         current stream, which the caller may know already); False (nothing launched) where the sequence is
         stale: another current device, a launcher cleared, a profiler hook."""
-        if self.generation != _GENERATION or not _hooks_idle():
-            return False
+        if self.generation != _GENERATION or any(hook is not None for hook in _launch_hooks()):
+            return False  # a hook takes launch metadata, which a replay does not build
         device = driver.active.get_current_device()
         if device != self.device:
             return False
@@ -256,13 +261,7 @@ class CachedLauncher:
             if entry is not None:
                 stream = driver.active.get_current_stream(device)
                 all_args = (*args, *constexprs.values())
-                # profilers' hooks (proton) run as in a full launch; an empty hook chain (releases whose hooks
-                # are `HookChain`s) calls nothing, so none is passed and no launch metadata is built for it
-                enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-                if enter is not None and not getattr(enter, "calls", True):
-                    enter = None
-                if leave is not None and not getattr(leave, "calls", True):
-                    leave = None
+                enter, leave = _launch_hooks()
                 compiled = entry.compiled
                 metadata = compiled.launch_metadata(grid, stream, *all_args) if enter is not None else None
                 grid_x, grid_y, grid_z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
