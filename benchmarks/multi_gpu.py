@@ -4,6 +4,7 @@ parallelism, dense vs PARO (each GPU runs its contiguous slice of the plan's hea
     torchrun --nproc-per-node N benchmarks/multi_gpu.py [--models wan-14b-720p,wan-1.3b] [--iters 3] --out RESULTS.json
     python benchmarks/multi_gpu.py --models wan-1.3b --out RESULTS.json     # N = 1: one GPU, no parallelism
     ... --check      # PARO under Ulysses N against PARO on one GPU, same plan and inputs: max abs and relative error
+    ... --modes "dense,paro d=0.2 int8+fp8"    # a subset of the modes (dense is always run: the ratios divide by it)
     python benchmarks/multi_gpu.py --smoke [--out ...]    # tiny Wan on CPU (also under torchrun): checks the script
 
 Models, built by `e2e.py` from the released configs with random bf16 weights (timing does not depend on them):
@@ -13,7 +14,9 @@ Modes: `e2e.py`'s (dense SDPA; PARO d=0.5 and 0.2, bf16 or int8 QK + fp8 PV, syn
 
 N is WORLD_SIZE. With N > 1, rank 0 first runs every mode alone on its GPU (the one-GPU time the scaling column
 divides by), then all N processes run it under `ContextParallelConfig(ulysses_degree=N)`; a step's time is the
-slowest process's median. Columns: step time, speedup over dense at the same N, scaling (one-GPU time / N-GPU time).
+slowest process's median. Columns: step time, speedup over dense at the same N, scaling (one-GPU time / N-GPU time),
+peak GPU memory of the step (the largest over processes), and, under Ulysses, the share of the step spent in NCCL
+kernels (one profiled step, the largest over processes; a rank waiting in an all-to-all for a slower one counts).
 Weights and inputs are broadcast from rank 0, so every process computes the same step.
 """
 
@@ -76,10 +79,26 @@ def slowest(seconds: float, device, gpus: int) -> float:
     return float(value)
 
 
+def nccl_share(transformer, inputs) -> float:
+    """Share of one step's wall time that this process's GPU spends in NCCL kernels (the all-to-alls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        transformer(**inputs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    nccl_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages() if "nccl" in e.key.lower())
+    return nccl_us / 1e6 / seconds
+
+
 def run_modes(transformer, inputs, layout, args, device, block: int, backend: str, gpus: int, outputs: dict | None):
     """{mode: (seconds, output of the step)} of every mode at this parallelism; `outputs` given: compare with it."""
     results = {}
     for label, density, qk, pv in e2e.MODES:
+        if label not in args.modes:
+            continue
         handle = None
         if density is not None:
             plan = e2e.synthetic_plan(transformer, layout, density, qk, pv, block, query_block=args.query_block)
@@ -88,12 +107,17 @@ def run_modes(transformer, inputs, layout, args, device, block: int, backend: st
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         seconds, _ = e2e.time_step(transformer, inputs, args.iters, device)
+        row = {"mode": label, "gpus": gpus, "step_s": slowest(seconds, device, gpus)}
+        if device.type == "cuda":
+            row["peak_gib"] = slowest(torch.cuda.max_memory_allocated(device) / 2**30, device, gpus)
+            if gpus > 1:
+                row["nccl_share"] = slowest(nccl_share(transformer, inputs), device, gpus)
         out = None
         if args.check:
             with torch.no_grad():
                 out = transformer(**inputs)[0].float().cpu()
-        row = {"mode": label, "gpus": gpus, "step_s": slowest(seconds, device, gpus)}
         if handle is not None:
             row["mask_gpu_mib"] = handle.stats().get("gpu_bytes", 0) / 2**20  # this process's masks
             handle.remove()
@@ -151,12 +175,18 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="wan-14b-720p,wan-1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--modes", default=",".join(m[0] for m in e2e.MODES),
+                        help="comma-separated, of: " + ", ".join(m[0] for m in e2e.MODES) + " (dense is always run)")
     parser.add_argument("--iters", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--query-block", type=int, default=128, help="query block of the plans (key blocks are 64)")
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written by rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny Wan on CPU, torch backend: checks the script")
     args = parser.parse_args(argv)
+    known = [m[0] for m in e2e.MODES]
+    args.modes = {"dense", *(m.strip() for m in args.modes.split(",") if m.strip())}
+    if unknown := sorted(args.modes - set(known)):
+        raise SystemExit(f"--modes {', '.join(unknown)}: expected some of {', '.join(known)}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.smoke:
         args.query_block = None
@@ -189,10 +219,11 @@ def main(argv=None):
             args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     if rank == 0:
         check = "  max abs err   rel err" if args.check else ""
-        print(f"\nmodel              mode                 GPUs  step ms  vs dense  1-GPU ms  scaling{check}")
+        print(f"\nmodel              mode                 GPUs  step ms  vs dense  1-GPU ms  scaling  peak GiB  NCCL{check}")
         for r in rows:
             print(f"{r['model']:18s} {r['mode']:20s} {r['gpus']:4d} {r['step_s'] * 1000:8.1f}  {r['speedup_vs_dense']:7.2f}x"
-                  f"  {r['step_s_1gpu'] * 1000:8.1f}  {r['scaling']:6.2f}x"
+                  f"  {r['step_s_1gpu'] * 1000:8.1f}  {r['scaling']:6.2f}x  {r.get('peak_gib', float('nan')):8.1f}"
+                  f"  {r.get('nccl_share', float('nan')):4.0%}"
                   + (f"  {r['check_max_abs']:11.3e}  {r['check_rel']:8.2e}" if "check_max_abs" in r else ""))
     if dist.is_initialized():
         dist.destroy_process_group()
