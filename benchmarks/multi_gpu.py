@@ -23,6 +23,7 @@ Weights and inputs are broadcast from rank 0, so every process computes the same
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -93,15 +94,21 @@ def nccl_share(transformer, inputs) -> float:
     return nccl_us / 1e6 / seconds
 
 
-def run_modes(transformer, inputs, layout, args, device, block: int, backend: str, gpus: int, outputs: dict | None):
-    """{mode: (seconds, output of the step)} of every mode at this parallelism; `outputs` given: compare with it."""
+def run_modes(transformer, inputs, layout, args, device, block: int, backend: str, gpus: int, outputs: dict | None,
+              plans: dict):
+    """{mode: (seconds, output of the step)} of every mode at this parallelism; `outputs` given: compare with it.
+    `plans`: the synthetic plan of each density, filled on first use."""
     results = {}
     for label, density, qk, pv in e2e.MODES:
         if label not in args.modes:
             continue
         handle = None
         if density is not None:
-            plan = e2e.synthetic_plan(transformer, layout, density, qk, pv, block, query_block=args.query_block)
+            if density not in plans:  # building a full-size plan takes seconds: one per density, for every N
+                plans[density] = e2e.synthetic_plan(transformer, layout, density, "bf16", "bf16", block,
+                                                    query_block=args.query_block)
+            plan = copy.copy(plans[density])
+            plan.qk, plan.pv = qk, pv
             handle = apply(transformer, plan, backend=backend, resident=True)
             handle.processor.prepare(handle.binding, device)
         gc.collect()
@@ -145,14 +152,14 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
     if rank == 0:
         print(f"[{label}] built in {time.perf_counter() - t0:.1f} s: {heads} heads, {layout} ({layout.seq_len} tokens), "
               f"{world} GPU(s)", flush=True)
-    one = {}
+    one, plans = {}, {}
     if rank == 0 or world == 1:  # the one-GPU baseline, on rank 0 alone
-        one = run_modes(transformer, inputs, layout, args, device, block, backend, 1, None)
+        one = run_modes(transformer, inputs, layout, args, device, block, backend, 1, None, plans)
     if world > 1:
         dist.barrier()
         enable_ulysses(transformer, world)
         reference = {mode: out for mode, (_, out) in one.items()} if args.check and rank == 0 else None
-        parallel = run_modes(transformer, inputs, layout, args, device, block, backend, world, reference)
+        parallel = run_modes(transformer, inputs, layout, args, device, block, backend, world, reference, plans)
     else:
         parallel = one
     rows = []
@@ -188,6 +195,8 @@ def main(argv=None):
     if unknown := sorted(args.modes - set(known)):
         raise SystemExit(f"--modes {', '.join(unknown)}: expected some of {', '.join(known)}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun sets OMP_NUM_THREADS=1, which makes building full-size plans on the host minutes long
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.smoke:
         args.query_block = None
         if torch.accelerator.device_count() == 0:  # diffusers places processes on accelerator rank % count
