@@ -97,3 +97,18 @@ def test_nan_reaches_its_channel_only():
     assert torch.isnan(out.k_mean[0, 0, 30]) and not torch.isnan(out.k_mean[0, 1]).any()
     torch.testing.assert_close(out.k_mean, mean, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.equal(out.v_amax.nan_to_num(-1.0), amax.nan_to_num(-1.0))
+
+
+def test_a_heads_mean_does_not_depend_on_the_other_heads_in_the_call():
+    """Ulysses runs a slice of the heads per process: each head's statistics (and so the quantized op's
+    output) must be bit-identical to the whole call's, so the split may not depend on the head count."""
+    B, H, N, D = 1, 6, 4000, 64
+    k, v = inputs(B, H, N, D, torch.float16, seed=3, seq_major=True)
+    whole = statistics.Statistics(B, H, N, D, k.device)
+    statistics.compute(k, v, whole, 1, k_mean=True, v_amax=True)
+    for heads in (slice(0, 3), slice(4, 6)):
+        part = statistics.Statistics(B, heads.stop - heads.start, N, D, k.device)
+        assert part.split == whole.split
+        statistics.compute(k[:, heads], v[:, heads], part, 1, k_mean=True, v_amax=True)
+        assert torch.equal(part.k_mean, whole.k_mean[:, heads])
+        assert torch.equal(part.v_amax, whole.v_amax[:, heads])

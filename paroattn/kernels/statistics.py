@@ -7,7 +7,10 @@ Their definitions are `reference.key_smoothing_mean` (the mean over tokens 0, s,
 launch through `launcher.CachedLauncher`.
 
 Grid (split, b*H + h): each (batch, head) is cut into `split` runs of tokens so that short-headed
-problems (Wan2.1-1.3B: 12 heads, 32760 tokens) still spread over every SM. Each program writes its
+problems (Wan2.1-1.3B: 12 heads, 32760 tokens) still spread over every SM. The split depends on the
+sequence alone, not on the number of heads: the sum's order, and so a head's mean to the last bit, is the
+same whether the head is computed with all of the model's heads or with a slice of them (each process under
+Ulysses context parallelism runs a slice; its output equals one GPU's). Each program writes its
 partial sum and partial max, then counts itself in an arrival counter of its (batch, head); the program
 that arrives last adds the partials in split order (the result does not depend on which program that
 is) and max-reduces them, writes the statistics and sets the counter back to zero for the next launch.
@@ -24,8 +27,8 @@ import triton.language as tl
 from .block_sparse_attention import _max_nan
 from .launcher import CachedLauncher, aligned
 
-PROGRAMS_PER_SM = 4  # programs per SM the split aims at: enough loads in flight to stream V at full bandwidth
-_SMS: dict[torch.device, int] = {}
+TILES_PER_PROGRAM = 4  # tiles each program reads: short runs keep enough loads in flight to stream V at full speed
+MAX_SPLIT = 64  # programs per (batch, head): bounds the partials and the last program's serial sum over them
 
 
 @triton.jit
@@ -93,27 +96,19 @@ def block_of(D: int) -> int:
     return 64 if D >= 128 else 128
 
 
-def _sms(device: torch.device) -> int:
-    sms = _SMS.get(device)
-    if sms is None:
-        cuda = device.type == "cuda"
-        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
-    return sms
-
-
 class Statistics:
     """The outputs and scratch of one launch: K's mean and V's amax [B, H, D] and the partials
     [split, B*H, D] of each, float32 in one allocation, and the int32 arrival counters [B*H] (zero between
     launches). `split` programs share the tokens of one (batch, head), `rows` tokens each (a multiple of
-    the tile): about PROGRAMS_PER_SM programs per SM in all, each reading at least four tiles, unless
-    `split` is given; `block` rows per tile (`block_of` unless given: tests take small ones)."""
+    the tile): TILES_PER_PROGRAM tiles each, at most MAX_SPLIT runs, whatever B and H are, unless `split` is
+    given; `block` rows per tile (`block_of` unless given: tests take small ones)."""
 
     def __init__(self, B: int, H: int, N: int, D: int, device: torch.device, split: int | None = None,
                  block: int | None = None):
         BH = B * H
         self.block = block = block or block_of(D)
         if split is None:
-            split = max(1, min(-(-PROGRAMS_PER_SM * _sms(device) // BH), -(-N // (4 * block))))
+            split = max(1, min(MAX_SPLIT, -(-N // (TILES_PER_PROGRAM * block))))
         self.rows = -(-max(1, -(-N // split)) // block) * block
         self.split = max(1, -(-N // self.rows))
         data = torch.empty(2 + 2 * self.split, BH, D, dtype=torch.float32, device=device)
