@@ -6,6 +6,7 @@ parallelism, dense vs PARO (each GPU runs its contiguous slice of the plan's hea
     ... --check      # PARO under Ulysses N against PARO on one GPU, same plan and inputs: max abs and relative error
     ... --modes "dense,paro d=0.2 int8+fp8"    # a subset of the modes (dense is always run: the ratios divide by it)
     python benchmarks/multi_gpu.py --smoke [--out ...]    # tiny Wan on CPU (also under torchrun): checks the script
+    python benchmarks/multi_gpu.py --table RESULTS.json ...   # markdown tables of results files (no GPU)
 
 Models, built by `e2e.py` from the released configs with random bf16 weights (timing does not depend on them):
 - wan-1.3b: Wan2.1-1.3B, 81 frames of 480x832, one CFG branch: 1 x 12 heads x 32760 tokens (N divides 12);
@@ -179,6 +180,30 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
     return rows
 
 
+def table(paths: list[Path]) -> str:
+    """Markdown: one table per results file, its environment above it."""
+    parts = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        info, n = data["info"], data["info"]["gpus"]
+        parts.append(f"`{path.name}`: {info['device']} x {n}, driver {info.get('driver', '?')}, torch {info['torch']}, "
+                     f"triton {info.get('triton', '?')}, {info['date']}, {info['parallelism']}, plans of "
+                     f"{info['block'][0]} x {info['block'][1]} blocks\n")
+        parts.append(f"| model (tokens) | mode | 1 GPU | {n} GPUs | vs dense on {n} | scaling 1 -> {n} | peak GiB per GPU "
+                     f"| masks per GPU | NCCL share | output vs 1 GPU, max abs (rel) |")
+        parts.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in data["rows"]:
+            check = f"{r['check_max_abs']:.1e} ({r['check_rel']:.1e})" if "check_max_abs" in r else "-"
+            peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+            share = f"{r['nccl_share']:.0%}" if "nccl_share" in r else "-"
+            masks = f"{r['mask_gpu_mib']:.0f} MiB" if r.get("mask_gpu_mib") else "-"
+            parts.append(f"| {r['model']} ({r['tokens']}) | {r['mode']} | {r['step_s_1gpu'] * 1000:.1f} ms | "
+                         f"{r['step_s'] * 1000:.1f} ms | {r['speedup_vs_dense']:.2f}x | {r['scaling']:.2f}x "
+                         f"({r['scaling'] / n:.0%}) | {peak} | {masks} | {share} | {check} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="wan-14b-720p,wan-1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
@@ -189,7 +214,12 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written by rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny Wan on CPU, torch backend: checks the script")
+    parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
+                        help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return []
     known = [m[0] for m in e2e.MODES]
     args.modes = {"dense", *(m.strip() for m in args.modes.split(",") if m.strip())}
     if unknown := sorted(args.modes - set(known)):
