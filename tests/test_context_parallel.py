@@ -1,6 +1,7 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan and FLUX
 transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give what one process gives
-with the same plan, each running its own slice of the plan's heads; ring attention, head counts the degree does not
+with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
+with a plan per expert; ring attention, head counts the degree does not
 divide, CogVideoX, calibration capture and frame binding are refused with what to do.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
@@ -19,16 +20,25 @@ import torch
 import torch.multiprocessing as mp
 from diffusers import ContextParallelConfig, ParallelConfig
 
-from paroattn import Plan, PlanError
-from paroattn.pipelines import PAROProcessor, apply, capture_attention, family_of, self_attention_layers
+from paroattn import Plan, PlanError, TokenLayout
+from paroattn.pipelines import (
+    PAROProcessor,
+    apply,
+    capture_attention,
+    family_of,
+    pipeline_experts,
+    self_attention_layers,
+)
 from paroattn.pipelines.context_parallel import sequence_problem, ulysses_problem
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
+from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_transformer
 
 WORLD = 2
 HEADS = 4  # two per process: each holds a contiguous slice of more than one head
 TIMESTEPS = (800.0, 200.0)  # one per bucket of the two-bucket plans
 JOIN_TIMEOUT_S = 240
+PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # tiny_pipeline("wan2.2") at tiny_call_kwargs' size: 9 frames of 64 x 64
+PAIR_STEPS = 4  # two on each expert
 
 
 def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:
@@ -86,6 +96,41 @@ def _ulysses_family(family: str, rank: int) -> dict:
     return found
 
 
+def _expert_pair(rank: int) -> dict:
+    """A tiny Wan 2.2 pair, a plan per expert, generating on one process and then with both experts under Ulysses 2."""
+    from paroattn.testing import tiny_pipeline
+
+    pipe = tiny_pipeline("wan2.2")
+    pipe.set_progress_bar_config(disable=True)
+    plans = []
+    for i, (name, expert) in enumerate(pipeline_experts(pipe)):
+        plan = Plan.synthetic(
+            layout=PAIR_LAYOUT, num_layers=len(self_attention_layers(expert)),
+            num_heads=expert.config.num_attention_heads, density=0.5, orders="random", num_buckets=2,
+            block_size=TINY_BLOCK, model_class=type(expert).__name__, model_fingerprint=model_fingerprint(expert.config),
+            seed=5 + i,
+        )
+        plan.expert = name
+        plans.append(plan)
+    kwargs = {**tiny_call_kwargs("wan2.2"), "num_inference_steps": PAIR_STEPS, "output_type": "latent"}
+
+    def latents():
+        with torch.no_grad():
+            return pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    found = {"dense": latents()}
+    with apply(pipe, plans, backend="torch"):
+        found["single"] = latents()
+    for _, expert in pipeline_experts(pipe):
+        expert.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    with apply(pipe, plans, backend="torch") as handle:
+        found["ulysses"] = latents()
+        found["heads"] = {name: expert.processor._ulysses.heads for name, expert in handle.experts.items()}
+        found["head_orders"] = {name: expert.processor.head_plan.orders.clone() for name, expert in handle.experts.items()}
+    found["plan_orders"] = {plan.expert: plan.orders.clone() for plan in plans}
+    return found
+
+
 def _refusals(rank: int) -> dict:
     found = {}
     transformer = tiny_transformer("wan", heads=HEADS)
@@ -136,7 +181,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     folder = Path(folder)
-    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank)}
+    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank), "pair": _expert_pair(rank)}
     results.update(_refusals(rank))
     results["generate"] = _generate(rank, folder)
     torch.save(results, folder / f"rank{rank}.pt")
@@ -191,6 +236,18 @@ def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
         head_bytes, plan_bytes = found["list_bytes"]
         assert head_bytes * WORLD == plan_bytes
     assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
+
+
+def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
+    for rank, found in enumerate(ranks):
+        found = found["pair"]
+        torch.testing.assert_close(found["ulysses"], found["single"], rtol=1e-5, atol=1e-6)
+        assert (found["single"] - found["dense"]).abs().max() > 1e-3  # the plans changed the generation
+        for name, heads in found["heads"].items():  # each expert runs this process's heads of its own plan
+            per_gpu = found["plan_orders"][name].shape[1] // WORLD
+            assert heads == (rank * per_gpu, (rank + 1) * per_gpu)
+            assert torch.equal(found["head_orders"][name], found["plan_orders"][name][:, heads[0]:heads[1]])
+    assert ranks[0]["pair"]["heads"].keys() == {"transformer", "transformer_2"}
 
 
 def test_ring_attention_is_refused_with_what_to_do(ranks):

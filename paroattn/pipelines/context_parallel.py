@@ -18,7 +18,9 @@ rather than through the dispatcher, because:
   back in the GPUs' order) in the copy the exchange makes anyway;
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
-take 1/N of the plan's memory. Checked eagerly (tiny Wan and FLUX on CPU with gloo); not under torch.compile.
+take 1/N of the plan's memory. Checked eagerly: tiny Wan, FLUX and a Wan 2.2 expert pair on CPU with gloo
+(tests/test_context_parallel.py), Wan2.1-14B and 1.3B on two GPUs with NCCL (benchmarks/multi_gpu.py --check);
+not under torch.compile.
 
 Ring attention (`ring_degree > 1`) splits every head's sequence across GPUs, so no GPU sees the whole grid a
 head's reordering and block mask are defined on: refused. So are head counts that N does not divide and
