@@ -1,7 +1,7 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan and FLUX
 transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give what one process gives
 with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
-with a plan per expert; ring attention, head counts the degree does not
+with a plan per expert, and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
 divide, CogVideoX, calibration capture and frame binding are refused with what to do.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
@@ -131,6 +131,31 @@ def _expert_pair(rank: int) -> dict:
     return found
 
 
+def _compiled(rank: int) -> dict:
+    """PARO on tiny Wan under Ulysses 2 and `torch.compile(fullgraph=True)`, through both buckets."""
+    import logging
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    transformer = tiny_transformer("wan", heads=HEADS)
+    calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
+    plan = make_plan(transformer, calls[0])
+    with apply(transformer, plan, backend="torch"):
+        found = {"single": [run(transformer, inputs) for inputs in calls]}
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    # what diffusers 0.42's context parallelism needs before fullgraph compiling, dense and PARO alike (README): an
+    # eager forward first (tracing the first one fails on a `hasattr` in its hooks) and dynamo told to skip the
+    # hooks' Logger.warning_once (transformers' method, which it cannot trace)
+    torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)
+    counter = CompileCounterWithBackend("aot_eager")
+    with apply(transformer, plan, backend="torch"):
+        run(transformer, calls[0])
+        compiled = torch.compile(transformer, fullgraph=True, backend=counter)
+        found["compiled"] = [run(compiled, inputs) for inputs in calls]
+    found["graphs"] = counter.frame_count
+    return found
+
+
 def _refusals(rank: int) -> dict:
     found = {}
     transformer = tiny_transformer("wan", heads=HEADS)
@@ -181,7 +206,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     folder = Path(folder)
-    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank), "pair": _expert_pair(rank)}
+    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank), "pair": _expert_pair(rank),
+               "compiled": _compiled(rank)}  # last: it changes dynamo's config in this process
     results.update(_refusals(rank))
     results["generate"] = _generate(rank, folder)
     torch.save(results, folder / f"rank{rank}.pt")
@@ -248,6 +274,14 @@ def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
             assert heads == (rank * per_gpu, (rank + 1) * per_gpu)
             assert torch.equal(found["head_orders"][name], found["plan_orders"][name][:, heads[0]:heads[1]])
     assert ranks[0]["pair"]["heads"].keys() == {"transformer", "transformer_2"}
+
+
+def test_fullgraph_compile_under_ulysses_equals_one_process_with_one_graph(ranks):
+    for found in ranks:
+        found = found["compiled"]
+        for single, compiled in zip(found["single"], found["compiled"], strict=True):
+            torch.testing.assert_close(compiled, single, rtol=1e-5, atol=1e-5)
+        assert found["graphs"] == 1  # both buckets, no recompile
 
 
 def test_ring_attention_is_refused_with_what_to_do(ranks):

@@ -20,7 +20,8 @@ rather than through the dispatcher, because:
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
 take 1/N of the plan's memory. Checked eagerly: tiny Wan, FLUX and a Wan 2.2 expert pair on CPU with gloo
 (tests/test_context_parallel.py), Wan2.1-14B and 1.3B on two GPUs with NCCL (benchmarks/multi_gpu.py --check);
-not under torch.compile.
+under `torch.compile(fullgraph=True)` on CPU (after an eager forward, with dynamo skipping diffusers' hook logging:
+README), not on GPUs.
 
 Ring attention (`ring_degree > 1`) splits every head's sequence across GPUs, so no GPU sees the whole grid a
 head's reordering and block mask are defined on: refused. So are head counts that N does not divide and
