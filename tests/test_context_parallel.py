@@ -1,7 +1,8 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan and FLUX
 transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give what one process gives
 with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
-with a plan per expert, and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
+with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
+bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
 divide, CogVideoX, calibration capture and frame binding are refused with what to do.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
@@ -93,6 +94,27 @@ def _ulysses_family(family: str, rank: int) -> dict:
     with apply(before, plan, backend="torch"):  # before enable_parallelism: diffusers sets the processor's config
         before.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
         found["before"] = [run(before, inputs) for inputs in calls]
+    return found
+
+
+def _per_token_timesteps(rank: int) -> dict:
+    """Tiny Wan with a per-token timestep [B, N] (Wan 2.2 TI2V's `expand_timesteps`), which diffusers' context-parallel
+    plan splits with the sequence: the first 24 of 48 tokens at t = 0, the rest at the call's t, so the first GPU's
+    chunk holds zeros only. One process buckets the call by its largest timestep; every GPU must pick that bucket."""
+    transformer = tiny_transformer("wan", heads=HEADS)
+    calls = []
+    for t in TIMESTEPS:
+        inputs = tiny_forward_inputs(transformer, timestep=t)
+        tokens = inputs["hidden_states"].shape[2] * inputs["hidden_states"].shape[3] * inputs["hidden_states"].shape[4] // 4
+        per_token = torch.full((inputs["hidden_states"].shape[0], tokens), float(t))
+        per_token[:, : tokens // 2] = 0.0
+        calls.append({**inputs, "timestep": per_token})
+    plan = make_plan(transformer, calls[0])
+    with apply(transformer, plan, backend="torch"):
+        found = {"single": [run(transformer, inputs) for inputs in calls]}
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    with apply(transformer, plan, backend="torch"):
+        found["ulysses"] = [run(transformer, inputs) for inputs in calls]
     return found
 
 
@@ -207,6 +229,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     folder = Path(folder)
     results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank), "pair": _expert_pair(rank),
+               "per_token": _per_token_timesteps(rank),
                "compiled": _compiled(rank)}  # last: it changes dynamo's config in this process
     results.update(_refusals(rank))
     results["generate"] = _generate(rank, folder)
@@ -262,6 +285,13 @@ def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
         head_bytes, plan_bytes = found["list_bytes"]
         assert head_bytes * WORLD == plan_bytes
     assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
+
+
+def test_per_token_timesteps_split_across_gpus_pick_one_processs_bucket(ranks):
+    for found in ranks:
+        found = found["per_token"]
+        for single, parallel in zip(found["single"], found["ulysses"], strict=True):
+            torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-6)
 
 
 def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
