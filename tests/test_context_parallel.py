@@ -105,8 +105,9 @@ def _per_token_timesteps(rank: int) -> dict:
     calls = []
     for t in TIMESTEPS:
         inputs = tiny_forward_inputs(transformer, timestep=t)
-        tokens = inputs["hidden_states"].shape[2] * inputs["hidden_states"].shape[3] * inputs["hidden_states"].shape[4] // 4
-        per_token = torch.full((inputs["hidden_states"].shape[0], tokens), float(t))
+        batch, _, frames, height, width = inputs["hidden_states"].shape
+        tokens = frames * (height // 2) * (width // 2)  # patches of 1 x 2 x 2
+        per_token = torch.full((batch, tokens), float(t))
         per_token[:, : tokens // 2] = 0.0
         calls.append({**inputs, "timestep": per_token})
     plan = make_plan(transformer, calls[0])
