@@ -379,15 +379,16 @@ def test_ring_is_refused_and_dense_on_mismatch_keeps_the_reason():
         assert "ring_degree=2" in handle.processor.parallel_problem and handle.processor._ulysses is None
 
 
-def test_cogvideox_is_refused():
-    transformer = tiny_transformer("cogvideox", heads=HEADS)
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video"])
+def test_models_without_a_context_parallel_plan_are_refused(family):
+    transformer = tiny_transformer(family, heads=HEADS)
     plan = make_plan(transformer, tiny_forward_inputs(transformer))
     with apply(transformer, plan, backend="torch") as handle:
-        with pytest.raises(PlanError, match="CogVideoXTransformer3DModel has no context-parallel plan in diffusers"):
+        with pytest.raises(PlanError, match=f"{type(transformer).__name__} has no context-parallel plan in diffusers"):
             handle.processor._parallel_config = _config(ulysses_degree=2)
     # the other way round: a config on the processor it replaces reaches apply, which leaves the model as it was
     originals = dict(transformer.attn_processors)
-    next(iter(originals.values()))._parallel_config = _config(ulysses_degree=2)
+    originals[self_attention_layers(transformer)[0]]._parallel_config = _config(ulysses_degree=2)  # not a refiner's
     with pytest.raises(PlanError, match="run one pipeline per GPU"):
         apply(transformer, plan, backend="torch")
     assert all(transformer.attn_processors[key] is processor for key, processor in originals.items())
