@@ -288,7 +288,7 @@ def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
     assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
 
 
-def test_per_token_timesteps_split_across_gpus_pick_one_processs_bucket(ranks):
+def test_per_token_timesteps_bucket_every_gpu_as_one_process(ranks):
     for found in ranks:
         found = found["per_token"]
         for single, parallel in zip(found["single"], found["ulysses"], strict=True):
