@@ -48,6 +48,7 @@ MODELS = {
     "wan-1.3b": ("wan", {}, (16, 21, 60, 104), "Wan2.1-1.3B 480p"),
     "wan-14b-720p": ("wan-14b", {}, (16, 21, 90, 160), "Wan2.1-14B 720p"),
 }
+MODES = [mode[0] for mode in e2e.MODES]  # `e2e.py`'s modes by label, dense first
 # Wan2.1-14B's released config: Wan2.1-1.3B's with 40 heads of 128, FFN 13824 and 40 layers
 e2e.CONFIGS["wan-14b"] = ("WanTransformer3DModel", {**e2e.CONFIGS["wan"][1], "num_attention_heads": 40,
                                                      "ffn_dim": 13824, "num_layers": 40})
@@ -207,8 +208,8 @@ def table(paths: list[Path]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="wan-14b-720p,wan-1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--modes", default=",".join(m[0] for m in e2e.MODES),
-                        help="comma-separated, of: " + ", ".join(m[0] for m in e2e.MODES) + " (dense is always run)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated, of: " + ", ".join(MODES) + " (dense is always run)")
     parser.add_argument("--iters", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     parser.add_argument("--query-block", type=int, default=128, help="query block of the plans (key blocks are 64)")
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
@@ -220,10 +221,9 @@ def main(argv=None):
     if args.table:
         print(table(args.table))
         return []
-    known = [m[0] for m in e2e.MODES]
     args.modes = {"dense", *(m.strip() for m in args.modes.split(",") if m.strip())}
-    if unknown := sorted(args.modes - set(known)):
-        raise SystemExit(f"--modes {', '.join(unknown)}: expected some of {', '.join(known)}")
+    if unknown := sorted(args.modes - set(MODES)):
+        raise SystemExit(f"--modes {', '.join(unknown)}: expected some of {', '.join(MODES)}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun sets OMP_NUM_THREADS=1, which makes building full-size plans on the host minutes long
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

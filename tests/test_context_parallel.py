@@ -66,17 +66,22 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("ring", "ulysses"))
 
 
+def _one_process_then_ulysses(transformer, calls) -> tuple[Plan, list]:
+    """A plan for `transformer` and its outputs on `calls` with PARO on this process alone; then the transformer
+    is put under Ulysses 2 (`enable_parallelism`)."""
+    plan = make_plan(transformer, calls[0])
+    with apply(transformer, plan, backend="torch"):
+        single = [run(transformer, inputs) for inputs in calls]
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    return plan, single
+
+
 def _ulysses_family(family: str, rank: int) -> dict:
     """PARO on one process, then under Ulysses 2 with the plan applied after and before enable_parallelism."""
-    found = {}
     transformer = tiny_transformer(family, heads=HEADS)
     calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
-    plan = make_plan(transformer, calls[0])
-    found["plan_orders"] = plan.orders.clone()
-    found["mask_blocks"] = plan.mask_blocks
-    with apply(transformer, plan, backend="torch"):
-        found["single"] = [run(transformer, inputs) for inputs in calls]
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    plan, single = _one_process_then_ulysses(transformer, calls)
+    found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single}
     with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original
         found["after"] = [run(transformer, inputs) for inputs in calls]
         processor = handle.processor
@@ -110,10 +115,8 @@ def _per_token_timesteps(rank: int) -> dict:
         per_token = torch.full((batch, tokens), float(t))
         per_token[:, : tokens // 2] = 0.0
         calls.append({**inputs, "timestep": per_token})
-    plan = make_plan(transformer, calls[0])
-    with apply(transformer, plan, backend="torch"):
-        found = {"single": [run(transformer, inputs) for inputs in calls]}
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    plan, single = _one_process_then_ulysses(transformer, calls)
+    found = {"single": single}
     with apply(transformer, plan, backend="torch"):
         found["ulysses"] = [run(transformer, inputs) for inputs in calls]
     return found
@@ -162,10 +165,8 @@ def _compiled(rank: int) -> dict:
 
     transformer = tiny_transformer("wan", heads=HEADS)
     calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
-    plan = make_plan(transformer, calls[0])
-    with apply(transformer, plan, backend="torch"):
-        found = {"single": [run(transformer, inputs) for inputs in calls]}
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    plan, single = _one_process_then_ulysses(transformer, calls)
+    found = {"single": single}
     # what diffusers 0.42's context parallelism needs before fullgraph compiling, dense and PARO alike (README): an
     # eager forward first (tracing the first one fails on a `hasattr` in its hooks) and dynamo told to skip the
     # hooks' Logger.warning_once (transformers' method, which it cannot trace)

@@ -173,6 +173,12 @@ def _recording() -> list | None:
     return getattr(_RECORDINGS, "records", None)
 
 
+def _record(launch) -> None:
+    """Add `launch` (launcher, entry, grid, arguments; None: not replayable) to the recording in scope, if any."""
+    if (records := _recording()) is not None:
+        records.append(launch)
+
+
 class LaunchSequence:
     """The launches of one call, replayable with another call's tensors. `build` takes the records of the
     call, the call's own tensors (`slots`: what changes from call to call, e.g. q, k, v, out and the lists)
@@ -271,14 +277,12 @@ class CachedLauncher:
                                      *entry.arguments(all_args))
                         self.direct_launches += 1
                         self.raw_launches += 1
-                        if (records := _recording()) is not None:
-                            records.append((self, entry, grid, all_args))
+                        _record((self, entry, grid, all_args))
                         return
                     except TypeError:  # it parses every argument before it launches anything
                         self._raw = False
                         invalidate_sequences()
-                if (records := _recording()) is not None:
-                    records.append(None)
+                _record(None)
                 try:
                     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
                                  metadata, enter, leave, *all_args)
@@ -289,8 +293,7 @@ class CachedLauncher:
                     self.clear()
                     self.kernel[grid](*args, **constexprs, **options)
                     return
-            if (records := _recording()) is not None:
-                records.append(None)
+            _record(None)
             compiled = self.kernel[grid](*args, **constexprs, **options)
             names = getattr(self.kernel, "arg_names", None)
             # the direct call passes every parameter by position: only where the constexprs came in the
@@ -299,8 +302,7 @@ class CachedLauncher:
                     and names is not None and list(names) == [*names[:len(args)], *constexprs]):
                 self._compiled[key] = _Entry(compiled, (*args, *constexprs.values()))
             return
-        if (records := _recording()) is not None:
-            records.append(None)
+        _record(None)
         self.kernel[grid](*args, **constexprs, **options)
 
     def clear(self) -> None:

@@ -177,4 +177,3 @@ def _heads(attn, states, projections, norm_q, norm_k):
     if norm_k is not None:
         key = norm_k(key)
     return query, key, value
-
