@@ -55,9 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
     args = p.parse_args(argv)
     prompts = demo.EVAL_PROMPTS[:4]  # the grid in README.md
-    pipe = load_reference_pipeline()
+    pipe = load_reference_pipeline(args.model_dir)
     frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed)
     rows, followed, objects = [], 0, 0
     for i, (prompt, video) in enumerate(zip(prompts, frames)):

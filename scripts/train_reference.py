@@ -10,6 +10,12 @@ would have.
     python scripts/train_reference.py --out paroattn/reference/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile
     python scripts/train_reference.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
 
+`--local-init` starts every self-attention head local (`local_attention_init`): a constant added to
+the query and key projections in a few RoPE dimensions makes q.k fall with the distance along
+some of the axes (frames, rows, columns), as the ConViT paper starts its heads local. Training
+keeps, moves or drops that locality as the data rewards it; what it kept is measured by
+`scripts/attention_concentration.py`.
+
 Flow matching as in Wan / SD3: x_t = (1 - s) x0 + s noise with s = shift(u), u ~ U(0, 1), the
 model predicts noise - x0 at timestep 1000 s; prompts are dropped to the null prompt 10% of the
 time for classifier-free guidance.
@@ -75,9 +81,13 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None, help=f"video width in pixels (default {VIDEO_SHAPE['width']})")
     p.add_argument("--init", type=Path, default=None,
                    help="start from these weights (an assets folder, e.g. the shipped model) instead of a fresh model")
+    p.add_argument("--local-init", action="store_true",
+                   help="start each self-attention head local along some axes (local_attention_init); fresh models only")
     p.add_argument("--smoke", action="store_true", help="tiny model and videos: checks the script end to end on a CPU")
     p.add_argument("--max-steps-this-chunk", type=int, default=None, help="stop this chunk after this many steps (tests)")
     args = p.parse_args(argv)
+    if args.local_init and args.init is not None:
+        p.error("--local-init sets up a fresh model; --init starts from trained weights: pass one of them")
     if not 0 < args.chunk_seconds <= MAX_CHUNK_SECONDS:
         p.error(f"--chunk-seconds must be in (0, {MAX_CHUNK_SECONDS}], got {args.chunk_seconds}")
     return args
@@ -147,6 +157,66 @@ def load_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict] | N
     for name in meta["files"]:
         tensors.update(load_file(str(directory / name)))
     return tensors, meta
+
+
+# -- local start of the attention heads ------------------------------------------------------------
+
+# The axes along which a head starts local; each head of each layer draws one. Together they give
+# the patterns of real video DiTs: a neighbourhood in space and time, the same place across frames
+# (stripes in frame-major order), whole neighbouring frames (blocks), rows or columns.
+LOCAL_PATTERNS = (("f", "h", "w"), ("h", "w"), ("f",), ("f", "h"), ("f", "w"), ("h",), ("w",))
+# squared size of the added constant per axis, against about 85 for the projection of a unit-RMS
+# input at PyTorch's default Linear init (256 outputs of variance 1/3): the constant dominates q
+# and k at the start
+LOCAL_ENERGY_PER_AXIS = 60.0
+# start value of the q and k RMSNorm weights (PyTorch: 1): scores can reach gain^2 times the
+# default init's range (about 8 at head dim 64), the sharpness a head needs to stay local among
+# 2048 tokens
+LOCAL_NORM_GAIN = 2.0
+
+
+def rope_pairs(transformer, axis_lengths: dict[str, int]) -> dict[str, list[int]]:
+    """Per axis, the head dimensions (first of each rotary pair) of the two fastest RoPE frequencies
+    that do not wrap around over the axis: omega * (length - 1) <= 2 pi, so cos(omega * distance)
+    falls from the query outwards instead of rising again at a far token."""
+    rope = transformer.rope
+    sections = {"f": (0, rope.t_dim), "h": (rope.t_dim, rope.h_dim), "w": (rope.t_dim + rope.h_dim, rope.w_dim)}
+    pairs = {}
+    for axis, (start, dim) in sections.items():
+        omegas = [10000.0 ** (-2 * i / dim) for i in range(dim // 2)]  # WanRotaryPosEmbed's theta
+        fitting = [i for i, w in enumerate(omegas) if w * (axis_lengths[axis] - 1) <= 2 * math.pi]
+        pairs[axis] = [start + 2 * i for i in fitting[:2]]
+    return pairs
+
+
+@torch.no_grad()
+def local_attention_init(transformer, video_shape: dict, seed: int) -> list[list[tuple[str, ...]]]:
+    """Make every self-attention head of a fresh Wan transformer start local: in the chosen rotary
+    pairs, the same constant `a` on the first element of q's and k's bias, so after RoPE the score
+    holds a^2 * cos(omega * distance) (largest at distance 0). Returns each layer's head patterns."""
+    p_t, p_h, p_w = transformer.config.patch_size
+    lengths = {"f": video_shape["num_frames"] // p_t, "h": video_shape["height"] // p_h, "w": video_shape["width"] // p_w}
+    pairs = rope_pairs(transformer, lengths)
+    heads, head_dim = transformer.config.num_attention_heads, transformer.config.attention_head_dim
+    g = torch.Generator().manual_seed(seed)
+    chosen = []
+    for block in transformer.blocks:
+        attn = block.attn1
+        attn.norm_q.weight.fill_(LOCAL_NORM_GAIN)
+        attn.norm_k.weight.fill_(LOCAL_NORM_GAIN)
+        layer = []
+        for head in range(heads):
+            pattern = LOCAL_PATTERNS[int(torch.randint(len(LOCAL_PATTERNS), (1,), generator=g))]
+            for axis in pattern:
+                value = math.sqrt(LOCAL_ENERGY_PER_AXIS / len(pairs[axis]))
+                for dim in pairs[axis]:
+                    attn.to_q.bias[head * head_dim + dim] = value
+                    attn.to_k.bias[head * head_dim + dim] = value
+                    attn.to_q.bias[head * head_dim + dim + 1] = 0.0
+                    attn.to_k.bias[head * head_dim + dim + 1] = 0.0
+            layer.append(pattern)
+        chosen.append(layer)
+    return chosen
 
 
 # -- training ----------------------------------------------------------------------------------
@@ -228,6 +298,10 @@ def main(argv=None) -> int:
         transformer.load_state_dict({k: v.float() for k, v in start.transformer.state_dict().items()})
         text_encoder.load_state_dict(start.text_encoder.state_dict())
         print(f"initialized from {args.init}", flush=True)
+    if args.local_init:
+        patterns = local_attention_init(transformer, video_shape, args.seed)
+        print("local heads (axes per head, per layer):", ["/".join("".join(p) for p in layer) for layer in patterns],
+              flush=True)
     transformer.to(device).train()
     text_encoder.to(device).train()
     if args.compile:

@@ -34,12 +34,12 @@ def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     assert 110 <= imageio.get_reader(tmp_path / "demo.gif").get_meta_data()["duration"] <= 130  # ms per frame
     assert "|dense - PARO| x" in result.output and report["gif_difference_gain"] <= 4
     # step bars of both passes
-    assert "dense: 100%" in result.output and "PARO d=0.50: 100%" in result.output
+    assert "dense: 100%" in result.output and f"PARO d={report['density']:.2f}: 100%" in result.output
     pictures = sorted((tmp_path / "attention").glob("*.png"))
     assert len(pictures) == 5
     assert f"PSNR {metrics['psnr_db']:.2f} dB" in result.output
     assert "PARO vs dense by density on this model (qk=bf16 pv=bf16, 8 held-out prompts x 2 seeds" in result.output
-    assert "d=0.7: 30.5 dB / SSIM 0.96" in result.output and "d=0.3: 20.9 dB" in result.output
+    assert "d=0.5: 44.9 dB / SSIM 0.997" in result.output and "d=0.3: 28.2 dB" in result.output
 
 
 def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
@@ -58,7 +58,7 @@ def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
     cli = {name: p.default.default for name, p in inspect.signature(cli_demo).parameters.items()}
     assert (cli["density"], cli["qk"], cli["pv"]) == (demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV)
     run = inspect.signature(demo.run_demo).parameters
-    assert (run["density"].default, run["qk"].default, run["pv"].default) == (0.7, "bf16", "bf16")
+    assert (run["density"].default, run["qk"].default, run["pv"].default) == (0.5, "bf16", "bf16")
 
 
 def test_density_cost_line_reads_the_summary(tmp_path):
@@ -70,7 +70,7 @@ def test_density_cost_line_reads_the_summary(tmp_path):
                                 "by_density": {"0.70": {"psnr_db": 31.04, "ssim": 0.951},
                                                "0.30": {"psnr_db": 20.0, "ssim": 0.7}}}))
     assert density_cost_line(path) == ("PARO vs dense by density on this model (qk=int8 pv=fp8, 3 held-out prompts "
-                                       "x 1 seeds, GPU X): d=0.7: 31.0 dB / SSIM 0.95, d=0.3: 20.0 dB / SSIM 0.70; "
+                                       "x 1 seeds, GPU X): d=0.7: 31.0 dB / SSIM 0.951, d=0.3: 20.0 dB / SSIM 0.700; "
                                        "QUALITY.md")
 
 

@@ -160,3 +160,39 @@ def test_training_refuses_chunks_over_ten_minutes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _train(tmp_path / "o", tmp_path / "c", "--chunk-seconds", "900")
     assert "--chunk-seconds must be in (0, 600]" in capsys.readouterr().err
+
+
+def test_local_init_makes_each_head_local_along_its_own_axes():
+    """After `local_attention_init` each head of a fresh model gives a key at distance 0 along an axis of
+    its pattern several times the attention of a far key, and about the same along the other axes:
+    a wrong head offset, axis section or rotary pair breaks it."""
+    from diffusers import WanTransformer3DModel
+
+    from paroattn.pipelines import capture_attention
+
+    train = _training_script()
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**train.SMOKE_TRANSFORMER).eval()
+    video = dict(train.SMOKE_VIDEO)  # 4 frames of 16x16 pixels: a 4 x 8 x 8 token grid
+    patterns = train.local_attention_init(transformer, video, seed=1)
+    assert len(patterns) == transformer.config.num_layers
+    assert len({p for layer in patterns for p in layer}) > 1  # the test sees more than one kind of head
+    maps = {}
+
+    def on_capture(layer, q, k, layout, timestep, suffix_mask):
+        maps[layer] = ((q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5).softmax(-1)[0]
+
+    x = torch.randn(1, 3, video["num_frames"], video["height"], video["width"])
+    with torch.no_grad(), capture_attention(transformer, on_capture):
+        transformer(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 16, 64))
+    grid = (video["num_frames"], video["height"] // 2, video["width"] // 2)
+    coords = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+    for layer, heads in enumerate(patterns):
+        for head, pattern in enumerate(heads):
+            attention = maps[layer][head]  # [N, N]
+            for a, axis in enumerate("fhw"):
+                distance = (coords[:, None, a] - coords[None, :, a]).abs()
+                near, far = distance == 0, distance >= grid[a] // 2
+                ratio = float((attention * near).sum() / near.sum() / ((attention * far).sum() / far.sum()))
+                where = f"layer {layer} head {head} ({''.join(pattern)}) axis {axis}: near/far {ratio:.2f}"
+                assert (ratio > 3.0) if axis in pattern else (ratio < 1.5), where
