@@ -7,7 +7,7 @@ assets' folder format, to `--out`. Call it again with the same `--ckpt-dir` to g
 is a pure function of (`--seed`, i), so a resumed run sees exactly the data an uninterrupted one
 would have.
 
-    python scripts/train_reference.py --out paroattn/reference/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile
+    python scripts/train_reference.py --out paroattn/reference/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile --local-init
     python scripts/train_reference.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
 
 `--local-init` starts every self-attention head local (`local_attention_init`): a constant added to
