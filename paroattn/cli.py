@@ -87,7 +87,7 @@ def calibrate(
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
     dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default: on the reference model it cost 5-6 dB at d=0.2 (QUALITY.md)"),
     layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, 0..1; off by default (0): +0.35 dB at d=0.2, -0.2 dB at d=0.1 on the reference model (QUALITY.md)"),
-    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 5-6 dB at the same density on the reference model (QUALITY.md)"),
+    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 5.2-6.2 dB at the same density on the reference model (QUALITY.md)"),
     dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, paid for by the later buckets so that --density stays the mean over steps, e.g. 0.2; 0 (the default) turns it off"),
     shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
