@@ -67,7 +67,7 @@ BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # flex's default 128-row tiles refuse a 64 x 64 BlockMask ("Q and KV block size must be divisible by
 # BLOCK_M and BLOCK_N"): run() gives it tiles of the mask's blocks
 # kernel configs `--sweep` tries per query block; 8 warps on 64-row tiles are left out: they lost at
-# every shape they were timed on (docs/notes/tile-configs.md)
+# every shape they were timed on (docs/notes/kernels-and-tiles.md)
 _KC = dispatch.KernelConfig
 SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),

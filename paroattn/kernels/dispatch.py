@@ -77,7 +77,7 @@ class KernelChoice:
 # (D=64), Wan2.1-1.3B and FLUX.1-dev (D=128) shapes at d = 1.0 and 0.2 (0.5 for the 128 x 64 ones);
 # where the D=128 shapes disagreed, Wan's choice (the longer sequence) is kept (Flux loses <= 10%).
 # int4 values run the int8 kernel: int4 entries repeat the int8 + fp8 ones. Numbers:
-# docs/notes/tile-configs.md and the results files it cites.
+# docs/notes/kernels-and-tiles.md and the results files it cites.
 _T, _O, _TQ = dict(tma=True), dict(overlap_qk=True), dict(tma=True, q_tma=True)
 TABLE: dict[tuple, KernelConfig] = {
     # 64 x 64 blocks: {4 warps x 2/3/4 stages} x {pointer loads, TMA} x {overlap_qk or not}; int8 QK +

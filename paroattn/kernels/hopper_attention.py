@@ -17,7 +17,7 @@ The inputs are the prologue's buffers (`triton_backend.prepare_kv`): K and V reo
 so every tile is one descriptor load; the consumers gather their query rows from the caller's q. Its
 definition is the same as the Triton kernel's (`reference.py`), and the tests compare the two on the
 GPU; the Triton interpreter cannot run Gluon. (Integer QK with fp8 PV stays on the Triton kernel: a
-Gluon version of it measured slower, `docs/notes/kernel-experiments.md`.)
+Gluon version of it measured slower, `docs/notes/kernels-and-tiles.md`.)
 """
 
 from __future__ import annotations
