@@ -19,7 +19,7 @@ tests/test_quant_error_bench.py), so the study follows the reference if its quan
 
 Inputs: Gaussian q, k, v (unit variance), with and without a per-channel offset in K (and in K and V),
 at head dim 64 and 128, dense masks; and the q, k, v of three self-attention layers of the bundled
-reference model (`paroattn.reference`) at one mid-trajectory step (sigma 0.5), with the shipped plan's
+demo model (`paroattn.demo_model`) at one mid-trajectory step (sigma 0.5), with the shipped plan's
 orders and block masks (density 0.5). With `--step`, the same model's velocity at that step with every
 self-attention layer running a variant, against all layers exact.
 """
@@ -320,15 +320,15 @@ def attention_replaced(fn):
         processor.paro_attention = original
 
 
-def reference_model_step(density: float = 0.5, sigma: float = 0.5, seed: int = 0):
-    """(pipe, plan, forward): the bundled reference pipeline, its shipped plan of `density`, and forward()
+def demo_model_step(density: float = 0.5, sigma: float = 0.5, seed: int = 0):
+    """(pipe, plan, forward): the bundled demo pipeline, its shipped plan of `density`, and forward()
     -> the transformer's velocity at noise level `sigma` on a rendered training video (B = 1, its caption)."""
+    from paroattn.demo_model.data import make_batch
+    from paroattn.demo_model.demo import shipped_plan_path
+    from paroattn.demo_model.model import load_demo_pipeline
     from paroattn.plan import Plan
-    from paroattn.reference.data import make_batch
-    from paroattn.reference.demo import shipped_plan_path
-    from paroattn.reference.model import load_reference_pipeline
 
-    pipe = load_reference_pipeline()
+    pipe = load_demo_pipeline()
     plan = Plan.load(shipped_plan_path(density))
     videos, captions = make_batch(seed, 0, 1)
     noise = torch.randn(videos.shape, generator=torch.Generator().manual_seed(seed))
@@ -354,11 +354,11 @@ def _problem_from_call(q, k, v, layout, orders, block_mask, block_size, rotary) 
 
 
 def model_problems(layers=(0, 3, 7), density: float = 0.5, sigma: float = 0.5, step_variants=()) -> tuple[list, dict]:
-    """([(layer, problem)] of the reference model's self-attention calls at `layers`, {label: velocity
+    """([(layer, problem)] of the demo model's self-attention calls at `layers`, {label: velocity
     error}) for the `step_variants` labels (every layer running that variant vs every layer exact)."""
     from paroattn.pipelines import apply
 
-    pipe, plan, forward = reference_model_step(density, sigma)
+    pipe, plan, forward = demo_model_step(density, sigma)
     captured, step_errors = [], {}
 
     def op(variant, record):
@@ -366,7 +366,7 @@ def model_problems(layers=(0, 3, 7), density: float = 0.5, sigma: float = 0.5, s
 
         def attention(q, k, v, *, layout, orders, block_mask, block_size, rotary=None, suffix_mask=None, **_):
             if suffix_mask is not None:
-                raise NotImplementedError("the study's op has no suffix_mask (the reference model has no suffix)")
+                raise NotImplementedError("the study's op has no suffix_mask (the demo model has no suffix)")
             problem = _problem_from_call(q, k, v, layout, orders, block_mask, block_size, rotary)
             layer = next(calls)
             if record and layer in layers:
@@ -435,13 +435,13 @@ def run_study(args) -> dict:
         errors = measure(problem)
         q = problem["q"]
         results["cases"].append(dict(
-            case=f"reference model, layers {','.join(str(layer) for layer, _ in captured)}", head_dim=q.shape[-1],
+            case=f"demo model, layers {','.join(str(layer) for layer, _ in captured)}", head_dim=q.shape[-1],
             tokens=q.shape[2], heads=q.shape[1], mask=f"shipped plan d={args.density}, sigma={args.sigma}",
             errors=errors, seconds=round(time.perf_counter() - t0, 1)))
-        print(f"reference model: int8+fp8 {errors['int8 QK + fp8 PV (current)']:.4f} "
+        print(f"demo model: int8+fp8 {errors['int8 QK + fp8 PV (current)']:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         if args.step:
-            results["step"] = dict(what="relative L2 error of the reference model's velocity, every self-attention "
+            results["step"] = dict(what="relative L2 error of the demo model's velocity, every self-attention "
                                         "layer quantized vs every layer exact", sigma=args.sigma,
                                    density=args.density, errors=step_errors)
     return results
@@ -480,9 +480,9 @@ def main(argv=None) -> int:
                                                                  "the values' std")
     parser.add_argument("--no-model", dest="model", action="store_false", help="Gaussian inputs only")
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 3, 7])
-    parser.add_argument("--density", type=float, default=0.5, help="the shipped plan of the reference model")
+    parser.add_argument("--density", type=float, default=0.5, help="the shipped plan of the demo model")
     parser.add_argument("--sigma", type=float, default=0.5, help="noise level of the captured step")
-    parser.add_argument("--step", action="store_true", help="also the reference model's velocity error")
+    parser.add_argument("--step", action="store_true", help="also the demo model's velocity error")
     args = parser.parse_args(argv)
     if args.table:
         print(table(json.loads(args.table.read_text())))

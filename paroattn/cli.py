@@ -85,9 +85,9 @@ def calibrate(
     block_size: int = typer.Option(64, help="block size of the masks"),
     query_block: int | None = typer.Option(None, help="query block of the masks, a multiple of --block-size (128 with 64: the fastest kernels at head dim 128; default: --block-size)"),
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
-    dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default: on the reference model it cost 5-6 dB at d=0.2 (QUALITY.md)"),
-    layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, 0..1; off by default (0): +0.35 dB at d=0.2, -0.2 dB at d=0.1 on the reference model (QUALITY.md)"),
-    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 5.2-6.2 dB at the same density on the reference model (QUALITY.md)"),
+    dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default: on the demo model it cost 5-6 dB at d=0.2 (QUALITY.md)"),
+    layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, 0..1; off by default (0): +0.35 dB at d=0.2, -0.2 dB at d=0.1 on the demo model (QUALITY.md)"),
+    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 5.2-6.2 dB at the same density on the demo model (QUALITY.md)"),
     dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, paid for by the later buckets so that --density stays the mean over steps, e.g. 0.2; 0 (the default) turns it off"),
     shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
@@ -281,10 +281,10 @@ def demo(
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
 ) -> None:
-    """Offline demo on the bundled reference model (a small trained Wan transformer): dense vs PARO
+    """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO
     on the same seeds, side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times."""
+    from .demo_model.demo import run_demo
     from .errors import PlanError
-    from .reference.demo import run_demo
 
     try:  # run_demo checks the modes (paroattn.modes), density and prompt count before loading the model
         run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,

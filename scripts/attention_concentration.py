@@ -1,4 +1,4 @@
-"""How concentrated is the reference model's self-attention? An upper bound for any sparse mask.
+"""How concentrated is the demo model's self-attention? An upper bound for any sparse mask.
 
 For every self-attention call of a dense generation, the share of each query's attention mass
 held by its best k% of keys (token level, any pattern: no block mask can keep more at that
@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paroattn.demo_model.demo import CALIBRATION_PROMPTS
+from paroattn.demo_model.model import load_demo_pipeline
 from paroattn.pipelines import capture_attention, self_attention_layers
-from paroattn.reference.demo import CALIBRATION_PROMPTS
-from paroattn.reference.model import load_reference_pipeline
 
 SHARES = (0.5, 0.3, 0.2, 0.1)
 
@@ -29,10 +29,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--queries", type=int, default=512, help="queries sampled per call (all keys are used)")
-    p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a demo model folder (default: the shipped one)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    pipe = load_reference_pipeline(args.model_dir, device=args.device)
+    pipe = load_demo_pipeline(args.model_dir, device=args.device)
     layers = len(self_attention_layers(pipe))
     sums = torch.zeros(layers, len(SHARES))
     entropy = torch.zeros(layers)

@@ -1,4 +1,4 @@
-"""Imports run one way: foundations <- kernels <- op <- plan <- pipelines / calibrate <- reference model
+"""Imports run one way: foundations <- kernels <- op <- plan <- pipelines / calibrate <- demo model
 and demo <- CLI and benchmarks. A module may import its own layer or lower ones, never a higher one (function-level
 imports included: a lazy import is still a dependency)."""
 
@@ -18,7 +18,7 @@ LAYERS = [
     ("paroattn.attention",),
     ("paroattn.plan",),
     ("paroattn.pipelines", "paroattn.calibrate", "paroattn.summary", "paroattn.testing"),
-    ("paroattn.reference",),
+    ("paroattn.demo_model",),
     ("paroattn.cli", "paroattn.bench", "paroattn.__init__"),
 ]
 

@@ -139,13 +139,13 @@ def test_demo_rejects_an_existing_file_as_out(tmp_path):
     target.write_text("x")
     result = invoke(["demo", "--out-dir", target])
     assert_clean_failure(result, str(target), "existing file", "folder")
-    assert "reference model" not in result.output and target.read_text() == "x"
+    assert "demo model" not in result.output and target.read_text() == "x"
 
 
 def test_demo_rejects_a_folder_it_cannot_create():
     result = invoke(["demo", "--out-dir", "/proc/paro-demo"])
     assert_clean_failure(result, "/proc/paro-demo", "not writable", "pass a folder you can write to")
-    assert "reference model" not in result.output
+    assert "demo model" not in result.output
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")

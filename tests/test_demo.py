@@ -9,14 +9,14 @@ import numpy as np
 from typer.testing import CliRunner
 
 from paroattn.cli import app
-from paroattn.reference.demo import LABEL_HEIGHT, difference_gain, side_by_side
+from paroattn.demo_model.demo import LABEL_HEIGHT, difference_gain, side_by_side
 
 
 def test_demo_writes_gif_pictures_and_metrics(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out-dir", str(tmp_path), "--steps", "2", "--num-prompts", "1",
                                       "--density", "0.5", "--qk", "int8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "plan: paroattn/reference/assets/plans/d0.50.safetensors" in result.output
+    assert "plan: paroattn/demo_model/assets/plans/d0.50.safetensors" in result.output
     report = json.loads((tmp_path / "metrics.json").read_text())
     assert report["qk"] == "int8" and abs(report["density"] - 0.5) < 0.01
     metrics = report["metrics"]
@@ -48,7 +48,7 @@ def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
     import inspect
 
     from paroattn.cli import demo as cli_demo
-    from paroattn.reference import demo
+    from paroattn.demo_model import demo
 
     assert demo.shipped_plan_path(demo.DEFAULT_DENSITY).is_file()
     summary = json.loads(demo.QUALITY_SUMMARY.read_text())
@@ -62,7 +62,7 @@ def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
 
 
 def test_density_cost_line_reads_the_summary(tmp_path):
-    from paroattn.reference.demo import density_cost_line
+    from paroattn.demo_model.demo import density_cost_line
 
     assert density_cost_line(tmp_path / "missing.json") is None
     path = tmp_path / "summary.json"
@@ -75,8 +75,8 @@ def test_density_cost_line_reads_the_summary(tmp_path):
 
 
 def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
+    from paroattn.demo_model.demo import run_demo
     from paroattn.plan import Plan
-    from paroattn.reference.demo import run_demo
 
     lines = []
     report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",

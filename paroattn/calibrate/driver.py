@@ -40,7 +40,7 @@ class CalibrationConfig:
     block_size: int = 64
     # query block of the masks, a multiple of block_size (None: block_size). 128 with 64-key blocks
     # runs the kernels' fastest D=128 tiles (BENCHMARKS.md); coarser masks, 1.0-2.4 dB
-    # at the same density on the small reference model (QUALITY.md), not measured on a real checkpoint
+    # at the same density on the small demo model (QUALITY.md), not measured on a real checkpoint
     query_block: int | None = None
     steps: int = 50  # denoising steps of each calibration run
     height: int | None = None  # generation size; None: the pipeline's default
@@ -73,11 +73,11 @@ class CalibrationConfig:
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
     store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
     figure_layers: list[int] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
-    # one pipeline call with every prompt as a batch (the reference model's quality study) instead of
+    # one pipeline call with every prompt as a batch (the demo model's quality study) instead of
     # one call per prompt
     batch_prompts: bool = False
     # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU
-    # whatever its device, as the reference model does, needs "cpu")
+    # whatever its device, as the demo model does, needs "cpu")
     generator_device: str | None = None
     pipeline_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for every pipeline call
 

@@ -34,7 +34,7 @@ VAE_TEMPORAL = 4
 @dataclass(frozen=True)
 class PixelScale:
     """Pixels per latent position (`spatial`) and frames per latent frame (`temporal`) of a pipeline:
-    its VAE's factors; 1 and 1 for a model that works in pixel space (the reference model)."""
+    its VAE's factors; 1 and 1 for a model that works in pixel space (the demo model)."""
 
     temporal: int = VAE_TEMPORAL
     spatial: int = VAE_SPATIAL

@@ -1,4 +1,4 @@
-"""The reference model of `paro demo`: its data, its pipeline, PARO on it, and resumable training."""
+"""The demo model of `paro demo`: its data, its pipeline, PARO on it, and resumable training."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from paroattn.demo_model.data import color_centroids, make_batch, parse_caption, render, sample_spec
 from paroattn.layout import TokenLayout
 from paroattn.plan import Plan, model_fingerprint
-from paroattn.reference.data import color_centroids, make_batch, parse_caption, render, sample_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def test_color_centroids_say_when_a_color_is_absent():
 
 
 def test_tokenizer_names_unknown_words():
-    from paroattn.reference.model import WordTextEncoder
+    from paroattn.demo_model.model import WordTextEncoder
 
     encoder = WordTextEncoder()
     ids = encoder.tokenize(["red circle moving left quickly, pan up, dotted background", ""])
@@ -64,10 +64,10 @@ def test_tokenizer_names_unknown_words():
 
 
 @pytest.fixture(scope="module")
-def reference_pipe():
-    from paroattn.reference.model import load_reference_pipeline
+def demo_pipe():
+    from paroattn.demo_model.model import load_demo_pipeline
 
-    return load_reference_pipeline()
+    return load_demo_pipeline()
 
 
 def _small_run(pipe, **kwargs):
@@ -75,12 +75,12 @@ def _small_run(pipe, **kwargs):
                 height=16, width=16, generator=torch.Generator().manual_seed(0), **kwargs).frames
 
 
-def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_pipe):
+def test_paro_runs_through_the_wan_processors_of_the_demo_model(demo_pipe):
     """A dense plan reproduces the model's own attention; a sparse one changes the video: the
     shipped model goes through paroattn.apply exactly like Wan 2.1."""
     from paroattn.pipelines import apply
 
-    pipe = reference_pipe
+    pipe = demo_pipe
     transformer = pipe.transformer
     layout = TokenLayout(0, 2, 8, 8)
     common = {"layout": layout, "num_layers": len(transformer.blocks),
@@ -98,41 +98,41 @@ def test_paro_runs_through_the_wan_processors_of_the_reference_model(reference_p
     assert torch.equal(_small_run(pipe), dense)  # the handle put the model's own processors back
 
 
-def test_shipped_plans_fit_the_shipped_model(reference_pipe):
-    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path, study_config
+def test_shipped_plans_fit_the_shipped_model(demo_pipe):
+    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path, study_config
 
-    transformer = reference_pipe.transformer
+    transformer = demo_pipe.transformer
     for density in SHIPPED_DENSITIES:
         plan = Plan.load(shipped_plan_path(density))
         assert plan.model_fingerprint == model_fingerprint(transformer.config)
         assert plan.layout == TokenLayout(0, 8, 16, 16)
         assert abs(plan.achieved_density() - density) < 0.01
         assert shipped_plan_path(density).with_name(plan.info["stats_file"]["name"]).is_file()
-        # made with the demo's calibration (scripts/quality_reference.py --ship)
+        # made with the demo's calibration (scripts/demo_model_quality.py --ship)
         calibration = plan.info["calibration"]
         assert (calibration["shared_budget"], calibration["dense_steps"]) == (study_config().shared_budget,
                                                                              study_config().dense_steps)
 
 
-def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(reference_pipe):
-    """The reference model has no VAE: the mismatch message and the recalibration command give its
+def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(demo_pipe):
+    """The demo model has no VAE: the mismatch message and the recalibration command give its
     sizes in pixels and frames as the pipeline takes them (not through a video VAE's 8x / 4x)."""
     from paroattn import PlanError
+    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path
     from paroattn.pipelines import apply, layout_for
-    from paroattn.reference.demo import SHIPPED_DENSITIES, shipped_plan_path
 
-    assert layout_for(reference_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
+    assert layout_for(demo_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
     plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0]))  # 8 frames of 32x32
-    with apply(reference_pipe, plan, backend="torch"):
+    with apply(demo_pipe, plan, backend="torch"):
         with pytest.raises(PlanError) as error:
-            _small_run(reference_pipe)  # 2 frames of 16x16
+            _small_run(demo_pipe)  # 2 frames of 16x16
     message = str(error.value)
     assert "8 frames of 32x32" in message and "2 frames of 16x16" in message, message
     assert "--height 16 --width 16 --frames 2" in message, message
 
 
 def _training_script():
-    spec = importlib.util.spec_from_file_location("train_reference", ROOT / "scripts" / "train_reference.py")
+    spec = importlib.util.spec_from_file_location("train_demo_model", ROOT / "scripts" / "train_demo_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""The quality study of QUALITY.md on the reference model, and the plans that `paro demo` ships.
+"""The quality study of QUALITY.md on the demo model, and the plans that `paro demo` ships.
 
 Dense captures over calibration prompts give the block statistics of every candidate order and of
 the identity order (`paroattn.calibrate.driver.capture`); from them, plans for every density,
@@ -6,8 +6,8 @@ quantization and calibration variant (`plan_from_stats`). Each plan generates th
 evaluation prompts (`demo.EVAL_PROMPTS`) from every seed, compared with the dense videos of the same
 seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
-    python scripts/quality_reference.py --out /tmp/quality --ship paroattn/reference/assets/plans   # GPU: ~2 min
-    python scripts/quality_reference.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
+    python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans   # GPU: ~2 min
+    python scripts/demo_model_quality.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
 
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
 VARIANTS, combined with '+': "more prompts+dense last"). Writes `quality.jsonl` (one row per line, as
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
-from paroattn.reference import demo
-from paroattn.reference.model import DEFAULT_STEPS, load_reference_pipeline
+from paroattn.demo_model import demo
+from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
 # calibration variants: plan_from_stats arguments on top of the shipped calibration (demo.study_config);
@@ -80,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--query-block", type=int, default=None, help="query block of the plans (default: --block-size)")
     p.add_argument("--quant-weight", type=float, default=0.0,
                    help="weight of the incoherence term in the order choice of every row (as paro calibrate's)")
-    p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a demo model folder (default: the shipped one)")
     p.add_argument("--frames", type=int, default=None, help="video frames (default: the model's)")
     p.add_argument("--height", type=int, default=None, help="video height in pixels (default: the model's)")
     p.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
     seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    pipe = load_reference_pipeline(args.model_dir, device=args.device, dtype=dtype)
+    pipe = load_demo_pipeline(args.model_dir, device=args.device, dtype=dtype)
     size = {k: v for k, v in (("num_frames", args.frames), ("height", args.height), ("width", args.width)) if v}
     log = []
 
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps,
-        "model": str(args.model_dir or "paroattn/reference/assets"), "layout": str(next(iter(captures.values())).layout),
+        "model": str(args.model_dir or "paroattn/demo_model/assets"), "layout": str(next(iter(captures.values())).layout),
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},

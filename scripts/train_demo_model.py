@@ -1,5 +1,5 @@
-"""Train the reference model of `paro demo`: a small WanTransformer3DModel, text-conditioned,
-flow matching in pixel space on procedural videos (`paroattn.reference.data`).
+"""Train the demo model of `paro demo`: a small WanTransformer3DModel, text-conditioned,
+flow matching in pixel space on procedural videos (`paroattn.demo_model.data`).
 
 Runs in resumable chunks: each call trains for at most `--chunk-seconds` (<= 600), then writes a
 checkpoint (safetensors shards + JSON, no pickle) to `--ckpt-dir` and the EMA weights, in the
@@ -7,8 +7,8 @@ assets' folder format, to `--out`. Call it again with the same `--ckpt-dir` to g
 is a pure function of (`--seed`, i), so a resumed run sees exactly the data an uninterrupted one
 would have.
 
-    python scripts/train_reference.py --out paroattn/reference/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile --local-init
-    python scripts/train_reference.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
+    python scripts/train_demo_model.py --out paroattn/demo_model/assets --ckpt-dir /tmp/ref-ckpt --chunk-seconds 540 --compile --local-init
+    python scripts/train_demo_model.py --smoke --out /tmp/ref --ckpt-dir /tmp/ref-ckpt   # seconds, CPU
 
 `--local-init` starts every self-attention head local (`local_attention_init`): a constant added to
 the query and key projections in a few RoPE dimensions makes q.k fall with the distance along
@@ -37,15 +37,15 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.reference.data import make_batch
-from paroattn.reference.model import (
+from paroattn.demo_model.data import make_batch
+from paroattn.demo_model.model import (
     SCHEDULER_SHIFT,
     TEXT_ENCODER_CONFIG,
     TRANSFORMER_CONFIG,
     VIDEO_SHAPE,
-    ReferenceVideoPipeline,
-    new_reference_modules,
-    save_reference,
+    DemoVideoPipeline,
+    new_demo_modules,
+    save_demo_model,
 )
 
 MAX_CHUNK_SECONDS = 600
@@ -264,7 +264,7 @@ def sample_grid(path: Path, transformer, text_encoder, scheduler, video_shape, d
         "green ring moving down slowly, zoom in, dotted background",
         "white triangle moving left quickly and magenta circle moving right slowly, dotted background",
     ]
-    pipe = ReferenceVideoPipeline(transformer.eval(), text_encoder.eval(), scheduler)
+    pipe = DemoVideoPipeline(transformer.eval(), text_encoder.eval(), scheduler)
     pipe.set_progress_bar_config(disable=True)
     frames = pipe(prompts, generator=torch.Generator().manual_seed(0), **video_shape).frames.cpu()
     transformer.train(), text_encoder.train()
@@ -290,11 +290,11 @@ def main(argv=None) -> int:
         if value is not None:
             video_shape[key] = value
 
-    transformer, text_encoder, scheduler = new_reference_modules(transformer_config, text_config)
+    transformer, text_encoder, scheduler = new_demo_modules(transformer_config, text_config)
     if args.init is not None:
-        from paroattn.reference.model import load_reference_pipeline
+        from paroattn.demo_model.model import load_demo_pipeline
 
-        start = load_reference_pipeline(args.init)
+        start = load_demo_pipeline(args.init)
         transformer.load_state_dict({k: v.float() for k, v in start.transformer.state_dict().items()})
         text_encoder.load_state_dict(start.text_encoder.state_dict())
         print(f"initialized from {args.init}", flush=True)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
             backup = {k: p.detach().clone() for k, p in named.items()}
             for k, p in named.items():
                 p.copy_(ema[k])
-            save_reference(args.out, transformer, text_encoder, scheduler)
+            save_demo_model(args.out, transformer, text_encoder, scheduler)
             for k, p in named.items():
                 p.copy_(backup[k])
 

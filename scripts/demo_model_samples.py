@@ -1,8 +1,8 @@
-"""Draw the README's sample grid of the reference model: one row per prompt, the video on the left
+"""Draw the README's sample grid of the demo model: one row per prompt, the video on the left
 and its caption's ground truth (the procedural renderer) on the right, as a looping GIF; and check
 that the objects move as their captions say.
 
-    python scripts/reference_samples.py --out assets/reference/samples.gif
+    python scripts/demo_model_samples.py --out assets/demo_model/samples.gif
 
 Motion check: each captioned object is followed by its color (`color_centroids`) in the model's
 video and in the renderer's; its displacement from the first to the last frame (object motion and
@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.reference import demo
-from paroattn.reference.data import COLORS, color_centroids, parse_caption, render
-from paroattn.reference.model import load_reference_pipeline
+from paroattn.demo_model import demo
+from paroattn.demo_model.data import COLORS, color_centroids, parse_caption, render
+from paroattn.demo_model.model import load_demo_pipeline
 
 
 def displacement(video: torch.Tensor, color: str) -> torch.Tensor | None:
@@ -55,10 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-dir", type=Path, default=None, help="a reference model folder (default: the shipped one)")
+    p.add_argument("--model-dir", type=Path, default=None, help="a demo model folder (default: the shipped one)")
     args = p.parse_args(argv)
     prompts = demo.EVAL_PROMPTS[:4]  # the grid in README.md
-    pipe = load_reference_pipeline(args.model_dir)
+    pipe = load_demo_pipeline(args.model_dir)
     frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed)
     rows, followed, objects = [], 0, 0
     for i, (prompt, video) in enumerate(zip(prompts, frames)):

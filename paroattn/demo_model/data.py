@@ -1,4 +1,4 @@
-"""Procedural videos with captions: the training data of the reference model (`paro demo`).
+"""Procedural videos with captions: the training data of the demo model (`paro demo`).
 
 Each video shows one or two textured shapes moving or rotating over a background (a soft gradient,
 smooth clouds, or dots scattered at random), seen by a camera that may pan or zoom. No background
@@ -242,7 +242,7 @@ def render(spec: VideoSpec, generator: torch.Generator, frames: int = 8, height:
 def color_centroids(video: torch.Tensor, color: str, tolerance: float = 0.5) -> torch.Tensor:
     """Per frame, the (x, y) pixel centroid of the pixels within `tolerance` of `color` in every
     channel: [F, 2], NaN in frames without such pixels. `video` is [3, F, H, W] in [-1, 1]. How
-    the tests and `scripts/reference_samples.py` follow an object of a known color."""
+    the tests and `scripts/demo_model_samples.py` follow an object of a known color."""
     target = torch.tensor(COLORS[color], dtype=video.dtype).view(3, 1, 1, 1) * 2 - 1
     near = ((video - target).abs().amax(dim=0) < tolerance).float()  # [F, H, W]
     count = near.sum(dim=(1, 2))

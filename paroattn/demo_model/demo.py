@@ -1,11 +1,11 @@
-"""`paro demo` and the quality study of the reference model (QUALITY.md).
+"""`paro demo` and the quality study of the demo model (QUALITY.md).
 
-The reference model (`model.py`) is sampled densely and with PARO from the same seeds; the videos
+The demo model (`model.py`) is sampled densely and with PARO from the same seeds; the videos
 are compared with PSNR / SSIM / cosine similarity and the time spent in self-attention layers is
 measured with forward hooks.
 
 Plans come from the calibration driver (`paroattn.calibrate.driver`): the quality study
-(`scripts/quality_reference.py`) captures the block statistics once over the calibration prompts
+(`scripts/demo_model_quality.py`) captures the block statistics once over the calibration prompts
 (`study_config`: one batch, every step) for every candidate order and for the identity order alone,
 then builds a plan for each density, quantization and order metric from them with
 `plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them or,
@@ -29,7 +29,7 @@ from ..plan import Plan
 from .model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 PLANS_DIR = ASSETS / "plans"
-# PSNR / SSIM by density on the held-out prompts, written with the plans by scripts/quality_reference.py --ship
+# PSNR / SSIM by density on the held-out prompts, written with the plans by scripts/demo_model_quality.py --ship
 QUALITY_SUMMARY = PLANS_DIR / "quality_summary.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # what paths in the demo's log are relative to
 SHIPPED_DENSITIES = (0.5, 0.3, 0.2, 0.15, 0.1)
@@ -291,10 +291,10 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
              num_prompts: int = 2, seed: int = 0, device: str | None = None, backend: str = "auto",
              heads: list[tuple[int, int]] | None = None, calibration_steps: int = DEFAULT_STEPS,
              log: Callable[[str], None] = print, progress: bool = False) -> dict:
-    """Dense vs PARO on the reference model; writes demo.gif, attention PNGs and metrics.json into
+    """Dense vs PARO on the demo model; writes demo.gif, attention PNGs and metrics.json into
     `out` and returns the metrics. `progress`: step bars for the dense and PARO passes and the
     calibration (on stderr)."""
-    from .model import load_reference_pipeline
+    from .model import load_demo_pipeline
 
     if problem := modes_problem(qk, pv):
         raise ValueError(problem)
@@ -313,9 +313,9 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     prompts = EVAL_PROMPTS[:num_prompts]
-    log(f"reference model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
+    log(f"demo model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
         f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
-    pipe = load_reference_pipeline(device=device, dtype=dtype)
+    pipe = load_demo_pipeline(device=device, dtype=dtype)
     plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress)
 
     dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed, progress="dense" if progress else None)

@@ -1,13 +1,13 @@
-"""The reference model of `paro demo`: a small `WanTransformer3DModel` trained on procedural videos.
+"""The demo model of `paro demo`: a small `WanTransformer3DModel` trained on procedural videos.
 
 It is the real diffusers Wan class (3-D RoPE, RMSNorm across heads, `WanAttnProcessor`), so
 `paroattn.apply` meets it exactly as it meets Wan 2.1. It denoises RGB pixels directly (patch
 1x2x2, no VAE): 8 frames of 32x32 pixels are 8x16x16 = 2048 tokens. Prompts are embedded by
 `WordTextEncoder`, a word-embedding transformer built here, whose output plays the part of Wan's
-T5 states. Trained by `scripts/train_reference.py`; its weights ship in the package
-(`paroattn/reference/assets/`).
+T5 states. Trained by `scripts/train_demo_model.py`; its weights ship in the package
+(`paroattn/demo_model/assets/`).
 
-    pipe = load_reference_pipeline()                       # the shipped weights, CPU, float32
+    pipe = load_demo_pipeline()                       # the shipped weights, CPU, float32
     frames = pipe("red circle moving left quickly, cloudy background").frames  # [B, F, H, W, 3]
 """
 
@@ -28,7 +28,7 @@ from .data import MAX_WORDS, PAD, VOCABULARY
 # weights, configs and plans, installed with the package (package data in pyproject.toml)
 ASSETS = Path(__file__).resolve().parent / "assets"
 
-# the shipped model; scripts/train_reference.py trains this configuration by default
+# the shipped model; scripts/train_demo_model.py trains this configuration by default
 TRANSFORMER_CONFIG = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 4,
@@ -80,11 +80,11 @@ class WordTextEncoder(ModelMixin, ConfigMixin):
             unknown = [w for w in words if w not in self._index or w == PAD]
             if unknown:
                 raise ValueError(
-                    f"prompt {prompt!r} has words the reference model does not know: {unknown}; "
+                    f"prompt {prompt!r} has words the demo model does not know: {unknown}; "
                     f"its vocabulary is {list(self.config.vocabulary[1:])}"
                 )
             if len(words) > max_words:
-                raise ValueError(f"prompt {prompt!r} has {len(words)} words; the reference model reads at most {max_words}")
+                raise ValueError(f"prompt {prompt!r} has {len(words)} words; the demo model reads at most {max_words}")
             ids[b, : len(words)] = torch.tensor([self._index[w] for w in words], dtype=torch.long)
         return ids
 
@@ -94,15 +94,15 @@ class WordTextEncoder(ModelMixin, ConfigMixin):
 
 
 @dataclass
-class ReferencePipelineOutput(BaseOutput):
+class DemoPipelineOutput(BaseOutput):
     """frames: [B, F, H, W, 3] in [0, 1] (a tensor for output_type "pt", numpy for "np"); for
     output_type "latent" the denoised tensor [B, 3, F, H, W] in [-1, 1]."""
 
     frames: torch.Tensor
 
 
-class ReferenceVideoPipeline(DiffusionPipeline):
-    """Text-to-video sampling of the reference model, the way `WanPipeline` samples Wan 2.1:
+class DemoVideoPipeline(DiffusionPipeline):
+    """Text-to-video sampling of the demo model, the way `WanPipeline` samples Wan 2.1:
     flow matching with `FlowMatchEulerDiscreteScheduler`, the transformer called once for the
     prompt and once for the null prompt at each step (classifier-free guidance), timesteps on the
     0..1000 scale. No VAE: the denoised tensor is the video."""
@@ -171,7 +171,7 @@ class ReferenceVideoPipeline(DiffusionPipeline):
                 latents = outputs.pop("latents", latents)
         if output_type == "latent":
             self.maybe_free_model_hooks()
-            return ReferencePipelineOutput(frames=latents) if return_dict else (latents,)
+            return DemoPipelineOutput(frames=latents) if return_dict else (latents,)
         frames = ((latents.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).contiguous()  # [B, F, H, W, 3]
         if output_type == "np":
             frames = frames.cpu().numpy()
@@ -180,11 +180,11 @@ class ReferenceVideoPipeline(DiffusionPipeline):
         self.maybe_free_model_hooks()
         if not return_dict:
             return (frames,)
-        return ReferencePipelineOutput(frames=frames)
+        return DemoPipelineOutput(frames=frames)
 
 
-def new_reference_modules(transformer_config: dict | None = None, text_encoder_config: dict | None = None):
-    """Freshly initialized (transformer, text_encoder, scheduler) of the reference configuration."""
+def new_demo_modules(transformer_config: dict | None = None, text_encoder_config: dict | None = None):
+    """Freshly initialized (transformer, text_encoder, scheduler) of the demo model's configuration."""
     transformer = WanTransformer3DModel(**(transformer_config or TRANSFORMER_CONFIG))
     text_encoder = WordTextEncoder(**(text_encoder_config or TEXT_ENCODER_CONFIG))
     if text_encoder.config.dim != transformer.config.text_dim:
@@ -195,7 +195,7 @@ def new_reference_modules(transformer_config: dict | None = None, text_encoder_c
     return transformer, text_encoder, scheduler
 
 
-def save_reference(directory: str | Path, transformer, text_encoder, scheduler, dtype=torch.float16) -> None:
+def save_demo_model(directory: str | Path, transformer, text_encoder, scheduler, dtype=torch.float16) -> None:
     """Write the three components in diffusers' folder format: config.json and safetensors weights,
     in `dtype` except the modules the model class keeps in float32 (norms, time embedding, RoPE)
     and the small text encoder, which stay float32."""
@@ -215,18 +215,18 @@ def save_reference(directory: str | Path, transformer, text_encoder, scheduler, 
     scheduler.save_pretrained(directory / "scheduler")
 
 
-def load_reference_pipeline(directory: str | Path | None = None, device: str | torch.device = "cpu",
-                            dtype: torch.dtype = torch.float32) -> ReferenceVideoPipeline:
-    """The trained reference pipeline from `directory` (default: the shipped `ASSETS`)."""
+def load_demo_pipeline(directory: str | Path | None = None, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> DemoVideoPipeline:
+    """The trained demo pipeline from `directory` (default: the shipped `ASSETS`)."""
     directory = Path(directory) if directory is not None else ASSETS
     if not (directory / "transformer" / "config.json").is_file():
         raise FileNotFoundError(
-            f"no reference model in {directory}: expected transformer/, text_encoder/ and scheduler/ "
-            "folders as written by scripts/train_reference.py"
+            f"no demo model in {directory}: expected transformer/, text_encoder/ and scheduler/ "
+            "folders as written by scripts/train_demo_model.py"
         )
     transformer = WanTransformer3DModel.from_pretrained(directory / "transformer", torch_dtype=dtype)
     text_encoder = WordTextEncoder.from_pretrained(directory / "text_encoder", torch_dtype=torch.float32)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(directory / "scheduler")
-    pipe = ReferenceVideoPipeline(transformer=transformer.eval(), text_encoder=text_encoder.eval(), scheduler=scheduler)
+    pipe = DemoVideoPipeline(transformer=transformer.eval(), text_encoder=text_encoder.eval(), scheduler=scheduler)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
