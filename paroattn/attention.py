@@ -1,6 +1,7 @@
 """`paro_attention`: the one functional op that processors, calibration checks and benchmarks call.
-Its contract is the function's docstring; `kernels/reference.py` is its definition in torch, and the
-Triton backend (`kernels/triton_backend.py`) must agree with it.
+Its contract is the function's docstring; `kernels/reference.py` is its definition in torch, and every
+kernel must agree with it. Which kernel runs a call is decided in one place, `kernels.dispatch.resolve`
+(`decide` below asks it); `kernels.op.run` executes the decision.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import torch
 
 from .errors import PAROInputError
 from .kernels.block_lists import ActiveBlocks
+from .kernels.dispatch import BACKENDS, Launch, Refusal
 from .kernels.reference import paro_attention_reference
+from .kernels.runtime import runtime_of
 from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape
 from .modes import modes_problem
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 @torch._dynamo.assume_constant_result
@@ -26,14 +27,16 @@ def _warn_while_traced(message: str) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_unsupported_reason(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str,
-                               pv: str) -> str:
-    """`kernels.dispatch.unsupported_reason` ("" for None) of a call on `device` with q's head dim and dtype,
-    evaluated eagerly while torch.compile traces the call: dynamo cannot trace the dispatcher's exception
-    handling, and its memo filled while tracing would recompile the next call."""
-    from .kernels.dispatch import unsupported_reason
-
-    return unsupported_reason(torch.empty(1, 1, 1, head_dim, dtype=dtype, device=device), bq, bk, qk, pv) or ""
+def _traced_decision(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
+                     key_mask: bool, unit_stride: bool, backend: str) -> str:
+    """The decision of a call being traced by torch.compile, made eagerly while it is traced (dynamo cannot
+    trace the dispatcher, and a memo filled while tracing would recompile the next call), as a string
+    dynamo keeps as a constant: "" when a kernel runs it, else "!" and the reason it does not (if any)."""
+    decision = runtime_of(torch.device(device)).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
+                                                       backend)
+    if isinstance(decision, Refusal):
+        return "!" + decision.reason
+    return "" if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
 
 
 def warn(message: str, stacklevel: int = 2) -> None:
@@ -81,23 +84,16 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
         raise PAROInputError(f"suffix_mask must be on q's device {q.device}; got {suffix_mask.device}")
 
 
-_CHECKED: set[tuple] = set()
-_TRITON_BACKEND = None
+_CHECKED: set[tuple] = set()  # combinations of the static arguments checked already
 
 
-def _triton_backend():
-    """`kernels.triton_backend`, imported on first use (defining the kernels takes seconds) and kept: an
-    import statement costs about 1 us on every call."""
-    global _TRITON_BACKEND
-    if torch.compiler.is_compiling():  # traced code must not read the global: it is guarded, and may change
-        from .kernels import triton_backend
-
-        return triton_backend
-    if _TRITON_BACKEND is None:
-        from .kernels import triton_backend
-
-        _TRITON_BACKEND = triton_backend
-    return _TRITON_BACKEND
+def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
+           rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
+    """Which kernel runs a call of `paro_attention` with q (on `device`, by default q's) through
+    `kernels.dispatch.resolve`: processors, calibration and benchmarks ask this, never the kernels' modules."""
+    unit_stride = rotary or q.stride(-1) == 1  # the RoPE pass writes contiguous copies; out is strided like q
+    runtime = runtime_of(q.device if device is None else torch.device(device))
+    return runtime.decide(q.shape[-1], q.dtype, bq, bk, qk, pv, key_mask, unit_stride, backend)
 
 
 def _check_arguments(qk, pv, backend, block_size) -> None:
@@ -277,24 +273,26 @@ def paro_attention(
     """
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask)
     bq, bk = block_sizes(block_size)
-    checked = False  # whether the kernels' support of this call was checked already
-    if backend == "auto":
-        backend = "torch"
-        if q.is_cuda:
-            if torch.compiler.is_compiling():
-                reason = _traced_unsupported_reason(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv) or None
-            else:
-                reason = _triton_backend().unsupported_reason(q, bq, bk, qk, pv)
-            if reason is None:
-                backend, checked = "triton", True
-            else:  # correct but slow: say so (once per call site, the warnings default)
-                warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower",
-                     stacklevel=2)
-    if backend == "triton":
-        return _triton_backend().paro_attention_triton(
-            q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk,
-            qk=qk, pv=pv, sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, supported=checked,
-        )
+    decision = None
+    if backend != "torch":
+        if torch.compiler.is_compiling():
+            unit_stride = rotary is not None or q.stride(-1) == 1
+            traced = _traced_decision(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv, suffix_mask is not None,
+                                      unit_stride, backend)
+            runs_kernel, reason = not traced, traced[1:]
+        else:
+            decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
+            reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
+            runs_kernel = isinstance(decision, Launch) and decision.backend != "torch"
+        if not runs_kernel and backend == "triton":
+            raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
+        if not runs_kernel and reason:  # "auto": correct but slow, say so (once per call site)
+            warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
+        if runs_kernel:
+            from .kernels import op  # defining the kernels takes seconds: imported on first use
+
+            return op.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
+                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision)
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
     return paro_attention_reference(

@@ -44,8 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from paroattn import TokenLayout, paro_attention
+from paroattn.attention import decide
 from paroattn.kernels import dispatch, triton_backend
 from paroattn.kernels.block_lists import ActiveBlocks
+from paroattn.kernels.dispatch import Launch
 from paroattn.masks import synthetic_block_mask
 
 # the source checkout this module runs from (an editable install), or None when installed
@@ -69,6 +71,12 @@ BLOCK = 64  # default query and key block (`--block-q`, `--block-k`: 64 or 128)
 # kernel configs `--sweep` tries per query block; 8 warps on 64-row tiles are left out: they lost at
 # every shape they were timed on (docs/notes/kernels-and-tiles.md)
 _KC = dispatch.KernelConfig
+
+
+def _describe(decision) -> str:
+    """What ran a row: the kernel and its launch, or why none could."""
+    return decision.describe() if isinstance(decision, Launch) else f"refused: {decision.reason}"
+
 SWEEP_CONFIGS = {
     64: [_KC(4, 2, tma=True), _KC(4, 3, tma=True), _KC(4, 4, tma=True), _KC(4, 3, overlap_qk=True),
          _KC(4, 3, tma=True, overlap_qk=True)],
@@ -327,7 +335,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                                               pv=pv, block_size=(block_q, block_k), backend="triton", rotary=tables)
 
                     ms, err = _try(lambda: timer(paro, sets, warmup, rep))
+                    decision = decide(sets[0][0], block_q, block_k, qk, pv, "triton", rotary=tables is not None)
                     row = record(f"paro-{qk}-{pv}{suffix}", density, ms, err, mask_density=actual,
+                                 kernel=getattr(decision, "kernel", None), launch=_describe(decision),
                                  config=vars(dispatch.kernel_config(D, block_q, block_k, qk, pv)))
                     if sdpa_ms and ms:
                         row["speedup_vs_sdpa"] = sdpa_ms / ms
@@ -335,7 +345,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
             q0 = sets[0][0]  # the op's output is laid out like q
-            with_q = triton_backend.launch_choice(q0, block_q, block_k, qk, pv).prologue_writes_q(q0, q0)
+            decision = decide(q0, block_q, block_k, qk, pv, "triton")
+            with_q = isinstance(decision, Launch) and decision.q_tma
 
             def prologue(q, k, v, qk=qk, pv=pv, with_q=with_q):
                 return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,

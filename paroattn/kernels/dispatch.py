@@ -1,39 +1,84 @@
-"""Which kernel runs a call, and with which tiles: one table keyed by (GPU arch, head dim, block sizes,
-qk, pv), and the reason wherever a call or a variant is refused.
+"""Which kernel runs a call: the one decision point of the op.
 
-    choice = kernel_choice(arch_of(q.device), D, bq, bk, qk, pv)   # raises KernelUnavailable(reason)
+    decision = resolve(call, backend)      # a Launch (what runs, with which tiles) or a Refusal (why nothing can)
 
-The tiles are the mask's blocks (BLOCK_M = bq, BLOCK_N = bk). What a table entry chooses is the rest:
-warps, pipeline depth, how K/V (and Q) tiles are loaded, and whether the warp-specialized Gluon kernel
-(`hopper_attention`) runs instead of the Triton one (`block_sparse_attention`). That decides what the
-prologue writes: reordered K and V always (quantized in the integer/8-bit modes), and the reordered Q
-when the Triton kernel reads Q tiles by descriptor (`KernelConfig.q_tma`).
+`paro_attention` asks once per eager call (memoized per device by `runtime.Runtime`) and once per trace;
+the launch code only executes what it returns, and `paro bench` reports it.
 
-The entries were measured on an H200 / H100 (sm_90) with `benchmarks/attention.py --sweep`. Other GPUs
-run the sm_90 entry's warps and stages with the variants they lack refused, by rule:
-- TMA descriptor loads (`tma`, `q_tma`) need sm_90 or newer (and the Triton interpreter emulates them);
-- the Gluon kernel needs sm_90 exactly (wgmma) and a triton release it was tested with.
-Pins (`set_kernel_config`) replace an entry for sweeps and tests; looked up once per key and cached,
-never re-tuned per call.
+A `Call` holds the static facts of one op call that decide its kernel: the device (`GPU`, one record of
+what it can do), q's head dim and dtype, the mask's blocks, the precision modes, whether padded suffix keys
+are masked and whether q and out have unit stride along D. Each kernel family declares what it needs as
+named predicates, each returning the reason it refuses a call (None: fine); `resolve` tries the families of
+a backend in order of preference and returns the first that accepts, with the reasons of those before it.
+
+    backend="torch"   the reference (any device)
+    backend="triton"  Gluon warp-specialized, then Triton; none: Refusal
+    backend="auto"    as "triton", then the reference (whose Launch carries the reason, for a warning)
+
+Within the Triton family the tiles come from one table keyed by (head dim, bq, bk, qk, pv), measured on
+sm_90 with `benchmarks/attention.py --sweep` (docs/notes/kernels-and-tiles.md); other GPUs run the sm_90 entry's
+warps and stages with the variants they lack (TMA loads) turned off, and the Launch says so. Pins
+(`set_kernel_config`) replace an entry for sweeps and tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from . import hopper_attention, interpreting
-from .launcher import invalidate_sequences
+from . import interpreting
 
 HEAD_DIMS = (64, 128)
-TUNED_ARCH = "sm90"
-INTERPRETER = "interpreter"
+BACKENDS = ("auto", "triton", "torch")
+
+TRITON = "triton"
+GLUON = "gluon-warp-specialized"
+TORCH = "torch-reference"
 
 
-class KernelUnavailable(ValueError):
-    """No kernel runs this call; the message says why and what to do."""
+# ---------------------------------------------------------------------------------------------
+# What decides a kernel.
+
+
+@dataclass(frozen=True)
+class GPU:
+    """What the kernels need to know of a device, asked once per device (`gpu_of`)."""
+
+    name: str  # "sm90", "sm80", ...; "interpreter" under TRITON_INTERPRET=1; "cpu"
+    cuda: bool  # a CUDA GPU: where backend="auto" runs kernels (elsewhere the reference, as expected)
+    triton: bool  # Triton kernels run here (a CUDA GPU, or the CPU interpreter)
+    tma: bool  # tensor-memory-accelerator descriptor loads (sm_90 and newer; the interpreter emulates them)
+    wgmma: bool  # Hopper's warpgroup MMA (sm_90 exactly)
+
+
+INTERPRETER = GPU("interpreter", cuda=False, triton=True, tma=True, wgmma=False)
+HOST = GPU("cpu", cuda=False, triton=False, tma=False, wgmma=False)
+
+
+def gpu_of(device: torch.device) -> GPU:
+    if interpreting():
+        return INTERPRETER
+    if device.type != "cuda":
+        return HOST
+    major, minor = torch.cuda.get_device_capability(device)
+    return GPU(f"sm{major}{minor}", cuda=True, triton=True, tma=major >= 9, wgmma=(major, minor) == (9, 0))
+
+
+@dataclass(frozen=True)
+class Call:
+    """The static facts of one op call that decide its kernel."""
+
+    gpu: GPU
+    head_dim: int
+    dtype: torch.dtype
+    bq: int
+    bk: int
+    qk: str
+    pv: str
+    key_mask: bool = False  # padded suffix keys are masked (HunyuanVideo's text)
+    unit_stride: bool = True  # q as the kernel reads it (RoPE writes contiguous copies) and out: stride 1 along D
 
 
 @dataclass(frozen=True)
@@ -50,101 +95,110 @@ class KernelConfig:
     # and the kernel reads each query tile by one descriptor load instead of gathering and quantizing
     # it in registers; needs tma and bq >= bk (the prologue's key-block grid covers the query blocks)
     q_tma: bool = False
-    # run `hopper_attention`'s warp-specialized Gluon kernel (a loader warp, two consumer warpgroups):
-    # bf16/fp16 at 128 x 64 blocks on sm_90; elsewhere the Triton kernel runs with the other fields
+    # prefer `hopper_attention`'s warp-specialized Gluon kernel (a loader warp, two consumer warpgroups)
+    # where it runs the call; elsewhere the Triton kernel runs with the other fields
     warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
-class KernelChoice:
-    """What one launch runs on one GPU."""
+class Launch:
+    """What runs one call."""
 
-    config: KernelConfig
-    warp_specialized: bool  # hopper_attention's kernel (when q and out have unit stride along D)
-    kv_tma: bool  # Triton kernel: K/V tiles by descriptor loads
-    q_tma: bool  # Triton kernel: the prologue writes the reordered Q, read by descriptor loads
-    refused: tuple[str, ...] = ()  # variants of the entry this GPU does not run, and why
+    kernel: str  # TRITON, GLUON or TORCH
+    config: KernelConfig | None = None  # warps, stages and flags of the Triton and Gluon kernels
+    kv_tma: bool = False  # Triton kernel: K/V tiles by descriptor loads
+    q_tma: bool = False  # Triton kernel: the prologue writes the reordered Q, read by descriptor loads
+    passed_over: tuple[str, ...] = ()  # why faster kernels or variants do not run this call
 
-    def runs_warp_specialized(self, q: torch.Tensor, out: torch.Tensor) -> bool:
-        return self.warp_specialized and hopper_attention.takes_strides(q, out)
+    @property
+    def backend(self) -> str:
+        return "torch" if self.kernel == TORCH else "triton"
 
-    def prologue_writes_q(self, q: torch.Tensor, out: torch.Tensor) -> bool:
-        # the Gluon kernel's consumers gather their own query rows
-        return self.q_tma and not self.runs_warp_specialized(q, out)
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the reference runs a call that asked for "auto" (None when a kernel runs it)."""
+        return self.passed_over[-1] if self.kernel == TORCH and self.passed_over else None
+
+    def describe(self) -> str:
+        """One line for benchmarks and logs: the kernel, its config, and what it passed over."""
+        parts = [self.kernel]
+        if self.config is not None:
+            flags = [name for name, on in (("kv_tma", self.kv_tma), ("q_tma", self.q_tma),
+                                           ("overlap_qk", self.config.overlap_qk)) if on]
+            parts.append(f"{self.config.num_warps} warps x {self.config.num_stages} stages" +
+                         (f" ({', '.join(flags)})" if flags else ""))
+        if self.passed_over:
+            parts.append("passed over: " + "; ".join(self.passed_over))
+        return ", ".join(parts)
 
 
-# (arch, head_dim, bq, bk, qk, pv) -> config. Each entry is the fastest of a sweep on the CogVideoX-5B
-# (D=64), Wan2.1-1.3B and FLUX.1-dev (D=128) shapes at d = 1.0 and 0.2 (0.5 for the 128 x 64 ones);
-# where the D=128 shapes disagreed, Wan's choice (the longer sequence) is kept (Flux loses <= 10%).
-# int4 values run the int8 kernel: int4 entries repeat the int8 + fp8 ones. Numbers:
-# docs/notes/kernels-and-tiles.md and the results files it cites.
+@dataclass(frozen=True)
+class Refusal:
+    """No kernel of the asked backend runs the call; `reason` says why and what to do."""
+
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels' tile table.
+
 _T, _O, _TQ = dict(tma=True), dict(overlap_qk=True), dict(tma=True, q_tma=True)
 TABLE: dict[tuple, KernelConfig] = {
-    # 64 x 64 blocks: {4 warps x 2/3/4 stages} x {pointer loads, TMA} x {overlap_qk or not}; int8 QK +
-    # bf16 PV from an earlier 4-warp sweep
-    ("sm90", 64, 64, 64, "bf16", "bf16"): KernelConfig(4, 4, **_T),
-    ("sm90", 64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
-    ("sm90", 64, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **_O),
-    ("sm90", 64, 64, 64, "int8", "int8"): KernelConfig(4, 3),
-    ("sm90", 64, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **_O),
-    ("sm90", 128, 64, 64, "bf16", "bf16"): KernelConfig(4, 2, **_T, **_O),
-    ("sm90", 128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
-    ("sm90", 128, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **_T, **_O),
-    ("sm90", 128, 64, 64, "int8", "int8"): KernelConfig(4, 3, **_O),
-    ("sm90", 128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **_T, **_O),
+    # (head_dim, bq, bk, qk, pv) -> config. Each entry is the fastest of a sweep on the CogVideoX-5B
+    # (D=64), Wan2.1-1.3B and FLUX.1-dev (D=128) shapes at d = 1.0 and 0.2 (0.5 for the 128 x 64 ones);
+    # where the D=128 shapes disagreed, Wan's choice (the longer sequence) is kept. int4 values run the
+    # int8 kernel: int4 entries repeat the int8 + fp8 ones. Evidence: docs/notes/kernels-and-tiles.md.
+    # 64 x 64 blocks: {4 warps x 2/3/4 stages} x {pointer loads, TMA} x {overlap_qk or not}
+    (64, 64, 64, "bf16", "bf16"): KernelConfig(4, 4, **_T),
+    (64, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
+    (64, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **_O),
+    (64, 64, 64, "int8", "int8"): KernelConfig(4, 3),
+    (64, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **_O),
+    (128, 64, 64, "bf16", "bf16"): KernelConfig(4, 2, **_T, **_O),
+    (128, 64, 64, "int8", "bf16"): KernelConfig(4, 4),
+    (128, 64, 64, "int8", "fp8"): KernelConfig(4, 3, **_T, **_O),
+    (128, 64, 64, "int8", "int8"): KernelConfig(4, 3, **_O),
+    (128, 64, 64, "int4", "fp8"): KernelConfig(4, 3, **_T, **_O),
     # 128-row query tiles, 64-key blocks: one warpgroup issuing two m64 products; Q by descriptor
-    # (q_tma) where it was faster at d = 1.0 / 0.5 / 0.2 (D=64 bf16 and int8 PV stay without)
-    ("sm90", 64, 128, 64, "bf16", "bf16"): KernelConfig(8, 3),
-    ("sm90", 64, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
-    ("sm90", 64, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
-    ("sm90", 64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
-    ("sm90", 64, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **_TQ),
-    # D=128 bf16: the warp-specialized Gluon kernel with 3 K/V stages (5-14% faster than the Triton
-    # kernel on Wan2.1-1.3B, Wan2.1-14B and FLUX.1-dev on an H100, hopper-warp-specialized-variants-h100.json);
-    # the other fields are the Triton kernel's where the Gluon one cannot run
-    ("sm90", 128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **_TQ, warp_specialized=True),
-    ("sm90", 128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **_TQ),
-    ("sm90", 128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
-    ("sm90", 128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
-    ("sm90", 128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **_TQ),
-    # 128 x 128 blocks (plans with block_size=128): 4 warps was 2x slower than 8 at D=128; at D=64,
-    # 4 warps with Q by descriptor won
-    ("sm90", 64, 128, 128, "bf16", "bf16"): KernelConfig(4, 2, **_TQ),
-    ("sm90", 64, 128, 128, "int8", "fp8"): KernelConfig(4, 2, **_TQ),
-    ("sm90", 128, 128, 128, "bf16", "bf16"): KernelConfig(8, 2, **_T),
-    ("sm90", 128, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **_O),
+    # (q_tma) where it was faster (D=64 bf16 and int8 PV stay without)
+    (64, 128, 64, "bf16", "bf16"): KernelConfig(8, 3),
+    (64, 128, 64, "int8", "bf16"): KernelConfig(4, 3),
+    (64, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
+    (64, 128, 64, "int8", "int8"): KernelConfig(4, 3),
+    (64, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **_TQ),
+    # D=128 bf16: the warp-specialized Gluon kernel with 3 K/V stages
+    # (benchmarks/results/hopper-warp-specialized-variants-h100.json); the other fields are the Triton
+    # kernel's where the Gluon one cannot run
+    (128, 128, 64, "bf16", "bf16"): KernelConfig(4, 3, **_TQ, warp_specialized=True),
+    (128, 128, 64, "int8", "bf16"): KernelConfig(4, 3, **_TQ),
+    (128, 128, 64, "int8", "fp8"): KernelConfig(4, 3, **_TQ),
+    (128, 128, 64, "int8", "int8"): KernelConfig(8, 3),
+    (128, 128, 64, "int4", "fp8"): KernelConfig(4, 3, **_TQ),
+    # 128 x 128 blocks (plans with block_size=128)
+    (64, 128, 128, "bf16", "bf16"): KernelConfig(4, 2, **_TQ),
+    (64, 128, 128, "int8", "fp8"): KernelConfig(4, 2, **_TQ),
+    (128, 128, 128, "bf16", "bf16"): KernelConfig(8, 2, **_T),
+    (128, 128, 128, "int8", "fp8"): KernelConfig(8, 3, **_O),
 }
 del _T, _O, _TQ
 
 # keys not in the table (e.g. 32-token blocks): the warps and stages most entries share
 DEFAULT_CONFIG = KernelConfig(4, 3)
+TUNED_ON = "sm90"  # the GPU the table was measured on
 
 _PINNED: dict[tuple, KernelConfig] = {}
-_CHOICES: dict[tuple, KernelChoice] = {}
 
 
-def arch_of(device: torch.device) -> str:
-    """"sm90", "sm80", ... for a CUDA device; "interpreter" under TRITON_INTERPRET=1."""
-    if interpreting():
-        return INTERPRETER
-    # asked on every call of the op: torch's query costs more host time than the rest of the choice
-    # (a plain dict, which torch.compile traces, where functools.cache would only be warned about)
-    arch = _ARCHS.get(device)
-    if arch is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        arch = _ARCHS[device] = f"sm{major}{minor}"
-    return arch
-
-
-_ARCHS: dict[torch.device, str] = {}
-
-
-def _has_tma(arch: str) -> bool:
-    return arch == INTERPRETER or int(arch[2:]) >= 90
+def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
+    """The pinned or tabled config of one key (before a GPU turns off what it lacks)."""
+    key = (head_dim, bq, bk, qk, pv)
+    return _PINNED.get(key) or TABLE.get(key, DEFAULT_CONFIG)
 
 
 def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv: str = "bf16") -> str | None:
     """What makes `config` unusable for blocks (bq, bk) and modes (qk, pv) on any GPU (None: nothing)."""
+    from . import hopper_attention
+
     if config.warp_specialized and ((bq, bk) != (hopper_attention.BLOCK_M, hopper_attention.BLOCK_N)
                                     or (qk, pv) not in hopper_attention.MODES):
         return (f"KernelConfig(warp_specialized=True) runs (qk, pv) in {hopper_attention.MODES} at blocks "
@@ -156,44 +210,10 @@ def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv:
     return None
 
 
-def _gluon_refusal(arch: str) -> str | None:
-    if hopper_attention.gluon is None:
-        return "this triton has no Gluon"
-    if not triton.__version__.startswith(hopper_attention.TESTED_TRITON):
-        return f"triton {triton.__version__} is not one the Gluon kernel was tested with {hopper_attention.TESTED_TRITON}"
-    if arch != TUNED_ARCH:
-        return f"the Gluon kernel needs sm_90 (wgmma); this is {arch}"
-    return None
-
-
-def kernel_choice(arch: str, head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelChoice:
-    """The kernel, config and loads of one key on one arch; raises KernelUnavailable when none runs it."""
-    key = (arch, head_dim, bq, bk, qk, pv)
-    choice = _CHOICES.get(key)
-    if choice is not None:
-        return choice
-    if head_dim not in HEAD_DIMS:
-        raise KernelUnavailable(f"the triton backend supports head dims {HEAD_DIMS}; got D={head_dim}")
-    blocks = (16, 32, 64, 128) if arch == INTERPRETER else (32, 64, 128)
-    if bq not in blocks or bk not in blocks:
-        raise KernelUnavailable(f"the triton backend supports block sizes {blocks}; got (bq, bk) = ({bq}, {bk})")
-    entry = key[1:]
-    config = _PINNED.get(entry) or TABLE.get((TUNED_ARCH, *entry), DEFAULT_CONFIG)
-    refused = []
-    tma, q_tma = config.tma, config.q_tma
-    if (tma or q_tma) and not _has_tma(arch):
-        refused.append(f"TMA loads need sm_90 or newer; this is {arch}")
-        tma = q_tma = False
-    warp_specialized = config.warp_specialized
-    if warp_specialized and (reason := _gluon_refusal(arch)):
-        refused.append(reason)
-        warp_specialized = False
-    choice = _CHOICES[key] = KernelChoice(config, warp_specialized, tma, q_tma, tuple(refused))
-    return choice
-
-
 def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config: KernelConfig | None) -> None:
-    """Pin (or with None, forget) the config of one key on every arch; sweeps and tests use this."""
+    """Pin (or with None, forget) the config of one key on every GPU; sweeps and tests use this."""
+    from .runtime import forget_decisions
+
     key = (head_dim, bq, bk, qk, pv)
     if config is not None and (problem := config_problem(config, bq, bk, qk, pv)):
         raise ValueError(problem)
@@ -201,24 +221,125 @@ def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config:
         _PINNED.pop(key, None)
     else:
         _PINNED[key] = config
-    _CHOICES.clear()
-    invalidate_sequences()  # recorded launches of the old choice
+    forget_decisions()
 
 
-def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
-    """The pinned or tabled config of one key (before any variant is refused on a GPU)."""
-    key = (head_dim, bq, bk, qk, pv)
-    return _PINNED.get(key) or TABLE.get((TUNED_ARCH, *key), DEFAULT_CONFIG)
+# ---------------------------------------------------------------------------------------------
+# The kernel families: what each needs, as named predicates.
 
 
-def unsupported_reason(q: torch.Tensor, bq: int, bk: int, qk: str = "bf16", pv: str = "bf16") -> str | None:
-    """Why no Triton kernel runs this call (None when one does): device, dtype, head dim, block sizes."""
-    if not (q.is_cuda or interpreting()):
-        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {q.device}"
-    try:
-        kernel_choice(arch_of(q.device), q.shape[-1], bq, bk, qk, pv)
-    except KernelUnavailable as exc:
-        return str(exc)
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"the triton backend takes float16 or bfloat16 q, k, v; got {q.dtype} (cast them)"
+def _on_triton_device(call: Call) -> str | None:
+    if not call.gpu.triton:
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests); got {call.gpu.name}"
     return None
+
+
+def _head_dim_64_or_128(call: Call) -> str | None:
+    if call.head_dim not in HEAD_DIMS:
+        return f"the triton backend supports head dims {HEAD_DIMS}; got D={call.head_dim}"
+    return None
+
+
+def _tiled_blocks(call: Call) -> str | None:
+    blocks = (16, 32, 64, 128) if call.gpu is INTERPRETER else (32, 64, 128)
+    if call.bq not in blocks or call.bk not in blocks:
+        return f"the triton backend supports block sizes {blocks}; got (bq, bk) = ({call.bq}, {call.bk})"
+    return None
+
+
+def _half_precision(call: Call) -> str | None:
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return f"the triton backend takes float16 or bfloat16 q, k, v; got {call.dtype} (cast them)"
+    return None
+
+
+def _table_prefers_warp_specialized(call: Call) -> bool:
+    return kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv).warp_specialized
+
+
+def _gluon_tested(call: Call) -> str | None:
+    import triton
+
+    from . import hopper_attention
+
+    if hopper_attention.gluon is None:
+        return "this triton has no Gluon"
+    if not triton.__version__.startswith(hopper_attention.TESTED_TRITON):
+        return f"triton {triton.__version__} is not one the Gluon kernel was tested with {hopper_attention.TESTED_TRITON}"
+    return None
+
+
+def _has_wgmma(call: Call) -> str | None:
+    if not call.gpu.wgmma:
+        return f"the Gluon kernel needs sm_90 (wgmma); this is {call.gpu.name}"
+    return None
+
+
+def _no_key_mask(call: Call) -> str | None:
+    # the padded model (HunyuanVideo) runs integer QK, the Triton kernel's anyway; the Gluon kernel's
+    # pipelined consumers could not be checked with a mask in the interpreter
+    return "the Gluon kernel takes no key mask" if call.key_mask else None
+
+
+def _unit_stride(call: Call) -> str | None:
+    # a stride passed to a Gluon worker partition is a runtime value: 1 must be built in for 16-byte accesses
+    return None if call.unit_stride else "the Gluon kernel reads q and writes out with unit stride along D"
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    kernel: str
+    needs: tuple[Callable[[Call], str | None], ...]  # each: the reason it refuses a call, or None
+    tiles: Callable[[Call], Launch]
+    preferred: Callable[[Call], bool] = lambda call: True  # where it is not, it is skipped without a reason
+
+    def refusal(self, call: Call) -> str | None:
+        for need in self.needs:
+            if (reason := need(call)) is not None:
+                return reason
+        return None
+
+
+def _triton_tiles(call: Call) -> Launch:
+    config = kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv)
+    passed_over = ()
+    tma, q_tma = config.tma, config.q_tma
+    if (tma or q_tma) and not call.gpu.tma:
+        passed_over = (f"TMA loads need sm_90 or newer; this is {call.gpu.name}",)
+        tma = q_tma = False
+    return Launch(TRITON, config, kv_tma=tma, q_tma=q_tma, passed_over=passed_over)
+
+
+_TRITON_NEEDS = (_on_triton_device, _head_dim_64_or_128, _tiled_blocks, _half_precision)
+TRITON_FAMILY = KernelFamily(TRITON, _TRITON_NEEDS, _triton_tiles)
+GLUON_FAMILY = KernelFamily(
+    GLUON, (*_TRITON_NEEDS, _gluon_tested, _has_wgmma, _no_key_mask, _unit_stride),
+    lambda call: Launch(GLUON, kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv)),
+    preferred=_table_prefers_warp_specialized,
+)
+TORCH_FAMILY = KernelFamily(TORCH, (), lambda call: Launch(TORCH))
+
+# per backend, its families in order of preference; the last kernel family's refusal is the one a caller
+# is told (the others are faster variants of it)
+FAMILIES: dict[str, tuple[KernelFamily, ...]] = {
+    "torch": (TORCH_FAMILY,),
+    "triton": (GLUON_FAMILY, TRITON_FAMILY),
+    "auto": (GLUON_FAMILY, TRITON_FAMILY, TORCH_FAMILY),
+}
+
+
+def resolve(call: Call, backend: str = "auto") -> Launch | Refusal:
+    """The first family of `backend` that runs `call`, with the reasons of the preferred ones that do not
+    (for "auto" falling back to the reference, its last reason is why: `Launch.fallback_reason`)."""
+    if backend == "auto" and not call.gpu.cuda:
+        return Launch(TORCH)  # off CUDA, the reference is what "auto" means: nothing to warn about
+    reasons: list[str] = []
+    for family in FAMILIES[backend]:
+        if not family.preferred(call):
+            continue
+        reason = family.refusal(call)
+        if reason is None:
+            launch = family.tiles(call)
+            return Launch(launch.kernel, launch.config, launch.kv_tma, launch.q_tma, (*reasons, *launch.passed_over))
+        reasons.append(reason)
+    return Refusal(reasons[-1])

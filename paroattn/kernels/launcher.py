@@ -245,6 +245,15 @@ class LaunchSequence:
         return True
 
 
+_LAUNCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_launchers() -> None:
+    """`CachedLauncher.clear` of every launcher."""
+    for launcher in list(_LAUNCHERS):
+        launcher.clear()
+
+
 class CachedLauncher:
     """`launcher(key, grid, args, constexprs, **options)` runs `kernel[grid](*args, **constexprs, **options)`;
     `constexprs` in the kernel's parameter order after `args`. Only the first launch of a key binds and
@@ -254,6 +263,7 @@ class CachedLauncher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
+        _LAUNCHERS.add(self)
         self.direct_launches = 0  # launches that skipped the binding (tests check the cache is used)
         self.raw_launches = 0  # of those, launches through the C function (tests check it is taken)
         self._direct = True  # cleared if this triton's launcher does not take the call (the full path always works)

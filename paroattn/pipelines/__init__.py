@@ -24,7 +24,9 @@ from ..errors import PlanError
 from ..layout import TokenLayout
 from ..plan import Plan
 from .base import CallInputs, FamilyAdapter, pixel_scale_of
-from .processor import Binding, CaptureProcessor, PAROProcessor
+from .binding import Binding
+from .capture import CaptureProcessor
+from .processor import PAROProcessor
 from .registry import expert_role, family_of, pipeline_experts, require_family, resolve_transformer
 
 __all__ = [

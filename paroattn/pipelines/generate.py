@@ -80,7 +80,7 @@ def output_problem(out: str | Path, video: bool | None = None) -> str | None:
 def option_problem(backend: str, on_mismatch: str) -> str | None:
     """Why `backend` or `on_mismatch` is not a valid choice, or None."""
     from ..attention import BACKENDS
-    from .processor import ON_MISMATCH
+    from .plan_fit import ON_MISMATCH
 
     if backend not in BACKENDS:
         return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"

@@ -13,6 +13,9 @@ GPU memory for masks is `slots` x the largest layer, whatever the number of laye
 
 For `backend="torch"` (CPU, tests) the op takes the bool masks; they are sliced from the plan as is.
 
+Both give a layer's device `orders[layer]`, `dense_flag(bucket, layer)` and `get(bucket, layer)`, so a
+call of the processor has one path whichever store serves it.
+
 `StackedMasks` is what a forward traced by torch.compile reads instead: every (bucket, layer) resident on
 the device in one stacked tensor per kind, so that the bucket, a device tensor computed from the timestep,
 selects a layer's mask by indexing (no host read, no branch per bucket, one graph for every step). Streaming
@@ -49,6 +52,8 @@ class MaskStore:
         self.plan = plan
         self.device = torch.device(device)
         self.lists = lists
+        self.orders = plan.orders.to(device=self.device, dtype=torch.int32)  # [L, H]
+        self._dense_flags = tuple(tuple(bool(x) for x in row) for row in plan.dense.tolist())
         self.hits = 0
         self.misses = 0
         self.copies = 0
@@ -130,6 +135,10 @@ class MaskStore:
             if candidate > layer:
                 return candidate
         return layers[0]  # the next forward most likely stays in this bucket
+
+    def dense_flag(self, bucket: int, layer: int) -> bool:
+        """Whether the plan runs the model's own attention for (bucket, layer)."""
+        return self._dense_flags[bucket][layer]
 
     def begin(self, bucket: int) -> None:
         """A forward starts in `bucket`: start copying its first sparse layer."""
@@ -292,6 +301,14 @@ class StackedMasks:
             self.num_key_blocks,
             self._pick(self.schedule, bucket, layer),
         )
+
+    def begin(self, bucket) -> None:
+        """Nothing to prefetch: every mask is resident."""
+
+    def dense_flag(self, bucket: torch.Tensor | int, layer: int) -> bool | None:
+        """Whether the plan runs the model's own attention for (bucket, layer), known on the host: for a
+        bucket on the device, None when the flag depends on it (then `is_dense` picks on the device)."""
+        return self.layer_dense[layer] if isinstance(bucket, torch.Tensor) else self.dense_flags[bucket][layer]
 
     def is_dense(self, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
         """0-dim bool tensor: whether the plan runs the model's own attention for (bucket, layer)."""

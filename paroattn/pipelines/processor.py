@@ -1,13 +1,6 @@
-"""Attention processors: `PAROProcessor` (plan-driven sparse attention) and `CaptureProcessor` (dense,
-hands q and k to a callback for calibration). One processor instance serves every layer of a
-transformer: it binds to the transformer once, maps each attention module to its plan layer, and
-installs a forward pre-hook that tells it the timestep and token layout of the current call.
-
-Binding happens in `paroattn.apply` / `capture_attention`, or lazily on the first call when a lone
-instance was installed with `transformer.set_attn_processor(PAROProcessor(plan))`: diffusers passes
-the attention module as the first argument, and the processor finds the transformer whose forward
-is running by walking up the Python frames (once). That first forward's timestep and layout are
-read from the transformer's frame; later forwards go through the pre-hook.
+"""`PAROProcessor`: runs each self-attention layer with the plan's per-head orders and per-bucket block
+masks through `paroattn.paro_attention`. Binding to the transformer is `binding.py`'s, whether the plan
+fits the model and the call is `plan_fit.py`'s; this module is the call itself and the masks it reads.
 
 Under `torch.compile(transformer, fullgraph=True)` the processor is traced into the transformer's graph
 and the pre-hook into a frame of its own that records the call's inputs and does no tensor work (which
@@ -30,284 +23,30 @@ token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a hos
 
 from __future__ import annotations
 
-import itertools
-import sys
-import weakref
-
 import torch
 
-from ..attention import BACKENDS, paro_attention, warn
+from ..attention import BACKENDS, decide, paro_attention
 from ..errors import PlanError
-from ..layout import TokenLayout
-from ..plan import Plan, model_fingerprint
-from .base import CallInputs, FamilyAdapter, PixelScale, SelfAttentionCall
+from ..kernels.dispatch import Launch
+from ..plan import Plan
+from . import plan_fit
+from .base import CallInputs, PixelScale
+from .binding import BINDINGS, Binding, BoundProcessor
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
-from .registry import family_of, require_family
-from .timesteps import ForwardTracker
-
-ON_MISMATCH = ("error", "dense")
-
-# bindings by token, for `_prepare_stacked`, which a traced forward calls with constants only
-_BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_TOKENS = itertools.count()
 
 
 @torch._dynamo.assume_constant_result
-def _prepare_stacked(token: int, device: str, head_dim: int, dtype: torch.dtype) -> bool:
-    """Build binding `token`'s `StackedMasks` for `device` unless it exists, and settle the Triton kernel
-    choice for q's head dim and dtype. Called from a forward traced by torch.compile: dynamo runs it eagerly
-    while tracing (its result is a constant), so the store's tensors exist before the graph reads them and
-    enter it as inputs (not as ops that would rebuild them every call), and the kernel dispatcher's memo is
-    filled before the traced dispatch reads it (filling it while tracing would recompile the next call)."""
-    binding = _BINDINGS[token]
-    binding.processor.prepare_traced(binding, torch.device(device), head_dim, dtype)
+def _prepare_stacked(token: int, device: str) -> bool:
+    """Build binding `token`'s `StackedMasks` for `device` unless it exists. Called from a forward traced by
+    torch.compile: dynamo runs it eagerly while tracing (its result is a constant), so the store's tensors
+    exist before the graph reads them and enter it as inputs (not as ops that would rebuild them every call)."""
+    binding = BINDINGS[token]
+    binding.processor.prepare_traced(binding, torch.device(device))
     return True
 
 
-@torch._dynamo.assume_constant_result
-def _traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: str | None) -> str | None:
-    """`PAROProcessor.layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted
-    eagerly while the graph is traced; a mismatch under on_mismatch="error" raises its PlanError here."""
-    binding = _BINDINGS[token]
-    inputs = CallInputs(0.0, None if shape is None else TokenLayout(*shape), problem)
-    message = binding.processor.layout_problem(binding, inputs)
-    if message is not None and binding.processor.on_mismatch == "error":
-        raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
-    return message
-
-
-class Binding:
-    """One processor bound to one transformer: its layers, the current call, and (PARO) its masks."""
-
-    def __init__(self, processor: _BoundProcessor, transformer, family: FamilyAdapter):
-        self.processor = processor
-        self.family = family
-        self.transformer_ref = weakref.ref(transformer)
-        self.keys = family.self_attention_layers(transformer)
-        self.modules = [transformer.get_submodule(key[: -len(".processor")]) for key in self.keys]
-        self.transformer_class = type(transformer).__name__
-        self.static_problem: str | None = None
-        self.inputs: CallInputs | None = None
-        self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
-        self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
-        self.call_problem: str | None = None
-        self.masks: MaskStore | None = None
-        self.orders_device: torch.Tensor | None = None
-        self.stacked_masks: dict[str, StackedMasks] = {}  # by device, for traced forwards
-        self.token = next(_TOKENS)
-        _BINDINGS[self.token] = self
-        self.warned: set[str] = set()
-        self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.tracker = ForwardTracker(transformer, family, on_call=self._on_call)
-
-    @property
-    def transformer(self):
-        return self.transformer_ref()
-
-    def installed(self) -> bool:
-        """Whether the processor still serves this transformer's first self-attention layer."""
-        return len(self.modules) > 0 and self.modules[0].processor is self.processor
-
-    def _on_call(self, inputs: CallInputs) -> None:
-        self.inputs = inputs
-        if self.installed():
-            self.processor.begin_forward(self, inputs)
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            warn(message, stacklevel=3)
-
-    def delegate(self, attn):
-        """The module's default processor, for attention a PAROProcessor does not handle (Wan attn2)."""
-        processor = self.delegates.get(attn)
-        if processor is None:
-            processor = self.add_delegate(attn)
-        return processor
-
-    def add_delegate(self, attn):
-        processor = self.delegates[attn] = self.family.default_processor(attn)
-        self.sync_delegate(processor)
-        return processor
-
-    def sync_delegate(self, processor) -> None:
-        """Give a delegate the attention backend and parallel config the processor has now."""
-        for name in ("_attention_backend", "_parallel_config"):
-            if hasattr(processor, name):
-                setattr(processor, name, getattr(self.processor, name, None))
-
-    def drop_masks(self) -> None:
-        """Forget the masks and orders built for devices (the processor's plan of heads changed)."""
-        if self.masks is not None:
-            self.masks.close()
-            self.masks = None
-        self.orders_device = None
-        self.stacked_masks = {}
-
-    def close(self) -> None:
-        self.tracker.remove()
-        self.drop_masks()
-
-
-class _BoundProcessor:
-    """Shared machinery: find the layer of each call, bind to its transformer, split the processor."""
-
-    # read by diffusers' set_attention_backend, and passed to the dense path
-    _attention_backend = None
-    _parallel = None
-
-    def __init__(self):
-        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attn -> (binding, layer | None)
-        self._bindings: list[Binding] = []
-
-    @property
-    def _parallel_config(self):
-        """What diffusers' `enable_parallelism` sets on every attention processor (a `ParallelConfig`), passed to
-        the dense path; `on_parallel_config` sees each assignment (`paroattn.apply` copies it from the processor
-        it replaces)."""
-        return self._parallel
-
-    @_parallel_config.setter
-    def _parallel_config(self, config) -> None:
-        if config is self._parallel:  # enable_parallelism sets it on every module this instance serves
-            return
-        self._parallel = config
-        self.on_parallel_config(config)
-
-    def on_parallel_config(self, config) -> None:
-        pass
-
-    # -- binding -----------------------------------------------------------------------------
-    def bind(self, transformer) -> Binding:
-        for binding in self._bindings:
-            if binding.transformer is transformer:
-                return binding
-        binding = Binding(self, transformer, require_family(transformer))
-        for layer, module in enumerate(binding.modules):
-            self._entries[module] = (binding, layer)
-        # the other attention modules (Wan's attn2) are known up front too, so a traced forward of a lone
-        # processor finds every module it is called for without writing to `_entries` (a recompile)
-        for module in transformer.modules():
-            if hasattr(module, "processor") and module not in self._entries:
-                self._entries[module] = (binding, None)
-                try:  # and their default processors (made on first use otherwise, which raises what this hides)
-                    binding.add_delegate(module)
-                except Exception:
-                    pass
-        self._bindings.append(binding)
-        self.on_bind(binding)
-        return binding
-
-    def unbind(self, binding: Binding) -> None:
-        binding.close()
-        if binding in self._bindings:
-            self._bindings.remove(binding)
-        for module in list(self._entries.keys()):
-            if self._entries[module][0] is binding:
-                del self._entries[module]
-
-    def on_bind(self, binding: Binding) -> None:
-        pass
-
-    def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
-        pass
-
-    def _entry(self, attn):
-        entry = self._entries.get(attn)
-        if entry is not None:
-            return entry
-        for binding in self._bindings:  # an attention module we do not handle (Wan attn2)?
-            transformer = binding.transformer
-            if transformer is not None and any(m is attn for m in transformer.modules()):
-                self._entries[attn] = (binding, None)
-                return self._entries[attn]
-        return self._bind_from_frames(attn)
-
-    @torch.compiler.disable(reason=(
-        "a PAROProcessor installed with set_attn_processor finds its transformer by walking the Python frames "
-        "of its first forward, which torch.compile cannot trace: bind it before compiling, with "
-        "paroattn.apply(transformer, plan) or processor.bind(transformer), or run one forward without compile"
-    ))
-    def _bind_from_frames(self, attn):
-        if context_parallel_config(self._parallel_config) is not None:
-            # the forward's locals hold this GPU's chunk of the inputs (Flux's position ids), not the call's layout
-            raise RuntimeError(
-                f"{type(self).__name__} under diffusers' context parallelism must be bound to its transformer before "
-                "the first forward: use paroattn.apply(transformer, plan), or call processor.bind(transformer)"
-            )
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-            family = family_of(owner) if isinstance(owner, torch.nn.Module) else None
-            if family is not None and any(m is attn for m in owner.modules()):
-                binding = self.bind(owner)
-                binding.tracker.set(binding.family.call_inputs_from_locals(owner, frame.f_locals))
-                entry = self._entries.get(attn)
-                if entry is None:
-                    entry = self._entries[attn] = (binding, None)
-                return entry
-            frame = frame.f_back
-        raise RuntimeError(
-            f"{type(self).__name__} was called for a {type(attn).__name__} outside the forward of a supported "
-            "transformer, so it cannot tell which layer this is: install it on a whole transformer "
-            "(`transformer.set_attn_processor(processor)` or `paroattn.apply(pipe, plan)`)"
-        )
-
-    # -- the call ----------------------------------------------------------------------------
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb=None,
-    ):
-        binding, layer = self._entry(attn)
-        if layer is None or not binding.family.is_self_attention(attn, encoder_hidden_states):
-            return binding.delegate(attn)(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        call = binding.family.qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        out = self.attend(binding, attn, layer, call, attention_mask)
-        return binding.family.finish(attn, out, call)
-
-    def dense(self, binding: Binding, attn, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
-        call = binding.family.rotate(call)
-        return binding.family.dense(attn, call, attention_mask, self._attention_backend, self._parallel_config)
-
-    def attend(self, binding: Binding, attn, layer: int, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class CaptureProcessor(_BoundProcessor):
-    """Dense attention, identical to the model's own, that first calls
-    `callback(layer, q, k, layout, timestep, suffix_mask)` with q, k [B, H, N, D] after norms and RoPE and
-    the op's `suffix_mask` of the call ([B, suffix] bool, False at padded text keys; None: none padded)."""
-
-    def __init__(self, callback):
-        super().__init__()
-        self.callback = callback
-
-    def on_parallel_config(self, config) -> None:
-        if context_parallel_config(config) is not None:
-            raise PlanError(
-                "calibration captures each head's attention over the whole sequence on one GPU; this transformer runs "
-                "under diffusers' context parallelism (enable_parallelism), which gives each GPU a chunk of it: "
-                "calibrate on one GPU without enable_parallelism (the plan then serves any ulysses_degree)"
-            )
-
-    def attend(self, binding, attn, layer, call, attention_mask):
-        inputs = binding.inputs
-        if inputs.layout is None:
-            raise PlanError(f"cannot capture attention of this call: {inputs.problem}")
-        call = binding.family.rotate(call)
-        suffix_mask = None
-        if attention_mask is not None:  # padded text keys (HunyuanVideo): absent from the statistics as from the op
-            _, suffix_mask = binding.family.suffix_mask(attention_mask, inputs.layout)
-        self.callback(layer, call.q, call.k, inputs.layout, inputs.timestep_1000(), suffix_mask)
-        return self.dense(binding, attn, call, attention_mask)
-
-
-class PAROProcessor(_BoundProcessor):
+class PAROProcessor(BoundProcessor):
     """Runs each self-attention layer with the plan's per-head orders and per-bucket block masks.
 
     `backend`: "auto" (the Triton kernels on CUDA where they fit the call: head dim 64 or 128, fp16 or
@@ -330,8 +69,8 @@ class PAROProcessor(_BoundProcessor):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {ON_MISMATCH}")
+        if on_mismatch not in plan_fit.ON_MISMATCH:
+            raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {plan_fit.ON_MISMATCH}")
         self.plan = plan
         self.backend = backend
         self.on_mismatch = on_mismatch
@@ -349,25 +88,7 @@ class PAROProcessor(_BoundProcessor):
 
     def plan_problems(self, binding: Binding) -> list[str]:
         """Ways the plan does not fit the bound transformer (empty when it fits)."""
-        plan, transformer = self.plan, binding.transformer
-        problems = []
-        if plan.model_class and plan.model_class != binding.transformer_class:
-            problems.append(f"plan was calibrated for {plan.model_class}; this model is {binding.transformer_class}")
-        heads = {int(m.heads) for m in binding.modules}
-        if heads != {plan.num_heads}:
-            problems.append(f"plan has {plan.num_heads} heads per layer; this model has {sorted(heads)}")
-        if plan.num_layers != len(binding.modules):
-            problems.append(
-                f"plan has {plan.num_layers} self-attention layers; this model has {len(binding.modules)}"
-                + (" (a layer is missing from the plan)" if plan.num_layers < len(binding.modules) else "")
-            )
-        actual = model_fingerprint(transformer.config)
-        if plan.model_fingerprint and plan.model_fingerprint != actual:
-            problems.append(
-                f"plan was calibrated for a model config with fingerprint {plan.model_fingerprint}; this model's "
-                f"config has {actual} (another checkpoint or size)"
-            )
-        return problems
+        return plan_fit.plan_problems(self.plan, binding)
 
     def on_bind(self, binding: Binding) -> None:
         binding.family.planned_layout = self.plan.layout
@@ -383,7 +104,7 @@ class PAROProcessor(_BoundProcessor):
         message = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
         if self.on_mismatch == "error":
             self.unbind(binding)
-            raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
+            raise PlanError(message + plan_fit.OR_DENSE)
         binding.static_problem = message
         binding.warn_once("static", message + "; running the model's own attention (on_mismatch='dense')")
 
@@ -412,30 +133,13 @@ class PAROProcessor(_BoundProcessor):
         if problem is None:
             return False
         if self.on_mismatch == "error":
-            raise PlanError(problem + " (or pass on_mismatch='dense' to run the model's own attention)")
+            raise PlanError(problem + plan_fit.OR_DENSE)
         self._ulysses, self.parallel_problem = None, problem
         return True
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
-        plan_layout = self.plan.layout
-        family, transformer, scale = binding.family, binding.transformer, self.scale(binding)
-        if inputs.layout is None:
-            return f"this call has no PARO token layout: {inputs.problem}"
-        if inputs.layout == plan_layout:
-            return None
-        if (inputs.layout.frames, inputs.layout.height, inputs.layout.width) == (plan_layout.frames, plan_layout.height,
-                                                                                 plan_layout.width):
-            planned, found = plan_layout.prefix + plan_layout.suffix, inputs.layout.prefix + inputs.layout.suffix
-            return (
-                f"plan was calibrated with {planned} text tokens; this call has {found}: "
-                f"pass max_sequence_length={planned} to the pipeline, or run "
-                f"`{family.calibrate_command(transformer, inputs.layout, scale)}` with the pipeline's text length"
-            )
-        return (
-            f"plan was calibrated for {plan_layout} tokens ({family.describe_size(transformer, plan_layout, scale)}); "
-            f"this call has {inputs.layout} ({family.describe_size(transformer, inputs.layout, scale)}): run "
-            f"`{family.calibrate_command(transformer, inputs.layout, scale)}` for this size"
-        )
+        """Why the plan does not fit this call's tokens (None when it does)."""
+        return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding))
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
         traced = torch.compiler.is_compiling()
@@ -451,12 +155,12 @@ class PAROProcessor(_BoundProcessor):
         elif traced:  # the messages are formatted eagerly (dynamo cannot trace formatting the layouts)
             layout = inputs.layout
             shape = None if layout is None else layout.fields
-            binding.call_problem = _traced_layout_problem(binding.token, shape, inputs.problem)
+            binding.call_problem = plan_fit.traced_layout_problem(binding.token, shape, inputs.problem)
         else:
             binding.call_problem = self.layout_problem(binding, inputs)
         if binding.call_problem is not None:
             if self.on_mismatch == "error":
-                raise PlanError(binding.call_problem + " (or pass on_mismatch='dense' to run the model's own attention)")
+                raise PlanError(binding.call_problem + plan_fit.OR_DENSE)
             binding.warn_once(
                 "layout " + binding.call_problem,
                 binding.call_problem + "; running the model's own attention (on_mismatch='dense')",
@@ -465,15 +169,19 @@ class PAROProcessor(_BoundProcessor):
             binding.masks.begin(binding.bucket)
 
     # -- the call ----------------------------------------------------------------------------
-    def uses_block_lists(self, device: torch.device) -> bool:
-        # active-block lists feed the Triton kernels ("auto" picks them on CUDA when the call fits them;
-        # the torch backend takes lists too, expanding them)
-        return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
+    def uses_block_lists(self, binding: Binding, device: torch.device) -> bool:
+        """Whether the op runs a kernel for this transformer's calls on `device` (then masks are passed as
+        active-block lists, built once; the reference takes bool masks)."""
+        transformer = binding.transformer
+        probe = torch.empty(1, 1, 1, binding.head_dim, dtype=transformer.dtype if transformer is not None else
+                            torch.bfloat16, device="meta")
+        decision = decide(probe, *self.plan.block_size, self.plan.qk, self.plan.pv, self.backend, device=device)
+        return isinstance(decision, Launch) and decision.backend != "torch"
 
     def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
         if binding.masks is None or binding.masks.device != device:
             binding.masks = MaskStore(
-                self.head_plan, device, lists=self.uses_block_lists(device),
+                self.head_plan, device, lists=self.uses_block_lists(binding, device),
                 resident=self.resident, slots=self.prefetch_slots,
             )
             binding.masks.begin(binding.bucket)
@@ -483,23 +191,16 @@ class PAROProcessor(_BoundProcessor):
         """Build the masks of every (bucket, layer) for `device` now instead of on the first call."""
         return self._masks(binding, torch.device(device))
 
-    def prepare_traced(self, binding: Binding, device, head_dim: int | None = None,
-                       dtype: torch.dtype | None = None) -> StackedMasks:
+    def prepare_traced(self, binding: Binding, device) -> StackedMasks:
         """Build what forwards traced by torch.compile read on `device` now (otherwise done while the first
-        one is traced, see `_prepare_stacked`): the stacked masks, and with q's head dim and dtype the Triton
-        kernel choice. Active-block lists are kept resident only when `resident` allows it."""
+        one is traced, see `_prepare_stacked`): the stacked masks. Active-block lists are kept resident only
+        when `resident` allows it."""
         device = torch.device(device)
-        if head_dim is not None and dtype is not None and (
-                self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")):
-            from ..kernels.dispatch import unsupported_reason
-
-            unsupported_reason(torch.empty(1, 1, 1, head_dim, dtype=dtype, device=device), *self.plan.block_size,
-                               self.plan.qk, self.plan.pv)
         key = str(device)
         store = binding.stacked_masks.get(key)
         if store is not None:
             return store
-        lists = self.uses_block_lists(device)
+        lists = self.uses_block_lists(binding, device)
         if lists:
             size = StackedMasks.list_bytes(self.head_plan)
             if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
@@ -532,18 +233,14 @@ class PAROProcessor(_BoundProcessor):
             binding.warn_once("parallel", self.parallel_problem + "; running the model's own attention (on_mismatch='dense')")
             return self.dense(binding, attn, call, attention_mask)
         plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
-        traced = torch.compiler.is_compiling()
-        store = None
-        if traced:
-            _prepare_stacked(binding.token, str(call.q.device), call.q.shape[-1], call.q.dtype)
-            store = binding.stacked_masks[str(call.q.device)]
+        if torch.compiler.is_compiling():
+            _prepare_stacked(binding.token, str(call.q.device))
+            masks = binding.stacked_masks[str(call.q.device)]
             bucket = self._traced_bucket(binding)
-            # static: a Python bool (dense in every bucket, in none, or in this host bucket), or None when
-            # the flag depends on a bucket known only on the device
-            dense = store.layer_dense[layer] if isinstance(bucket, torch.Tensor) else store.dense_flags[bucket][layer]
         else:
-            bucket = binding.bucket
-            dense = bool(plan.dense[bucket, layer])
+            masks, bucket = self._masks(binding, call.q.device), binding.bucket
+        # a Python bool; None only when traced and the flag depends on a bucket known on the device alone
+        dense = masks.dense_flag(bucket, layer)
         if dense is True:
             return self.dense(binding, attn, call, attention_mask)
         suffix_mask = None
@@ -565,14 +262,7 @@ class PAROProcessor(_BoundProcessor):
                 f"({layout.seq_len} tokens, {layout.prefix} text): the call does not follow the "
                 f"{binding.family.name} token layout"
             )
-        device = call.q.device
-        if store is not None:
-            orders, block_mask = store.orders[layer], store.get(bucket, layer)
-        else:
-            masks = self._masks(binding, device)
-            if binding.orders_device is None or binding.orders_device.device != device:
-                binding.orders_device = plan.orders.to(device=device, dtype=torch.int32)
-            orders, block_mask = binding.orders_device[layer], masks.get(bucket, layer)
+        orders, block_mask = masks.orders[layer], masks.get(bucket, layer)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
         q, k, v, rotary = call.q, call.k, call.v, call.rotary
@@ -597,5 +287,5 @@ class PAROProcessor(_BoundProcessor):
         if dense is None:
             # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
             # RoPE reads q and k before the model's own RoPE may rotate them in place)
-            out = torch.where(store.is_dense(bucket, layer), self.dense(binding, attn, call, attention_mask), out)
+            out = torch.where(masks.is_dense(bucket, layer), self.dense(binding, attn, call, attention_mask), out)
         return out

@@ -1,0 +1,235 @@
+"""How a processor finds the layer of each call: one processor instance serves every layer of a
+transformer. It binds to the transformer once (`Binding`), maps each attention module to its plan layer,
+and installs a forward pre-hook (`timesteps.ForwardTracker`) that tells it the timestep and token layout of
+the current call.
+
+Binding happens in `paroattn.apply` / `capture_attention`, or lazily on the first call when a lone
+instance was installed with `transformer.set_attn_processor(PAROProcessor(plan))`: diffusers passes
+the attention module as the first argument, and the processor finds the transformer whose forward
+is running by walking up the Python frames (once). That first forward's timestep and layout are
+read from the transformer's frame; later forwards go through the pre-hook.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+
+import torch
+
+from ..attention import warn
+from .base import CallInputs, FamilyAdapter, SelfAttentionCall
+from .context_parallel import context_parallel_config
+from .prefetch import MaskStore, StackedMasks
+from .registry import family_of, require_family
+from .timesteps import ForwardTracker
+
+# bindings by token, for the functions a traced forward calls with constants only (`processor._prepare_stacked`)
+BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
+
+
+class Binding:
+    """One processor bound to one transformer: its layers, the current call, and (PARO) its masks."""
+
+    def __init__(self, processor: BoundProcessor, transformer, family: FamilyAdapter):
+        self.processor = processor
+        self.family = family
+        self.transformer_ref = weakref.ref(transformer)
+        self.keys = family.self_attention_layers(transformer)
+        self.modules = [transformer.get_submodule(key[: -len(".processor")]) for key in self.keys]
+        self.transformer_class = type(transformer).__name__
+        self.static_problem: str | None = None
+        self.inputs: CallInputs | None = None
+        self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
+        self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
+        self.call_problem: str | None = None
+        self.masks: MaskStore | None = None
+        self.stacked_masks: dict[str, StackedMasks] = {}  # by device, for traced forwards
+        self.token = next(_TOKENS)
+        BINDINGS[self.token] = self
+        self.warned: set[str] = set()
+        self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.tracker = ForwardTracker(transformer, family, on_call=self._on_call)
+
+    @property
+    def transformer(self):
+        return self.transformer_ref()
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim of the self-attention layers."""
+        module = self.modules[0]
+        return int(module.inner_dim) // int(module.heads) if hasattr(module, "inner_dim") else int(module.head_dim)
+
+    def installed(self) -> bool:
+        """Whether the processor still serves this transformer's first self-attention layer."""
+        return len(self.modules) > 0 and self.modules[0].processor is self.processor
+
+    def _on_call(self, inputs: CallInputs) -> None:
+        self.inputs = inputs
+        if self.installed():
+            self.processor.begin_forward(self, inputs)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warn(message, stacklevel=3)
+
+    def delegate(self, attn):
+        """The module's default processor, for attention a PAROProcessor does not handle (Wan attn2)."""
+        processor = self.delegates.get(attn)
+        if processor is None:
+            processor = self.add_delegate(attn)
+        return processor
+
+    def add_delegate(self, attn):
+        processor = self.delegates[attn] = self.family.default_processor(attn)
+        self.sync_delegate(processor)
+        return processor
+
+    def sync_delegate(self, processor) -> None:
+        """Give a delegate the attention backend and parallel config the processor has now."""
+        for name in ("_attention_backend", "_parallel_config"):
+            if hasattr(processor, name):
+                setattr(processor, name, getattr(self.processor, name, None))
+
+    def drop_masks(self) -> None:
+        """Forget the masks and orders built for devices (the processor's plan of heads changed)."""
+        if self.masks is not None:
+            self.masks.close()
+            self.masks = None
+        self.stacked_masks = {}
+
+    def close(self) -> None:
+        self.tracker.remove()
+        self.drop_masks()
+
+
+class BoundProcessor:
+    """Shared machinery: find the layer of each call, bind to its transformer, split the processor."""
+
+    # read by diffusers' set_attention_backend, and passed to the dense path
+    _attention_backend = None
+    _parallel = None
+
+    def __init__(self):
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attn -> (binding, layer | None)
+        self._bindings: list[Binding] = []
+
+    @property
+    def _parallel_config(self):
+        """What diffusers' `enable_parallelism` sets on every attention processor (a `ParallelConfig`), passed to
+        the dense path; `on_parallel_config` sees each assignment (`paroattn.apply` copies it from the processor
+        it replaces)."""
+        return self._parallel
+
+    @_parallel_config.setter
+    def _parallel_config(self, config) -> None:
+        if config is self._parallel:  # enable_parallelism sets it on every module this instance serves
+            return
+        self._parallel = config
+        self.on_parallel_config(config)
+
+    def on_parallel_config(self, config) -> None:
+        pass
+
+    # -- binding -----------------------------------------------------------------------------
+    def bind(self, transformer) -> Binding:
+        for binding in self._bindings:
+            if binding.transformer is transformer:
+                return binding
+        binding = Binding(self, transformer, require_family(transformer))
+        for layer, module in enumerate(binding.modules):
+            self._entries[module] = (binding, layer)
+        # the other attention modules (Wan's attn2) are known up front too, so a traced forward of a lone
+        # processor finds every module it is called for without writing to `_entries` (a recompile)
+        for module in transformer.modules():
+            if hasattr(module, "processor") and module not in self._entries:
+                self._entries[module] = (binding, None)
+                try:  # and their default processors (made on first use otherwise, which raises what this hides)
+                    binding.add_delegate(module)
+                except Exception:
+                    pass
+        self._bindings.append(binding)
+        self.on_bind(binding)
+        return binding
+
+    def unbind(self, binding: Binding) -> None:
+        binding.close()
+        if binding in self._bindings:
+            self._bindings.remove(binding)
+        for module in list(self._entries.keys()):
+            if self._entries[module][0] is binding:
+                del self._entries[module]
+
+    def on_bind(self, binding: Binding) -> None:
+        pass
+
+    def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
+        pass
+
+    def _entry(self, attn):
+        entry = self._entries.get(attn)
+        if entry is not None:
+            return entry
+        for binding in self._bindings:  # an attention module we do not handle (Wan attn2)?
+            transformer = binding.transformer
+            if transformer is not None and any(m is attn for m in transformer.modules()):
+                self._entries[attn] = (binding, None)
+                return self._entries[attn]
+        return self._bind_from_frames(attn)
+
+    @torch.compiler.disable(reason=(
+        "a PAROProcessor installed with set_attn_processor finds its transformer by walking the Python frames "
+        "of its first forward, which torch.compile cannot trace: bind it before compiling, with "
+        "paroattn.apply(transformer, plan) or processor.bind(transformer), or run one forward without compile"
+    ))
+    def _bind_from_frames(self, attn):
+        if context_parallel_config(self._parallel_config) is not None:
+            # the forward's locals hold this GPU's chunk of the inputs (Flux's position ids), not the call's layout
+            raise RuntimeError(
+                f"{type(self).__name__} under diffusers' context parallelism must be bound to its transformer before "
+                "the first forward: use paroattn.apply(transformer, plan), or call processor.bind(transformer)"
+            )
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            family = family_of(owner) if isinstance(owner, torch.nn.Module) else None
+            if family is not None and any(m is attn for m in owner.modules()):
+                binding = self.bind(owner)
+                binding.tracker.set(binding.family.call_inputs_from_locals(owner, frame.f_locals))
+                entry = self._entries.get(attn)
+                if entry is None:
+                    entry = self._entries[attn] = (binding, None)
+                return entry
+            frame = frame.f_back
+        raise RuntimeError(
+            f"{type(self).__name__} was called for a {type(attn).__name__} outside the forward of a supported "
+            "transformer, so it cannot tell which layer this is: install it on a whole transformer "
+            "(`transformer.set_attn_processor(processor)` or `paroattn.apply(pipe, plan)`)"
+        )
+
+    # -- the call ----------------------------------------------------------------------------
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb=None,
+    ):
+        binding, layer = self._entry(attn)
+        if layer is None or not binding.family.is_self_attention(attn, encoder_hidden_states):
+            return binding.delegate(attn)(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        call = binding.family.qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        out = self.attend(binding, attn, layer, call, attention_mask)
+        return binding.family.finish(attn, out, call)
+
+    def dense(self, binding: Binding, attn, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
+        call = binding.family.rotate(call)
+        return binding.family.dense(attn, call, attention_mask, self._attention_backend, self._parallel_config)
+
+    def attend(self, binding: Binding, attn, layer: int, call: SelfAttentionCall, attention_mask) -> torch.Tensor:
+        raise NotImplementedError
