@@ -14,9 +14,15 @@ pytest.importorskip("triton")
 
 from paroattn import TokenLayout, paro_attention  # noqa: E402
 from paroattn.kernels import launcher as launcher_module  # noqa: E402
-from paroattn.kernels import triton_backend  # noqa: E402
+from paroattn.kernels import op, runtime, triton_backend, workspace  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
+from paroattn.kernels.runtime import runtime_of  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
+
+
+def workspaces():
+    """The buffer sets kept for calls on the tests' device."""
+    return runtime_of(torch.device(DEVICE)).workspaces
 
 INTERPRETED = not torch.cuda.is_available()
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -67,7 +73,7 @@ def test_unsynced_lists_equal_synced_ones(seed):
 
 
 def test_lists_of_a_bool_mask_are_reused_until_the_mask_changes():
-    triton_backend._MASK_LISTS.clear()
+    runtime_of(torch.device(DEVICE)).mask_lists.clear()
     H, D = 2, 64
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=10)
     n = -(-LAYOUT.seq_len // BLOCK)
@@ -80,19 +86,19 @@ def test_lists_of_a_bool_mask_are_reused_until_the_mask_changes():
         assert float((out.float() - ref.float()).norm() / ref.float().norm()) <= 2e-3
 
     device = torch.device(DEVICE)
-    first = triton_backend.lists_of(masks[0], device)
-    assert triton_backend.lists_of(masks[0], device) is first  # a new view of the same memory: reused
-    assert triton_backend.lists_of(masks[1], device) is not first
+    first = runtime_of(device).lists_of(masks[0])
+    assert runtime_of(device).lists_of(masks[0]) is first  # a new view of the same memory: reused
+    assert runtime_of(device).lists_of(masks[1]) is not first
     check(masks[0])
     masks[0, 1, n - 1] = ~masks[0, 1, n - 1]  # in place, through another view of the same storage
     masks[0, 0, 1, :] = True
-    changed = triton_backend.lists_of(masks[0], device)
+    changed = runtime_of(device).lists_of(masks[0])
     assert changed is not first and torch.equal(changed.to_mask().cpu(), masks[0])
     check(masks[0])
     with torch.inference_mode():
         inference_mask = random_mask(H, n, n, 13)
-    assert triton_backend.lists_of(inference_mask, device) is not triton_backend.lists_of(inference_mask, device)
-    assert len(triton_backend._MASK_LISTS) <= triton_backend.MASK_LISTS
+    assert runtime_of(device).lists_of(inference_mask) is not runtime_of(device).lists_of(inference_mask)
+    assert len(runtime_of(device).mask_lists) <= runtime.MASK_LISTS
 
 
 def test_bool_mask_call_equals_prebuilt_lists_on_random_masks():
@@ -115,7 +121,7 @@ def test_bool_mask_call_equals_prebuilt_lists_on_random_masks():
 def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     """Calls of one shape share a buffer set: a call's result does not change when later calls reuse
     its buffers, and equals the result of a call with buffers of its own."""
-    triton_backend.release_workspaces()
+    workspaces().clear()
     H, D = 2, 64
     n = -(-LAYOUT.seq_len // BLOCK)
     mask = ActiveBlocks.from_mask(random_mask(H, n, n, 6)).to(DEVICE)
@@ -124,16 +130,16 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
             1 / math.sqrt(D))
     first, second = make_inputs(1, H, LAYOUT.seq_len, D, seed=7), make_inputs(1, H, LAYOUT.seq_len, D, seed=8)
     out_first = triton_backend.launch(*first, *args)
-    assert len(triton_backend._WORKSPACES) == 1
-    buffers = next(iter(triton_backend._WORKSPACES.values()))
+    assert len(workspaces()) == 1
+    buffers = next(iter(workspaces().values()))
     out_second = triton_backend.launch(*second, *args)
-    assert next(iter(triton_backend._WORKSPACES.values())) is buffers  # reused, not reallocated
+    assert next(iter(workspaces().values())) is buffers  # reused, not reallocated
     again = triton_backend.launch(*first, *args)
     assert torch.equal(again, out_first)
     assert not torch.equal(out_second, out_first)
     # the reused set holds what a fresh set (as while a CUDA graph is captured) gets from this call
     B, _, N, _ = first[0].shape
-    fresh = triton_backend.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
+    fresh = workspace.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
     triton_backend.prepare_kv(*first[1:], orders, *GRID, BLOCK, qk, pv, buffers=fresh)
     for name in ("kq", "k_scale", "vq"):
         assert torch.equal(getattr(fresh, name), getattr(buffers, name)), name
@@ -144,10 +150,10 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
 
 
 def test_buffer_sets_are_bounded_and_per_shape():
-    triton_backend.release_workspaces()
+    workspaces().clear()
     H, D = 1, 64
     orders = torch.tensor([0], dtype=torch.int32, device=DEVICE)
-    for width in range(2, 3 + triton_backend.WORKSPACES):
+    for width in range(2, 3 + runtime.WORKSPACES):
         layout = TokenLayout(0, 1, 4, width)
         n = -(-layout.seq_len // BLOCK)
         blocks = ActiveBlocks.from_mask(torch.ones(H, n, n, dtype=torch.bool)).to(DEVICE)
@@ -157,9 +163,9 @@ def test_buffer_sets_are_bounded_and_per_shape():
         ref = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, block_size=BLOCK,
                              backend="torch")
         assert float((out.float() - ref.float()).norm() / ref.float().norm()) <= 2e-3
-    assert len(triton_backend._WORKSPACES) == triton_backend.WORKSPACES
-    triton_backend.release_workspaces()
-    assert not triton_backend._WORKSPACES
+    assert len(workspaces()) == runtime.WORKSPACES
+    workspaces().clear()
+    assert not workspaces()
 
 
 @pytest.mark.gpu
@@ -223,7 +229,7 @@ RAW_LAUNCHES = getattr(launcher_module.nvidia_driver, "_BASE_ARGS_FORMAT", None)
 @pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 128), ("bf16", "bf16", 128), ("int8", "bf16", 64)])
 def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
     """Descriptors are encoded once and the encoding kept: three buffer sets at three addresses (each call
-    after `release_workspaces` makes a new one; the old ones are held, so their memory is not reused),
+    after the runtime's workspaces are cleared makes a new one; the old ones are held, so their memory is not reused),
     then calls alternating between them with other inputs must each read their own set's K and V (an
     encoding kept for another set's descriptor would read that set's). Each equals a full launch."""
     from paroattn.kernels import hopper_attention, rotary
@@ -245,20 +251,20 @@ def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
         expected.append(paro_attention(q, k, v, **kwargs))
     sets = []
     for i in range(3):
-        triton_backend.release_workspaces()
+        workspaces().clear()
         assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
-        sets.append(dict(triton_backend._WORKSPACES))
+        sets.append(dict(workspaces()))
     assert len({id(buffers.kq) for workspace in sets for buffers in workspace.values()}) == 3
     before = launch_counts(launchers)
     for which, i in ((0, 3), (2, 1), (1, 0), (0, 2), (2, 3)):
-        triton_backend._WORKSPACES.clear()
-        triton_backend._WORKSPACES.update(sets[which])
+        workspaces().clear()
+        workspaces().update(sets[which])
         assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
     after = launch_counts(launchers)
     assert after[0] - before[0] >= 5 * 2
     if RAW_LAUNCHES:
         assert after[1] - before[1] == after[0] - before[0]
-    triton_backend.release_workspaces()
+    workspaces().clear()
 
 
 @pytest.mark.gpu
@@ -313,7 +319,7 @@ def test_replayed_calls_equal_full_launches(qk, pv, D):
         for each in launchers:
             if each is not None:
                 each.clear()
-        triton_backend.release_workspaces()
+        workspaces().clear()
         expected.append(paro_attention(*inputs, **common, **kwargs))
     replays = []
     for _ in range(3):
@@ -324,7 +330,7 @@ def test_replayed_calls_equal_full_launches(qk, pv, D):
     # a key's first call of the first pass records (where its kernels were compiled for it already: a full
     # launch is not recorded, the next call records); its later calls replay, and by the last pass all do
     assert 0 < replays[0] < len(calls) and replays[-1] == len(calls), replays
-    triton_backend.release_workspaces()
+    workspaces().clear()
 
 
 @pytest.mark.gpu
@@ -353,12 +359,12 @@ def test_bool_mask_call_does_not_sync_and_graph_capture_allocates_its_own_buffer
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         paro_attention(q, k, v, block_mask=blocks, **kwargs)  # warm-up on the capture stream: its own set
-        sets = dict(triton_backend._WORKSPACES)
+        sets = dict(workspaces())
         with torch.cuda.graph(graph, stream=stream):
             captured = paro_attention(q, k, v, block_mask=blocks, **kwargs)
         # the capture allocated from the graph's pool: no set was added or replaced
-        assert triton_backend._WORKSPACES.keys() == sets.keys()
-        assert all(triton_backend._WORKSPACES[key] is buffers for key, buffers in sets.items())
+        assert workspaces().keys() == sets.keys()
+        assert all(workspaces()[key] is buffers for key, buffers in sets.items())
         q2, k2, v2 = (torch.randn_like(q) for _ in range(3))
         other = paro_attention(q2, k2, v2, block_mask=blocks, **kwargs)  # eager on the same stream
         graph.replay()
@@ -372,17 +378,17 @@ def test_the_custom_op_keeps_no_buffer_set():
     """Under torch.compile the op runs through its custom op, whose buffers are allocated per call: with
     mode="reduce-overhead" the CUDA-graph trees run its warm-up calls in their graphs' memory pool, where
     a kept buffer set would outlive what the trees account for. Same result as the eager launch."""
-    triton_backend.release_workspaces()
+    workspaces().clear()
     H, D = 2, 64
     n = -(-LAYOUT.seq_len // BLOCK)
     blocks = ActiveBlocks.from_mask(random_mask(H, n, n, 14)).to(DEVICE)
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=15)
     args = (q, k, v, torch.tensor([2, 4], dtype=torch.int32, device=DEVICE), blocks.counts, blocks.indices,
             blocks.schedule, *GRID, BLOCK, BLOCK, "int8", "bf16", 1 / math.sqrt(D))
-    through_op = triton_backend.block_sparse_attention(*args)
-    assert not triton_backend._WORKSPACES
+    through_op = op.block_sparse_attention(*args)
+    assert not workspaces()
     assert torch.equal(through_op, triton_backend.launch(*args))
-    assert len(triton_backend._WORKSPACES) == 1
+    assert len(workspaces()) == 1
 
 
 def test_argument_checks_kept_per_combination_still_refuse_what_differs():

@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from paroattn import PAROInputError, TokenLayout, paro_attention  # noqa: E402
-from paroattn.kernels import dispatch, triton_backend  # noqa: E402
+from paroattn.kernels import dispatch, op, triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
@@ -305,9 +305,9 @@ def test_custom_op_schema_and_fake_tensor():
     orders = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     args = (q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix, layout.frames,
             layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", 0.125)
-    torch.library.opcheck(triton_backend.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(op.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
     rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
-    torch.library.opcheck(triton_backend.block_sparse_attention, args + rotary,
+    torch.library.opcheck(op.block_sparse_attention, args + rotary,
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from paroattn import TokenLayout, paro_attention
+from paroattn.attention import decide
 from paroattn.kernels import dispatch, triton_backend
 from paroattn.kernels.block_lists import ActiveBlocks
+from paroattn.kernels.runtime import runtime_of
 from paroattn.masks import synthetic_block_mask
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +71,7 @@ def test_real_shapes_match_reference(name, density):
     modes = MODES if density == 0.5 else [("bf16", "bf16"), ("int8", "fp8")]
     for qk, pv in modes:
         out = torch.full_like(q, float("nan"))  # poisoned
-        triton_backend.launch(q, k, v, triton_backend._device_orders(orders, q.device), blocks.counts,
+        triton_backend.launch(q, k, v, runtime_of(q.device).device_orders(orders), blocks.counts,
                               blocks.indices, blocks.schedule, layout.prefix, layout.frames, layout.height,
                               layout.width, 64, 64, qk, pv, 1 / math.sqrt(D), out=out)
         assert not torch.isnan(out).any(), f"{name} {qk}/{pv}: unwritten or NaN output"
@@ -136,9 +138,10 @@ def test_query_tiles_of_128_match_reference(name):
 def test_warp_specialized_kernel_at_real_shapes(name, density):
     """KernelConfig(warp_specialized=True) at 128 x 64 blocks: the Gluon kernel against the reference on
     two heads and against the Triton kernel (q_tma) on all heads."""
-    choice = dispatch.kernel_choice(dispatch.arch_of(torch.device("cuda")), 128, 128, 64, "bf16", "bf16")
-    if not choice.warp_specialized:
-        pytest.skip(f"the warp-specialized kernel does not run here: {choice.refused}")
+    probe = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda")
+    choice = decide(probe, 128, 64, "bf16", "bf16", "triton")
+    if choice.kernel != dispatch.GLUON:
+        pytest.skip(f"the warp-specialized kernel does not run here: {choice.passed_over}")
     B, H, layout, D, seq_major = SHAPES[name]
     N = layout.seq_len
     q, k, v = inputs(B, H, N, D, seq_major, seed=7)

@@ -224,9 +224,13 @@ def test_padded_calls_leave_the_gluon_kernel_for_the_triton_kernel(monkeypatch):
     the Triton kernel, which masks it. backend="auto" takes the kernels for padded calls, with no warning."""
     import warnings
 
+    from paroattn.attention import decide
     from paroattn.kernels import dispatch, hopper_attention
 
-    choice = dispatch.kernel_choice(dispatch.arch_of(torch.device("cuda")), 128, 128, 64, "bf16", "bf16")
+    choice = decide(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda"), 128, 64, "bf16", "bf16", "triton")
+    masked = decide(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda"), 128, 64, "bf16", "bf16", "triton",
+                    key_mask=True)
+    assert masked.kernel == dispatch.TRITON
     calls = []
     original = hopper_attention.launch
     monkeypatch.setattr(hopper_attention, "launch", lambda *a, **kw: calls.append(1) or original(*a, **kw))
@@ -243,7 +247,8 @@ def test_padded_calls_leave_the_gluon_kernel_for_the_triton_kernel(monkeypatch):
     ref = paro_attention(q, k, v, backend="torch", suffix_mask=suffix_mask, **kwargs)
     assert rel_err(out, ref) <= GPU_BOUND["bf16"]
     paro_attention(q, k, v, backend="triton", **kwargs)
-    assert len(calls) == int(choice.warp_specialized), choice.refused  # without a mask: Gluon where it runs
+    # without a mask: Gluon where it runs
+    assert len(calls) == int(choice.kernel == dispatch.GLUON), choice.passed_over
 
 
 @pytest.mark.gpu

@@ -93,6 +93,7 @@ class Runtime:
         return orders.to(device=self.device, dtype=torch.int32)
 
     def clear(self) -> None:
+        self._gpu = None
         self.decisions.clear()
         self.workspaces.clear()
         self.mask_lists.clear()
@@ -103,8 +104,11 @@ _RUNTIMES: dict[torch.device, Runtime] = {}
 
 
 def runtime_of(device: torch.device) -> Runtime:
+    """The runtime of `device` ("cuda" without an index: the current CUDA device's)."""
     runtime = _RUNTIMES.get(device)
     if runtime is None:
+        if device.type == "cuda" and device.index is None:
+            return runtime_of(torch.device("cuda", torch.cuda.current_device()))
         runtime = _RUNTIMES[device] = Runtime(device)
     return runtime
 
