@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..kernels import interpreting
+from ..kernels.dispatch import block_stats_backend
 from ..layout import TokenLayout
 from . import block_stats_reference as reference
 
@@ -136,10 +137,6 @@ if triton is not None:
 
 
 
-def triton_available(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or interpreting())
-
-
 def block_stats_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,15 +245,9 @@ def block_stats(
             raise ValueError(f"suffix_mask must be a bool [B, suffix] = [{B}, {S}] tensor for the layout {layout}; "
                              f"got {suffix_mask.dtype} {tuple(suffix_mask.shape)}")
         key_mask = torch.cat([suffix_mask.new_ones(B, N - S), suffix_mask.to(q.device)], dim=1)
-    if backend == "auto":
-        backend = "triton" if (triton is not None and q.device.type == "cuda") else "torch"
-    if backend == "triton":
-        if not triton_available(q.device):
-            raise RuntimeError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); use backend='torch'")
+    if block_stats_backend(q.device, backend) == "triton":
         return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale, extras=extras, group=group,
                                   key_mask=key_mask)
-    if backend == "torch":
-        mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale,
-                                                        key_mask=key_mask)
-        return (mass, pmax, below) if extras else (mass, None, None)
-    raise ValueError(f"backend={backend!r}; expected 'auto', 'triton' or 'torch'")
+    mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale,
+                                                    key_mask=key_mask)
+    return (mass, pmax, below) if extras else (mass, None, None)

@@ -3,7 +3,7 @@
 import os
 
 # read once: triton decides between compiling and interpreting when the kernels are defined, which is when
-# this package is imported, and the op asks on every call (an os.environ read costs about 1 us)
+# this package is imported, and the op asks on every call (an os.environ read is not free)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

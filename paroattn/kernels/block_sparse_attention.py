@@ -13,10 +13,11 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    the input dtype, or with the mean subtracted and quantized per block to int8 or
    int4 values, both stored one per byte, int4 ones times 16 (`_quantize_block`; Hopper has no INT4
    matrix instruction, so int4 values run the int8 product; nibble packing, which needs an unpack and
-   two half-depth products per tile, was measured at 0.55-0.82x of int8); V in the input dtype, or quantized per channel (fp8 e4m3 or
+   two half-depth products per tile, measured slower than int8: attention-nvidia-h200-bq64-bk64-packed-int4.json
+   against attention-int4-nvidia-h200.json); V in the input dtype, or quantized per channel (fp8 e4m3 or
    int8, stored transposed [D, N] so the PV product reads V K-major as Hopper's 8-bit MMA wants).
    Reordered copies, read as contiguous tiles, beat gathering the key rows inside the attention kernel
-   by 1.3-1.5x on an H200 (per-row index arithmetic, scattered rows): the kernel never gathers K or V.
+   (per-row index arithmetic, scattered rows; docs/notes/prologue.md): the kernel never gathers K or V.
 3. `_attention_kernel`, grid (rank, b*H + h): the program takes the query block `schedule[h, rank]`
    (most active key blocks first), gathers its queries from the caller's q by index arithmetic and
    quantizes them per block in registers when QK is int8/int4 (each query block is read once), or
@@ -59,9 +60,9 @@ P_LOG2_SCALES = (0.0, 8.807354922057604, 6.988684686772166)
 # Quantization multiplies by the scale's reciprocal, formed once per block or channel with IEEE
 # round-to-nearest (`div_rn`), as torch does in the reference: Triton's plain `/` on a GPU is the
 # approximate division, and bf16 inputs can land exactly on rounding ties (x / scale = k + 0.5), where
-# an ulp of error would round the other way. CogVideoX-5B int8 + fp8 prologue with Q on an H200: 0.505 ms
-# with an IEEE division per element and K's mean over all tokens, 0.360 with the reciprocal and the
-# sampled mean (the statistics' part of that: 0.136 -> 0.085; benchmarks/results/prologue-reciprocal-ab-h200.json).
+# an ulp of error would round the other way. One IEEE reciprocal per block and products, with K's mean
+# over sampled tokens, instead of a division per element and the mean over all tokens: faster prologue,
+# benchmarks/results/prologue-reciprocal-ab-h200.json.
 
 
 @triton.jit
@@ -233,8 +234,8 @@ def _kv_prologue_kernel(
         v = _gather_rows(v_base, orig_v, valid_v, stride_vn, stride_vd, offs_d)
         v_scale = tl.math.div_rn(tl.maximum(tl.load(VAmax + bh64 * HEAD_DIM + offs_d), QUANT_EPS),
                                  448.0 if PV_MODE == 1 else 127.0)
-        # one IEEE reciprocal per channel, then products (as the reference): with a division per
-        # element this prologue took 0.36 instead of 0.325 ms (CogVideoX-5B int8+fp8, H200)
+        # one IEEE reciprocal per channel, then products (as the reference): cheaper than a division per
+        # element (benchmarks/results/prologue-reciprocal-ab-h200.json)
         v = v.to(tl.float32) * tl.math.div_rn(1.0, v_scale)[None, :]
         # transposed store: VQ[bh, d, j]
         dst = VQ + bh64 * HEAD_DIM * N_PAD + offs_d[None, :] * N_PAD + offs_n[:, None]

@@ -343,3 +343,27 @@ def resolve(call: Call, backend: str = "auto") -> Launch | Refusal:
             return Launch(launch.kernel, launch.config, launch.kv_tma, launch.q_tma, (*reasons, *launch.passed_over))
         reasons.append(reason)
     return Refusal(reasons[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration's block statistics (`calibrate.block_stats`): a Triton kernel or its torch reference.
+
+
+def block_stats_backend(device: torch.device, backend: str = "auto") -> str:
+    """"triton" or "torch" for the block statistics of tensors on `device`; "auto" takes the Triton kernel on
+    CUDA. Raises ValueError naming what to pass where `backend` cannot run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    gpu = HOST if device.type != "cuda" and not interpreting() else gpu_of(device)
+    if backend == "auto":
+        return "triton" if gpu.cuda and _triton_installed() else "torch"
+    if backend == "triton" and not (gpu.triton and _triton_installed()):
+        raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1) and triton installed; "
+                         "use backend='torch'")
+    return backend
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -71,7 +71,8 @@ if gluon is not None:
     def _tile(Schedule, H, NQ):
         # (b*H + h, head, query block, mask row) of this program; query blocks run heaviest first, and
         # the program id's fast axis is the query block, so the programs resident at a time share a
-        # head's K and V in L2 (with the head as the fast axis, sparse rows ran up to 1.2x slower)
+        # head's K and V in L2 (with the head as the fast axis, sparse rows ran slower:
+        # benchmarks/results/hopper-warp-specialized-variants-h100.json)
         bh = gl.program_id(1)
         h = bh % H
         qb = gl.load(Schedule + h * NQ + gl.program_id(0))
@@ -256,7 +257,7 @@ def descriptors(kq: torch.Tensor, vq: torch.Tensor):
 
 @functools.cache
 def _shared_layout(block: tuple, dtype: torch.dtype):
-    # built once per tile shape: get_default_for costs ~6 us of host time per call
+    # built once per tile shape: get_default_for costs host time on every call
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GLUON_DTYPES[dtype]))
 
 

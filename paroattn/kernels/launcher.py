@@ -2,8 +2,8 @@
 
 Each `kernel[grid](*args)` binds the arguments to the signature, computes the specialization of every
 argument (dtype and 16-byte alignment of each pointer, divisibility of each integer), hashes it to find
-the compiled kernel, then calls the compiled kernel's launcher: about 40 us of host time for the
-attention kernel's 43 arguments on an H100 host, of which the launcher itself is about 14 us. A
+the compiled kernel, then calls the compiled kernel's launcher: for the attention kernel's 43 arguments
+most of the host time of a call (docs/notes/host-overhead.md). A
 `CachedLauncher` does the full launch the first time it sees a key and keeps the compiled kernel it
 returns; later launches with that key call the compiled kernel's launcher directly.
 

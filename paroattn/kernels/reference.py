@@ -79,8 +79,7 @@ def key_mean_stride(seq_len: int, height: int, width: int) -> int:
     factor with height x width (so the sampled tokens cycle through every column and row of a frame: a
     stride dividing the width samples a few columns only, and with RoPE in K that mean is biased) and
     still samples >= MIN_K_MEAN_SAMPLES tokens; 1 (every token) for short sequences. The mean's
-    sampling error shrinks as 1 / sqrt(samples): with ~121 samples the op's int8 error grew ~1% on
-    Gaussian keys."""
+    sampling error shrinks as 1 / sqrt(samples), and with too few samples the op's int8 error grows."""
     for stride in range(MAX_K_MEAN_STRIDE, 1, -1):
         if math.gcd(stride, height * width) == 1 and -(-seq_len // stride) >= MIN_K_MEAN_SAMPLES:
             return stride

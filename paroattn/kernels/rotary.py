@@ -1,13 +1,12 @@
 """The RoPE pass of the op (`paro_attention(rotary=...)`): q and k rotated in one Triton launch.
 
 The models' own RoPE is a chain of float32 elementwise kernels (stack, casts, products, a sum, a
-cast back, a strided copy): 4.9 ms for q and k of one CogVideoX-5B layer on an H200, 1.7 ms Wan2.1-1.3B,
-0.65 ms FLUX.1-dev. This pass reads q and k once and writes rotated contiguous copies, which the
-attention kernels then read. Its definition is `reference.apply_rotary`.
+cast back, a strided copy; benchmarks/results/rope_h200.json). This pass reads q and k once and writes
+rotated contiguous copies, which the attention kernels then read. Its definition is `reference.apply_rotary`.
 
 Applying the rotation inside the attention kernels' own loads of q and k instead was measured slower
-(H200, 2026-11-21): each (batch, head) program re-reads the float32 tables, four times the bytes of
-its rows, and the attention loop ran 10-15% slower with the extra registers. Here one program rotates
+(docs/notes/end-to-end.md): each (batch, head) program re-reads the float32 tables, four times the bytes
+of its rows, and the attention loop carries the extra registers. Here one program rotates
 a block of tokens for several heads, so each table tile is read once per group of heads.
 """
 

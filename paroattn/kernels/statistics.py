@@ -2,9 +2,9 @@
 per-channel max |V| (fp8/int8 PV), both float32 [B*H, D], read by the prologue and the attention kernel.
 
 Their definitions are `reference.key_smoothing_mean` (the mean over tokens 0, s, 2s, ... of each
-(batch, head)) and `reference.fake_quantize_v`'s amax. Two torch reductions computed them before, at
-10-20 us of host time each on the H100 machine measured (docs/notes/host-overhead.md); this is one
-launch through `launcher.CachedLauncher`.
+(batch, head)) and `reference.fake_quantize_v`'s amax, in one launch through `launcher.CachedLauncher`
+instead of two torch reductions with their host time
+(benchmarks/results/host-before-after-statistics-launch-nvidia-h100.json).
 
 Grid (split, b*H + h): each (batch, head) is cut into `split` runs of tokens so that short-headed
 problems (Wan2.1-1.3B: 12 heads, 32760 tokens) still spread over every SM. The split depends on the

@@ -79,7 +79,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
          width, prefix + frames * height * width),
         dict(HEAD_DIM=D, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], WRITE_Q=q is not None,
              BLOCK_Q=bq or bk, HAS_KEY_MASK=key_mask is not None),
-        num_warps=4,  # 8 warps: int8+fp8 11-12% slower (H200, docs/notes/prologue.md)
+        num_warps=4,  # 8 warps were slower (docs/notes/prologue.md)
     )
     return buffers.kq, buffers.k_scale, buffers.vq, v_amax, buffers.qq, buffers.q_scale
 
