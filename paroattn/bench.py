@@ -602,9 +602,9 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
     shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
     modes, densities = modes or SUMMARY_MODES, densities or SUMMARY_DENSITIES
     lines = [environment_line(results), "",
-             "| model (B, H, N, D) | SDPA default | paro mode | " + " | ".join(f"d={d}" for d in densities)
+             "| model (B, H, N, D) | SDPA default | paro mode | kernel | " + " | ".join(f"d={d}" for d in densities)
              + " | of which prologue |",
-             "|---" * (len(densities) + 4) + "|"]
+             "|---" * (len(densities) + 5) + "|"]
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]
         sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default" and r["ms"]), None)
@@ -613,6 +613,7 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
                 f"{_ms(sdpa)} ms" if sdpa else "n/a"]
         for qk, pv in modes:
             cells = []
+            kernels = sorted({r.get("kernel") or "?" for r in rows if r["method"] == f"paro-{qk}-{pv}"})
             for d in densities:
                 r = next((x for x in rows if x["method"] == f"paro-{qk}-{pv}" and x["density"] == d), None)
                 if r is None:
@@ -623,7 +624,8 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
                     cells.append(f"{_ms(r['ms'])} ms, {sdpa / r['ms']:.2f}x" if sdpa else f"{_ms(r['ms'])} ms")
             prologue = next((p["ms"] for p in results.get("prologue", [])
                              if p["shape"] == shape and (p["qk"], p["pv"]) == (qk, pv) and p["ms"]), None)
-            lines.append(f"| {' | '.join(head)} | {MODE_LABELS.get((qk, pv), f'{qk}+{pv}')} | " + " | ".join(cells)
+            lines.append(f"| {' | '.join(head)} | {MODE_LABELS.get((qk, pv), f'{qk}+{pv}')} | {', '.join(kernels)} | "
+                         + " | ".join(cells)
                          + f" | {f'{prologue:.3f} ms' if prologue else ''} |")
             head = ["", ""]
     host, host_bf16, host_sdpa = (results.get(k) or {} for k in ("host", "host_bf16", "host_sdpa"))

@@ -90,3 +90,23 @@ def test_the_checker_sees_an_upward_import():
     targets = [t for _, t in imported_modules(source, "paroattn.plan")]
     assert targets == ["paroattn.masks", "paroattn.pipelines"]
     assert layer_of(targets[0]) < layer_of("paroattn.plan") < layer_of(targets[1])
+
+
+# what the layers above the op may use of the kernels: data structures and calibration's own statistics
+# kernel; which attention kernel runs a call is the op's decision (`paroattn.attention.decide`), never theirs
+KERNEL_MODULES_ABOVE_THE_OP = {"paroattn.kernels", "paroattn.kernels.block_lists", "paroattn.kernels.index_math",
+                               "paroattn.kernels.dispatch.block_stats_backend"}
+
+
+def test_processors_and_calibration_ask_the_op_not_the_kernels():
+    reaching = []
+    for folder in ("pipelines", "calibrate", "demo_model"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and "kernels" in node.module.split("."):
+                    names = {f"paroattn.kernels.{node.module.split('kernels')[-1].strip('.')}".rstrip(".")}
+                    names |= {f"{next(iter(names))}.{alias.name}" for alias in node.names}
+                    if not names & KERNEL_MODULES_ABOVE_THE_OP:
+                        reaching.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {sorted(names)}")
+    assert not reaching, "modules above the op reaching into the kernels:\n" + "\n".join(reaching)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import BACKENDS, decide, paro_attention
+from ..attention import BACKENDS, Launch, decide, paro_attention
 from ..errors import PlanError
-from ..kernels.dispatch import Launch
 from ..plan import Plan
 from . import plan_fit
 from .base import CallInputs, PixelScale
