@@ -276,11 +276,10 @@ def paro_attention(
     decision = None
     if backend != "torch":
         if torch.compiler.is_compiling():
-            # plain Python values (a symbolic size or stride is specialized here, with a guard): what the
-            # constant function takes
-            unit_stride = bool(rotary is not None or q.stride(-1) == 1)
-            traced = _traced_decision(str(q.device), int(q.shape[-1]), q.dtype, bq, bk, qk, pv,
-                                      suffix_mask is not None, unit_stride, backend)
+            # whether a kernel runs it; which one (strides decide Gluon or Triton, and may be symbolic here)
+            # the custom op decides when it runs
+            traced = _traced_decision(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv,
+                                      suffix_mask is not None, True, backend)
             runs_kernel, reason = not traced, traced[1:]
         else:
             decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
