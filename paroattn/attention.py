@@ -39,6 +39,20 @@ def _traced_decision(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk
     return "" if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
 
 
+# head dims and block sizes a traced call's decision sees as themselves; others as -1, which every kernel refuses
+_TRACED_SIZES = (16, 32, 48, 64, 80, 96, 128, 256)
+
+
+def _plain(size, known: tuple[int, ...]) -> int:
+    """`size` as a Python int while torch.compile traces, where a size that changed between compiles is
+    symbolic and cannot enter a constant function: compared with the values in `known` (each comparison a
+    guard, so a new value recompiles), -1 where it is none of them."""
+    for value in known:  # (no isinstance(size, int) shortcut: dynamo answers True for a symbolic int too)
+        if size == value:
+            return value
+    return -1
+
+
 def warn(message: str, stacklevel: int = 2) -> None:
     """`warnings.warn`, also from code that torch.compile traces, which cannot trace it (a graph break, an
     error with fullgraph=True): there the warning is given once, while the graph is traced."""
@@ -278,7 +292,8 @@ def paro_attention(
         if torch.compiler.is_compiling():
             # whether a kernel runs it; which one (strides decide Gluon or Triton, and may be symbolic here)
             # the custom op decides when it runs
-            traced = _traced_decision(str(q.device), q.shape[-1], q.dtype, bq, bk, qk, pv,
+            traced = _traced_decision(str(q.device), _plain(q.shape[-1], _TRACED_SIZES), q.dtype,
+                                      _plain(bq, _TRACED_SIZES), _plain(bk, _TRACED_SIZES), qk, pv,
                                       suffix_mask is not None, True, backend)
             runs_kernel, reason = not traced, traced[1:]
         else:
