@@ -1,0 +1,162 @@
+"""The sm_90a CUDA C++ kernel family: block-sparse INT8-QK / FP8-PV attention (`attention.cu`),
+compiled at first use with NVRTC (`runtime.py`) and launched on the Triton K/V prologue's outputs.
+
+    reason = refusal(q.shape, q.dtype, D, bq, bk, qk, pv, key_mask is not None, arch)  # None: it runs
+    reason = load_failure(D, q.dtype, q.device)     # None: compiled (or cached) and loaded
+    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=..., ...)
+
+`attention(...)` runs the whole call (prologue + kernel), for tests and benchmarks. What it computes is
+`reference.paro_attention_reference`'s definition; the kernel reads the same prologue buffers as the
+Triton kernel with `KernelConfig.q_tma` (reordered int8 Q with per-block scales).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from functools import cache
+from importlib import resources
+
+import torch
+
+from .runtime import KernelLoadError, compile_cubin, load
+
+ARCH = "sm_90a"
+HEAD_DIMS = (64, 128)
+BLOCK_M, BLOCK_N = 128, 64
+THREADS = 256
+KERNEL_NAME = "paro_attention_int8_fp8"
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+
+
+def stages(head_dim: int) -> int:
+    """K/V blocks in flight: 4 stages of 16 KB (D=128) or 8 KB (D=64), within one SM's shared memory."""
+    return 4
+
+
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a launch: the Q tile, the K/V stages, 1 KB to align the swizzled tiles."""
+    return BLOCK_M * head_dim + stages(head_dim) * 2 * BLOCK_N * head_dim + 1024
+
+
+def refusal(q_shape: tuple[int, ...], dtype: torch.dtype, head_dim: int, bq: int, bk: int, qk: str, pv: str,
+            has_key_mask: bool, arch: tuple[int, int] | None) -> str | None:
+    """Why this family does not run a call (a sentence), or None when it does. `arch`: the GPU's
+    (major, minor) compute capability, None without a CUDA device. A key padding mask is supported."""
+    if arch != (9, 0):
+        found = "no CUDA device" if arch is None else f"sm_{arch[0]}{arch[1]}"
+        return f"the sm90 CUDA kernels need an sm_90 GPU (H100/H200: wgmma), found {found}"
+    if qk not in ("int8", "int4") or pv != "fp8":
+        return (f"the sm90 CUDA kernels run qk='int8'/'int4' with pv='fp8' only, got qk={qk!r}, pv={pv!r} "
+                "(the Triton/Gluon kernels run the others)")
+    if head_dim not in HEAD_DIMS:
+        return f"the sm90 CUDA kernels take head dims {HEAD_DIMS}, got {head_dim}"
+    if (bq, bk) != (BLOCK_M, BLOCK_N):
+        return f"the sm90 CUDA kernels take {BLOCK_M} x {BLOCK_N} blocks (bq x bk), got {bq} x {bk}"
+    if dtype not in OUT_DTYPES:
+        return f"the sm90 CUDA kernels take bfloat16 or float16 inputs, got {dtype}"
+    if len(q_shape) != 4 or q_shape[2] >= 2**31 // BLOCK_M:
+        return f"the sm90 CUDA kernels take q [B, H, N, D] with N < {2**31 // BLOCK_M}, got {tuple(q_shape)}"
+    return None
+
+
+@cache
+def source() -> str:
+    return resources.files(__package__).joinpath("attention.cu").read_text()
+
+
+def defines(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
+            "PARO_STAGES": stages(head_dim)}
+
+
+# every variant `refusal` lets through, for the compile check
+VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
+
+_FAILURES: dict[tuple, str] = {}
+
+
+def kernel(head_dim: int, dtype: torch.dtype, device: torch.device):
+    """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
+    raises KernelLoadError."""
+    key = (head_dim, dtype, device.index)
+    if key in _FAILURES:
+        raise KernelLoadError(_FAILURES[key])
+    try:
+        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype))
+        return load(cubin, KERNEL_NAME, device, shared_bytes(head_dim))
+    except KernelLoadError as error:
+        _FAILURES[key] = str(error)
+        raise
+
+
+def load_failure(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when the variant is compiled (or in the cache) and loaded on `device`; else why not."""
+    try:
+        kernel(head_dim, dtype, device)
+    except KernelLoadError as error:
+        return f"the sm90 CUDA kernel could not be built: {error}"
+    return None
+
+
+def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, *, N: int, prefix: int,
+           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None) -> None:
+    """Attention over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
+    `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
+    `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
+    `key_mask` bool [B, suffix], False at padded keys of the tokens after the grid. Raises KernelLoadError
+    when the kernel cannot be built (nothing is launched then)."""
+    B, H, _, D = out.shape
+    nq, nk = -(-N // BLOCK_M), -(-N // BLOCK_N)
+    run = kernel(D, out.dtype, out.device)
+    for name, t in (("counts", counts), ("indices", indices), ("schedule", schedule), ("orders", orders)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32, got {t.dtype} with strides {t.stride()}")
+    suffix_start = prefix + frames * height * width
+    if key_mask is not None:
+        mask, mask_strides = key_mask.view(torch.uint8), key_mask.stride()
+    else:
+        mask, mask_strides = counts, (0, 0)  # not read
+    c_long, c_int = ctypes.c_longlong, ctypes.c_int
+    args = [_pointer(qq), _pointer(q_scale), _pointer(kq), _pointer(k_scale), _pointer(vq), _pointer(v_amax),
+            _pointer(out), _pointer(orders), _pointer(counts), _pointer(indices), _pointer(schedule), _pointer(mask),
+            *(c_long(s) for s in out.stride()), *(c_long(s) for s in mask_strides),
+            c_int(N), c_int(nk * BLOCK_N), c_int(H), c_int(nq), c_int(nk), c_int(indices.shape[-1]), c_int(prefix),
+            c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
+            c_int(int(key_mask is not None))]
+    stream = torch.cuda.current_stream(out.device).cuda_stream
+    run.launch((nq, B * H, 1), (THREADS, 1, 1), args, stream)
+
+
+def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
+              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole op on this family: the Triton K/V/Q prologue, then the kernel. `block_mask`: bool
+    [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks. Raises ValueError with `refusal`'s reason, or
+    KernelLoadError."""
+    from ..block_lists import ActiveBlocks
+    from ..triton_backend import _device_orders, prepare_kv
+
+    B, H, N, D = q.shape
+    arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    reason = refusal(q.shape, q.dtype, D, BLOCK_M, BLOCK_N, qk, pv, suffix_mask is not None, arch)
+    if reason is not None:
+        raise ValueError(reason)
+    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(q.device))
+    blocks = blocks.to(q.device)
+    orders = _device_orders(orders, q.device)
+    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
+        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, BLOCK_N, qk, pv, q=q, bq=BLOCK_M,
+        key_mask=suffix_mask)
+    out = torch.empty_like(q)
+    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts.contiguous(), blocks.indices.contiguous(),
+           blocks.schedule.contiguous(), N=N, prefix=layout.prefix, frames=layout.frames, height=layout.height,
+           width=layout.width, sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask)
+    return out
+
+
+__all__ = ["KernelLoadError", "attention", "launch", "load_failure", "refusal"]

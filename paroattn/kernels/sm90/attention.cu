@@ -1,0 +1,430 @@
+// Block-sparse PARO attention for sm_90a: INT8 QK and FP8 (e4m3) PV on wgmma, compiled at run time.
+//
+// One CTA computes one 128-row query block (the block lists' bq) of one (batch, head) against its active
+// 64-key blocks (bk), reading the K/V (and Q) prologue's outputs (`triton_backend.prepare_kv`):
+//   QQ  int8 [B*H, NQ*128, D]   reordered queries, per query block scale QScale [B*H, NQ]
+//   KQ  int8 [B*H, N_PAD, D]    reordered keys minus K smoothing's mean, per key block scale KScale [B*H, NK]
+//   VQ  e4m3 [B*H, D, N_PAD]    reordered values, transposed, divided by their per-channel scale
+//                               VAmax / 448; inside every 16 keys in the order the PV operand reads (below)
+// Two consumer warpgroups take 64 query rows each and share the K/V tiles, which all 256 threads copy
+// into shared memory with cp.async, STAGES blocks ahead. Per key block and warpgroup:
+//   S = Q K^T        wgmma m64n64k32 s32.s8.s8, Q and K from shared memory (both K-major)
+//   online softmax   in base 2: sm_scale * log2(e) and the Q/K scales are one multiplier per block, applied
+//                    inside exp2's argument; P carries the fp8 multiplier 448 (2^P_LOG2_SCALE)
+//   T = P V          wgmma m64nDk32 f32.e4m3.e4m3 with P in registers, V^T from shared memory;
+//                    T starts from zero each block and is added to O in fp32 (Hopper's fp8 product
+//                    accumulates with ~22 bits, O would lose low bits over a long row)
+// The epilogue divides by the row sum, applies V's per-channel scale and writes each row at its ORIGINAL
+// token position; a row with no active block writes zeros. The torch reference (reference.py) is the
+// definition of every value.
+//
+// Compile-time configuration (defined by the host before this file): PARO_HEAD_DIM (64 or 128),
+// PARO_OUT_BF16 (1: bf16 output, 0: fp16). No headers: NVRTC compiles this file as is.
+
+#ifndef PARO_HEAD_DIM
+#define PARO_HEAD_DIM 128
+#endif
+#ifndef PARO_OUT_BF16
+#define PARO_OUT_BF16 1
+#endif
+#ifndef PARO_STAGES
+#define PARO_STAGES 4
+#endif
+
+namespace paro {
+
+constexpr int kHeadDim = PARO_HEAD_DIM;
+constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups of 64)
+constexpr int kBlockN = 64;   // keys per block
+constexpr int kThreads = 256;
+constexpr int kStages = PARO_STAGES;
+constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
+constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
+constexpr float kQuantEps = 1e-8f;                  // reference.QUANT_EPS
+
+static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+
+// Shared memory tiles are in the layouts wgmma's descriptors name: rows of `row_bytes` (64 or 128) 8-bit
+// elements along the reduction (K-major), 16-byte chunks XOR-swizzled by the row within each group of 8
+// rows (the 64B and 128B swizzle modes). A tile starts on a 1024-byte boundary.
+template <int row_bytes>
+__device__ __forceinline__ unsigned swizzled(unsigned offset) {
+  constexpr unsigned mask = row_bytes == 128 ? 7u : 3u;
+  return offset ^ (((offset >> 7) & mask) << 4);
+}
+
+// wgmma shared-memory matrix descriptor of a K-major swizzled tile: start address, leading byte offset
+// (unused for swizzled K-major tiles, 16 by convention), stride byte offset (8 rows), swizzle mode
+template <int row_bytes>
+__device__ __forceinline__ unsigned long long smem_descriptor(unsigned smem_address) {
+  unsigned long long desc = (smem_address & 0x3FFFFu) >> 4;
+  desc |= (unsigned long long)(16 >> 4) << 16;
+  desc |= (unsigned long long)((8 * row_bytes) >> 4) << 32;
+  desc |= (unsigned long long)(row_bytes == 128 ? 1 : 2) << 62;
+  return desc;
+}
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int n>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory"); }
+// writes by the generic proxy (cp.async, st.shared) made visible to wgmma's async proxy
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int n>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(n) : "memory"); }
+
+template <int n>
+__device__ __forceinline__ void fence_registers(int (&r)[n]) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int n>
+__device__ __forceinline__ void fence_registers(float (&r)[n]) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// the integer score x as the float 1.5 * 2^23 + x, exactly (|x| < 2^22), by one integer add instead of
+// I2F (which Hopper issues at a quarter rate); the offset is folded into the softmax's per-row term
+__device__ __forceinline__ float score_with_offset(int x) { return __int_as_float(x + 0x4B400000); }
+
+// two floats to two e4m3 bytes: lo in bits 0-7, hi in bits 8-15 (round to nearest, saturating)
+__device__ __forceinline__ unsigned pack_e4m3(float lo, float hi) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ unsigned pack_out(float lo, float hi) {
+  unsigned r;
+#if PARO_OUT_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+
+// layout.reordered_to_original: the original position of reordered position p (prefix and suffix map to
+// themselves); one order of the six (axes F, H, W nested outermost first)
+__device__ __forceinline__ int reordered_to_original(int p, int order, int prefix, int frames, int height, int width) {
+  const int outer = order / 2;
+  const int low = outer == 0 ? 1 : 0;
+  const int high = outer == 2 ? 1 : 2;
+  const int odd = order % 2;
+  const int middle = odd ? high : low;
+  const int inner = odd ? low : high;
+  auto size = [&](int axis) { return axis == 0 ? frames : axis == 1 ? height : width; };
+  auto stride = [&](int axis) { return axis == 0 ? height * width : axis == 1 ? width : 1; };
+  const int n1 = size(middle), n2 = size(inner);
+  const int s0 = stride(outer), s1 = stride(middle), s2 = stride(inner);
+  const int grid = frames * height * width;
+  if (p < prefix || p >= prefix + grid) return p;
+  const int g = p - prefix;
+  const int a2 = g % n2;
+  const int a1 = (g / n2) % n1;
+  const int a0 = g / (n2 * n1);
+  return prefix + a0 * s0 + a1 * s1 + a2 * s2;
+}
+
+// D[64 x 64] (s32) (+)= A[64 x 32] * B[64 x 32]^T, int8, both operands K-major in shared memory
+__device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int (&d)[32], unsigned long long desc_a,
+                                                    unsigned long long desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 64] (f32) (+)= A[64 x 32] * B[64 x 32]^T, e4m3, A in registers, B K-major in shared memory
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 128] (f32) (+)= A[64 x 32] * B[128 x 32]^T, e4m3, A in registers, B K-major in shared memory
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+template <int n>
+__device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], unsigned long long desc_b,
+                                         int accumulate) {
+  if constexpr (n == 64) {
+    wgmma_m64n128k32_e4m3_rs(d, a, desc_b, accumulate);
+  } else {
+    wgmma_m64n64k32_e4m3_rs(d, a, desc_b, accumulate);
+  }
+}
+
+}  // namespace paro
+
+using namespace paro;
+
+// Shared memory: Q [128 x D] (two 64-row warpgroup tiles), then kStages x (K [64 x D], V^T [D x 64]).
+constexpr int kQBytes = kBlockM * kHeadDim;
+constexpr int kKBytes = kBlockN * kHeadDim;
+constexpr int kVBytes = kHeadDim * kBlockN;
+constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr int kSharedBytes = kQBytes + kStages * kStageBytes + 1024;  // + alignment slack
+
+// cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage; 16 bytes per copy
+__device__ __forceinline__ void load_kv(unsigned stage, const signed char* kq_bh, const unsigned char* vq_bh,
+                                        int kb, int n_pad, int tid) {
+#pragma unroll
+  for (int c = tid; c < kKBytes / 16; c += kThreads) {
+    const int r = c / (kHeadDim / 16), col = c % (kHeadDim / 16);
+    cp_async_16(stage + swizzled<kHeadDim>(r * kHeadDim + col * 16),
+                kq_bh + ((long long)kb * kBlockN + r) * kHeadDim + col * 16);
+  }
+#pragma unroll
+  for (int c = tid; c < kVBytes / 16; c += kThreads) {
+    const int r = c / (kBlockN / 16), col = c % (kBlockN / 16);
+    cp_async_16(stage + kKBytes + swizzled<kBlockN>(r * kBlockN + col * 16),
+                vq_bh + (long long)r * n_pad + (long long)kb * kBlockN + col * 16);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp8(
+    const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
+    const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
+    unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
+    const int* __restrict__ indices, const int* __restrict__ schedule, const unsigned char* __restrict__ key_mask,
+    long long stride_ob, long long stride_oh, long long stride_on, long long stride_od,
+    long long stride_mb, long long stride_ms,
+    int N, int n_pad, int H, int NQ, int NK, int max_active, int prefix, int frames, int height, int width,
+    int suffix_start, float qk_scale, int has_key_mask) {
+  extern __shared__ unsigned char shared_raw[];
+  const unsigned shared_base = (smem_address(shared_raw) + 1023u) & ~1023u;
+  const unsigned q_tile = shared_base;
+  const unsigned kv_tiles = shared_base + kQBytes;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;             // warpgroup: query rows wg * 64 ..
+  const int warp = (tid % 128) / 32;    // rows warp * 16 .. of the warpgroup's 64
+  const int lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g and g + 8, columns 2t, 2t+1 of each 8
+
+  const int rank = blockIdx.x;
+  const int bh = blockIdx.y;
+  const int b = bh / H, h = bh % H;
+  const int qb = schedule[h * NQ + rank];
+  const int row = h * NQ + qb;
+  const int count = counts[row];
+  const int* active = indices + (long long)row * max_active;
+
+  const signed char* kq_bh = kq + (long long)bh * n_pad * kHeadDim;
+  const unsigned char* vq_bh = vq + (long long)bh * kHeadDim * n_pad;
+
+  // Q tile and the first kStages - 1 key blocks, each its own cp.async group (empty groups past the list)
+  if (count > 0) {
+    const signed char* q_src = qq + ((long long)bh * NQ + qb) * kBlockM * kHeadDim;
+#pragma unroll
+    for (int c = tid; c < kQBytes / 16; c += kThreads) {
+      const int r = c / (kHeadDim / 16), col = c % (kHeadDim / 16);
+      // each warpgroup's 64 rows are a tile of their own
+      cp_async_16(q_tile + (r / 64) * (64 * kHeadDim) + swizzled<kHeadDim>((r % 64) * kHeadDim + col * 16),
+                  q_src + (long long)r * kHeadDim + col * 16);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < count) load_kv(kv_tiles + s * kStageBytes, kq_bh, vq_bh, active[s], n_pad, tid);
+    cp_async_commit();
+  }
+
+  const float score_scale = count > 0 ? qk_scale * q_scale[(long long)bh * NQ + qb] : 0.f;
+  // key blocks from this one on may hold keys a query must not attend: positions >= N (the partial last
+  // block) or padded keys of the suffix. Lists are ascending, so they are a list's last entries.
+  const int first_masked = has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK);
+
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};  // running max (log2 units)
+  float l[2] = {0.f, 0.f};                                                    // this thread's part of the row sum
+
+  const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
+
+  for (int i = 0; i < count; ++i) {
+    // block i's tiles have landed (this thread's copies), are visible to wgmma, and every thread's are
+    cp_async_wait<kStages - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    // the stage block i - 1 used is free again (its products completed before the barrier): fetch
+    // block i + kStages - 1 into it
+    {
+      const int next = i + kStages - 1;
+      if (next < count) load_kv(kv_tiles + (next % kStages) * kStageBytes, kq_bh, vq_bh, active[next], n_pad, tid);
+      cp_async_commit();
+    }
+    const int kb = active[i];
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+
+    // keys of this block a query may attend (only blocks from first_masked on can hold others); the
+    // columns of this thread are 8j + 2t + {0, 1}, j < 8
+    unsigned kept = 0xFFFFu;
+    if (kb >= first_masked) {
+      kept = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int pos = kb * kBlockN + 8 * j + 2 * t + e;
+          bool keep = pos < N;
+          if (has_key_mask && keep && pos >= suffix_start)
+            keep = key_mask[b * stride_mb + (long long)(pos - suffix_start) * stride_ms] != 0;
+          kept |= (keep ? 1u : 0u) << (2 * j + e);
+        }
+      }
+      // a block of padding only adds nothing: skipped, so that every block that runs has a finite score in
+      // each row (the mask is the same for every row, so the decision is the same in every thread)
+      unsigned any = kept;
+      any |= __shfl_xor_sync(0xffffffffu, any, 1);
+      any |= __shfl_xor_sync(0xffffffffu, any, 2);
+      if (any == 0) continue;
+    }
+
+    // S = Q K^T over D / 32 slices of 32 channels
+    int s[32];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kHeadDim / 32; ++k) {
+      wgmma_m64n64k32_s8_ss(s, smem_descriptor<kHeadDim>(q_desc_base + k * 32),
+                            smem_descriptor<kHeadDim>(stage + k * 32), k > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+
+    // online softmax: scores offset by kScoreOffset (score_with_offset), in log2 units after `scale`
+    const float scale = score_scale * k_scale[(long long)bh * NK + kb];
+    float f[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      f[j] = score_with_offset(s[j]);
+      // f[4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
+      const int bit = 2 * (j / 4) + (j & 1);
+      if (!((kept >> bit) & 1u)) f[j] = -__int_as_float(0x7f800000);
+    }
+    float alpha[2], shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(f[4 * j + 2 * r], f[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], (mx - kScoreOffset) * scale);  // scale > 0: the max commutes with it
+      alpha[r] = exp2_approx(m[r] - m_new);
+      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
+      shift[r] = m_new - kPLog2Scale + kScoreOffset * scale;
+      m[r] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int r = (j >> 1) & 1;
+      f[j] = exp2_approx(fmaf(f[j], scale, -shift[r]));
+      rowsum[r] += f[j];
+    }
+    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+
+    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8
+    // for odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions
+    // the accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
+    unsigned a[2][4];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
+        a[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
+      }
+    }
+
+    // T = P V (zeroed first), then O = alpha O + T in fp32
+    float pv[kHeadDim / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, a[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(pv);
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+  }
+  cp_async_wait<0>();
+
+  // epilogue: row sums, normalization, V's per-channel scale, rows written at their original positions
+  const int order = orders[h];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int pos = qb * kBlockM + wg * 64 + warp * 16 + g + 8 * r;
+    if (pos >= N) continue;
+    // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    const long long orig = reordered_to_original(pos, order, prefix, frames, height, width);
+    unsigned short* dst = out + b * stride_ob + h * stride_oh + orig * stride_on;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int c = 8 * j + 2 * t;
+      // a NaN in channel c of V makes its scale NaN: channel c of every row that read anything is NaN
+      const float v0 = max_nan(v_amax[(long long)bh * kHeadDim + c], kQuantEps) / 448.f;
+      const float v1 = max_nan(v_amax[(long long)bh * kHeadDim + c + 1], kQuantEps) / 448.f;
+      float x0 = o[4 * j + 2 * r] * inv * v0, x1 = o[4 * j + 2 * r + 1] * inv * v1;
+      if (sum == 0.f) x0 = x1 = 0.f;
+      const unsigned packed = pack_out(x0, x1);
+      if (stride_od == 1) {
+        *reinterpret_cast<unsigned*>(dst + c) = packed;
+      } else {
+        dst[c * stride_od] = (unsigned short)(packed & 0xFFFFu);
+        dst[(c + 1) * stride_od] = (unsigned short)(packed >> 16);
+      }
+    }
+  }
+}

@@ -1,0 +1,180 @@
+"""Run-time compilation and launch of CUDA C++ kernels: NVRTC (from torch's CUDA wheel) to a cubin,
+cached on disk, loaded with the driver API; no nvcc and no build step.
+
+The one place that talks to NVRTC and the CUDA driver (both through ctypes). Everything that can fail
+here raises `KernelLoadError` with a sentence that says what failed; callers turn it into a refusal
+(another kernel family runs the call).
+
+Cache: `$PAROATTN_CACHE` or `~/.cache/paroattn`, one cubin per (source, defines, GPU arch, NVRTC
+version), named by a hash of all of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import site
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class KernelLoadError(RuntimeError):
+    """A kernel could not be compiled or loaded; the message says what failed."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAROATTN_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "paroattn"
+
+
+_LOCK = threading.Lock()
+_NVRTC: ctypes.CDLL | None = None
+_CUDA: ctypes.CDLL | None = None
+
+
+def _nvrtc_candidates() -> list[str]:
+    """libnvrtc by soname (found when torch or the loader path has it), then inside the nvidia wheels that
+    torch's CUDA builds install (nvidia/cu13/lib for CUDA 13, nvidia/cuda_nvrtc/lib for CUDA 12)."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    for root in roots:
+        for pattern in (f"nvidia/cu{major}/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"):
+            names += sorted(glob.glob(os.path.join(root, pattern)))
+    return names
+
+
+def nvrtc() -> ctypes.CDLL:
+    global _NVRTC
+    if _NVRTC is None:
+        errors = []
+        for name in _nvrtc_candidates():
+            try:
+                _NVRTC = ctypes.CDLL(name)
+                break
+            except OSError as error:
+                errors.append(f"{name}: {error}")
+        else:
+            raise KernelLoadError(
+                "NVRTC (libnvrtc) was not found: install a CUDA build of torch (its wheels ship it) or the "
+                f"nvidia-cuda-nvrtc package; tried {', '.join(errors[:3])}")
+    return _NVRTC
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def _check_nvrtc(result: int, what: str) -> None:
+    if result != 0:
+        lib = nvrtc()
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise KernelLoadError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(result).decode()}")
+
+
+def driver() -> ctypes.CDLL:
+    global _CUDA
+    if _CUDA is None:
+        try:
+            _CUDA = ctypes.CDLL("libcuda.so.1")
+        except OSError as error:
+            raise KernelLoadError(f"the CUDA driver library libcuda.so.1 could not be loaded: {error}") from error
+    return _CUDA
+
+
+def _check_cuda(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        driver().cuGetErrorString(result, ctypes.byref(text))
+        raise KernelLoadError(f"CUDA driver {what} failed: {(text.value or b'error ' + str(result).encode()).decode()}")
+
+
+def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> bytes:
+    """NVRTC's cubin of `source` for `arch` (e.g. "sm_90a") with `defines`, from the disk cache when an
+    identical compile ran before."""
+    version = nvrtc_version()
+    options = [f"--gpu-architecture={arch}", "-std=c++17", "--use_fast_math",
+               *(f"-D{key}={value}" for key, value in sorted(defines.items()))]
+    digest = hashlib.sha256("\0".join([source, name, *options, f"nvrtc{version}"]).encode()).hexdigest()[:20]
+    path = cache_dir() / "cubin" / f"{name}-{arch}-{digest}.cubin"
+    if path.is_file():
+        return path.read_bytes()
+    cubin = _nvrtc_compile(source, name, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)  # atomic: concurrent processes never read a partial file
+    except OSError:
+        pass  # an unwritable cache costs a compile per process, nothing else
+    return cubin
+
+
+def _nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
+    lib = nvrtc()
+    program = ctypes.c_void_p()
+    _check_nvrtc(lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{name}.cu".encode(), 0, None, None),
+                 "nvrtcCreateProgram")
+    try:
+        encoded = [option.encode() for option in options]
+        result = lib.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+        if result != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(program, log)
+            raise KernelLoadError(f"NVRTC could not compile {name}: {log.value.decode(errors='replace')[:2000]}")
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+@dataclass
+class Kernel:
+    """One loaded `extern "C"` kernel of a cubin, in the current context of the device it was loaded on."""
+
+    module: ctypes.c_void_p
+    function: ctypes.c_void_p
+    shared_bytes: int
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream: int) -> None:
+        """`args`: ctypes values in the kernel's parameter order (c_void_p pointers, c_int, c_longlong,
+        c_float)."""
+        pointers = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+        _check_cuda(driver().cuLaunchKernel(
+            self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], self.shared_bytes,
+            ctypes.c_void_p(stream), pointers, None), "cuLaunchKernel")
+
+
+_LOADED: dict[tuple, Kernel] = {}
+
+
+def load(cubin: bytes, name: str, device: torch.device, shared_bytes: int) -> Kernel:
+    """`name` of `cubin` loaded on `device` (once per process and device), allowed `shared_bytes` of
+    dynamic shared memory."""
+    key = (hashlib.sha256(cubin).digest(), name, device.index, shared_bytes)
+    kernel = _LOADED.get(key)
+    if kernel is not None:
+        return kernel
+    with _LOCK, torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # the primary context is current on this thread
+        lib = driver()
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        _check_cuda(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+        _check_cuda(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
+        max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check_cuda(lib.cuFuncSetAttribute(function, max_dynamic_shared, shared_bytes), "cuFuncSetAttribute")
+        kernel = _LOADED[key] = Kernel(module, function, shared_bytes)
+    return kernel
