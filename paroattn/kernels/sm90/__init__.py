@@ -24,10 +24,14 @@ from .runtime import KernelLoadError, compile_cubin, load
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128)
 BLOCK_M, BLOCK_N = 128, 64
-THREADS = 256
 KERNEL_NAME = "paro_attention_int8_fp8"
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
+
+
+# consumer warpgroups per CTA (64 query rows each) by head dim: one (two CTAs share an SM and interleave
+# their tensor-core and softmax phases) or two (one CTA per SM, sharing each K/V tile between 128 rows)
+WARPGROUPS = {64: 1, 128: 1}
 
 
 def stages(head_dim: int) -> int:
@@ -35,9 +39,14 @@ def stages(head_dim: int) -> int:
     return 4
 
 
-def shared_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a launch: the Q tile, the K/V stages, 1 KB to align the swizzled tiles."""
-    return BLOCK_M * head_dim + stages(head_dim) * 2 * BLOCK_N * head_dim + 1024
+def shared_bytes(head_dim: int, warpgroups: int, max_active: int) -> int:
+    """Dynamic shared memory of a launch: the Q tile, the K/V stages, 1 KB to align the swizzled tiles, and
+    the active list (an index and a K scale per entry)."""
+    return 64 * warpgroups * head_dim + stages(head_dim) * 2 * BLOCK_N * head_dim + 1024 + 8 * max_active
+
+
+MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
+MAX_SEQ_LEN = 1 << 20  # lists of up to N / 64 = 16384 entries fit beside the tiles
 
 
 def refusal(q_shape: tuple[int, ...], dtype: torch.dtype, head_dim: int, bq: int, bk: int, qk: str, pv: str,
@@ -56,8 +65,8 @@ def refusal(q_shape: tuple[int, ...], dtype: torch.dtype, head_dim: int, bq: int
         return f"the sm90 CUDA kernels take {BLOCK_M} x {BLOCK_N} blocks (bq x bk), got {bq} x {bk}"
     if dtype not in OUT_DTYPES:
         return f"the sm90 CUDA kernels take bfloat16 or float16 inputs, got {dtype}"
-    if len(q_shape) != 4 or q_shape[2] >= 2**31 // BLOCK_M:
-        return f"the sm90 CUDA kernels take q [B, H, N, D] with N < {2**31 // BLOCK_M}, got {tuple(q_shape)}"
+    if len(q_shape) != 4 or q_shape[2] > MAX_SEQ_LEN:
+        return f"the sm90 CUDA kernels take q [B, H, N, D] with N <= {MAX_SEQ_LEN}, got {tuple(q_shape)}"
     return None
 
 
@@ -66,26 +75,31 @@ def source() -> str:
     return resources.files(__package__).joinpath("attention.cu").read_text()
 
 
-def defines(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim)}
+            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim]}
 
 
-# every variant `refusal` lets through, for the compile check
-VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
+# every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
+VARIANTS = [(d, dtype, w) for d in HEAD_DIMS for dtype in OUT_DTYPES for w in (1, 2)]
 
 _FAILURES: dict[tuple, str] = {}
+_KERNELS: dict[tuple, object] = {}
 
 
-def kernel(head_dim: int, dtype: torch.dtype, device: torch.device):
+def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index)
+    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim])
+    loaded = _KERNELS.get(key)
+    if loaded is not None:
+        return loaded
     if key in _FAILURES:
         raise KernelLoadError(_FAILURES[key])
     try:
-        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype))
-        return load(cubin, KERNEL_NAME, device, shared_bytes(head_dim))
+        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype, warpgroups))
+        loaded = _KERNELS[key] = load(cubin, KERNEL_NAME, device, MAX_SHARED_BYTES)
+        return loaded
     except KernelLoadError as error:
         _FAILURES[key] = str(error)
         raise
@@ -105,7 +119,8 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, *, N: int, prefix: int,
-           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None) -> None:
+           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None,
+           warpgroups: int | None = None) -> None:
     """Attention over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
     `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
     `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
@@ -113,7 +128,8 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
     when the kernel cannot be built (nothing is launched then)."""
     B, H, _, D = out.shape
     nq, nk = -(-N // BLOCK_M), -(-N // BLOCK_N)
-    run = kernel(D, out.dtype, out.device)
+    warpgroups = warpgroups or WARPGROUPS[D]
+    run = kernel(D, out.dtype, out.device, warpgroups)
     for name, t in (("counts", counts), ("indices", indices), ("schedule", schedule), ("orders", orders)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int32, got {t.dtype} with strides {t.stride()}")
@@ -130,11 +146,13 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
             c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    run.launch((nq, B * H, 1), (THREADS, 1, 1), args, stream)
+    run.launch((nq * 2 // warpgroups, B * H, 1), (128 * warpgroups, 1, 1), args, stream,
+               shared_bytes(D, warpgroups, indices.shape[-1]))
 
 
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
-              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None) -> torch.Tensor:
+              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None,
+              warpgroups: int | None = None) -> torch.Tensor:
     """The whole op on this family: the Triton K/V/Q prologue, then the kernel. `block_mask`: bool
     [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks. Raises ValueError with `refusal`'s reason, or
     KernelLoadError."""
@@ -155,7 +173,8 @@ def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str 
     out = torch.empty_like(q)
     launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts.contiguous(), blocks.indices.contiguous(),
            blocks.schedule.contiguous(), N=N, prefix=layout.prefix, frames=layout.frames, height=layout.height,
-           width=layout.width, sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask)
+           width=layout.width, sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask,
+           warpgroups=warpgroups)
     return out
 
 

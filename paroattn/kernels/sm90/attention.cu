@@ -27,6 +27,9 @@
 #ifndef PARO_OUT_BF16
 #define PARO_OUT_BF16 1
 #endif
+#ifndef PARO_WARPGROUPS
+#define PARO_WARPGROUPS 2
+#endif
 #ifndef PARO_STAGES
 #define PARO_STAGES 4
 #endif
@@ -34,9 +37,11 @@
 namespace paro {
 
 constexpr int kHeadDim = PARO_HEAD_DIM;
-constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups of 64)
+constexpr int kBlockM = 128;  // query rows per block of the lists
+constexpr int kWarpgroups = PARO_WARPGROUPS;  // consumer warpgroups per CTA, 64 query rows each
+constexpr int kCtaRows = 64 * kWarpgroups;
 constexpr int kBlockN = 64;   // keys per block
-constexpr int kThreads = 256;
+constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kStages = PARO_STAGES;
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
@@ -201,31 +206,143 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], 
 
 using namespace paro;
 
-// Shared memory: Q [128 x D] (two 64-row warpgroup tiles), then kStages x (K [64 x D], V^T [D x 64]).
-constexpr int kQBytes = kBlockM * kHeadDim;
+// Shared memory: Q [128 x D] (two 64-row warpgroup tiles), kStages x (K [64 x D], V^T [D x 64]), then the
+// active list (max_active block indices and as many K scales).
+constexpr int kQBytes = kCtaRows * kHeadDim;
 constexpr int kKBytes = kBlockN * kHeadDim;
 constexpr int kVBytes = kHeadDim * kBlockN;
 constexpr int kStageBytes = kKBytes + kVBytes;
-constexpr int kSharedBytes = kQBytes + kStages * kStageBytes + 1024;  // + alignment slack
 
-// cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage; 16 bytes per copy
-__device__ __forceinline__ void load_kv(unsigned stage, const signed char* kq_bh, const unsigned char* vq_bh,
-                                        int kb, int n_pad, int tid) {
-#pragma unroll
-  for (int c = tid; c < kKBytes / 16; c += kThreads) {
-    const int r = c / (kHeadDim / 16), col = c % (kHeadDim / 16);
-    cp_async_16(stage + swizzled<kHeadDim>(r * kHeadDim + col * 16),
-                kq_bh + ((long long)kb * kBlockN + r) * kHeadDim + col * 16);
+
+// cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage, 16 bytes per copy. Thread tid
+// copies chunks tid + k * kThreads: kThreads chunks span a whole number of 8-row swizzle periods in both
+// tiles, so each thread's swizzled destinations and source offsets are fixed once, and a block adds a base.
+struct KVLoader {
+  static constexpr int kKCopies = kKBytes / 16 / kThreads, kVCopies = kVBytes / 16 / kThreads;
+  static_assert(kKCopies * kThreads * 16 == kKBytes && kVCopies * kThreads * 16 == kVBytes, "whole copies");
+  static_assert((kThreads * 16) % (8 * kHeadDim) == 0 && (kThreads / (kBlockN / 16)) % 8 == 0, "swizzle periods");
+  const signed char* k_src;    // this thread's first chunk of K block 0
+  const unsigned char* v_src;  // this thread's first chunk of V^T block 0
+  long long v_step;            // source distance between a thread's V chunks (rows kThreads / 4 apart)
+  unsigned k_dst, v_dst;       // offsets in a stage
+
+  __device__ __forceinline__ KVLoader(const signed char* kq_bh, const unsigned char* vq_bh, int n_pad, int tid) {
+    k_src = kq_bh + tid * 16;  // K tiles are contiguous: chunk c at byte 16c
+    k_dst = swizzled<kHeadDim>(tid * 16);
+    const int r = tid / (kBlockN / 16), col = tid % (kBlockN / 16);
+    v_src = vq_bh + (long long)r * n_pad + col * 16;
+    v_step = (long long)(kThreads / (kBlockN / 16)) * n_pad;
+    v_dst = kKBytes + swizzled<kBlockN>(r * kBlockN + col * 16);
   }
+
+  __device__ __forceinline__ void load(unsigned stage, int kb) const {
+    const signed char* k = k_src + kb * kKBytes;
 #pragma unroll
-  for (int c = tid; c < kVBytes / 16; c += kThreads) {
-    const int r = c / (kBlockN / 16), col = c % (kBlockN / 16);
-    cp_async_16(stage + kKBytes + swizzled<kBlockN>(r * kBlockN + col * 16),
-                vq_bh + (long long)r * n_pad + (long long)kb * kBlockN + col * 16);
+    for (int i = 0; i < kKCopies; ++i) cp_async_16(stage + k_dst + i * kThreads * 16, k + i * kThreads * 16);
+    const unsigned char* v = v_src + kb * kBlockN;
+#pragma unroll
+    for (int i = 0; i < kVCopies; ++i) cp_async_16(stage + v_dst + i * kThreads * 16, v + i * v_step);
   }
+};
+
+// S = Q K^T for one warpgroup: D / 32 products over 32 channels each, issued and committed (not waited)
+__device__ __forceinline__ void qk_product(int (&s)[32], unsigned q_tile, unsigned k_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kHeadDim / 32; ++k) {
+    wgmma_m64n64k32_s8_ss(s, smem_descriptor<kHeadDim>(q_tile + k * 32), smem_descriptor<kHeadDim>(k_tile + k * 32),
+                          k > 0);
+  }
+  wgmma_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp8(
+// Bit 2j + e: whether column 8j + 2t + e of key block kb may be attended (a position < N, and outside the
+// padded keys of the suffix). Only blocks from first_masked on can hold others; the rest keep all 16.
+__device__ __forceinline__ unsigned keys_kept(int kb, int first_masked, int t, int N, int suffix_start,
+                                              const unsigned char* key_mask, long long stride_ms) {
+  if (kb < first_masked) return 0xFFFFu;
+  unsigned kept = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = kb * kBlockN + 8 * j + 2 * t + e;
+      bool keep = pos < N;
+      if (keep && pos >= suffix_start) keep = key_mask[(long long)(pos - suffix_start) * stride_ms] != 0;
+      kept |= (keep ? 1u : 0u) << (2 * j + e);
+    }
+  }
+  return kept;
+}
+
+// The online softmax of one warpgroup's 64 rows; a thread holds rows g and g + 8 of its warp's 16
+// (index r = 0, 1) and of the 64 keys the columns 8j + 2t + {0, 1}, j < 8.
+struct Softmax {
+  float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};  // running max, log2 units
+  float l[2] = {0.f, 0.f};  // this thread's part of the row sums (of P * 448)
+  float score_scale;        // sm_scale * log2(e) * Q's block scale
+
+  // a key block's integer scores s (K scale block_scale, `kept`: keys_kept) -> P (as e4m3 A operands, P * 448) and the factor alpha that rescales
+  // what came before. A block whose keys are all excluded (padding) leaves everything as it was.
+  template <bool kMasked>
+  __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
+                                       float (&alpha)[2]) {
+    // the mask is one row for all queries: the same decision in every thread of the CTA
+    unsigned any = kept;
+    if (kMasked) {
+      any |= __shfl_xor_sync(0xffffffffu, any, 1);
+      any |= __shfl_xor_sync(0xffffffffu, any, 2);
+    }
+    const float scale = score_scale * block_scale;
+
+    float f[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      // f[4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
+      f[j] = score_with_offset(s[j]);
+      if (kMasked && !((kept >> (2 * (j / 4) + (j & 1))) & 1u)) f[j] = -__int_as_float(0x7f800000);
+    }
+    float shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(f[4 * j + 2 * r], f[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // scale > 0: the max commutes with it
+      const float m_new = any ? fmaxf(m[r], (mx - kScoreOffset) * scale) : m[r];
+      alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
+      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
+      shift[r] = m_new - kPLog2Scale + kScoreOffset * scale;
+      m[r] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int r = (j >> 1) & 1;
+      // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
+      f[j] = any ? exp2_approx(fmaf(f[j], scale, -shift[r])) : 0.f;
+      rowsum[r] += f[j];
+    }
+    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+
+    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
+    // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
+    // accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
+        p[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
+      }
+    }
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
     const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
     unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
@@ -238,6 +355,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const unsigned shared_base = (smem_address(shared_raw) + 1023u) & ~1023u;
   const unsigned q_tile = shared_base;
   const unsigned kv_tiles = shared_base + kQBytes;
+  // the query block's active key blocks and their K scales, staged in shared memory: read from global memory
+  // inside the loop they would put two dependent load latencies on every block's critical path
+  int* list_kb = reinterpret_cast<int*>(shared_raw + (kv_tiles + kStages * kStageBytes - smem_address(shared_raw)));
+  float* list_scale = reinterpret_cast<float*>(list_kb + max_active);
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;             // warpgroup: query rows wg * 64 ..
@@ -245,7 +366,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const int lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g and g + 8, columns 2t, 2t+1 of each 8
 
-  const int rank = blockIdx.x;
+  // with one warpgroup per CTA, two CTAs take the two halves of a query block
+  const int rank = blockIdx.x / (2 / kWarpgroups);
+  const int half = kWarpgroups == 1 ? blockIdx.x % 2 : 0;
   const int bh = blockIdx.y;
   const int b = bh / H, h = bh % H;
   const int qb = schedule[h * NQ + rank];
@@ -253,148 +376,119 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const int count = counts[row];
   const int* active = indices + (long long)row * max_active;
 
+  for (int j = tid; j < count; j += kThreads) {
+    const int kb = active[j];
+    list_kb[j] = kb;
+    list_scale[j] = k_scale[(long long)bh * NK + kb];
+  }
+  __syncthreads();
+
   const signed char* kq_bh = kq + (long long)bh * n_pad * kHeadDim;
   const unsigned char* vq_bh = vq + (long long)bh * kHeadDim * n_pad;
+  const KVLoader loader(kq_bh, vq_bh, n_pad, tid);
 
   // Q tile and the first kStages - 1 key blocks, each its own cp.async group (empty groups past the list)
   if (count > 0) {
-    const signed char* q_src = qq + ((long long)bh * NQ + qb) * kBlockM * kHeadDim;
+    const signed char* q_src = qq + (((long long)bh * NQ + qb) * kBlockM + half * 64) * kHeadDim;
 #pragma unroll
-    for (int c = tid; c < kQBytes / 16; c += kThreads) {
-      const int r = c / (kHeadDim / 16), col = c % (kHeadDim / 16);
-      // each warpgroup's 64 rows are a tile of their own
-      cp_async_16(q_tile + (r / 64) * (64 * kHeadDim) + swizzled<kHeadDim>((r % 64) * kHeadDim + col * 16),
-                  q_src + (long long)r * kHeadDim + col * 16);
+    for (int i = 0; i < kQBytes / 16 / kThreads; ++i) {
+      // contiguous rows; each warpgroup's 64 rows are a tile of their own, 1024-byte aligned
+      const int c = tid + i * kThreads;
+      cp_async_16(q_tile + swizzled<kHeadDim>(c * 16), q_src + c * 16);
     }
   }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < count) load_kv(kv_tiles + s * kStageBytes, kq_bh, vq_bh, active[s], n_pad, tid);
+    if (s < count) loader.load(kv_tiles + s * kStageBytes, list_kb[s]);
     cp_async_commit();
   }
 
-  const float score_scale = count > 0 ? qk_scale * q_scale[(long long)bh * NQ + qb] : 0.f;
+  Softmax sm;
+  sm.score_scale = count > 0 ? qk_scale * q_scale[(long long)bh * NQ + qb] : 0.f;
   // key blocks from this one on may hold keys a query must not attend: positions >= N (the partial last
   // block) or padded keys of the suffix. Lists are ascending, so they are a list's last entries.
   const int first_masked = has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK);
+  const int mask_start = has_key_mask ? suffix_start : N;
+  const unsigned char* mask_b = key_mask + b * stride_mb;
+  // the softmax of block j of the list, in its masked form only where the block can hold excluded keys
+#define PARO_STEP(j, p, alpha)                                                                    \
+  if (list_kb[j] >= first_masked)                                                                 \
+    sm.step<true>(s, keys_kept(list_kb[j], first_masked, t, N, mask_start, mask_b, stride_ms), list_scale[j], \
+                  p, alpha);                                                                      \
+  else                                                                                            \
+    sm.step<false>(s, 0xFFFFu, list_scale[j], p, alpha);
 
   float o[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};  // running max (log2 units)
-  float l[2] = {0.f, 0.f};                                                    // this thread's part of the row sum
 
   const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
-
-  for (int i = 0; i < count; ++i) {
-    // block i's tiles have landed (this thread's copies), are visible to wgmma, and every thread's are
-    cp_async_wait<kStages - 2>();
+  // Software pipeline by one key block, per warpgroup: while the tensor cores run block i's P V, the
+  // warpgroup computes block i+1's softmax (its Q K^T was issued before). Block i's stage is read until its
+  // P V completes; the stage of block i-1 is refilled (with block i + kStages - 1) after the barrier that
+  // follows block i-1's P V in every thread.
+  unsigned p[2][4];
+  float alpha[2];
+  if (count > 0) {
+    cp_async_wait<kStages - 2>();  // Q and block 0
     fence_proxy_async();
     __syncthreads();
-    // the stage block i - 1 used is free again (its products completed before the barrier): fetch
-    // block i + kStages - 1 into it
-    {
-      const int next = i + kStages - 1;
-      if (next < count) load_kv(kv_tiles + (next % kStages) * kStageBytes, kq_bh, vq_bh, active[next], n_pad, tid);
-      cp_async_commit();
-    }
-    const int kb = active[i];
-    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
-
-    // keys of this block a query may attend (only blocks from first_masked on can hold others); the
-    // columns of this thread are 8j + 2t + {0, 1}, j < 8
-    unsigned kept = 0xFFFFu;
-    if (kb >= first_masked) {
-      kept = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int pos = kb * kBlockN + 8 * j + 2 * t + e;
-          bool keep = pos < N;
-          if (has_key_mask && keep && pos >= suffix_start)
-            keep = key_mask[b * stride_mb + (long long)(pos - suffix_start) * stride_ms] != 0;
-          kept |= (keep ? 1u : 0u) << (2 * j + e);
-        }
-      }
-      // a block of padding only adds nothing: skipped, so that every block that runs has a finite score in
-      // each row (the mask is the same for every row, so the decision is the same in every thread)
-      unsigned any = kept;
-      any |= __shfl_xor_sync(0xffffffffu, any, 1);
-      any |= __shfl_xor_sync(0xffffffffu, any, 2);
-      if (any == 0) continue;
-    }
-
-    // S = Q K^T over D / 32 slices of 32 channels
     int s[32];
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kHeadDim / 32; ++k) {
-      wgmma_m64n64k32_s8_ss(s, smem_descriptor<kHeadDim>(q_desc_base + k * 32),
-                            smem_descriptor<kHeadDim>(stage + k * 32), k > 0);
-    }
-    wgmma_commit();
+    qk_product(s, q_desc_base, kv_tiles);
     wgmma_wait<0>();
     fence_registers(s);
-
-    // online softmax: scores offset by kScoreOffset (score_with_offset), in log2 units after `scale`
-    const float scale = score_scale * k_scale[(long long)bh * NK + kb];
-    float f[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      f[j] = score_with_offset(s[j]);
-      // f[4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
-      const int bit = 2 * (j / 4) + (j & 1);
-      if (!((kept >> bit) & 1u)) f[j] = -__int_as_float(0x7f800000);
+    PARO_STEP(0, p, alpha);
+  }
+  for (int i = 0; i < count; ++i) {
+    const bool has_next = i + 1 < count;
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+    const unsigned next_stage = kv_tiles + ((i + 1) % kStages) * kStageBytes;
+    if (has_next) {
+      // blocks 0 .. i + kStages - 2 are committed: block i+1 has landed when at most kStages - 3 are pending
+      cp_async_wait<kStages - 3>();
+      fence_proxy_async();
     }
-    float alpha[2], shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -__int_as_float(0x7f800000);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(f[4 * j + 2 * r], f[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], (mx - kScoreOffset) * scale);  // scale > 0: the max commutes with it
-      alpha[r] = exp2_approx(m[r] - m_new);
-      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
-      shift[r] = m_new - kPLog2Scale + kScoreOffset * scale;
-      m[r] = m_new;
-    }
-    float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int r = (j >> 1) & 1;
-      f[j] = exp2_approx(fmaf(f[j], scale, -shift[r]));
-      rowsum[r] += f[j];
-    }
-    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
-    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
-
-    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8
-    // for odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions
-    // the accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
-    unsigned a[2][4];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
-        a[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
-      }
-    }
-
-    // T = P V (zeroed first), then O = alpha O + T in fp32
+    __syncthreads();
+    // (the last block issues one product it does not use, on its own stage: the wgmma groups stay the same
+    // on every path, which keeps ptxas from serializing them)
+    int s[32];
+    qk_product(s, q_desc_base, has_next ? next_stage : stage);
+    // T = P V, into a zeroed accumulator
     float pv[kHeadDim / 2];
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < 2; ++k) wgmma_pv(pv, a[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
     wgmma_commit();
+    unsigned p_next[2][4];
+    float alpha_next[2];
+    wgmma_wait<1>();  // groups complete in order: block i+1's scores are ready, P V may still run
+    fence_registers(s);
+    if (has_next) {
+      PARO_STEP(i + 1, p_next, alpha_next);
+    }
     wgmma_wait<0>();
     fence_registers(pv);
+    // O = alpha O + T in fp32
 #pragma unroll
     for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    // the stage of block i-1 is free since the barrier above: fetch block i + kStages - 1 into it (here, where
+    // few registers are live)
+    {
+      const int refill = i + kStages - 1;
+      if (refill < count) loader.load(kv_tiles + (refill % kStages) * kStageBytes, list_kb[refill]);
+      cp_async_commit();
+    }
+    if (has_next) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
   }
+#undef PARO_STEP
+  float* l = sm.l;
   cp_async_wait<0>();
 
   // epilogue: row sums, normalization, V's per-channel scale, rows written at their original positions
@@ -404,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
     float sum = l[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int pos = qb * kBlockM + wg * 64 + warp * 16 + g + 8 * r;
+    const int pos = qb * kBlockM + (half + wg) * 64 + warp * 16 + g + 8 * r;
     if (pos >= N) continue;
     // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
     const float inv = sum == 0.f ? 0.f : 1.f / sum;

@@ -147,24 +147,28 @@ class Kernel:
 
     module: ctypes.c_void_p
     function: ctypes.c_void_p
-    shared_bytes: int
+    max_shared_bytes: int
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream: int) -> None:
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream: int,
+               shared_bytes: int) -> None:
         """`args`: ctypes values in the kernel's parameter order (c_void_p pointers, c_int, c_longlong,
         c_float)."""
+        if shared_bytes > self.max_shared_bytes:
+            raise KernelLoadError(f"a launch needs {shared_bytes} bytes of shared memory, the kernel was loaded with "
+                                  f"{self.max_shared_bytes}")
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
         _check_cuda(driver().cuLaunchKernel(
-            self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], self.shared_bytes,
+            self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_bytes,
             ctypes.c_void_p(stream), pointers, None), "cuLaunchKernel")
 
 
 _LOADED: dict[tuple, Kernel] = {}
 
 
-def load(cubin: bytes, name: str, device: torch.device, shared_bytes: int) -> Kernel:
-    """`name` of `cubin` loaded on `device` (once per process and device), allowed `shared_bytes` of
-    dynamic shared memory."""
-    key = (hashlib.sha256(cubin).digest(), name, device.index, shared_bytes)
+def load(cubin: bytes, name: str, device: torch.device, max_shared_bytes: int) -> Kernel:
+    """`name` of `cubin` loaded on `device` (once per process and device), allowed up to `max_shared_bytes`
+    of dynamic shared memory per launch."""
+    key = (hashlib.sha256(cubin).digest(), name, device.index, max_shared_bytes)
     kernel = _LOADED.get(key)
     if kernel is not None:
         return kernel
@@ -175,6 +179,6 @@ def load(cubin: bytes, name: str, device: torch.device, shared_bytes: int) -> Ke
         _check_cuda(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
         _check_cuda(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
         max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check_cuda(lib.cuFuncSetAttribute(function, max_dynamic_shared, shared_bytes), "cuFuncSetAttribute")
-        kernel = _LOADED[key] = Kernel(module, function, shared_bytes)
+        _check_cuda(lib.cuFuncSetAttribute(function, max_dynamic_shared, max_shared_bytes), "cuFuncSetAttribute")
+        kernel = _LOADED[key] = Kernel(module, function, max_shared_bytes)
     return kernel
