@@ -1,8 +1,10 @@
 """Attention kernel benchmark: SDPA (default and flash), flex_attention with the same block mask,
-sageattn (if importable) and paro_attention for densities x modes, at the attention shapes of
-CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence).
+sageattn (if importable), FlashAttention-3 bf16 and FP8 (`--fa3`, the optional `fa3-fwd` wheel), and
+paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family on the same lists), at
+the attention shapes of CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token
+sequence).
 
-    paro bench [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--graph] [--out DIR]
+    paro bench [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--graph] [--fa3] [--sm90] [--out DIR]
     paro bench --table RESULTS.json [...]             # every method's table (no GPU)
     paro bench --table RESULTS.json [...] --summary   # bf16 and int8+fp8 per model (no GPU)
     paro bench --host [--out DIR]                     # host time per eager call vs CUDA-graph replay
@@ -20,7 +22,11 @@ the whole public op call (`paroattn.paro_attention`, prologue included) with a p
 flex_attention gets the same block mask (all blocks "full", in the same coordinates) on the same
 tensors: the reordering paro does inside its kernel is free for flex here.
 Effective TFLOP/s is the DENSE attention work 4*B*H*N^2*D over the time, so it compares methods;
-the speedup is SDPA default time / time. `--rope` also times each paro mode with RoPE tables handed
+the speedup is SDPA default time / time. FA3 rows time the kernel alone on inputs already laid out
+[B, N, H, D] (and already e4m3 with per-(batch, head) descales of 1 for FP8), dense: the peer a dense
+call would use. "paro-sm90-..." rows are the whole op call on the sm_90a CUDA kernels
+(`paroattn.kernels.sm90.attention`: the same prologue, then the hand-scheduled kernel), with their
+relative L2 distance to the Triton kernel's output on the first input set. `--rope` also times each paro mode with RoPE tables handed
 to the op (`rotary=`, rows "paro-...-rope"): what the op's RoPE pass costs (what it saves, the
 model's own RoPE code, is in benchmarks/e2e.py of the source checkout). The JSON records the GPU,
 driver, torch, triton, date and, when run from a git checkout, the commit.
@@ -227,8 +233,36 @@ def _host_overhead(call, sets, calls=200) -> dict:
     return {"host_us_per_call": host_us, "cuda_graph_us_per_call": graph_us}
 
 
+SM90_KERNEL = "sm90-cuda"  # the "kernel" of rows the sm_90a CUDA family ran (paroattn.kernels.sm90)
+FA3_KERNEL = "flash-attention-3"
+
+
+def _fa3_methods(sets):
+    """{method: (callable, its input sets)} of FlashAttention-3's forward (`fa3-fwd`: bf16 and FP8 e4m3 with
+    unit descales), or {} and why not."""
+    try:
+        from fa3_fwd_interface import flash_attn_func
+    except Exception as exc:  # optional benchmark-only dependency
+        return {}, f"fa3-fwd not importable ({type(exc).__name__}); pip install fa3-fwd einops"
+    bf16_sets = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets[:2]]
+    fp8_sets = [tuple(t.to(torch.float8_e4m3fn) for t in s) for s in bf16_sets]
+    B, N, H, _ = bf16_sets[0][0].shape
+    ones = torch.ones(B, H, device="cuda", dtype=torch.float32)
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def bf16(q, k, v):
+        return first(flash_attn_func(q, k, v))
+
+    def fp8(q, k, v):
+        return first(flash_attn_func(q, k, v, q_descale=ones, k_descale=ones, v_descale=ones))
+
+    return {"fa3-bf16": (bf16, bf16_sets), "fa3-fp8": (fp8, fp8_sets)}, None
+
+
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False) -> dict:
     import triton
 
     timer = _graph_ms if graph else _median_ms
@@ -246,6 +280,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "block": [block_q, block_k],
         "tma": tma,
         "timing": "cuda-graph replay" if graph else "do_bench (eager calls, L2 flushed)",
+        "fa3": fa3,
+        "sm90": sm90,
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -291,6 +327,24 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
 
         ms, err = _try(lambda: timer(flash, sets, warmup, rep))
         record("sdpa-flash", 1.0, ms, err)
+        if fa3:
+            methods, why = _fa3_methods(sets)
+            if why:
+                record("fa3", 1.0, None, why)
+            for method, (fn, fa3_sets) in methods.items():
+                def fa3_error(fn=fn, fa3_sets=fa3_sets):
+                    out = fn(*fa3_sets[0]).float().transpose(1, 2)
+                    ref = F.scaled_dot_product_attention(*sets[0]).float()
+                    return float((out - ref).norm() / ref.norm())
+
+                ms, err = _try(lambda: timer(fn, fa3_sets, warmup, rep))
+                row = record(method, 1.0, ms, err, kernel=FA3_KERNEL)
+                error, _ = _try(fa3_error)
+                row["rel_err_vs_sdpa"] = error
+                if sdpa_ms and ms:
+                    row["speedup_vs_sdpa"] = sdpa_ms / ms
+            methods = None
+            torch.cuda.empty_cache()
         if have_sage:
             from sageattention import sageattn
 
@@ -341,6 +395,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                                  config=vars(dispatch.kernel_config(D, block_q, block_k, qk, pv)))
                     if sdpa_ms and ms:
                         row["speedup_vs_sdpa"] = sdpa_ms / ms
+                if sm90:
+                    _time_sm90(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv, density,
+                               actual, sdpa_ms, warmup, rep)
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
         for qk, pv in modes:
@@ -384,6 +441,36 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
     return results
 
 
+def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep):
+    """One "paro-sm90-{qk}-{pv}" row: the whole op call on the sm_90a CUDA kernels, or the reason they do
+    not run it."""
+    from paroattn.kernels import sm90
+
+    method = f"paro-sm90-{qk}-{pv}"
+    q0 = sets[0][0]
+    B, H, N, D = q0.shape
+    reason = sm90.refusal(q0.shape, q0.dtype, D, *block, qk, pv, False, torch.cuda.get_device_capability())
+    reason = reason or sm90.load_failure(D, q0.dtype, q0.device)
+    if reason:
+        record(method, density, None, reason, mask_density=actual)
+        return
+
+    def paro(q, k, v):
+        return sm90.attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv)
+
+    def error_vs_triton():
+        q, k, v = sets[0]
+        triton_out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
+                                    block_size=block, backend="triton").float()
+        return float((paro(q, k, v).float() - triton_out).norm() / triton_out.norm())
+
+    ms, err = _try(lambda: timer(paro, sets, warmup, rep))
+    row = record(method, density, ms, err, mask_density=actual, kernel=SM90_KERNEL, warpgroups=sm90.WARPGROUPS[D])
+    row["rel_err_vs_triton"], _ = _try(error_vs_triton)
+    if sdpa_ms and ms:
+        row["speedup_vs_sdpa"] = sdpa_ms / ms
+
+
 def _write(results: dict, out_dir) -> Path | None:
     if out_dir is None:
         return None
@@ -392,6 +479,8 @@ def _write(results: dict, out_dir) -> Path | None:
     suffix = "" if block_q == block_k == BLOCK else f"-bq{block_q}-bk{block_k}"
     suffix += "-tma" if results.get("tma") else ""
     suffix += "-graph" if results.get("timing", "").startswith("cuda-graph") else ""
+    suffix += "-sm90-cuda" if results.get("sm90") else ""
+    suffix += "-fa3" if results.get("fa3") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -611,11 +700,16 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
         first = rows[0]
         head = [f"{LABELS.get(shape, shape)} ({first['B']}, {first['H']}, {first['N']}, {first['D']})",
                 f"{_ms(sdpa)} ms" if sdpa else "n/a"]
-        for qk, pv in modes:
+        methods = [(f"paro-{qk}-{pv}", MODE_LABELS.get((qk, pv), f"{qk}+{pv}"), (qk, pv)) for qk, pv in modes]
+        methods += [(f"paro-sm90-{qk}-{pv}", MODE_LABELS.get((qk, pv), f"{qk}+{pv}"), None)
+                    for qk, pv in modes if any(r["method"] == f"paro-sm90-{qk}-{pv}" for r in rows)]
+        methods += [(m, label, None) for m, label in (("fa3-bf16", "bf16 (dense)"), ("fa3-fp8", "FP8 (dense)"))
+                    if any(r["method"] == m for r in rows)]
+        for method, label, mode in methods:
             cells = []
-            kernels = sorted({r.get("kernel") or "?" for r in rows if r["method"] == f"paro-{qk}-{pv}"})
+            kernels = sorted({r.get("kernel") or "?" for r in rows if r["method"] == method})
             for d in densities:
-                r = next((x for x in rows if x["method"] == f"paro-{qk}-{pv}" and x["density"] == d), None)
+                r = next((x for x in rows if x["method"] == method and x["density"] == d), None)
                 if r is None:
                     cells.append("")
                 elif not r["ms"]:
@@ -623,9 +717,8 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
                 else:
                     cells.append(f"{_ms(r['ms'])} ms, {sdpa / r['ms']:.2f}x" if sdpa else f"{_ms(r['ms'])} ms")
             prologue = next((p["ms"] for p in results.get("prologue", [])
-                             if p["shape"] == shape and (p["qk"], p["pv"]) == (qk, pv) and p["ms"]), None)
-            lines.append(f"| {' | '.join(head)} | {MODE_LABELS.get((qk, pv), f'{qk}+{pv}')} | {', '.join(kernels)} | "
-                         + " | ".join(cells)
+                             if p["shape"] == shape and (p["qk"], p["pv"]) == mode and p["ms"]), None)
+            lines.append(f"| {' | '.join(head)} | {label} | {', '.join(kernels)} | " + " | ".join(cells)
                          + f" | {f'{prologue:.3f} ms' if prologue else ''} |")
             head = ["", ""]
     host, host_bf16, host_sdpa = (results.get(k) or {} for k in ("host", "host_bf16", "host_sdpa"))
@@ -662,6 +755,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--rope", action="store_true", help="also time every paro mode with RoPE in the op (rotary=)")
     parser.add_argument("--graph", action="store_true",
                         help="time every method as the replay of a CUDA graph of calls (no host launch work)")
+    parser.add_argument("--fa3", action="store_true",
+                        help="also time FlashAttention-3 bf16 and FP8 (dense; needs the optional fa3-fwd wheel)")
+    parser.add_argument("--sm90", action="store_true",
+                        help="also time the sm_90a CUDA kernels (128 x 64 blocks, int8/int4 QK + fp8 PV)")
     parser.add_argument("--table", metavar="JSON", nargs="+",
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     parser.add_argument("--summary", action="store_true",
@@ -697,6 +794,8 @@ def main(argv=None) -> dict:
         tma=args.tma,
         rope=args.rope,
         graph=args.graph,
+        fa3=args.fa3,
+        sm90=args.sm90,
     )
 
 

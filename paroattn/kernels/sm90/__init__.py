@@ -153,27 +153,30 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
               sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None,
               warpgroups: int | None = None) -> torch.Tensor:
-    """The whole op on this family: the Triton K/V/Q prologue, then the kernel. `block_mask`: bool
-    [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks. Raises ValueError with `refusal`'s reason, or
-    KernelLoadError."""
+    """The whole op on this family: the Triton K/V/Q prologue (into the stream's reused buffer set, as the
+    Triton path), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
+    Raises ValueError with `refusal`'s reason, or KernelLoadError."""
+    from .. import triton_backend
     from ..block_lists import ActiveBlocks
-    from ..triton_backend import _device_orders, prepare_kv
 
     B, H, N, D = q.shape
     arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     reason = refusal(q.shape, q.dtype, D, BLOCK_M, BLOCK_N, qk, pv, suffix_mask is not None, arch)
     if reason is not None:
         raise ValueError(reason)
-    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(block_mask.to(q.device))
-    blocks = blocks.to(q.device)
-    orders = _device_orders(orders, q.device)
-    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
+    if isinstance(block_mask, ActiveBlocks):
+        blocks = block_mask if block_mask.counts.device == q.device else block_mask.to(q.device)
+    else:
+        blocks = triton_backend.lists_of(block_mask, q.device)
+    orders = triton_backend._device_orders(orders, q.device)
+    buffers = triton_backend.workspace(q, BLOCK_M, BLOCK_N, qk, pv, True, False, triton_backend._stream_of(q.device))
+    kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
         k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, BLOCK_N, qk, pv, q=q, bq=BLOCK_M,
-        key_mask=suffix_mask)
+        buffers=buffers, key_mask=suffix_mask)
     out = torch.empty_like(q)
-    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts.contiguous(), blocks.indices.contiguous(),
-           blocks.schedule.contiguous(), N=N, prefix=layout.prefix, frames=layout.frames, height=layout.height,
-           width=layout.width, sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask,
+    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts, blocks.indices, blocks.schedule, N=N,
+           prefix=layout.prefix, frames=layout.frames, height=layout.height, width=layout.width,
+           sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask,
            warpgroups=warpgroups)
     return out
 
