@@ -442,15 +442,18 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
 
 
 def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep):
-    """One "paro-sm90-{qk}-{pv}" row: the whole op call on the sm_90a CUDA kernels, or the reason they do
-    not run it."""
+    """One "paro-sm90-{qk}-{pv}" row: the whole op call on the sm_90a CUDA kernels, or the reason they could
+    not be built; none for modes the family refuses."""
     from paroattn.kernels import sm90
 
     method = f"paro-sm90-{qk}-{pv}"
     q0 = sets[0][0]
     B, H, N, D = q0.shape
-    reason = sm90.refusal(q0.shape, q0.dtype, D, *block, qk, pv, False, torch.cuda.get_device_capability())
-    reason = reason or sm90.load_failure(D, q0.dtype, q0.device)
+    refused = sm90.refusal(q0.shape, q0.dtype, D, *block, qk, pv, False, torch.cuda.get_device_capability())
+    if refused:  # a mode or tiling the family does not take: no row
+        print(f"{method}: {refused}")
+        return
+    reason = sm90.load_failure(D, q0.dtype, q0.device)
     if reason:
         record(method, density, None, reason, mask_density=actual)
         return
