@@ -34,9 +34,15 @@ LOG2E = 1.4426950408889634
 WARPGROUPS = {64: 1, 128: 1}
 
 
+# how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this block's P V) or
+# 2 (the block after, issued under the update of O); see attention.cu
+QK_AHEAD = 2
+
+
 def stages(head_dim: int) -> int:
-    """K/V blocks in flight: 4 stages of 16 KB (D=128) or 8 KB (D=64), within one SM's shared memory."""
-    return 4
+    """K/V stages: the blocks read by products in flight, plus two being copied (16 KB each at D=128, 8 KB
+    at D=64)."""
+    return 3 + QK_AHEAD
 
 
 def shared_bytes(head_dim: int, warpgroups: int, max_active: int) -> int:
@@ -77,7 +83,8 @@ def source() -> str:
 
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim]}
+            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
+            "PARO_QK_AHEAD": QK_AHEAD}
 
 
 # every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
@@ -90,7 +97,7 @@ _KERNELS: dict[tuple, object] = {}
 def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim])
+    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD, stages(head_dim))
     loaded = _KERNELS.get(key)
     if loaded is not None:
         return loaded

@@ -30,6 +30,9 @@
 #ifndef PARO_WARPGROUPS
 #define PARO_WARPGROUPS 2
 #endif
+#ifndef PARO_QK_AHEAD
+#define PARO_QK_AHEAD 1
+#endif
 #ifndef PARO_STAGES
 #define PARO_STAGES 4
 #endif
@@ -48,6 +51,7 @@ constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_wit
 constexpr float kQuantEps = 1e-8f;                  // reference.QUANT_EPS
 
 static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+static_assert(kStages >= 3 + PARO_QK_AHEAD, "a stage per block in flight");
 
 // Shared memory tiles are in the layouts wgmma's descriptors name: rows of `row_bytes` (64 or 128) 8-bit
 // elements along the reduction (K-major), 16-byte chunks XOR-swizzled by the row within each group of 8
@@ -149,17 +153,18 @@ __device__ __forceinline__ int reordered_to_original(int p, int order, int prefi
   return prefix + a0 * s0 + a1 * s1 + a2 * s2;
 }
 
-// D[64 x 64] (s32) (+)= A[64 x 32] * B[64 x 32]^T, int8, both operands K-major in shared memory
+// D[64 x 64] (s32) (+)= A[64 x 32] * B[64 x 32]^T, int8, both operands K-major in shared memory; kAccumulate 0
+// overwrites D (an immediate: ptxas then knows D's old values are not read)
+template <int kAccumulate>
 __device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int (&d)[32], unsigned long long desc_a,
-                                                    unsigned long long desc_b, int accumulate) {
+                                                    unsigned long long desc_b) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, %34;\n"
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
         "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
         "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
         "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+      : "l"(desc_a), "l"(desc_b), "n"(kAccumulate));
 }
 
 // D[64 x 64] (f32) (+)= A[64 x 32] * B[64 x 32]^T, e4m3, A in registers, B K-major in shared memory
@@ -250,8 +255,12 @@ __device__ __forceinline__ void qk_product(int (&s)[32], unsigned q_tile, unsign
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kHeadDim / 32; ++k) {
-    wgmma_m64n64k32_s8_ss(s, smem_descriptor<kHeadDim>(q_tile + k * 32), smem_descriptor<kHeadDim>(k_tile + k * 32),
-                          k > 0);
+    if (k == 0) {
+      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q_tile), smem_descriptor<kHeadDim>(k_tile));
+    } else {
+      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q_tile + k * 32),
+                               smem_descriptor<kHeadDim>(k_tile + k * 32));
+    }
   }
   wgmma_commit();
 }
@@ -423,6 +432,75 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
 
   const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
+#if PARO_QK_AHEAD == 2
+  // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
+  // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
+  // next copies. Block b's tiles are cp.async group b (the Q tile rides with block 0).
+  unsigned p[2][4];
+  float alpha[2];
+  int s[32];
+  if (count > 0) {
+    cp_async_wait<kStages - 2>();  // Q and block 0
+    fence_proxy_async();
+    __syncthreads();
+    qk_product(s, q_desc_base, kv_tiles);
+    wgmma_wait<0>();
+    fence_registers(s);
+    PARO_STEP(0, p, alpha);
+    if (count > 1) {
+      cp_async_wait<kStages - 3>();
+      fence_proxy_async();
+    }
+    __syncthreads();
+    // (a list of one block issues one product it does not use, as the last blocks do below: the same wgmma
+    // groups on every path)
+    qk_product(s, q_desc_base, kv_tiles + (count > 1 ? kStageBytes : 0));
+    wgmma_wait<0>();
+    fence_registers(s);
+  }
+  for (int i = 0; i < count; ++i) {
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+    // T = P V, into a zeroed accumulator
+    float pv[kHeadDim / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    wgmma_commit();
+    unsigned p_next[2][4];
+    float alpha_next[2];
+    if (i + 1 < count) {
+      PARO_STEP(i + 1, p_next, alpha_next);
+    }
+    // groups 0 .. i + kStages - 2 are committed: block i+2's has completed when at most kStages - 4 are pending
+    if (i + 2 < count) {
+      cp_async_wait<kStages - 4>();
+      fence_proxy_async();
+    }
+    // after this barrier every thread has also completed block i-1's P V: its stage may be refilled
+    __syncthreads();
+    qk_product(s, q_desc_base, i + 2 < count ? kv_tiles + ((i + 2) % kStages) * kStageBytes : stage);
+    wgmma_wait<1>();  // block i's P V (groups complete in order)
+    fence_registers(pv);
+    // O = alpha O + T in fp32
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    {
+      const int refill = i + kStages - 1;  // into block i-1's stage
+      if (refill < count) loader.load(kv_tiles + (refill % kStages) * kStageBytes, list_kb[refill]);
+      cp_async_commit();
+    }
+    wgmma_wait<0>();  // block i+2's scores
+    fence_registers(s);
+    if (i + 1 < count) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
+  }
+#else
   // Software pipeline by one key block, per warpgroup: while the tensor cores run block i's P V, the
   // warpgroup computes block i+1's softmax (its Q K^T was issued before). Block i's stage is read until its
   // P V completes; the stage of block i-1 is refilled (with block i + kStages - 1) after the barrier that
@@ -487,6 +565,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
       alpha[1] = alpha_next[1];
     }
   }
+#endif
 #undef PARO_STEP
   float* l = sm.l;
   cp_async_wait<0>();
