@@ -34,15 +34,17 @@ LOG2E = 1.4426950408889634
 WARPGROUPS = {64: 1, 128: 1}
 
 
-# how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this block's P V) or
-# 2 (the block after, issued under the update of O); see attention.cu
-QK_AHEAD = 2
+# by head dim, how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this
+# block's P V) or 2 (the block after, issued under the update of O; attention.cu). H100, kernel alone, d = 1
+# and 0.2: 2 is 2-3% faster at 64 (CogVideoX-5B), 1 is 2-3% faster at 128 (Wan2.1-1.3B, FLUX.1-dev)
+# (benchmarks/results/sm90-kernel-steps-h100.json)
+QK_AHEAD = {64: 2, 128: 1}
 
 
 def stages(head_dim: int) -> int:
     """K/V stages: the blocks read by products in flight, plus two being copied (16 KB each at D=128, 8 KB
     at D=64)."""
-    return 3 + QK_AHEAD
+    return 3 + QK_AHEAD[head_dim]
 
 
 def shared_bytes(head_dim: int, warpgroups: int, max_active: int) -> int:
@@ -84,7 +86,7 @@ def source() -> str:
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
             "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
-            "PARO_QK_AHEAD": QK_AHEAD}
+            "PARO_QK_AHEAD": QK_AHEAD[head_dim]}
 
 
 # every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
@@ -97,7 +99,7 @@ _KERNELS: dict[tuple, object] = {}
 def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD, stages(head_dim))
+    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD[head_dim])
     loaded = _KERNELS.get(key)
     if loaded is not None:
         return loaded

@@ -1,13 +1,14 @@
 // Block-sparse PARO attention for sm_90a: INT8 QK and FP8 (e4m3) PV on wgmma, compiled at run time.
 //
-// One CTA computes one 128-row query block (the block lists' bq) of one (batch, head) against its active
-// 64-key blocks (bk), reading the K/V (and Q) prologue's outputs (`triton_backend.prepare_kv`):
+// A CTA computes 64 rows (one warpgroup) or all 128 rows (two warpgroups sharing the K/V tiles) of a query
+// block (the block lists' bq) of one (batch, head) against its active 64-key blocks (bk), reading the
+// K/V (and Q) prologue's outputs (`triton_backend.prepare_kv`):
 //   QQ  int8 [B*H, NQ*128, D]   reordered queries, per query block scale QScale [B*H, NQ]
 //   KQ  int8 [B*H, N_PAD, D]    reordered keys minus K smoothing's mean, per key block scale KScale [B*H, NK]
 //   VQ  e4m3 [B*H, D, N_PAD]    reordered values, transposed, divided by their per-channel scale
 //                               VAmax / 448; inside every 16 keys in the order the PV operand reads (below)
-// Two consumer warpgroups take 64 query rows each and share the K/V tiles, which all 256 threads copy
-// into shared memory with cp.async, STAGES blocks ahead. Per key block and warpgroup:
+// All threads copy the K/V tiles into shared memory with cp.async, several blocks ahead. Per key block and
+// warpgroup:
 //   S = Q K^T        wgmma m64n64k32 s32.s8.s8, Q and K from shared memory (both K-major)
 //   online softmax   in base 2: sm_scale * log2(e) and the Q/K scales are one multiplier per block, applied
 //                    inside exp2's argument; P carries the fp8 multiplier 448 (2^P_LOG2_SCALE)
@@ -18,8 +19,9 @@
 // token position; a row with no active block writes zeros. The torch reference (reference.py) is the
 // definition of every value.
 //
-// Compile-time configuration (defined by the host before this file): PARO_HEAD_DIM (64 or 128),
-// PARO_OUT_BF16 (1: bf16 output, 0: fp16). No headers: NVRTC compiles this file as is.
+// Compile-time configuration (defines passed to the compiler): PARO_HEAD_DIM (64 or 128), PARO_OUT_BF16
+// (1: bf16 output, 0: fp16), PARO_WARPGROUPS (1 or 2 per CTA), PARO_QK_AHEAD (the schedule, 1 or 2, below)
+// and PARO_STAGES (K/V stages, at least 3 + PARO_QK_AHEAD). No headers: NVRTC compiles this file as is.
 
 #ifndef PARO_HEAD_DIM
 #define PARO_HEAD_DIM 128
