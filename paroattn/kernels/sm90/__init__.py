@@ -165,21 +165,24 @@ def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str 
     """The whole op on this family: the Triton K/V/Q prologue (into the stream's reused buffer set, as the
     Triton path), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
     Raises ValueError with `refusal`'s reason, or KernelLoadError."""
-    from .. import triton_backend
     from ..block_lists import ActiveBlocks
+    from ..runtime import runtime_of
+    from ..triton_backend import prepare_kv
+    from ..workspace import stream_of, workspace
 
     B, H, N, D = q.shape
     arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     reason = refusal(q.shape, q.dtype, D, BLOCK_M, BLOCK_N, qk, pv, suffix_mask is not None, arch)
     if reason is not None:
         raise ValueError(reason)
+    runtime = runtime_of(q.device)
     if isinstance(block_mask, ActiveBlocks):
         blocks = block_mask if block_mask.counts.device == q.device else block_mask.to(q.device)
     else:
-        blocks = triton_backend.lists_of(block_mask, q.device)
-    orders = triton_backend._device_orders(orders, q.device)
-    buffers = triton_backend.workspace(q, BLOCK_M, BLOCK_N, qk, pv, True, False, triton_backend._stream_of(q.device))
-    kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
+        blocks = runtime.lists_of(block_mask)
+    orders = runtime.device_orders(orders)
+    buffers = workspace(q, BLOCK_M, BLOCK_N, qk, pv, True, False, stream_of(q.device))
+    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
         k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, BLOCK_N, qk, pv, q=q, bq=BLOCK_M,
         buffers=buffers, key_mask=suffix_mask)
     out = torch.empty_like(q)
