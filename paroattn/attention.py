@@ -6,6 +6,8 @@ kernel must agree with it. Which kernel runs a call is decided in one place, `ke
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 
 import torch
@@ -124,8 +126,34 @@ def _check_arguments(qk, pv, backend, block_size) -> None:
         )
 
 
+def check_sm_scale(sm_scale) -> None:
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise PAROInputError(
+            f"sm_scale must be a positive Python number (or None for 1 / sqrt(D)), got {type(sm_scale).__name__} "
+            f"{sm_scale!r}: pass e.g. sm_scale=0.125"
+        )
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise PAROInputError(f"sm_scale must be finite and > 0 (or None for 1 / sqrt(D)), got {sm_scale}")
+
+
+def check_orders(orders, H: int) -> None:
+    if not isinstance(orders, torch.Tensor):
+        raise PAROInputError(
+            f"orders must be an integer tensor [H] of indices into ORDERS, got {type(orders).__name__}: pass "
+            "torch.tensor(orders)"
+        )
+    if orders.dtype == torch.bool or orders.dtype.is_floating_point or orders.dtype.is_complex:
+        raise PAROInputError(
+            f"orders must be an integer tensor (indices into ORDERS), got {orders.dtype}: pass orders.long()"
+        )
+    if orders.shape != (H,):
+        raise PAROInputError(f"orders must have shape [H] = [{H}], got {tuple(orders.shape)}")
+
+
 def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
-                 suffix_mask=None) -> None:
+                 suffix_mask=None, sm_scale=None) -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
     # the arguments that are not tensors repeat from call to call: checked once per combination (strings,
     # and an exact int or pair of ints as block_size, so that True never passes for 1 and nothing
@@ -141,6 +169,10 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
             _CHECKED.add(static)
     if not isinstance(layout, TokenLayout):
         raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise PAROInputError(f"{name} must be a tensor [B, H, N, D], got {type(t).__name__}")
+    check_sm_scale(sm_scale)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 4:
@@ -166,8 +198,7 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
             f"sequence length {N} does not match the layout {layout} ({layout.seq_len} tokens): "
             "the layout must describe the tokens of this call"
         )
-    if orders.shape != (H,):
-        raise PAROInputError(f"orders must have shape [H] = [{H}], got {tuple(orders.shape)}")
+    check_orders(orders, H)
     # reading the values of a device tensor would sync every call (and cannot be traced or captured):
     # orders on the device are trusted, as processors pass them from plans, which validate them when
     # built or loaded; orders on the host are checked here
@@ -182,6 +213,11 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
                 f"{[H, nq, nk]} (N={N}, block_size={block_size})"
             )
         return
+    if not isinstance(block_mask, torch.Tensor):
+        raise PAROInputError(
+            f"block_mask must be a bool tensor [H, nq, nk] or ActiveBlocks, got {type(block_mask).__name__}: pass "
+            "torch.tensor(block_mask, dtype=torch.bool)"
+        )
     if block_mask.dtype != torch.bool:
         raise PAROInputError(f"block_mask must be a bool tensor, got {block_mask.dtype}")
     if tuple(block_mask.shape) != (H, nq, nk):
@@ -285,7 +321,7 @@ def paro_attention(
     PAROInputError
         When an argument breaks this contract; the message says what was expected and what was found.
     """
-    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask)
+    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask, sm_scale)
     bq, bk = block_sizes(block_size)
     decision = None
     if backend != "torch":

@@ -737,8 +737,49 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (`error: paro bench: ...`) with exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+def _comma_list(text: str | None, parse, option: str, example: str) -> list | None:
+    if not text:
+        return None
+    try:
+        return [parse(item.strip()) for item in text.split(",") if item.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{option} {text!r}: {exc}; e.g. {option} {example}") from None
+
+
+def _shape(name: str) -> str:
+    if name not in SHAPES:
+        raise ValueError(f"{name!r} is not one of {', '.join(SHAPES)}")
+    return name
+
+
+def _density(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{value} is not a density in (0, 1]")
+    return value
+
+
+def _mode(text: str) -> tuple[str, str]:
+    from paroattn.modes import PV_MODES, QK_MODES, modes_problem
+
+    parts = tuple(text.split("+"))
+    if len(parts) != 2 or modes_problem(*parts):
+        raise ValueError(f"{text!r} is not a qk+pv pair such as int8+fp8 (qk: {', '.join(QK_MODES)}; pv: "
+                         f"{', '.join(PV_MODES)})")
+    return parts
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    """The benchmark's options, every one checked (names, ranges, files) before any GPU work; a bad one
+    exits with one line and code 2."""
+    parser = _Parser(prog="paro bench", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shapes", default=None, help=f"comma list of {list(SHAPES)} (default: all; "
                         f"with --summary: {','.join(SUMMARY_SHAPES)})")
     parser.add_argument("--densities", default=None, help=f"comma list (default: {','.join(map(str, DENSITIES))}; "
@@ -769,13 +810,48 @@ def main(argv=None) -> dict:
     parser.add_argument("--host", action="store_true",
                         help="host time per eager call (lists, RoPE, bool masks) vs CUDA-graph replay, and exit")
     args = parser.parse_args(argv)
+    try:
+        args.shapes = _comma_list(args.shapes, _shape, "--shapes", "cogvideox-5b,flux.1-dev")
+        args.densities = _comma_list(args.densities, _density, "--densities", "1.0,0.5")
+        args.modes = _comma_list(args.modes, _mode, "--modes", "bf16+bf16,int8+fp8")
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.rep <= 0:
+        parser.error(f"--rep {args.rep}: pass a repetition time in ms > 0")
+    args.table_results = []
+    for path in args.table or []:
+        if not Path(path).is_file():
+            parser.error(f"--table {path}: no such file; pass a results JSON written by paro bench")
+        try:
+            args.table_results.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--table {path} is not a readable JSON file ({exc}): pass a results JSON written by paro bench")
+    if args.summary and not args.table:
+        parser.error("--summary goes with --table RESULTS.json")
+    if not args.table:
+        from paroattn.pipelines.generate import folder_problem
+
+        if problem := folder_problem(args.out, "--out", keep=False):
+            parser.error(problem)
+    return args
+
+
+def needs_gpu(args: argparse.Namespace) -> bool:
+    """Whether these options time anything (everything but --table)."""
+    return not args.table
+
+
+def main(argv=None) -> dict:
+    return run_arguments(parse_arguments(argv))
+
+
+def run_arguments(args: argparse.Namespace) -> dict:
+    """Run what `parse_arguments` returned."""
     if args.host and not args.table:
         return host_times(args.out)
-    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else None
-    densities = [float(d) for d in args.densities.split(",")] if args.densities else None
-    modes = [tuple(m.split("+")) for m in args.modes.split(",")] if args.modes else None
+    shapes, densities, modes = args.shapes, args.densities, args.modes
     if args.table:
-        files = [json.loads(Path(path).read_text()) for path in args.table]
+        files = args.table_results
         for path, results in zip(args.table, files):
             if "host_rows" in results:
                 print(f"`{Path(path).name}`: " + host_table(results) + "\n")

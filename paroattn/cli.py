@@ -1,25 +1,69 @@
-"""`paro`: the command line. Each command is a thin wrapper; the work lives in the modules it names."""
+"""`paro`: the command line. Each command is a thin wrapper; the work lives in the modules it names.
+
+Every command checks its options and paths before it loads a model or writes a file; a bad one ends the
+command with one line on stderr that names the option and what to pass, and exit code 2."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="PAROAttention for diffusers video and image models.")
+from .pipelines.registry import SUPPORTED_MODELS
+
+
+class _Command(TyperCommand):
+    """A command whose usage line names required arguments plainly (MODEL_DIR, not typer's {MODEL_DIR})."""
+
+    def collect_usage_pieces(self, ctx):
+        return [piece[1:-1] if piece.startswith("{") and piece.endswith("}") else piece
+                for piece in super().collect_usage_pieces(ctx)]
+
+
+# plain click help (rich_markup_mode=None): no <bool> type column beside flags, no boxes
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from . import __version__
+
+        try:
+            installed = version("paroattn")
+        except PackageNotFoundError:
+            installed = __version__
+        typer.echo(f"paroattn {installed}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
-    """PAROAttention for diffusers: calibrate a plan, inspect it, generate and benchmark with it."""
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """PAROAttention for diffusers video and image models: calibrate a plan, inspect it, generate and
+    benchmark with it.
+
+    GPU: `paro bench` needs a CUDA GPU (except --table); `paro calibrate` and `paro generate` also run on
+    the CPU, which is practical for small models only; `paro demo` and `paro inspect` run anywhere."""
 
 
 def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    """End the command: `message` as one line on stderr, exit code 2."""
+    typer.secho("error: " + " ".join(str(message).split()), fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
 
 
-@app.command()
+def _check(problem: str | None) -> None:
+    if problem:
+        _fail(problem)
+
+
+@app.command(cls=_Command, short_help="Print a readable summary of a plan (and draw its masks with --png).")
 def inspect(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file written by `paro calibrate`"),
     png: Path | None = typer.Option(None, "--png", help="also draw block maps and masks as PNGs into this folder"),
@@ -64,38 +108,41 @@ def _parse_heads(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Calibrate a plan: each head's order and its block masks, from a few prompts.")
 def calibrate(
-    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="diffusers pipeline folder of a supported model"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", show_default=False,
+                                     help=f"local diffusers pipeline folder of a supported model ({SUPPORTED_MODELS})"),
     out: Path = typer.Option(..., "--out", help="plan file to write; block statistics go beside it (.stats.safetensors)"),
     prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package)"),
-    num_prompts: int = typer.Option(2, help="use the first N prompts of the file (the paper finds 1-2 enough)"),
-    density: float = typer.Option(0.3, help="target mean block density of the masks"),
+    num_prompts: int = typer.Option(2, help="use the first N prompts of the file, N >= 1 (the paper finds 1-2 enough)"),
+    density: float = typer.Option(0.3, help="target mean block density of the masks, in (0, 1]; what lower densities cost: QUALITY.md"),
     qk: str = typer.Option("bf16", help="QK precision the plan asks for: bf16, int8, int4"),
     pv: str = typer.Option("bf16", help="PV precision the plan asks for: bf16, fp8, int8"),
     height: int | None = typer.Option(None, help="generation height in pixels (default: the pipeline's)"),
     width: int | None = typer.Option(None, help="generation width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
-    steps: int = typer.Option(50, help="denoising steps of each calibration run"),
-    buckets: int = typer.Option(6, help="timestep buckets: timesteps above 500 split into N-1, one shared by the rest"),
-    bucket_edges: str | None = typer.Option(None, help="explicit descending edges on 0..1000, e.g. '1000,800,500,0' (overrides --buckets)"),
-    stat_every: int = typer.Option(2, help="capture statistics at every k-th step (the pipeline still runs every step)"),
-    metric: str = typer.Option("mass", help="order metric: mass (kept attention mass, default) or paper"),
-    quant_weight: float = typer.Option(0.0, help="weight of the incoherence (max/mean) term in the mass metric"),
-    block_size: int = typer.Option(64, help="block size of the masks"),
-    query_block: int | None = typer.Option(None, help="query block of the masks, a multiple of --block-size (128 with 64: the fastest kernels at head dim 128; default: --block-size)"),
-    figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png` (default: first, middle, last)"),
-    dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default: on the demo model it cost 5-6 dB at d=0.2 (QUALITY.md)"),
-    layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, 0..1; off by default (0): +0.35 dB at d=0.2, -0.2 dB at d=0.1 on the demo model (QUALITY.md)"),
-    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N blocks; off by default (0): cost 5.2-6.2 dB at the same density on the demo model (QUALITY.md)"),
-    dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, paid for by the later buckets so that --density stays the mean over steps, e.g. 0.2; 0 (the default) turns it off"),
+    steps: int = typer.Option(50, help="denoising steps of each calibration run, >= 1"),
+    buckets: int = typer.Option(6, help="timestep buckets, >= 1: timesteps above 500 split into N-1, one shared by the rest"),
+    bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (overrides --buckets)"),
+    stat_every: int = typer.Option(2, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step)"),
+    metric: str = typer.Option("mass", help="order metric: mass (kept attention mass) or paper"),
+    quant_weight: float = typer.Option(0.0, help="weight >= 0 of the incoherence (max/mean) term in the mass metric"),
+    block_size: int = typer.Option(64, help="block size of the masks: a power of two >= 16"),
+    query_block: int | None = typer.Option(None, help="query block of the masks, a power-of-two multiple of --block-size (128 with 64 runs the kernels' wider query tiles at head dim 128; default: --block-size)"),
+    figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png`, e.g. '0,5' (default: first, middle, last)"),
+    dense_layers: str | None = typer.Option(None, help="layers run densely, paid for out of the same budget, e.g. '0,-1' (negative: from the end); off by default (cost: QUALITY.md)"),
+    layer_floor: float = typer.Option(0.0, help="share of --density every layer gets before the global competition, in [0, 1]; 0 (the default) turns it off (cost: QUALITY.md)"),
+    dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N >= 0 blocks; 0 (the default) turns it off (cost: QUALITY.md)"),
+    dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, in [0, 1), paid for by the later buckets so that --density stays the mean over steps; 0 (the default) turns it off"),
     shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
-    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
-    dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
+    device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
+    dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
     """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks.
-    Runs on one GPU; the plan it writes also serves generations split over several (`paro generate --ulysses N`)."""
+
+    Runs on one GPU (or, slowly, the CPU); the plan it writes also serves generations split over several GPUs
+    (`paro generate --ulysses N`). What each option costs in quality: QUALITY.md."""
     from .calibrate.driver import (
         CalibrationConfig,
         calibrate_experts,
@@ -104,19 +151,56 @@ def calibrate(
         read_prompts,
         save_expert_calibrations,
     )
+    from .calibrate.selection import METRICS
+    from .modes import PV_MODES, QK_MODES, modes_problem
     from .pipelines import family_of, pipeline_experts, resolve_transformer
-    from .pipelines.generate import folder_problem, load_pipeline, pipeline_folder_problem
+    from .pipelines.generate import (
+        device_problem,
+        dtype_problem,
+        folder_problem,
+        indexed_family,
+        load_pipeline,
+        pipeline_folder_problem,
+        seed_problem,
+        size_problem,
+    )
     from .pipelines.registry import SUPPORTED
+    from .plan import bucket_edges_problem
     from .summary import describe_plan
 
-    # the model folder and the output path are checked before anything loads
-    if problem := pipeline_folder_problem(model_dir):
-        _fail(problem)
+    # every option, the model folder, the prompts file and the output path are checked before anything loads
+    _check(pipeline_folder_problem(model_dir))
     if out.is_dir():
         _fail(f"--out {out} is a folder: pass a plan file path such as {out / 'plan.safetensors'}")
-    if problem := folder_problem(out.parent, "--out folder", keep=False):
-        _fail(problem)
-
+    _check(folder_problem(out.parent, "--out folder", keep=False))
+    if num_prompts < 1:
+        _fail(f"--num-prompts {num_prompts}: pass a number of prompts >= 1")
+    prompt_list = _read_prompts(read_prompts, prompts, num_prompts) if prompts is not None else None
+    if not (0.0 < density <= 1.0):
+        _fail(f"--density {density}: pass a mean block density in (0, 1] (1 keeps every block)")
+    if problem := modes_problem(qk, pv):
+        _fail(f"{problem}: pass --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}")
+    _check(size_problem(steps=steps, height=height, width=width, frames=frames))
+    if buckets < 1:
+        _fail(f"--buckets {buckets}: pass a number of timestep buckets >= 1")
+    edges = None
+    if bucket_edges is not None:
+        edges = _parse_numbers(bucket_edges, "--bucket-edges", "1000,800,500,0")
+        if problem := bucket_edges_problem(edges):
+            _fail(f"--bucket-edges {bucket_edges!r}: {problem.replace('bucket_edges', 'the edges', 1)}")
+    if stat_every < 1:
+        _fail(f"--stat-every {stat_every}: pass k >= 1 (1 captures every step)")
+    if metric not in METRICS:
+        _fail(f"--metric {metric!r} is not one of {', '.join(METRICS)}: pass one of them")
+    if not (math.isfinite(quant_weight) and quant_weight >= 0):
+        _fail(f"--quant-weight {quant_weight}: pass a weight >= 0 (0, the default, turns the term off)")
+    if block_size < 16 or block_size & (block_size - 1):
+        _fail(f"--block-size {block_size}: pass a power of two >= 16, e.g. 64")
+    if query_block is not None and (query_block < block_size or query_block % block_size
+                                    or query_block & (query_block - 1)):
+        _fail(f"--query-block {query_block}: pass a power-of-two multiple of --block-size {block_size}, "
+              f"e.g. {2 * block_size}")
+    layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
     if not 0.0 <= layer_floor <= 1.0:
         _fail(f"--layer-floor {layer_floor}: expected a share of --density in [0, 1] (0, the default, turns it off)")
@@ -128,12 +212,17 @@ def calibrate(
     if dense_steps >= density and density < 1.0:
         _fail(f"--dense-steps {dense_steps} spends all of --density {density} (the mean density over steps) on the "
               "dense steps: lower --dense-steps or raise --density")
+    _check(seed_problem(seed) or device_problem(device) or dtype_problem(dtype))
+    indexed = indexed_family(model_dir)  # video or image, where model_index.json tells
+    if frames is not None and indexed is not None and not indexed.is_video:
+        _fail(f"--frames is for video models; {model_dir} holds an image model ({indexed.models}): leave --frames out")
+    if prompt_list is None and indexed is not None:
+        prompt_list = _read_prompts(read_prompts, default_prompts_file(indexed.is_video), num_prompts)
     try:
         config = CalibrationConfig(
-            density=density, qk=qk, pv=pv, block_size=block_size, query_block=query_block, steps=steps, height=height, width=width,
-            frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed, quant_weight=quant_weight,
-            bucket_edges=[float(x) for x in bucket_edges.split(",")] if bucket_edges else None,
-            figure_layers=[int(x) for x in figure_layers.split(",")] if figure_layers else None,
+            density=density, qk=qk, pv=pv, block_size=block_size, query_block=query_block, steps=steps, height=height,
+            width=width, frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed,
+            quant_weight=quant_weight, bucket_edges=edges, figure_layers=layers_for_figures,
             dense_layers=layers_to_keep_dense, layer_floor=layer_floor, dilation=dilation,
             dense_steps=dense_steps, shared_budget=shared_budget,
         )
@@ -145,25 +234,29 @@ def calibrate(
     except (ValueError, OSError) as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else f"{model_dir} could not be loaded as a diffusers pipeline")
     pipe.set_progress_bar_config(disable=True)  # calibration shows its own bars
-    family = family_of(resolve_transformer(pipe))
+    transformer = resolve_transformer(pipe)
+    family = family_of(transformer)
     if family is None:
-        _fail(f"{model_dir} holds a {type(resolve_transformer(pipe)).__name__}; paro calibrate supports {SUPPORTED}")
-    if layers_to_keep_dense:  # the first point the layer count is known; before any capture
+        _fail(f"{model_dir} holds a {type(transformer).__name__}; paro calibrate supports {SUPPORTED}")
+    if frames is not None and not family.is_video:
+        _fail(f"--frames is for video models; {type(transformer).__name__} makes images: leave --frames out")
+    if layers_to_keep_dense or layers_for_figures:  # the first point the layer count is known; before any capture
         from .calibrate.selection import dense_layer_indices
         from .pipelines import self_attention_layers
 
-        num_layers = len(self_attention_layers(resolve_transformer(pipe)))
+        num_layers = len(self_attention_layers(transformer))
         try:
             dense_layer_indices(layers_to_keep_dense, num_layers)
         except ValueError:
             _fail(f"--dense-layers {dense_layers}: {model_dir} has {num_layers} attention layers; pass indices in "
                   f"0..{num_layers - 1} (or -{num_layers}..-1 from the end)")
-    try:
-        prompt_list = read_prompts(prompts or default_prompts_file(family.is_video), num_prompts)
-    except (OSError, ValueError) as exc:
-        _fail(str(exc))
+        if outside := [layer for layer in layers_for_figures or [] if layer >= num_layers]:
+            _fail(f"--figure-layers {figure_layers}: {model_dir} has {num_layers} attention layers, not layer "
+                  f"{outside[0]}; pass indices in 0..{num_layers - 1}")
+    if prompt_list is None:
+        prompt_list = _read_prompts(read_prompts, default_prompts_file(family.is_video), num_prompts)
     experts = [name for name, _ in pipeline_experts(pipe)]
-    what = type(resolve_transformer(pipe)).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
+    what = type(transformer).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
     typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
     try:
         calibrations = calibrate_experts(pipe, prompt_list, config, progress=True, log=typer.echo)
@@ -177,57 +270,89 @@ def calibrate(
         typer.echo(f"wrote {plan_path} and {stats_path}")
 
 
-def _parse_layers(text: str, option: str) -> list[int]:
+def _read_prompts(read_prompts, path: Path, limit: int) -> list[str]:
+    """The first `limit` prompts of `path`; exits naming --prompts when the file cannot be read or is empty."""
+    if path.is_dir():
+        _fail(f"--prompts {path} is a folder: pass a text file with one prompt per line")
+    if not path.is_file():
+        _fail(f"--prompts {path} does not exist: pass a text file with one prompt per line")
+    try:
+        return read_prompts(path, limit)
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"--prompts {path} cannot be read ({getattr(exc, 'strerror', None) or exc}): pass a UTF-8 text file "
+              "with one prompt per line")
+    except ValueError as exc:
+        _fail(f"--prompts {exc}")
+
+
+def _parse_numbers(text: str, option: str, example: str) -> list[float]:
+    """`--bucket-edges 1000,500,0` -> [1000.0, 500.0, 0.0]; exits with the expected form on anything else."""
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) for v in values):
+        _fail(f"{option} {text!r}: expected comma-separated numbers, e.g. {option} {example}")
+    return values
+
+
+def _parse_layers(text: str, option: str, negative: bool = True) -> list[int]:
     """`--dense-layers 0,-1` -> [0, -1]; exits with the expected form on anything else."""
     try:
-        return [int(item) for item in text.split(",")]
+        layers = [int(item) for item in text.split(",")]
     except ValueError:
-        _fail(f"{option} {text!r}: expected comma-separated layer indices (integers, negative from the end), "
-              f"e.g. {option} 0,-1")
+        layers = None
+    if layers is None or (not negative and any(layer < 0 for layer in layers)):
+        what = "integers, negative from the end" if negative else "integers >= 0"
+        _fail(f"{option} {text!r}: expected comma-separated layer indices ({what}), "
+              f"e.g. {option} {'0,-1' if negative else '0,5'}")
+    return layers
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+@app.command(cls=_Command, context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                             "help_option_names": []},
+             short_help="Attention kernel benchmark (GPU; --table prints saved results anywhere).")
 def bench(ctx: typer.Context) -> None:
-    """Attention kernel benchmark on the GPU (paroattn/bench.py); every option passes through to it:
-    `paro bench --help` lists them (--shapes, --densities, --modes, --sweep, --rope, --graph, --out,
-    --table RESULTS.json [--summary] without a GPU, ...)."""
-    import sys
-
+    """Attention kernel benchmark on a CUDA GPU (paroattn/bench.py). Every option passes through to it, and
+    `paro bench --help` lists them: --shapes, --densities, --modes, --sweep, --rope, --graph, --out, and
+    --table RESULTS.json [--summary], which prints saved results and needs no GPU."""
     import torch
+
+    from .bench import needs_gpu, parse_arguments, run_arguments
 
     args = list(ctx.args)
     if args[:1] == ["--"]:
         args = args[1:]
-    if not torch.cuda.is_available() and "--table" not in args and "--help" not in args and "-h" not in args:
-        _fail("paro bench needs a CUDA GPU; this machine has none (--table RESULTS.json prints saved results without one)")
-    from .bench import main as run_benchmark
-
-    program, sys.argv[0] = sys.argv[0], "paro bench"  # argparse names itself after argv[0] in its usage line
-    try:
-        run_benchmark(args)
-    finally:
-        sys.argv[0] = program
+    options = parse_arguments(args)  # names and ranges first: one line and exit 2 on a bad one
+    if needs_gpu(options) and not torch.cuda.is_available():
+        _fail("paro bench times kernels on a CUDA GPU and this machine has none: run it on a GPU machine, or pass "
+              "--table RESULTS.json to print saved results")
+    run_arguments(options)
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Generate a video or image with a plan (PARO) or without (dense).")
 def generate(
-    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="local diffusers pipeline folder of a CogVideoX, Wan 2.1 / 2.2 or FLUX.1 model"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", show_default=False,
+                                     help=f"local diffusers pipeline folder of a supported model ({SUPPORTED_MODELS})"),
     prompt: str = typer.Option(..., "--prompt", help="text prompt"),
     plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate`; an expert pair's other plan is read from beside it (default: dense, the model's own attention)"),
     height: int | None = typer.Option(None, help="height in pixels (default: the pipeline's)"),
     width: int | None = typer.Option(None, help="width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
-    steps: int | None = typer.Option(None, help="denoising steps (default: the pipeline's)"),
+    steps: int | None = typer.Option(None, help="denoising steps, >= 1 (default: the pipeline's)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
     out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png)"),
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
     ulysses: int = typer.Option(1, help="split each generation over N GPUs (Wan, FLUX; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
-    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
-    dtype: str | None = typer.Option(None, help="model dtype (default: bfloat16 on cuda, float32 on cpu)"),
+    device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
+    dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
-    """Generate a video or image, with a plan (PARO) or without (dense); --compare runs both."""
+    """Generate a video or image, with a plan (PARO) or without (dense); --compare runs both.
+
+    Runs where the model fits: a GPU for the real models (the CPU works for small ones, slowly); PARO's
+    speed needs the Triton kernels, which need a CUDA GPU."""
     import torch.distributed as dist
 
     from .errors import PlanError
@@ -268,25 +393,27 @@ def generate(
         )
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Offline demo: dense vs PARO on the bundled demo model (CPU or GPU).")
 def demo(
     out_dir: Path = typer.Option(Path("paro-demo"), "--out-dir", help="folder for demo.gif, attention PNGs and metrics.json"),
-    density: float = typer.Option(0.5, help="block density of the plan (shipped: 0.5, 0.3, 0.2, 0.15, 0.1; others are "
-                                            "calibrated); 0.5 is hard to tell from dense on this model (QUALITY.md)"),
+    density: float = typer.Option(0.5, help="block density of the plan, in (0, 1] (shipped plans: 0.5, 0.3, 0.2, 0.15, "
+                                            "0.1; another density is calibrated first); what each costs: QUALITY.md"),
     qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
     pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
-    steps: int = typer.Option(20, help="denoising steps"),
-    num_prompts: int = typer.Option(2, help="how many of the demo prompts to generate (1-8)"),
+    steps: int = typer.Option(20, help="denoising steps, >= 1"),
+    num_prompts: int = typer.Option(2, help="how many of the demo's 8 prompts to generate, 1 to 8"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
-    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
-    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)"),
+    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton (CUDA only) or torch"),
+    device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
 ) -> None:
-    """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO
-    on the same seeds, side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times."""
+    """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO on the same
+    seeds, a side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times.
+
+    Runs on the CPU or a CUDA GPU; nothing is downloaded."""
     from .demo_model.demo import run_demo
     from .errors import PlanError
 
-    try:  # run_demo checks the modes (paroattn.modes), density and prompt count before loading the model
+    try:  # run_demo checks every option and the output folder before the model loads
         run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,
                  backend=backend, log=typer.echo, progress=True)
     except (PlanError, ValueError, OSError) as exc:

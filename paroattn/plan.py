@@ -382,6 +382,8 @@ class Plan:
         from safetensors import safe_open
 
         path = Path(path)
+        if path.is_dir():
+            raise PlanError(f"{path} is a folder: pass a plan file (the .safetensors that `paro calibrate --out` wrote)")
         if not path.is_file():
             raise PlanError(f"no plan file at {path}: create one with `paro calibrate MODEL_DIR --out {path}`")
         try:

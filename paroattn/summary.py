@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 
 from .layout import ORDERS
 from .plan import Plan
+
+SHOWN_PROMPTS = 3
+PROMPT_WIDTH = 100  # characters of a prompt's line
 
 
 def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
@@ -25,8 +29,12 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
     ]
     if size_on_disk is not None:
         lines.append(f"file size    {size_on_disk / 1024:.1f} KiB")
-    if plan.prompts:
-        lines.append(f"prompts      {len(plan.prompts)}: " + "; ".join(p[:40] for p in plan.prompts[:3]))
+    if plan.prompts:  # one line each, long ones shortened at a word boundary
+        shown = SHOWN_PROMPTS if len(plan.prompts) > SHOWN_PROMPTS + 1 else len(plan.prompts)
+        lines.append(f"prompts      {len(plan.prompts)}:")
+        lines += [f"  {textwrap.shorten(p, PROMPT_WIDTH, placeholder=' ...')}" for p in plan.prompts[:shown]]
+        if len(plan.prompts) > shown:
+            lines.append(f"  (and {len(plan.prompts) - shown} more)")
     counts = Counter(int(o) for o in plan.orders.flatten().tolist())
     lines.append("orders       " + "  ".join(f"{ORDERS[o]}:{counts.get(o, 0)}" for o in range(len(ORDERS))))
     lines.append("density per layer (mean over heads; one column per bucket, 'dense' = model's own attention):")

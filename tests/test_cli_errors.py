@@ -320,3 +320,302 @@ def test_calibrate_reports_dense_steps_the_captured_schedule_cannot_pay_for(tmp_
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.output.rstrip().splitlines()[-1].startswith("error: dense buckets [0] hold 0.300")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# -- every command: options out of range, bad devices and paths, before anything loads -------------
+
+def no_model_loads(monkeypatch):
+    """Make any model load fail the test: the checks must come first."""
+    import paroattn.demo_model.model as demo_model
+    import paroattn.pipelines.generate as generate
+
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(demo_model, "load_demo_pipeline", lambda *a, **k: pytest.fail("loaded the demo model"))
+
+
+no_cuda = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a machine without CUDA")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--steps", "0"], ["--steps 0", "denoising steps >= 1"]),
+    (["--steps", "-1"], ["--steps -1", "denoising steps >= 1"]),
+    (["--num-prompts", "0"], ["--num-prompts 0", "1 to 8"]),
+    (["--num-prompts", "9"], ["--num-prompts 9", "1 to 8"]),
+    (["--density", "0"], ["--density 0.0", "(0, 1]"]),
+    (["--density", "1.5"], ["--density 1.5", "(0, 1]"]),
+    (["--qk", "int3"], ["qk='int3'", "--qk one of bf16, int8, int4"]),
+    (["--pv", "fp4"], ["pv='fp4'", "--pv one of bf16, fp8, int8"]),
+    (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
+    (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
+    (["--device", "cuda:x"], ["--device 'cuda:x'", "cuda, cuda:N or cpu"]),
+    (["--backend", "cuda"], ["--backend 'cuda'", "auto, triton, torch"]),
+])
+def test_demo_rejects_bad_options_before_loading(tmp_path, monkeypatch, args, fragments):
+    no_model_loads(monkeypatch)
+    result = invoke(["demo", "--out-dir", tmp_path / "d", *args])
+    assert_clean_failure(result, *fragments)
+    assert not (tmp_path / "d").exists()
+
+
+@no_cuda
+@pytest.mark.parametrize("args, fragments", [
+    (["--device", "cuda"], ["--device cuda", "no CUDA GPU", "pass --device cpu"]),
+    (["--device", "cuda:0"], ["--device cuda:0", "no CUDA GPU"]),
+    (["--backend", "triton"], ["--backend triton", "need a CUDA GPU", "--backend auto"]),
+])
+def test_demo_says_in_one_line_that_cuda_is_missing(tmp_path, monkeypatch, args, fragments):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    no_model_loads(monkeypatch)
+    result = invoke(["demo", "--out-dir", tmp_path / "d", *args])
+    assert_clean_failure(result, *fragments)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_it_did_not(tmp_path, monkeypatch):
+    import paroattn.demo_model.model as demo_model
+
+    def broken(*args, **kwargs):
+        raise OSError("weights unreadable")
+
+    monkeypatch.setattr(demo_model, "load_demo_pipeline", broken)
+    result = invoke(["demo", "--out-dir", tmp_path / "new" / "d", "--device", "cpu"])
+    assert_clean_failure(result, "weights unreadable")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("x")
+    result = invoke(["demo", "--out-dir", kept, "--device", "cpu"])
+    assert_clean_failure(result, "weights unreadable")
+    assert files_under(kept) == [kept / "mine.txt"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--num-prompts", "0"], ["--num-prompts 0", ">= 1"]),
+    (["--density", "0"], ["--density 0.0", "(0, 1]"]),
+    (["--density", "0", "--dense-steps", "0.2"], ["--density 0.0", "(0, 1]"]),
+    (["--qk", "int3"], ["qk='int3'", "--qk one of"]),
+    (["--steps", "0"], ["--steps 0", ">= 1"]),
+    (["--height", "0"], ["--height 0", "pixels >= 1"]),
+    (["--width", "-8"], ["--width -8", "pixels >= 1"]),
+    (["--frames", "0"], ["--frames 0", "frames >= 1"]),
+    (["--buckets", "0"], ["--buckets 0", ">= 1"]),
+    (["--bucket-edges", "1000,x,0"], ["--bucket-edges '1000,x,0'", "comma-separated numbers"]),
+    (["--bucket-edges", "1000,nan,0"], ["--bucket-edges '1000,nan,0'", "comma-separated numbers"]),
+    (["--bucket-edges", "1000,400,600,0"], ["--bucket-edges '1000,400,600,0'", "strictly descending"]),
+    (["--bucket-edges", "900,0"], ["--bucket-edges '900,0'", "from 1000 down to 0"]),
+    (["--stat-every", "0"], ["--stat-every 0", "k >= 1"]),
+    (["--metric", "entropy"], ["--metric 'entropy'", "mass, paper"]),
+    (["--quant-weight", "-1"], ["--quant-weight -1.0", ">= 0"]),
+    (["--block-size", "48"], ["--block-size 48", "power of two >= 16"]),
+    (["--block-size", "8"], ["--block-size 8", "power of two >= 16"]),
+    (["--query-block", "96"], ["--query-block 96", "multiple of --block-size 64"]),
+    (["--query-block", "32"], ["--query-block 32", "multiple of --block-size 64"]),
+    (["--figure-layers", "a"], ["--figure-layers 'a'", "layer indices"]),
+    (["--figure-layers", "-1"], ["--figure-layers '-1'", "integers >= 0"]),
+    (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
+    (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
+    (["--dtype", "int8"], ["--dtype 'int8'", "bfloat16, float16, float32"]),
+    (["--frames", "3"], ["--frames is for video models", "image model (FLUX.1)", "leave --frames out"]),
+    (["--prompts", "/nonexistent/prompts.txt"], ["--prompts /nonexistent/prompts.txt", "does not exist"]),
+])
+def test_calibrate_rejects_bad_options_before_loading(tmp_path, monkeypatch, args, fragments):
+    saved_tiny_flux(tmp_path)
+    no_model_loads(monkeypatch)
+    before = files_under(tmp_path)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "new" / "plan.safetensors", *args])
+    assert_clean_failure(result, *fragments)
+    assert files_under(tmp_path) == before  # no plan, no empty folder
+
+
+@pytest.mark.parametrize("content, fragments", [
+    ("folder", ["is a folder", "one prompt per line"]),
+    ("# only a comment\n\n", ["holds no prompts"]),
+    (b"\xff\xfe\x00bad", ["cannot be read", "UTF-8"]),
+])
+def test_calibrate_rejects_a_prompts_file_it_cannot_use_before_loading(tmp_path, monkeypatch, content, fragments):
+    saved_tiny_flux(tmp_path)
+    no_model_loads(monkeypatch)
+    prompts = tmp_path / "prompts"
+    if content == "folder":
+        prompts.mkdir()
+    elif isinstance(content, bytes):
+        prompts.write_bytes(content)
+    else:
+        prompts.write_text(content)
+    before = files_under(tmp_path)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--prompts", prompts])
+    assert_clean_failure(result, "--prompts", *fragments)
+    assert files_under(tmp_path) == before
+
+
+@no_cuda
+def test_calibrate_says_in_one_line_that_cuda_is_missing(tmp_path, monkeypatch):
+    saved_tiny_flux(tmp_path)
+    no_model_loads(monkeypatch)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--device", "cuda"])
+    assert_clean_failure(result, "--device cuda", "no CUDA GPU")
+
+
+def test_calibrate_rejects_figure_layers_the_model_lacks_before_capture(tmp_path, monkeypatch):
+    import paroattn.calibrate.driver as driver
+
+    saved_tiny_flux(tmp_path)
+    monkeypatch.setattr(driver, "calibrate_experts", lambda *a, **k: pytest.fail("captured"))
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--figure-layers", "0,7"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
+    for fragment in ("--figure-layers 0,7", "has 3 attention layers", "not layer 7", "0..2"):
+        assert fragment in errors[0], result.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--steps", "0"], ["--steps 0", "denoising steps >= 1"]),
+    (["--height", "0"], ["--height 0", "pixels >= 1"]),
+    (["--frames", "-1"], ["--frames -1", "frames >= 1"]),
+    (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
+    (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
+    (["--dtype", "float64x"], ["--dtype 'float64x'", "bfloat16, float16, float32"]),
+    (["--ulysses", "0"], ["--ulysses 0", "number of GPUs"]),
+    (["--compare"], ["--compare", "--plan PLAN"]),
+])
+def test_generate_rejects_bad_options_before_loading(tmp_path, monkeypatch, args, fragments):
+    no_model_loads(monkeypatch)
+    result = invoke(["generate", tmp_path / "no-model", "--prompt", "a cat", "--out", tmp_path / "o" / "x.png", *args])
+    assert_clean_failure(result, *fragments)
+    assert files_under(tmp_path) == []
+
+
+@no_cuda
+@pytest.mark.parametrize("args, fragments", [
+    (["--device", "cuda"], ["--device cuda", "no CUDA GPU"]),
+    (["--backend", "triton"], ["--backend triton", "need a CUDA GPU"]),
+])
+def test_generate_says_in_one_line_that_cuda_is_missing(tmp_path, monkeypatch, args, fragments):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    no_model_loads(monkeypatch)
+    result = invoke(["generate", tmp_path / "no-model", "--prompt", "a cat", *args])
+    assert_clean_failure(result, *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--frames", "3"], ["--frames is for video models", "image model (FLUX.1)"]),
+    (["--out", "VIDEO"], ["an image model writes .png", "not .mp4"]),
+    (["--plan", "FOLDER"], ["is a folder", "pass a plan file"]),
+    (["--plan", "MISSING"], ["no plan file at", "paro calibrate"]),
+])
+def test_generate_checks_the_model_kind_and_plan_path_before_loading(tmp_path, monkeypatch, args, fragments):
+    saved_tiny_flux(tmp_path)
+    no_model_loads(monkeypatch)
+    swap = {"VIDEO": tmp_path / "x.mp4", "FOLDER": tmp_path, "MISSING": tmp_path / "missing.safetensors"}
+    before = files_under(tmp_path)
+    result = invoke(["generate", tmp_path / "model", "--prompt", "a cat", *[swap.get(a, a) for a in args]])
+    assert_clean_failure(result, *fragments)
+    assert files_under(tmp_path) == before
+
+
+# -- paro inspect: paths and prompts ---------------------------------------------------------------
+
+def test_inspect_of_a_folder_asks_for_a_plan_file(tmp_path):
+    result = invoke(["inspect", tmp_path])
+    assert_clean_failure(result, str(tmp_path), "is a folder", "pass a plan file")
+    assert "--out" not in result.output.split("`paro calibrate --out`")[0]
+
+
+def test_inspect_shows_prompts_whole_or_cut_at_a_word(tmp_path):
+    long = ("a red fox runs through deep fresh snow under a pale winter sky while the camera slowly pans left "
+            "across the quiet frozen valley at dawn")
+    plan = Plan.synthetic(layout=TokenLayout(0, 2, 4, 4), num_layers=1, num_heads=2, density=0.5, orders="HWF",
+                          num_buckets=1, block_size=16)
+    plan.prompts = ["short prompt", long, "third", "fourth", "fifth"]
+    plan.save(tmp_path / "plan.safetensors")
+    result = invoke(["inspect", tmp_path / "plan.safetensors"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    shown = lines[lines.index("prompts      5:") + 1:][:4]
+    assert shown[0].strip() == "short prompt"
+    cut = shown[1].strip()
+    assert cut.endswith(" ...") and long.startswith(cut[:-4]) and long[len(cut) - 4] == " "
+    assert shown[2].strip() == "third" and shown[3].strip() == "(and 2 more)"
+
+
+# -- paro bench: names before the GPU --------------------------------------------------------------
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--shapes", "nonsense"], ["--shapes 'nonsense'", "cogvideox-5b", "wan2.1-1.3b"]),
+    (["--densities", "0"], ["--densities '0'", "(0, 1]"]),
+    (["--densities", "x"], ["--densities 'x'", "--densities 1.0,0.5"]),
+    (["--modes", "int8"], ["--modes 'int8'", "qk+pv pair", "int8+fp8"]),
+    (["--modes", "int8+fp4"], ["--modes 'int8+fp4'", "pv: bf16, fp8, int8"]),
+    (["--rep", "0"], ["--rep 0", "> 0"]),
+    (["--block-q", "32"], ["--block-q", "64, 128"]),
+    (["--table", "/nonexistent.json"], ["--table /nonexistent.json", "no such file"]),
+    (["--summary"], ["--summary goes with --table"]),
+    (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
+])
+def test_bench_checks_its_options_before_asking_for_a_gpu(monkeypatch, args, fragments):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke(["bench", *args])
+    assert_clean_failure(result, "paro bench", *fragments)
+
+
+def test_bench_without_a_gpu_says_so_in_one_line(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke(["bench", "--shapes", "short"])
+    assert_clean_failure(result, "CUDA GPU", "--table RESULTS.json")
+
+
+def test_bench_table_of_a_file_that_is_not_json(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text("{not json")
+    result = invoke(["bench", "--table", path])
+    assert_clean_failure(result, f"--table {path}", "not a readable JSON file")
+
+
+# -- help and version ------------------------------------------------------------------------------
+
+COMMANDS = ["inspect", "calibrate", "generate", "demo"]
+
+
+def test_version():
+    import paroattn
+
+    result = invoke(["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"paroattn {paroattn.__version__}", result.output
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_help_has_no_type_markers_and_no_measured_numbers(command):
+    import re
+
+    result = invoke([*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output and "{" not in result.output, result.output
+    if "Commands:" in result.output:  # click cuts a command's help in this list to fit: each has a short one
+        listed = result.output.split("Commands:")[1]
+        assert not any(line.rstrip().endswith("...") for line in listed.splitlines()), listed
+    # help says what an option does; what it costs is measured in QUALITY.md, which goes stale in no help text
+    assert not re.search(r"\d\s*(dB|ms|seconds|minutes)\b|\d\s*s\b", result.output), result.output
+
+
+def test_help_of_bench_ends_its_sentences():
+    result = invoke(["bench", "--help"])
+    assert result.exit_code == 0
+    description = " ".join(result.output.split("\n\n")[1].split())
+    assert description.startswith("Attention kernel benchmark") and description.endswith("."), description
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_help_lists_every_supported_family(command):
+    from paroattn.pipelines.registry import FAMILIES
+
+    text = " ".join(invoke([command, "--help"]).output.split())
+    for family in FAMILIES:
+        assert family.models and family.models in text, (family.models, text)
+    for name in ("CogVideoX", "Wan 2.1 / 2.2", "HunyuanVideo", "FLUX.1"):
+        assert name in text

@@ -194,6 +194,54 @@ def test_bad_inputs_raise_clear_errors():
         paro_attention(q, k[:, :1], v, **ok)
 
 
+@pytest.mark.parametrize("change, fragments", [
+    ({"orders": torch.tensor([0.0, 1.0])}, ["integer tensor", "torch.float32", "orders.long()"]),
+    ({"orders": torch.tensor([True, False])}, ["integer tensor", "torch.bool"]),
+    ({"orders": [0, 1]}, ["integer tensor [H]", "got list", "torch.tensor(orders)"]),
+    ({"orders": torch.tensor([[0, 1]])}, ["shape [H] = [2]"]),
+    ({"sm_scale": "0.1"}, ["sm_scale must be a positive Python number", "str", "sm_scale=0.125"]),
+    ({"sm_scale": True}, ["sm_scale must be a positive Python number", "bool"]),
+    ({"sm_scale": torch.tensor(0.1)}, ["sm_scale must be a positive Python number", "Tensor"]),
+    ({"sm_scale": 0.0}, ["finite and > 0"]),
+    ({"sm_scale": -0.1}, ["finite and > 0"]),
+    ({"sm_scale": float("nan")}, ["finite and > 0"]),
+    ({"sm_scale": float("inf")}, ["finite and > 0"]),
+    ({"block_mask": [[[True] * 3] * 3] * 2}, ["bool tensor [H, nq, nk] or ActiveBlocks", "got list"]),
+    ({"q": "q"}, ["q must be a tensor [B, H, N, D]", "str"]),
+    ({"v": None}, ["v must be a tensor [B, H, N, D]", "NoneType"]),
+    ({"layout": (3, 2, 4, 4)}, ["paroattn.TokenLayout", "tuple"]),
+    ({"block_size": 0}, ["positive int"]),
+    ({"block_size": (64,)}, ["pair (bq, bk)"]),
+    ({"backend": "cuda"}, ["backend='cuda'", "auto"]),
+])
+def test_bad_argument_types_raise_what_to_pass(change, fragments):
+    """Arguments of the wrong type or range raise PAROInputError saying what to pass (never torch's TypeError or
+    an AttributeError from deep inside), on the torch backend that runs anywhere."""
+    layout = TokenLayout(3, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    args = dict(q=q, k=k, v=v, layout=layout, orders=torch.tensor([0, 1]),
+                block_mask=torch.ones(2, 3, 3, dtype=torch.bool), block_size=16, backend="torch")
+    args.update(change)
+    with pytest.raises(PAROInputError) as info:
+        paro_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_valid_sm_scale_and_orders_types_are_accepted():
+    """What the checks let through computes: an int sm_scale is a scale, int32 orders are orders."""
+    layout = TokenLayout(0, 2, 4, 4)
+    q, k, v = _qkv(layout, B=1, H=2)
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    base = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3]), block_mask=mask, block_size=16,
+                          sm_scale=1.0, backend="torch")
+    same = paro_attention(q, k, v, layout=layout, orders=torch.tensor([0, 3], dtype=torch.int32), block_mask=mask,
+                          block_size=16, sm_scale=1, backend="torch")
+    assert torch.equal(base, same)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(base, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_active_blocks_reject_lists_a_kernel_would_misread():
     mask = torch.rand(2, 4, 6, generator=torch.Generator().manual_seed(9)) < 0.5
     mask[..., 0] = mask[..., 5] = True

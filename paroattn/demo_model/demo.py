@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -24,14 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modes import modes_problem
+from ..modes import PV_MODES, QK_MODES, modes_problem
 from ..plan import Plan
 from .model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 PLANS_DIR = ASSETS / "plans"
 # PSNR / SSIM by density on the held-out prompts, written with the plans by scripts/demo_model_quality.py --ship
 QUALITY_SUMMARY = PLANS_DIR / "quality_summary.json"
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # what paths in the demo's log are relative to
 SHIPPED_DENSITIES = (0.5, 0.3, 0.2, 0.15, 0.1)
 # what `paro demo` runs by default: the sparsest shipped plan whose videos are hard to tell from dense
 # on the held-out prompts (QUALITY.md: PSNR 44.9 dB, SSIM 0.997 at d=0.5; d=0.3 is 28.2 dB, 0.945).
@@ -180,7 +181,9 @@ def run_with_plan(pipe, plan: Plan, prompts, *, steps, seed, backend: str = "aut
 
 GIF_FRAME_MS = 125  # 8 frames per second
 DIFFERENCE_GAIN = 4.0
-LABEL_HEIGHT = 14  # pixels of the column-label band above the GIF's videos
+GIF_SCALE = 8  # each pixel of the model's 32x32 videos drawn as 8x8 (nearest neighbour), so the GIF can be seen
+LABEL_HEIGHT = 24  # pixels of a label band: column labels above the first row, a prompt above each row
+LABEL_FONT_SIZE = 15
 
 
 def difference_gain(dense: np.ndarray, paro: np.ndarray, gain: float = DIFFERENCE_GAIN,
@@ -194,42 +197,61 @@ def difference_gain(dense: np.ndarray, paro: np.ndarray, gain: float = DIFFERENC
     return max(1.0, np.floor(10.0 / level) / 10.0)
 
 
-def _label_band(width: int, labels: list[str], centers: list[int]) -> np.ndarray:
-    """A white band [LABEL_HEIGHT, width, 3] in [0, 1] with each label centered on its column."""
+def _font():
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=LABEL_FONT_SIZE)  # Pillow >= 10.1 with FreeType: a scalable font
+    except (TypeError, OSError, ImportError):
+        return ImageFont.load_default()
+
+
+def _label_band(width: int, labels: list[str], centers: list[int | None]) -> np.ndarray:
+    """A white band [LABEL_HEIGHT, width, 3] in [0, 1] with each label centered on its column (center None:
+    left-aligned), shortened at a word boundary where it would not fit."""
     from PIL import Image, ImageDraw
 
     band = Image.new("RGB", (width, LABEL_HEIGHT), (255, 255, 255))
     draw = ImageDraw.Draw(band)
+    font = _font()
+    room = width // max(1, len(labels)) if len(labels) > 1 else width - 8
     for label, center in zip(labels, centers):
-        left, _, right, _ = draw.textbbox((0, 0), label)
-        draw.text((max(0, center - (right - left) // 2), 1), label, fill=(0, 0, 0))
+        words, text = label.split(), label
+        while len(words) > 1 and draw.textlength(text, font=font) > room:
+            words.pop()
+            text = " ".join(words).rstrip(",") + " ..."
+        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+        x = 4 if center is None else max(0, center - (right - left) // 2)
+        draw.text((x, (LABEL_HEIGHT - (bottom - top)) // 2 - top), text, fill=(0, 0, 0), font=font)
     return np.asarray(band, dtype=np.float32) / 255.0
 
 
-def side_by_side(rows: list[list[np.ndarray]], scale: int = 4, gap: int = 2,
-                 labels: list[str] | None = None) -> list[np.ndarray]:
+def side_by_side(rows: list[list[np.ndarray]], scale: int = GIF_SCALE, gap: int = 4,
+                 labels: list[str] | None = None, row_labels: list[str] | None = None) -> list[np.ndarray]:
     """rows of videos [F, H, W, 3] in [0, 1] -> GIF frames (uint8 [H', W', 3]) with the videos of a
-    row side by side and the rows stacked, each pixel scaled up `scale` times; `labels`: one per
-    column, written in a band of LABEL_HEIGHT pixels above the first row."""
+    row side by side and the rows stacked, each pixel scaled up `scale` times (nearest neighbour).
+    `labels`: one per column, in a band of LABEL_HEIGHT pixels above the first row; `row_labels`: one
+    per row (its prompt), in a band of LABEL_HEIGHT pixels above that row."""
     frames = rows[0][0].shape[0]
+    widths = [video.shape[2] * scale for video in rows[0]]
+    total = sum(widths) + gap * (len(widths) - 1)
     band = None
     if labels is not None:
-        widths = [video.shape[2] * scale for video in rows[0]]
         starts = [sum(widths[:i]) + gap * i for i in range(len(widths))]
-        band = _label_band(sum(widths) + gap * (len(widths) - 1), labels,
-                           [start + w // 2 for start, w in zip(starts, widths)])
+        band = _label_band(total, labels, [start + w // 2 for start, w in zip(starts, widths)])
+    row_bands = [_label_band(total, [text], [None]) for text in row_labels] if row_labels is not None else None
     out = []
     for f in range(frames):
-        lines = []
-        for row in rows:
+        lines = [] if band is None else [band]
+        for r, row in enumerate(rows):
             tiles = []
             for video in row:
                 tile = np.repeat(np.repeat(video[f], scale, axis=0), scale, axis=1)
                 tiles += [tile, np.ones((tile.shape[0], gap, 3), np.float32)]
+            if row_bands is not None:
+                lines.append(row_bands[r])
             line = np.concatenate(tiles[:-1], axis=1)
             lines += [line, np.ones((gap, line.shape[1], 3), np.float32)]
-        if band is not None:
-            lines = [band] + lines
         out.append((np.concatenate(lines[:-1], axis=0).clip(0, 1) * 255).round().astype(np.uint8))
     return out
 
@@ -260,16 +282,16 @@ def density_cost_line(path: Path = QUALITY_SUMMARY) -> str | None:
 
 def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
                  calibration_steps: int = DEFAULT_STEPS, out: Path | None = None,
-                 progress: bool = False) -> tuple[Plan, Path | None]:
+                 progress: bool = False) -> tuple[Plan, Path | None, Path | None]:
     """The shipped plan for `density` with this run's qk/pv, or a fresh calibration when none was
     shipped for that density (saved as `out/plan.safetensors` with its stats file). Returns the
-    plan and its stats file."""
-    path = shipped_plan_path(density)
+    plan, the absolute path of its file (None for a calibration that was not saved) and its stats file."""
+    path = shipped_plan_path(density).resolve()
     if path.is_file():
         plan = Plan.load(path)
-        log(f"plan: {path.relative_to(PACKAGE_ROOT)} (achieved density {plan.achieved_density():.3f})")
+        log(f"plan: {path} (achieved density {plan.achieved_density():.3f})")
         stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
-        return dataclasses.replace(plan, qk=qk, pv=pv), stats if stats.is_file() else None
+        return dataclasses.replace(plan, qk=qk, pv=pv), path, stats if stats.is_file() else None
     from ..calibrate.driver import CalibrationConfig, calibrate, save_calibration, stats_path_for
 
     log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
@@ -280,10 +302,31 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
     plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config, progress=progress)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     if out is None:
-        return plan, None
+        return plan, None, None
     path, stats = save_calibration(plan, result, Path(out) / "plan.safetensors")
-    log(f"wrote {path} and its stats file")
-    return plan, stats_path_for(path)
+    path = Path(path).resolve()
+    log(f"plan: {path} and its stats file")
+    return plan, path, stats_path_for(path)
+
+
+def demo_problem(*, density: float, qk: str, pv: str, steps: int, num_prompts: int, seed: int, backend: str,
+                 device: str | None) -> str | None:
+    """Why `paro demo`'s options cannot run, or None: checked before the output folder is made and the model
+    loads."""
+    from ..attention import BACKENDS
+    from ..pipelines.generate import backend_device_problem, device_problem, seed_problem
+
+    if problem := modes_problem(qk, pv):
+        return f"{problem}: pass --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}"
+    if not 0.0 < density <= 1.0:
+        return f"--density {density}: pass a block density in (0, 1] (1 keeps every block)"
+    if steps < 1:
+        return f"--steps {steps}: pass a number of denoising steps >= 1"
+    if not 1 <= num_prompts <= len(EVAL_PROMPTS):
+        return f"--num-prompts {num_prompts}: pass 1 to {len(EVAL_PROMPTS)} (the demo has {len(EVAL_PROMPTS)} prompts)"
+    if backend not in BACKENDS:
+        return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"
+    return seed_problem(seed) or device_problem(device) or backend_device_problem(backend, device)
 
 
 def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_QK, pv: str = DEFAULT_PV,
@@ -293,30 +336,54 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
              log: Callable[[str], None] = print, progress: bool = False) -> dict:
     """Dense vs PARO on the demo model; writes demo.gif, attention PNGs and metrics.json into
     `out` and returns the metrics. `progress`: step bars for the dense and PARO passes and the
-    calibration (on stderr)."""
-    from .model import load_demo_pipeline
-
-    if problem := modes_problem(qk, pv):
-        raise ValueError(problem)
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if not 1 <= num_prompts <= len(EVAL_PROMPTS):
-        raise ValueError(f"--prompts must be 1..{len(EVAL_PROMPTS)}, got {num_prompts}")
-    from ..attention import BACKENDS
+    calibration (on stderr). Every option is checked before anything is written; a run that fails
+    removes the folder it made."""
     from ..pipelines.generate import folder_problem
 
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them")
+    if problem := demo_problem(density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
+                               backend=backend, device=device):
+        raise ValueError(problem)
     out = Path(out)
+    made = None  # the outermost folder this run creates, removed again if the run fails
+    for folder in (out, *out.parents):
+        if folder.exists():
+            break
+        made = folder
     if problem := folder_problem(out, "--out-dir"):  # creates the folder; fails before the model loads
         raise ValueError(problem)
+    try:
+        return _run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
+                         device=device, backend=backend, heads=heads, calibration_steps=calibration_steps, log=log,
+                         progress=progress)
+    except BaseException:
+        if made is not None:  # nothing of a failed run stays behind
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _finite(value):
+    """`value` with every non-finite float replaced by None, so the report is strict JSON (PSNR is
+    infinite for two identical videos)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, backend, heads, calibration_steps,
+              log, progress) -> dict:
+    from .model import load_demo_pipeline
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     prompts = EVAL_PROMPTS[:num_prompts]
     log(f"demo model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
         f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
     pipe = load_demo_pipeline(device=device, dtype=dtype)
-    plan, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress)
+    plan, plan_path, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress)
 
     dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed, progress="dense" if progress else None)
     log(f"dense: {dense_t['total_s']:.1f} s total, {dense_t['attention_s']:.1f} s in self-attention layers")
@@ -339,11 +406,14 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
         log(line)
 
     gain = difference_gain(dense, paro)
-    difference = f"difference x{gain:g}"
-    gif = write_gif(side_by_side([[d, p, (np.abs(d - p) * gain).clip(0, 1)] for d, p in zip(dense, paro)],
-                                 labels=["dense", "PARO", difference]), out / "demo.gif")
-    log(f"wrote {gif}  (left: dense, middle: PARO, right: |dense - PARO| x{gain:g}, clipped at white"
-        + (f"; x{gain:g} instead of x{DIFFERENCE_GAIN:g} keeps 99.5% of it below white)" if gain < DIFFERENCE_GAIN else ")"))
+    difference = f"|dense - PARO| x{gain:g}"
+    rows = [[d, p, (np.abs(d - p) * gain).clip(0, 1)] for d, p in zip(dense, paro)]
+    gif = write_gif(side_by_side(rows, labels=["dense", f"PARO d={plan.achieved_density():.2f} {qk}/{pv}", difference],
+                                 row_labels=[f"{i + 1}: {prompt}" for i, prompt in enumerate(prompts)]),
+                    out / "demo.gif")
+    log(f"wrote {gif}  (one row per prompt; left: dense, middle: PARO, right: |dense - PARO| x{gain:g}, clipped "
+        "at white" + (f"; x{gain:g} instead of x{DIFFERENCE_GAIN:g} keeps 99.5% of it below white)"
+                      if gain < DIFFERENCE_GAIN else ")"))
     pictures = []
     try:
         from ..calibrate.figures import draw_plan_heads
@@ -355,9 +425,10 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
         log(f"attention pictures skipped: {exc}")
     report = {
         "prompts": prompts, "steps": steps, "seed": seed, "device": device, "dtype": str(dtype),
-        "density": plan.achieved_density(), "qk": qk, "pv": pv, "backend": backend,
+        "plan": str(plan_path), "target_density": density, "density": plan.achieved_density(),
+        "qk": qk, "pv": pv, "backend": backend,
         "metrics": metrics, "per_prompt": per_prompt, "dense_time": dense_t, "paro_time": paro_t,
         "gif": str(gif), "gif_difference_gain": gain, "pictures": pictures,
     }
-    (out / "metrics.json").write_text(json.dumps(report, indent=1))
+    (out / "metrics.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     return report

@@ -159,6 +159,7 @@ class FamilyAdapter:
     """Base class; see the module docstring. Subclasses set the class attributes."""
 
     name: str = ""
+    models: str = ""  # the model names users know (help and messages); default: transformer_classes
     transformer_classes: tuple[str, ...] = ()
     attention_classes: tuple[str, ...] = ()
     is_video: bool = True

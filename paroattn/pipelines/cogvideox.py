@@ -32,6 +32,7 @@ def _apply_rotary_emb(x, emb):
 
 class CogVideoXAdapter(FamilyAdapter):
     name = "cogvideox"
+    models = "CogVideoX"
     transformer_classes = ("CogVideoXTransformer3DModel",)
     attention_classes = ("Attention",)
 

@@ -29,6 +29,7 @@ _PACK = 2
 
 class FluxAdapter(FamilyAdapter):
     name = "flux"
+    models = "FLUX.1"
     transformer_classes = ("FluxTransformer2DModel",)
     attention_classes = ("FluxAttention",)
     is_video = False

@@ -19,7 +19,7 @@ import torch
 from ..errors import PlanError
 from ..plan import Plan, load_plans
 from .base import pixel_scale_of
-from .registry import SUPPORTED, family_of, pipeline_experts, resolve_transformer
+from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15}
@@ -89,6 +89,81 @@ def option_problem(backend: str, on_mismatch: str) -> str | None:
     return None
 
 
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def device_problem(device: str | None) -> str | None:
+    """Why `--device` cannot run here, or None (None: CUDA when present, else the CPU)."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cuda", "cpu"):
+        return f"--device {device!r} is not a device paroattn runs on: pass cuda, cuda:N or cpu"
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        return (f"--device {device}: this machine has no CUDA GPU that torch can use: pass --device cpu, or leave "
+                "--device out")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return (f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0: pass "
+                "one of them")
+    return None
+
+
+def dtype_problem(dtype: str | None) -> str | None:
+    """Why `--dtype` is not a model dtype, or None (None: bfloat16 on CUDA, float32 on the CPU)."""
+    if dtype is None or dtype in DTYPES:
+        return None
+    return f"--dtype {dtype!r} is not a model dtype: pass one of {', '.join(DTYPES)}"
+
+
+def backend_device_problem(backend: str, device: str | None) -> str | None:
+    """Why `--backend` cannot run on `device` (None: CUDA when present), or None: the Triton kernels need a
+    CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1, which tests use)."""
+    on_cuda = device.startswith("cuda") if device is not None else torch.cuda.is_available()
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("--backend triton runs the Triton kernels, which need a CUDA GPU; this run is on the CPU: pass "
+                "--backend auto (or torch), which runs the torch reference op there")
+    return None
+
+
+def size_problem(**sizes: int | None) -> str | None:
+    """Why one of `--height`, `--width`, `--frames`, `--steps` (given as keywords) is out of range, or None
+    (None: the pipeline's default)."""
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            what = "denoising steps" if name == "steps" else "frames" if name == "frames" else "pixels"
+            return f"{flag} {value}: pass a number of {what} >= 1 (or leave {flag} out for the pipeline's default)"
+    return None
+
+
+def seed_problem(seed: int) -> str | None:
+    """Why `--seed` is not a seed torch's generators take, or None."""
+    if not 0 <= seed < 2**64:
+        return f"--seed {seed}: pass a seed from 0 to 2**64 - 1"
+    return None
+
+
+def indexed_family(model_dir: str | Path):
+    """The adapter of the family whose transformer class `model_dir/model_index.json` names, or None (no such
+    file, or a class no adapter lists: the loaded pipeline decides then). Lets options that depend on the
+    family (video or image) be checked before the model loads."""
+    index = Path(model_dir) / "model_index.json"
+    try:
+        components = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return None
+    for name in EXPERTS:
+        entry = components.get(name) if isinstance(components, dict) else None
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str):
+            for family in FAMILIES:
+                if entry[1] in family.transformer_classes:
+                    return family()
+    return None
+
+
 def pipeline_folder_problem(model_dir: str | Path) -> str | None:
     """Why `model_dir` is not a local diffusers pipeline folder, or None (also None for a path that does
     not exist locally and may be a hub id: diffusers reports those)."""
@@ -120,8 +195,8 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
+    if problem := device_problem(device) or dtype_problem(dtype):
+        raise ValueError(problem)
     return DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
 
 
@@ -279,9 +354,22 @@ def generate(
         raise ValueError(f"--ulysses {ulysses}: pass the number of GPUs (processes) to split each generation over")
     if problem := option_problem(backend, on_mismatch):
         raise ValueError(problem)
+    if problem := size_problem(steps=steps, height=height, width=width, frames=frames):
+        raise ValueError(problem)
+    if problem := seed_problem(seed) or device_problem(device) or dtype_problem(dtype):
+        raise ValueError(problem)
+    if problem := backend_device_problem(backend, device):
+        raise ValueError(problem)
     if out is not None and (problem := output_problem(out)):
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
+        raise ValueError(problem)
+    # video or image, where model_index.json tells (the loaded pipeline is checked again below)
+    indexed = indexed_family(model_dir)
+    if frames is not None and indexed is not None and not indexed.is_video:
+        raise ValueError(f"--frames is for video models; {model_dir} holds an image model ({indexed.models}): "
+                         "leave --frames out")
+    if out is not None and indexed is not None and (problem := output_problem(out, indexed.is_video)):
         raise ValueError(problem)
     # fail on a bad plan before loading the model; an expert pair's plans are read together
     loaded_plans = load_plans(plan) if plan is not None else None
@@ -317,7 +405,8 @@ def generate(
             call[key] = value
     if frames is not None:
         if not video:
-            raise ValueError(f"--frames is for video models; {type(transformer).__name__} makes images")
+            raise ValueError(f"--frames is for video models; {type(transformer).__name__} makes images: leave "
+                             "--frames out")
         call["num_frames"] = frames
     text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
     if text_tokens and "max_sequence_length" not in call:

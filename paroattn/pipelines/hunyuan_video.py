@@ -60,6 +60,7 @@ class _SequenceTables:
 
 class HunyuanVideoAdapter(FamilyAdapter):
     name = "hunyuan_video"
+    models = "HunyuanVideo"
     transformer_classes = ("HunyuanVideoTransformer3DModel",)
     attention_classes = ("Attention",)
 

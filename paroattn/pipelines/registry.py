@@ -12,6 +12,8 @@ from .wan import WanAdapter
 
 FAMILIES: tuple[type[FamilyAdapter], ...] = (CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter)
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
+# the same families as users name them, for help texts: "CogVideoX, Wan 2.1 / 2.2, FLUX.1, HunyuanVideo"
+SUPPORTED_MODELS = ", ".join(family.models or " / ".join(family.transformer_classes) for family in FAMILIES)
 
 
 # pipeline components that hold a denoising transformer, in the order a pipeline runs them: Wan 2.2 A14B runs

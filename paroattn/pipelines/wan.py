@@ -52,6 +52,7 @@ def _op_tables(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> tuple[torch.
 
 class WanAdapter(FamilyAdapter):
     name = "wan"
+    models = "Wan 2.1 / 2.2"
     transformer_classes = ("WanTransformer3DModel",)
     attention_classes = ("WanAttention",)
 
