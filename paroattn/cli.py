@@ -13,13 +13,24 @@ from typer.core import TyperCommand
 
 from .pipelines.registry import SUPPORTED_MODELS
 
+# click's UsageError as the installed typer raises it (newer typer releases vendor their own click)
+_UsageError = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
+
 
 class _Command(TyperCommand):
-    """A command whose usage line names required arguments plainly (MODEL_DIR, not typer's {MODEL_DIR})."""
+    """A command whose usage line names required arguments plainly (MODEL_DIR, not typer's {MODEL_DIR}) and
+    that reports a malformed command line (a missing or unknown option, a value of the wrong type) in one
+    line, as its own checks do."""
 
     def collect_usage_pieces(self, ctx):
         return [piece[1:-1] if piece.startswith("{") and piece.endswith("}") else piece
                 for piece in super().collect_usage_pieces(ctx)]
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except _UsageError as exc:
+            _fail(f"{exc.format_message()} (`paro {self.name} --help` lists the options)")
 
 
 # plain click help (rich_markup_mode=None): no <bool> type column beside flags, no boxes

@@ -619,3 +619,16 @@ def test_help_lists_every_supported_family(command):
         assert family.models and family.models in text, (family.models, text)
     for name in ("CogVideoX", "Wan 2.1 / 2.2", "HunyuanVideo", "FLUX.1"):
         assert name in text
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["demo", "--steps", "abc"], ["--steps", "integer", "`paro demo --help`"]),
+    (["demo", "--frobnicate"], ["No such option: --frobnicate", "`paro demo --help`"]),
+    (["calibrate", "x"], ["Missing option '--out'", "`paro calibrate --help`"]),
+    (["generate"], ["Missing argument 'MODEL_DIR'", "`paro generate --help`"]),
+    (["inspect", "p", "--heads"], ["--heads", "requires an argument"]),
+])
+def test_a_malformed_command_line_is_one_line_too(args, fragments):
+    result = invoke(args)
+    assert_clean_failure(result, *fragments)
+    assert "Usage:" not in result.output
