@@ -381,6 +381,8 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> Plan:
         from safetensors import safe_open
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise PlanError(f"Plan.load takes the path of a plan file, got {type(path).__name__}")
         path = Path(path)
         if path.is_dir():
             raise PlanError(f"{path} is a folder: pass a plan file (the .safetensors that `paro calibrate --out` wrote)")

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             followed, objects = followed + ok, objects + 1
             print(f"  {color}: model {shown(got)}, renderer {shown(want)} -> {'follows' if ok else 'does not follow'}")
     print(f"{followed} of {objects} objects move as their captions say")
-    demo.write_gif(demo.side_by_side(rows, scale=4), args.out)
+    demo.write_gif(demo.side_by_side(rows, scale=4, gap=2), args.out)
     print(f"wrote {args.out} ({timing['total_s']:.1f} s of sampling)")
     return 0
 

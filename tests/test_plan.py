@@ -262,3 +262,14 @@ def test_validate_refuses_tensors_changed_after_construction():
     plan.density[0, 0, 0] = float("inf")
     with pytest.raises(PlanError, match=r"plan density must hold finite values in \[0, 1\].*found non-finite values \(inf\)"):
         plan.validate()
+
+
+def test_load_and_apply_say_what_to_pass_for_a_folder_or_a_path(tmp_path):
+    from paroattn.pipelines import apply
+
+    with pytest.raises(PlanError, match="is a folder: pass a plan file"):
+        Plan.load(tmp_path)
+    with pytest.raises(PlanError, match="takes the path of a plan file, got int"):
+        Plan.load(123)
+    with pytest.raises(TypeError, match=r"not the path 'plan.safetensors': load it with Plan.load\(path\)"):
+        apply(torch.nn.Linear(1, 1), "plan.safetensors")

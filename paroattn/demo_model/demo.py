@@ -35,9 +35,9 @@ PLANS_DIR = ASSETS / "plans"
 QUALITY_SUMMARY = PLANS_DIR / "quality_summary.json"
 SHIPPED_DENSITIES = (0.5, 0.3, 0.2, 0.15, 0.1)
 # what `paro demo` runs by default: the sparsest shipped plan whose videos are hard to tell from dense
-# on the held-out prompts (QUALITY.md: PSNR 44.9 dB, SSIM 0.997 at d=0.5; d=0.3 is 28.2 dB, 0.945).
-# bf16, not int8 QK + fp8 PV (39.2 dB at d=0.5): their exact emulation in the torch reference op is
-# ~9x slower than dense attention on a CPU
+# on the held-out prompts (QUALITY_SUMMARY; QUALITY.md, from
+# benchmarks/results/quality-reference-local-heads-h100-heldout.jsonl). bf16, not int8 QK + fp8 PV: on a
+# CPU the torch reference op emulates their quantization exactly, and that is much slower than dense attention
 DEFAULT_DENSITY, DEFAULT_QK, DEFAULT_PV = 0.5, "bf16", "bf16"
 CALIBRATION_PROMPTS = [
     "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",

@@ -16,6 +16,7 @@ For calibration:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -142,6 +143,9 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
     pipelines); a bare transformer takes one plan whatever it names, since a module does not know its
     name in a pipeline. Problems: two plans for one expert, a plan for an expert the pipeline lacks, an
     expert without a plan; each names what the plans were calibrated for and what the pipeline has."""
+    if isinstance(plans, (str, os.PathLike)):  # a path, not a list of plans
+        raise TypeError(f"apply needs a paroattn.Plan, not the path {str(plans)!r}: load it with Plan.load(path), an "
+                        "expert pair with load_plans(path)")
     plans = [plans] if isinstance(plans, Plan) else list(plans)
     if not plans or not all(isinstance(p, Plan) for p in plans):
         found = ", ".join(type(p).__name__ for p in plans) or "nothing"
