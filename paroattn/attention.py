@@ -295,10 +295,13 @@ def paro_attention(
         "bf16" means the inputs' own 16-bit type in both.
     sm_scale : float, optional
         Softmax scale; 1 / sqrt(D) by default.
-    backend : {"auto", "triton", "torch"}
+    backend : {"auto", "triton", "cuda", "torch"}
         "torch" is the reference (any device, slow, the definition of the result). "triton" runs the
-        kernels and raises `PAROInputError` where they cannot (head dim other than 64 / 128, float32, CPU
-        tensors, unsupported block sizes). "auto" picks "triton" on CUDA where it can and otherwise warns
+        Triton (and Gluon) kernels and raises `PAROInputError` where they cannot (head dim other than
+        64 / 128, float32, CPU tensors, unsupported block sizes). "cuda" runs the hand-scheduled sm_90a
+        kernels (int8/int4 QK + fp8 PV at 128 x 64 blocks on an H100/H200, compiled at first use with
+        NVRTC) and, where they cannot run or be built, warns with the reason and runs "triton". "auto"
+        picks the fastest kernel measured for the call on CUDA (`kernels.dispatch`) and otherwise warns
         with the reason and runs "torch".
     rotary : (cos, sin), optional
         float32 tables [S, D] of the model's rotary embedding for the last S tokens (S <= N), applied to q
@@ -336,7 +339,9 @@ def paro_attention(
             decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
             reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
             runs_kernel = isinstance(decision, Launch) and decision.backend != "torch"
-        if not runs_kernel and backend == "triton":
+            if runs_kernel and decision.warning:  # a kernel asked for could not run (once per call site)
+                warn(decision.warning, stacklevel=2)
+        if not runs_kernel and backend in ("triton", "cuda"):
             raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
         if not runs_kernel and reason:  # "auto": correct but slow, say so (once per call site)
             warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
@@ -344,7 +349,8 @@ def paro_attention(
             from .kernels import op  # defining the kernels takes seconds: imported on first use
 
             return op.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
-                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision)
+                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision,
+                          backend=backend)
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
     return paro_attention_reference(

@@ -354,7 +354,7 @@ def generate(
     seed: int = typer.Option(0, help="seed of the initial noise"),
     out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png)"),
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
-    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or torch"),
+    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
     ulysses: int = typer.Option(1, help="split each generation over N GPUs (Wan, FLUX; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
@@ -414,7 +414,7 @@ def demo(
     steps: int = typer.Option(20, help="denoising steps, >= 1"),
     num_prompts: int = typer.Option(2, help="how many of the demo's 8 prompts to generate, 1 to 8"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
-    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton (CUDA only) or torch"),
+    backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or cuda (both need a CUDA GPU) or torch"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
 ) -> None:
     """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO on the same

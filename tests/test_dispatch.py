@@ -163,3 +163,50 @@ def test_runtime_keeps_one_decision_per_key_and_clear_empties_every_cache():
     kept.workspaces["a set"] = kept.mask_lists["a mask"] = kept.orders[(0, 1)] = object()
     runtime.clear()
     assert not (kept.decisions or kept.orders or kept.workspaces or kept.mask_lists)
+
+
+H100 = dispatch.GPU("sm90", cuda=True, triton=True, tma=True, wgmma=True, index=0, capability=(9, 0))
+
+
+@pytest.fixture
+def sm90_builds(monkeypatch):
+    """The sm_90a kernels 'compile' without a GPU: what a build failure looks like is set per test."""
+    from paroattn.kernels import sm90
+
+    state = {"failure": None}
+    monkeypatch.setattr(sm90, "load_failure", lambda head_dim, dtype, device: state["failure"])
+    return state
+
+
+def test_cuda_backend_runs_the_sm90_kernels_where_they_take_the_call(sm90_builds):
+    launch = resolve(call(H100, qk="int8", pv="fp8"), "cuda")
+    assert launch.kernel == dispatch.CUDA and launch.q_tma and launch.backend == "cuda" and launch.warning is None
+    key_masked = resolve(call(H100, D=64, qk="int4", pv="fp8", key_mask=True), "cuda")
+    assert key_masked.kernel == dispatch.CUDA  # the key padding mask is the CUDA kernels' too
+
+
+@pytest.mark.parametrize("gpu,facts,match", [
+    (H100, dict(), "qk='int8'/'int4' with pv='fp8'"),  # bf16 modes: not this family's
+    (H100, dict(qk="int8", pv="fp8", bq=64), "128 x 64 blocks"),
+    (AMPERE, dict(qk="int8", pv="fp8"), "sm_90 GPU"),
+])
+def test_cuda_backend_falls_back_to_triton_with_the_reason(sm90_builds, tested_triton, gpu, facts, match):
+    launch = resolve(call(gpu, **facts), "cuda")
+    assert launch.kernel in (TRITON, GLUON) and match in launch.warning, launch
+
+
+def test_a_failed_build_falls_back_to_triton_with_its_reason(sm90_builds):
+    sm90_builds["failure"] = "the sm90 CUDA kernel could not be built: nvrtcCompileProgram failed (made up)"
+    launch = resolve(call(H100, qk="int8", pv="fp8"), "cuda")
+    assert launch.kernel == TRITON and "nvrtcCompileProgram failed" in launch.warning
+    assert isinstance(resolve(call(dispatch.HOST, qk="int8", pv="fp8"), "cuda"), Refusal)  # no GPU at all
+
+
+def test_auto_prefers_the_cuda_kernels_only_where_measured_faster(sm90_builds, monkeypatch):
+    key = (128, 128, 64, "int8", "fp8")
+    assert resolve(call(H100, qk="int8", pv="fp8")).kernel == TRITON  # none measured faster yet
+    monkeypatch.setattr(dispatch, "CUDA_PREFERRED", {key})
+    assert resolve(call(H100, qk="int8", pv="fp8")).kernel == dispatch.CUDA
+    sm90_builds["failure"] = "the sm90 CUDA kernel could not be built: no libnvrtc (made up)"
+    fallback = resolve(call(H100, qk="int8", pv="fp8"))
+    assert fallback.kernel == TRITON and "no libnvrtc" in fallback.warning

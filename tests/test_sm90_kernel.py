@@ -301,3 +301,71 @@ def test_compute_sanitizer_clean(tool):
     assert "sanitized run done" in log
     assert "ERROR SUMMARY: 0 errors" in log or "RACECHECK SUMMARY: 0 hazards" in log
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the op: paro_attention(backend="cuda") runs this family (dispatch.resolve), also on repeated calls
+# into a kept buffer set and under torch.compile; a failed build falls back to the Triton kernels, warning.
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_op_with_cuda_backend_runs_these_kernels_call_after_call():
+    from paroattn import paro_attention
+    from paroattn.attention import decide
+    from paroattn.kernels import dispatch
+
+    B, H, layout, D = 2, 3, TokenLayout(226, 2, 15, 22), 64
+    N = layout.seq_len
+    mask = random_mask(H, N, 0.5, 11)
+    orders = torch.tensor([0, 3, 5])
+    kwargs = dict(layout=layout, orders=orders, block_mask=mask, block_size=(128, 64), qk="int8", pv="fp8")
+    assert decide(torch.empty(1, 1, 1, D, device="cuda", dtype=torch.bfloat16), 128, 64, "int8", "fp8",
+                  "cuda").kernel == dispatch.CUDA
+    outs = []
+    for seed in (21, 22, 21):  # the third call repeats the first's inputs: replays must launch this kernel too
+        q, k, v = make_inputs(B, H, N, D, torch.bfloat16, True, seed)
+        out = paro_attention(q, k, v, backend="cuda", **kwargs)
+        direct = sm90.attention(q, k, v, layout=layout, orders=orders, block_mask=mask)
+        assert torch.equal(out, direct), seed
+        outs.append(out.clone())
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+    def layer(q, k, v):
+        return paro_attention(q, k, v, backend="cuda", **kwargs)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    q, k, v = make_inputs(B, H, N, D, torch.bfloat16, True, 23)
+    assert torch.equal(compiled(q, k, v), layer(q, k, v))
+
+
+@requires_sm90
+@pytest.mark.gpu
+def test_op_falls_back_to_triton_with_one_warning_when_the_build_fails(monkeypatch, tmp_path):
+    import warnings
+
+    from paroattn import paro_attention
+    from paroattn.kernels import runtime as op_runtime
+    from paroattn.kernels.sm90 import runtime
+
+    def broken(*args, **kwargs):
+        raise runtime.KernelLoadError("NVRTC could not compile paro_attention_int8_fp8: injected failure")
+
+    monkeypatch.setenv("PAROATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(runtime, "_nvrtc_compile", broken)
+    monkeypatch.setattr(sm90, "_FAILURES", {})
+    monkeypatch.setattr(sm90, "_KERNELS", {})
+    op_runtime.clear()
+    try:
+        B, H, layout, D = 1, 2, TokenLayout(0, 3, 17, 23), 128
+        q, k, v = make_inputs(B, H, layout.seq_len, D, torch.bfloat16, False, 31)
+        kwargs = dict(layout=layout, orders=torch.tensor([1, 4]), block_mask=random_mask(H, layout.seq_len, 0.5, 31),
+                      block_size=(128, 64), qk="int8", pv="fp8")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = paro_attention(q, k, v, backend="cuda", **kwargs)
+        messages = [str(w.message) for w in caught]
+        assert any("injected failure" in m and "Triton kernels run this call" in m for m in messages), messages
+        assert torch.equal(out, paro_attention(q, k, v, backend="triton", **kwargs))
+    finally:
+        op_runtime.clear()

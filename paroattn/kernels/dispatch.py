@@ -13,7 +13,9 @@ a backend in order of preference and returns the first that accepts, with the re
 
     backend="torch"   the reference (any device)
     backend="triton"  Gluon warp-specialized, then Triton; none: Refusal
-    backend="auto"    as "triton", then the reference (whose Launch carries the reason, for a warning)
+    backend="cuda"    the sm_90a CUDA kernels (`kernels/sm90/`), else as "triton" with a warning naming why
+    backend="auto"    the CUDA kernels where measured fastest, then as "triton", then the reference (whose
+                      Launch carries the reason, for a warning)
 
 Within the Triton family the tiles come from one table keyed by (head dim, bq, bk, qk, pv), measured on
 sm_90 with `benchmarks/attention.py --sweep` (docs/notes/kernels-and-tiles.md); other GPUs run the sm_90 entry's
@@ -31,10 +33,11 @@ import torch
 from . import interpreting
 
 HEAD_DIMS = (64, 128)
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cuda", "torch")
 
 TRITON = "triton"
 GLUON = "gluon-warp-specialized"
+CUDA = "cuda-sm90a"
 TORCH = "torch-reference"
 
 
@@ -51,6 +54,8 @@ class GPU:
     triton: bool  # Triton kernels run here (a CUDA GPU, or the CPU interpreter)
     tma: bool  # tensor-memory-accelerator descriptor loads (sm_90 and newer; the interpreter emulates them)
     wgmma: bool  # Hopper's warpgroup MMA (sm_90 exactly)
+    index: int | None = None  # the CUDA device's index (where a kernel compiled at run time is loaded)
+    capability: tuple[int, int] | None = None  # the CUDA compute capability
 
 
 INTERPRETER = GPU("interpreter", cuda=False, triton=True, tma=True, wgmma=False)
@@ -63,7 +68,9 @@ def gpu_of(device: torch.device) -> GPU:
     if device.type != "cuda":
         return HOST
     major, minor = torch.cuda.get_device_capability(device)
-    return GPU(f"sm{major}{minor}", cuda=True, triton=True, tma=major >= 9, wgmma=(major, minor) == (9, 0))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return GPU(f"sm{major}{minor}", cuda=True, triton=True, tma=major >= 9, wgmma=(major, minor) == (9, 0),
+               index=index, capability=(major, minor))
 
 
 @dataclass(frozen=True)
@@ -104,15 +111,16 @@ class KernelConfig:
 class Launch:
     """What runs one call."""
 
-    kernel: str  # TRITON, GLUON or TORCH
+    kernel: str  # CUDA, GLUON, TRITON or TORCH
     config: KernelConfig | None = None  # warps, stages and flags of the Triton and Gluon kernels
     kv_tma: bool = False  # Triton kernel: K/V tiles by descriptor loads
     q_tma: bool = False  # Triton kernel: the prologue writes the reordered Q, read by descriptor loads
     passed_over: tuple[str, ...] = ()  # why faster kernels or variants do not run this call
+    warning: str | None = None  # a kernel asked for (backend="cuda") or preferred could not run it: why
 
     @property
     def backend(self) -> str:
-        return "torch" if self.kernel == TORCH else "triton"
+        return {TORCH: "torch", CUDA: "cuda"}.get(self.kernel, "triton")
 
     @property
     def fallback_reason(self) -> str | None:
@@ -286,12 +294,38 @@ def _unit_stride(call: Call) -> str | None:
     return None if call.unit_stride else "the Gluon kernel reads q and writes out with unit stride along D"
 
 
+def _sm90_kernel_takes(call: Call) -> str | None:
+    from . import sm90
+
+    return sm90.refusal((1, 1, 0, call.head_dim), call.dtype, call.head_dim, call.bq, call.bk, call.qk, call.pv,
+                        call.key_mask, call.gpu.capability)
+
+
+def _sm90_kernel_loads(call: Call) -> str | None:
+    # compiled with NVRTC (or read from the disk cache) the first time a call key is decided on a device
+    from . import sm90
+
+    return sm90.load_failure(call.head_dim, call.dtype, torch.device("cuda", call.gpu.index))
+
+
+# keys where the CUDA kernels are measured faster than the Triton kernel on sm_90, which "auto" then prefers:
+# none yet (slower on every model shape, benchmarks/results/attention-sm90-cuda-fa3-nvidia-h100-bq128-bk64.json)
+CUDA_PREFERRED: set[tuple] = set()
+
+
+def _cuda_preferred(call: Call) -> bool:
+    return (call.head_dim, call.bq, call.bk, call.qk, call.pv) in CUDA_PREFERRED
+
+
 @dataclass(frozen=True)
 class KernelFamily:
     kernel: str
     needs: tuple[Callable[[Call], str | None], ...]  # each: the reason it refuses a call, or None
     tiles: Callable[[Call], Launch]
     preferred: Callable[[Call], bool] = lambda call: True  # where it is not, it is skipped without a reason
+    asked_by: str | None = None  # the backend that names this family: it is then tried whatever `preferred` says
+    # a refusal after it was asked for or preferred is worth a warning (it can fail for reasons a user can fix)
+    warns: bool = False
 
     def refusal(self, call: Call) -> str | None:
         for need in self.needs:
@@ -317,6 +351,11 @@ GLUON_FAMILY = KernelFamily(
     lambda call: Launch(GLUON, kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv)),
     preferred=_table_prefers_warp_specialized,
 )
+CUDA_FAMILY = KernelFamily(
+    CUDA, (_on_triton_device, _sm90_kernel_takes, _sm90_kernel_loads),
+    lambda call: Launch(CUDA, q_tma=True),  # reads the reordered int8 Q with per-block scales the prologue writes
+    preferred=_cuda_preferred, asked_by="cuda", warns=True,
+)
 TORCH_FAMILY = KernelFamily(TORCH, (), lambda call: Launch(TORCH))
 
 # per backend, its families in order of preference; the last kernel family's refusal is the one a caller
@@ -324,7 +363,8 @@ TORCH_FAMILY = KernelFamily(TORCH, (), lambda call: Launch(TORCH))
 FAMILIES: dict[str, tuple[KernelFamily, ...]] = {
     "torch": (TORCH_FAMILY,),
     "triton": (GLUON_FAMILY, TRITON_FAMILY),
-    "auto": (GLUON_FAMILY, TRITON_FAMILY, TORCH_FAMILY),
+    "cuda": (CUDA_FAMILY, GLUON_FAMILY, TRITON_FAMILY),
+    "auto": (CUDA_FAMILY, GLUON_FAMILY, TRITON_FAMILY, TORCH_FAMILY),
 }
 
 
@@ -334,14 +374,18 @@ def resolve(call: Call, backend: str = "auto") -> Launch | Refusal:
     if backend == "auto" and not call.gpu.cuda:
         return Launch(TORCH)  # off CUDA, the reference is what "auto" means: nothing to warn about
     reasons: list[str] = []
+    warning = None
     for family in FAMILIES[backend]:
-        if not family.preferred(call):
+        if backend != family.asked_by and not family.preferred(call):
             continue
         reason = family.refusal(call)
         if reason is None:
             launch = family.tiles(call)
-            return Launch(launch.kernel, launch.config, launch.kv_tma, launch.q_tma, (*reasons, *launch.passed_over))
+            return Launch(launch.kernel, launch.config, launch.kv_tma, launch.q_tma, (*reasons, *launch.passed_over),
+                          warning)
         reasons.append(reason)
+        if family.warns and warning is None:
+            warning = f"{reason}: the Triton kernels run this call instead"
     return Refusal(reasons[-1])
 
 

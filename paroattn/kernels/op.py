@@ -28,19 +28,21 @@ def block_sparse_attention(
     orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+    backend: str = "triton",
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens). One opaque node for
+    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens, the backend asked for, whose
+    kernel is decided when the op runs). One opaque node for
     torch.compile; its output has q's shape, dtype and strides. Its buffers are allocated per call: with
     mode="reduce-overhead", the CUDA-graph trees run the op's warm-up calls in their graphs' memory pool
     and reuse that memory, where a kept buffer set would live."""
     return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                  cos, sin, key_mask, reuse_buffers=False)
+                  cos, sin, key_mask, reuse_buffers=False, backend=backend)
 
 
 @block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
-                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None, key_mask=None):
+                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None, key_mask=None, backend="triton"):
     return torch.empty_like(q)
 
 
@@ -60,9 +62,10 @@ def run(
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     suffix_mask: torch.Tensor | None,
     decision: Launch | None = None,
+    backend: str = "triton",
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`: a call checked against the op contract, run by the kernels of
-    `decision` (eager calls pass the one they resolved; traced ones resolve inside the custom op)."""
+    `decision` (eager calls pass the one they resolved; traced ones resolve `backend` inside the custom op)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise PAROInputError(
             "the triton backend is inference-only (no backward): q, k or v requires grad. Run under "
@@ -77,7 +80,7 @@ def run(
             block_mask.to(q.device), sync=False)
         orders = orders.to(device=q.device, dtype=torch.int32).contiguous()
         return block_sparse_attention(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, *geometry,
-                                      *rotary, suffix_mask)
+                                      *rotary, suffix_mask, backend)
     runtime = runtime_of(q.device)
     blocks = block_mask if isinstance(block_mask, ActiveBlocks) else runtime.lists_of(block_mask)
     if blocks.counts.device != q.device:

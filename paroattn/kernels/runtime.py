@@ -8,12 +8,13 @@
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
 - orders: device copies of host `orders` tensors.
 
-The kernels' launchers keep their compiled launch records themselves (`launcher.CachedLauncher`);
-`clear()` drops those too, and `forget_decisions()` (a pinned config) makes recorded launches stale.
+The kernels' launchers keep their compiled launch records themselves (`launcher.CachedLauncher`), as the
+sm_90a CUDA family keeps its loaded modules; `clear()` drops those too, and `forget_decisions()` (a pinned config) makes recorded launches stale.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 import torch
@@ -129,3 +130,5 @@ def clear() -> None:
     from .launcher import clear_launchers
 
     clear_launchers()
+    if (sm90 := sys.modules.get(f"{__package__}.sm90")) is not None:  # its loaded modules and build failures
+        sm90.forget()

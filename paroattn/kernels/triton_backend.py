@@ -1,8 +1,9 @@
-"""The launches of the Triton and Gluon kernels: what `dispatch.resolve` decided, executed.
+"""The launches of the kernels: what `dispatch.resolve` decided, executed.
 
-`launch` runs the RoPE pass (`rotary.py`), the statistics and the K/V prologue (`prepare_kv`), then the
-attention kernel the decision names: `block_sparse_attention.py`'s Triton kernel with the decision's
-tiles and loads, or `hopper_attention.py`'s warp-specialized Gluon kernel. Their definition is
+`launch` runs the RoPE pass (`rotary.py`), the statistics and the K/V prologue (`prepare_kv`), all Triton,
+then the attention kernel the decision names: `block_sparse_attention.py`'s Triton kernel with the
+decision's tiles and loads, `hopper_attention.py`'s warp-specialized Gluon kernel, or the sm_90a CUDA
+kernel of `sm90/` (compiled at run time with NVRTC). Their definition is
 `reference.py`. The launches reuse one buffer set per stream and shape (`workspace.workspace`), skip
 Triton's per-call argument binding after a key's first launch (`launcher.CachedLauncher`), and replay a
 recorded sequence of launches for calls like an earlier one (`launcher.LaunchSequence`); the host time
@@ -27,8 +28,8 @@ from .block_sparse_attention import (
     _attention_kernel,
     _kv_prologue_kernel,
 )
-from .dispatch import GLUON, Launch, Refusal
-from .launcher import CachedLauncher, LaunchSequence, Recording, aligned
+from .dispatch import CUDA, GLUON, Launch, Refusal
+from .launcher import CachedLauncher, LaunchSequence, Recording, _record, aligned
 from .reference import key_mean_stride
 from .rotary import rotate_qk
 from .runtime import runtime_of
@@ -93,9 +94,11 @@ def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, *, key_mask: boo
 
 
 def decided_launch(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, *, key_mask: bool, rotary: bool,
-                   out: torch.Tensor | None = None) -> Launch:
+                   out: torch.Tensor | None = None, backend: str = "triton") -> Launch:
     """The kernels' `Launch` of a call, or PAROInputError with the reason none runs it."""
-    decision = decide(q, bq, bk, qk, pv, key_mask=key_mask, rotary=rotary, out=out)
+    decision = decide(q, bq, bk, qk, pv, key_mask=key_mask, rotary=rotary, out=out, backend=backend)
+    if isinstance(decision, Launch) and decision.backend == "torch":  # "auto" off the kernels: not here
+        decision = decide(q, bq, bk, qk, pv, key_mask=key_mask, rotary=rotary, out=out)
     if isinstance(decision, Refusal):
         raise PAROInputError(f"{decision.reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
     return decision
@@ -117,6 +120,7 @@ def launch(
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
     out: torch.Tensor | None = None, reuse_buffers: bool = True, decision: Launch | None = None,
+    backend: str = "triton",
 ) -> torch.Tensor:
     """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and
     the attention kernel of `decision` (by default the one `decided_launch` gives). Inputs are checked
@@ -125,7 +129,8 @@ def launch(
     q. `reuse_buffers`: the stream's buffer set (`workspace`), else new ones."""
     B, H, N, D = q.shape
     if decision is None:
-        decision = decided_launch(q, bq, bk, qk, pv, key_mask=key_mask is not None, rotary=cos is not None, out=out)
+        decision = decided_launch(q, bq, bk, qk, pv, key_mask=key_mask is not None, rotary=cos is not None, out=out,
+                                  backend=backend)
     if out is None:
         out = torch.empty_like(q)
     if out.numel() == 0:
@@ -188,6 +193,13 @@ def _launch(arguments: tuple, buffers: Buffers, decision: Launch) -> None:
         key = (*key, key_mask.stride(), aligned(key_mask))
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       q if q_tma else None, bq, buffers, prologue_key, key_mask)
+    if decision.kernel == CUDA:
+        from . import sm90
+
+        _record(None)  # launched outside the Triton launchers: a recorded sequence could not replay it
+        sm90.launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=N, prefix=prefix,
+                    frames=frames, height=height, width=width, sm_scale=sm_scale, key_mask=key_mask)
+        return
     if decision.kernel == GLUON:
         descriptors = buffers.descriptors.get("gluon")
         if descriptors is None:

@@ -125,6 +125,9 @@ def backend_device_problem(backend: str, device: str | None) -> str | None:
     if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return ("--backend triton runs the Triton kernels, which need a CUDA GPU; this run is on the CPU: pass "
                 "--backend auto (or torch), which runs the torch reference op there")
+    if backend == "cuda" and not on_cuda:
+        return ("--backend cuda runs the sm_90a CUDA kernels, which need an H100/H200 GPU; this run is on the CPU: "
+                "pass --backend auto (or torch), which runs the torch reference op there")
     return None
 
 

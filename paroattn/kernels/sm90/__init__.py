@@ -114,6 +114,12 @@ def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: 
         raise
 
 
+def forget() -> None:
+    """Drop the loaded kernels and the remembered build failures (the next call builds or loads again)."""
+    _KERNELS.clear()
+    _FAILURES.clear()
+
+
 def load_failure(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """None when the variant is compiled (or in the cache) and loaded on `device`; else why not."""
     try:
