@@ -331,8 +331,12 @@ def test_op_with_cuda_backend_runs_these_kernels_call_after_call():
         outs.append(out.clone())
     assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
+    from paroattn.kernels.block_lists import ActiveBlocks
+
+    lists = {**kwargs, "block_mask": ActiveBlocks.from_mask(mask).to("cuda")}  # what processors pass
+
     def layer(q, k, v):
-        return paro_attention(q, k, v, backend="cuda", **kwargs)
+        return paro_attention(q, k, v, backend="cuda", **lists)
 
     compiled = torch.compile(layer, fullgraph=True)
     q, k, v = make_inputs(B, H, N, D, torch.bfloat16, True, 23)
