@@ -16,7 +16,7 @@ from .errors import PAROInputError
 from .kernels.block_lists import ActiveBlocks
 from .kernels.dispatch import BACKENDS, Launch, Refusal
 from .kernels.reference import paro_attention_reference
-from .kernels.runtime import runtime_of
+from .kernels.runtime import CHECKED_ARGUMENTS, runtime_of
 from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape
 from .modes import modes_problem
@@ -100,9 +100,6 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
         raise PAROInputError(f"suffix_mask must be on q's device {q.device}; got {suffix_mask.device}")
 
 
-_CHECKED: set[tuple] = set()  # combinations of the static arguments checked already
-
-
 def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
            rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
     """Which kernel runs a call of `paro_attention` with q (on `device`, by default q's) through
@@ -163,10 +160,10 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
              and (type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
                                               and type(block_size[0]) is int and type(block_size[1]) is int)))
     static = (qk, pv, backend, block_size) if exact and not torch.compiler.is_compiling() else None
-    if static is None or static not in _CHECKED:
+    if static is None or static not in CHECKED_ARGUMENTS:
         _check_arguments(qk, pv, backend, block_size)
-        if static is not None and len(_CHECKED) < 256:
-            _CHECKED.add(static)
+        if static is not None and len(CHECKED_ARGUMENTS) < 256:
+            CHECKED_ARGUMENTS.add(static)
     if not isinstance(layout, TokenLayout):
         raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -6,7 +6,8 @@
   (`triton_backend.workspace`): allocating them and building their descriptors would cost more host time
   than the rest of a call;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
-- orders: device copies of host `orders` tensors.
+- orders: device copies of host `orders` tensors;
+and, for the whole process, the combinations of the op's non-tensor arguments checked already.
 
 The kernels' launchers keep their compiled launch records themselves (`launcher.CachedLauncher`), as the
 sm_90a CUDA family keeps its loaded modules; `clear()` drops those too, and `forget_decisions()` (a pinned config) makes recorded launches stale.
@@ -21,6 +22,10 @@ import torch
 
 from . import dispatch
 from .block_lists import ActiveBlocks
+
+# combinations of the op's arguments that are not tensors (modes, backend, block size) checked already: the
+# same few repeat on every call (process-wide: they do not depend on the device)
+CHECKED_ARGUMENTS: set[tuple] = set()
 
 WORKSPACES = 4  # buffer sets kept per device; the oldest goes beyond, its memory back to torch's allocator
 MASK_LISTS = 64  # bool masks whose lists are kept per device
@@ -127,6 +132,7 @@ def clear() -> None:
     """Empty every device's runtime and the kernels' launch records."""
     for runtime in _RUNTIMES.values():
         runtime.clear()
+    CHECKED_ARGUMENTS.clear()
     from .launcher import clear_launchers
 
     clear_launchers()
