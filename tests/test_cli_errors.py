@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from paroattn import Plan, TokenLayout
@@ -56,8 +57,15 @@ def saved_tiny_flux(folder: Path) -> dict:
 # -- paro generate: options and output path before the model loads ----------------------------
 
 def test_generate_rejects_a_bad_backend_before_loading(tmp_path):
+    result = invoke(["generate", tmp_path / "no-model", "--prompt", "a cat", "--backend", "gpu"])
+    assert_clean_failure(result, "--backend 'gpu'", "auto, triton, cuda, torch")
+    assert "loading" not in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_generate_refuses_the_cuda_kernels_without_a_gpu(tmp_path):
     result = invoke(["generate", tmp_path / "no-model", "--prompt", "a cat", "--backend", "cuda"])
-    assert_clean_failure(result, "--backend 'cuda'", "auto, triton, torch")
+    assert_clean_failure(result, "--backend cuda", "H100/H200")
     assert "loading" not in result.output
 
 
@@ -162,9 +170,13 @@ def test_demo_rejects_a_read_only_folder(tmp_path):
 
 
 def test_demo_rejects_a_bad_backend_before_loading(tmp_path):
-    result = invoke(["demo", "--out-dir", tmp_path / "d", "--backend", "cuda"])
-    assert_clean_failure(result, "--backend 'cuda'")
+    result = invoke(["demo", "--out-dir", tmp_path / "d", "--backend", "gpu"])
+    assert_clean_failure(result, "--backend 'gpu'")
     assert not (tmp_path / "d").exists()
+    if not torch.cuda.is_available():  # a valid backend that needs a GPU: refused before anything is made
+        result = invoke(["demo", "--out-dir", tmp_path / "d", "--backend", "cuda"])
+        assert_clean_failure(result, "--backend cuda", "H100/H200")
+        assert not (tmp_path / "d").exists()
 
 
 # -- paro calibrate: a pipeline folder is expected ---------------------------------------------
@@ -348,7 +360,7 @@ no_cuda = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ch
     (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
     (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
     (["--device", "cuda:x"], ["--device 'cuda:x'", "cuda, cuda:N or cpu"]),
-    (["--backend", "cuda"], ["--backend 'cuda'", "auto, triton, torch"]),
+    (["--backend", "gpu"], ["--backend 'gpu'", "auto, triton, cuda, torch"]),
 ])
 def test_demo_rejects_bad_options_before_loading(tmp_path, monkeypatch, args, fragments):
     no_model_loads(monkeypatch)

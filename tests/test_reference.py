@@ -212,7 +212,8 @@ def test_bad_inputs_raise_clear_errors():
     ({"layout": (3, 2, 4, 4)}, ["paroattn.TokenLayout", "tuple"]),
     ({"block_size": 0}, ["positive int"]),
     ({"block_size": (64,)}, ["pair (bq, bk)"]),
-    ({"backend": "cuda"}, ["backend='cuda'", "auto"]),
+    ({"backend": "gpu"}, ["backend='gpu'", "auto"]),
+    ({"backend": "cuda"}, ["Use backend='torch'"]),  # the CUDA kernels on CPU float32 tensors: refused, not run
 ])
 def test_bad_argument_types_raise_what_to_pass(change, fragments):
     """Arguments of the wrong type or range raise PAROInputError saying what to pass (never torch's TypeError or
