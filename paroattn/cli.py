@@ -154,8 +154,8 @@ def calibrate(
 
     Runs on one GPU (or, slowly, the CPU); the plan it writes also serves generations split over several GPUs
     (`paro generate --ulysses N`). What each option costs in quality: QUALITY.md."""
+    from .calibrate.config import CaptureConfig, ConfigError, SelectionConfig
     from .calibrate.driver import (
-        CalibrationConfig,
         calibrate_experts,
         default_prompts_file,
         describe_result,
@@ -213,16 +213,7 @@ def calibrate(
               f"e.g. {2 * block_size}")
     layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
-    if not 0.0 <= layer_floor <= 1.0:
-        _fail(f"--layer-floor {layer_floor}: expected a share of --density in [0, 1] (0, the default, turns it off)")
-    if dilation < 0:
-        _fail(f"--dilation {dilation}: expected a number of blocks >= 0 (0, the default, turns it off)")
-    if not 0.0 <= dense_steps < 1.0:
-        _fail(f"--dense-steps {dense_steps}: expected a share of the denoising steps in [0, 1) (0, the default, "
-              "turns it off)")
-    if dense_steps >= density and density < 1.0:
-        _fail(f"--dense-steps {dense_steps} spends all of --density {density} (the mean density over steps) on the "
-              "dense steps: lower --dense-steps or raise --density")
+    # the mask options are checked by SelectionConfig below (a ConfigError names the flag)
     _check(seed_problem(seed) or device_problem(device) or dtype_problem(dtype))
     indexed = indexed_family(model_dir)  # video or image, where model_index.json tells
     if frames is not None and indexed is not None and not indexed.is_video:
@@ -230,14 +221,18 @@ def calibrate(
     if prompt_list is None and indexed is not None:
         prompt_list = _read_prompts(read_prompts, default_prompts_file(indexed.is_video), num_prompts)
     try:
-        config = CalibrationConfig(
-            density=density, qk=qk, pv=pv, block_size=block_size, query_block=query_block, steps=steps, height=height,
-            width=width, frames=frames, num_buckets=buckets, stat_every=stat_every, metric=metric, seed=seed,
-            quant_weight=quant_weight, bucket_edges=edges, figure_layers=layers_for_figures,
+        capture_config = CaptureConfig(
+            block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,
+            num_buckets=buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
+        )
+        selection = SelectionConfig(
+            density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, figure_layers=layers_for_figures,
             dense_layers=layers_to_keep_dense, layer_floor=layer_floor, dilation=dilation,
             dense_steps=dense_steps, shared_budget=shared_budget,
         )
-        config.validate()
+    except ConfigError as exc:  # the option's flag, its value and what was expected
+        flag = {"num_buckets": "--buckets", "qk/pv": "--qk/--pv"}.get(exc.option, "--" + exc.option.replace("_", "-"))
+        _fail(f"{flag} {exc.value}: {exc.reason}")
     except ValueError as exc:
         _fail(str(exc))
     try:
@@ -270,7 +265,7 @@ def calibrate(
     what = type(transformer).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
     typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
     try:
-        calibrations = calibrate_experts(pipe, prompt_list, config, progress=True, log=typer.echo)
+        calibrations = calibrate_experts(pipe, prompt_list, capture_config, selection, progress=True, log=typer.echo)
     except ValueError as exc:  # a budget the capture shows cannot be met (dense buckets holding more steps)
         _fail(str(exc))
     for (plan, result), (plan_path, stats_path) in zip(calibrations, save_expert_calibrations(calibrations, out)):

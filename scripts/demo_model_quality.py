@@ -12,7 +12,8 @@ seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
 VARIANTS, combined with '+': "more prompts+dense last"). Writes `quality.jsonl` (one row per line, as
 soon as it is measured), `quality.json` and `quality_table.md` into --out; with --ship, the demo's
-plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`).
+plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`,
+`demo.study_selection`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from paroattn.demo_model import demo
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
-# calibration variants: plan_from_stats arguments on top of the shipped calibration (demo.study_config);
+# calibration variants: SelectionConfig options on top of the shipped calibration (demo.study_selection);
 # "capture" picks the prompts the statistics come from
 VARIANTS = {
     "calibrated": {},
-    "identity": {"orders": "identity"},
+    "identity": {"order_set": "identity"},
     "paper metric": {"metric": "paper"},
     "mass metric": {"metric": "mass"},
     "global budget": {"layer_floor": 0.0},
@@ -151,9 +152,8 @@ def main(argv=None) -> int:
         if name not in captures:
             prompts = demo.CALIBRATION_PROMPTS + (demo.MORE_CALIBRATION_PROMPTS if name == "more" else [])
             config = demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
-                                       query_block=args.query_block)
-            captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]},
-                                     extras=True)
+                                       query_block=args.query_block, extras=True)
+            captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]})
             say(f"capture {name!r}: {len(prompts)} prompts x {args.calibration_steps} steps in "
                 f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
         return captures[name]
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             raise SystemExit("--ship writes the demo's plans: the shipped model at its size, 64-token blocks; "
                              "drop --model-dir, the size and the block options")
         for density in (float(d) for d in args.ship_densities.split(",")):
-            plan, result = plan_from_stats(stats_for("two"), density)
+            plan, result = plan_from_stats(stats_for("two"), demo.study_selection(density))
             path = args.ship / demo.shipped_plan_path(density).name
             save_calibration(plan, result, path)
             plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         stats = stats_for(kwargs.pop("capture", "two"))
         qk, pv = demo.QUANT_MODES[QUANTS[quant]]
         try:
-            plan, result = plan_from_stats(stats, density, qk=qk, pv=pv, **kwargs)
+            plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
         except ValueError as exc:
             say(f"d={density} {quant} {variant}: not built ({exc})")
             continue
@@ -227,7 +227,8 @@ def main(argv=None) -> int:
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
-        "calibration": {k: v for k, v in vars(demo.study_config(args.calibration_steps)).items()
+        "calibration": {k: v for k, v in {**vars(demo.study_config(args.calibration_steps)),
+                                          **vars(demo.study_selection(0.5))}.items()
                         if k in ("metric", "layer_floor", "dilation", "dense_layers", "block_size", "dense_steps",
                                  "shared_budget")},
         "rows": rows,

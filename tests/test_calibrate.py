@@ -1,6 +1,8 @@
 """Calibration: block statistics (Triton vs torch vs naive), order selection on planted locality,
 mask density, and calibrate -> save -> load -> apply -> generate on tiny pipelines."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -152,6 +154,69 @@ def test_planted_locality_with_the_triton_kernel():
     assert [innermost_axis(int(o)) for o in result.orders[0]] == axes
 
 
+# heads local along one axis with some locality along the next (`planted_qk(secondary=)`): the order that keeps a
+# query's keys nearest is the third axis outermost, the next one in the middle, the local axis innermost
+PLANTED_ORDER = {0: "WHF", 1: "FWH", 2: "HFW"}
+PLANTED_LAYERS = [[0, 1, 2, 2], [2, 0, 1, 0]]  # [layer][head] -> local axis
+
+
+def _planted_stats():
+    """CapturedStats of a 2-layer, 4-head model whose heads carry `PLANTED_LAYERS`'s locality, in 2 buckets."""
+    from paroattn.calibrate.config import CaptureConfig
+    from paroattn.calibrate.driver import CapturedStats
+
+    layout = TokenLayout(0, 6, 8, 8)
+    orders = list(layout.distinct_orders())
+    acc = StatsAccumulator(len(PLANTED_LAYERS), 2, orders, layout.seq_len, 16)
+    g = torch.Generator().manual_seed(0)
+    for bucket in range(2):
+        for layer, axes in enumerate(PLANTED_LAYERS):
+            q, k = planted_qk(layout, axes, secondary=[0.8] * len(axes), generator=g)
+            acc.add(layer, bucket, *block_stats(q, k, layout, orders, 16, backend="torch"), batch=1)
+        acc.step_done(bucket)
+    return CapturedStats(config=CaptureConfig(block_size=16, num_buckets=2), layout=layout, prompts=["planted"],
+                         model_class="Planted", model_fingerprint="", accumulators={"all": acc}, timings={})
+
+
+def _assert_planted_orders(plan) -> None:
+    from paroattn import ORDERS
+
+    chosen = [[ORDERS[int(o)] for o in layer] for layer in plan.orders]
+    assert chosen == [[PLANTED_ORDER[a] for a in axes] for axes in PLANTED_LAYERS], chosen
+
+
+def test_calibration_picks_the_planted_order_of_every_layer_and_head():
+    """Each head's whole order (not just its range) is the one its planted locality calls for, in every layer."""
+    from paroattn.calibrate.config import SelectionConfig
+    from paroattn.calibrate.driver import plan_from_stats
+
+    plan, result = plan_from_stats(_planted_stats(), SelectionConfig(density=0.2), compute_device="cpu")
+    _assert_planted_orders(plan)
+    assert float(result.kept_mass.mean()) >= 0.95
+
+
+def _rolled_orders(scores):  # each candidate's score read one slot over: orders mislabelled by axis
+    return scores.roll(1, dims=-1)
+
+
+@pytest.mark.parametrize("mutation", [
+    lambda scores: -scores,  # the worst order instead of the best
+    _rolled_orders,
+    lambda scores: scores.flip(-2),  # heads reversed
+])
+def test_a_wrong_order_choice_fails_the_planted_check(monkeypatch, mutation):
+    """The planted check above catches a selection that reads the wrong axis, head or sign of the score."""
+    import paroattn.calibrate.accumulate as accumulate
+    from paroattn.calibrate.config import SelectionConfig
+    from paroattn.calibrate.driver import plan_from_stats
+
+    original = accumulate.order_scores
+    monkeypatch.setattr(accumulate, "order_scores", lambda *a, **kw: mutation(original(*a, **kw)))
+    plan, _ = plan_from_stats(_planted_stats(), SelectionConfig(density=0.2), compute_device="cpu")
+    with pytest.raises(AssertionError):
+        _assert_planted_orders(plan)
+
+
 @pytest.mark.parametrize("density", [0.1, 0.2, 0.3, 0.5])
 @pytest.mark.parametrize("prefix,nb", [(0, 40), (40, 64), (20, 61)])
 def test_masks_hit_the_target_density_with_one_global_budget(density, prefix, nb):
@@ -262,7 +327,7 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     from paroattn import apply
-    from paroattn.calibrate import CalibrationConfig, calibrate
+    from paroattn.calibrate import CaptureConfig, SelectionConfig, calibrate
     from paroattn.calibrate.driver import save_calibration
     from paroattn.calibrate.figures import draw_plan_heads
     from paroattn.pipelines import self_attention_layers
@@ -274,9 +339,9 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     kwargs.pop("output_type")
     size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames", None)}
     # Wan's plan uses query blocks twice the key blocks (the fast D=128 tiles), the others square ones
-    config = CalibrationConfig(density=0.5, block_size=16, query_block=32 if family == "wan" else None, steps=steps,
-                               num_buckets=2, stat_every=1, pipeline_kwargs=kwargs, **size)
-    plan, result = calibrate(pipe, ["a red fox in the snow", "a city at night"], config)
+    config = CaptureConfig(block_size=16, query_block=32 if family == "wan" else None, steps=steps,
+                           num_buckets=2, stat_every=1, pipeline_kwargs=kwargs, **size)
+    plan, result = calibrate(pipe, ["a red fox in the snow", "a city at night"], config, SelectionConfig(density=0.5))
     plan_path, stats_path = save_calibration(plan, result, tmp_path / "plan.safetensors")
     loaded = Plan.load(plan_path)
     assert loaded.model_class == type(pipe.transformer).__name__
@@ -303,7 +368,8 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
     """`calibrate` = `capture` + `plan_from_stats`; one capture (every prompt in one batch here) gives
     plans for other densities, quantizations and order sets without running the pipeline again."""
     from paroattn import ORDERS
-    from paroattn.calibrate.driver import CalibrationConfig, calibrate, capture, plan_from_stats
+    from paroattn.calibrate.config import CaptureConfig, SelectionConfig
+    from paroattn.calibrate.driver import calibrate, capture, plan_from_stats
     from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
@@ -311,33 +377,32 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
     steps = kwargs.pop("num_inference_steps")
     kwargs.pop("output_type")
     size = {"height": kwargs.pop("height"), "width": kwargs.pop("width"), "frames": kwargs.pop("num_frames")}
-    config = CalibrationConfig(density=0.5, block_size=16, steps=steps, num_buckets=2, stat_every=1, batch_prompts=True,
-                               pipeline_kwargs=kwargs, **size)
+    config = CaptureConfig(block_size=16, steps=steps, num_buckets=2, stat_every=1, batch_prompts=True,
+                           pipeline_kwargs=kwargs, **size)
     prompts = ["a red fox in the snow", "a city at night"]
-    stats = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]}, extras=True)
+    stats = capture(pipe, prompts, replace(config, extras=True), order_sets={"identity": [ORDERS.index("FHW")]})
     assert sorted(stats.accumulators) == ["all", "identity"] and stats.prompts == prompts
     assert stats.accumulators["all"].steps_per_bucket == stats.accumulators["identity"].steps_per_bucket
     assert sum(stats.accumulators["all"].steps_per_bucket) == steps  # one batched call: each step once
 
-    plan, result = plan_from_stats(stats)
-    again, _ = calibrate(pipe, prompts, config)
+    half = SelectionConfig(density=0.5)
+    plan, result = plan_from_stats(stats, half)
+    again, _ = calibrate(pipe, prompts, config, half)
     assert torch.equal(plan.orders, again.orders) and torch.equal(plan.block_mask, again.block_mask)
     assert plan.info["calibration"]["batch_prompts"] is True and plan.prompts == prompts
 
-    sparse, _ = plan_from_stats(stats, 0.25, qk="int8", pv="fp8", metric="paper")
+    sparse, _ = plan_from_stats(stats, SelectionConfig(density=0.25, qk="int8", pv="fp8", metric="paper"))
     assert (sparse.qk, sparse.pv) == ("int8", "fp8") and sparse.achieved_density() < plan.achieved_density()
-    identity, identity_result = plan_from_stats(stats, orders="identity")
+    identity, identity_result = plan_from_stats(stats, replace(half, order_set="identity"))
     assert bool((identity.orders == ORDERS.index("FHW")).all()) and identity_result.candidate_orders == [0]
     assert identity.info["calibration"]["order_set"] == "identity"
     assert result.candidate_orders == list(stats.layout.distinct_orders())
 
     with pytest.raises(ValueError, match="no statistics for the order set 'W'"):
-        plan_from_stats(stats, orders="W")
-    with pytest.raises(ValueError, match="qk='int3'"):
-        plan_from_stats(stats, qk="int3")
+        plan_from_stats(stats, replace(half, order_set="W"))
     mass_only = capture(pipe, prompts[:1], config)  # extras follow the config: mass only
-    with pytest.raises(ValueError, match="capture with extras=True"):
-        plan_from_stats(mass_only, metric="paper")
+    with pytest.raises(ValueError, match=r"capture with CaptureConfig\(extras=True\)"):
+        plan_from_stats(mass_only, SelectionConfig(metric="paper"))
 
 
 def test_cli_calibrate_then_inspect_png(tmp_path):
@@ -382,8 +447,46 @@ def test_figures_without_stats_draw_the_masks_and_say_why(tmp_path):
 
 
 def test_calibration_refuses_bucket_edges_off_the_timestep_scale_before_running():
-    from paroattn.calibrate.driver import CalibrationConfig
+    from paroattn.calibrate.config import CaptureConfig
 
     with pytest.raises(ValueError, match="from 1000 down to 0"):
-        CalibrationConfig(bucket_edges=[1.0, 0.5, 0.0]).validate()
-    CalibrationConfig(bucket_edges=[1000.0, 800.0, 500.0, 0.0]).validate()
+        CaptureConfig(bucket_edges=[1.0, 0.5, 0.0])
+    assert CaptureConfig(bucket_edges=[1000.0, 800.0, 500.0, 0.0]).edges() == [1000.0, 800.0, 500.0, 0.0]
+
+
+@pytest.mark.parametrize("stage, options, option, expected", [
+    ("capture", {"block_size": 48}, "block_size", "power of two >= 16"),
+    ("capture", {"query_block": 96}, "query_block", "power-of-two multiple of the block size 64"),
+    ("capture", {"steps": 0}, "steps", ">= 1"),
+    ("capture", {"stat_every": 0}, "stat_every", ">= 1"),
+    ("capture", {"num_buckets": 0}, "num_buckets", ">= 1"),
+    ("capture", {"backend": "cuda"}, "backend", "'auto', 'triton' or 'torch'"),
+    ("capture", {"height": 0}, "height", "positive size"),
+    ("selection", {"density": 0.0}, "density", "(0, 1]"),
+    ("selection", {"density": 1.5}, "density", "(0, 1]"),
+    ("selection", {"qk": "int3"}, "qk/pv", "qk='int3'"),
+    ("selection", {"metric": "entropy"}, "metric", "mass, paper"),
+    ("selection", {"quant_weight": -1.0}, "quant_weight", ">= 0"),
+    ("selection", {"layer_floor": 1.5}, "layer_floor", "[0, 1]"),
+    ("selection", {"dilation": -1}, "dilation", ">= 0"),
+    ("selection", {"dense_steps": 1.0}, "dense_steps", "[0, 1)"),
+    ("selection", {"density": 0.3, "dense_steps": 0.3}, "dense_steps", "spends all of the density 0.3"),
+])
+def test_each_stage_config_checks_its_options_when_made(stage, options, option, expected):
+    """Options are checked once, in the constructor of their stage's config, and `replace` checks again."""
+    from paroattn.calibrate.config import CaptureConfig, ConfigError, SelectionConfig
+
+    cls = CaptureConfig if stage == "capture" else SelectionConfig
+    with pytest.raises(ConfigError) as error:
+        cls(**options)
+    assert error.value.option == option and expected in str(error.value), str(error.value)
+    with pytest.raises(ConfigError):
+        replace(cls(), **options)
+
+
+def test_plan_from_stats_takes_a_selection_config_only():
+    from paroattn.calibrate.config import CaptureConfig
+    from paroattn.calibrate.driver import plan_from_stats
+
+    with pytest.raises(TypeError, match="takes a SelectionConfig, got CaptureConfig"):
+        plan_from_stats(None, CaptureConfig())

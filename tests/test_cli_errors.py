@@ -268,7 +268,10 @@ def test_bench_help_lists_the_benchmarks_options():
     ("--dilation", "-1", ["--dilation -1", ">= 0"]),
     ("--dense-steps", "1", ["--dense-steps 1.0", "[0, 1)"]),
     ("--dense-steps", "-0.2", ["--dense-steps -0.2", "[0, 1)"]),
-    ("--dense-steps", "0.3", ["--dense-steps 0.3 spends all of --density 0.3", "lower --dense-steps"]),
+    ("--dense-steps", "0.3", ["--dense-steps 0.3: spends all of the density 0.3", "lower the dense steps"]),
+    ("--query-block", "96", ["--query-block 96", "power-of-two multiple of the block size 64"]),
+    ("--buckets", "0", ["--buckets 0", ">= 1"]),
+    ("--qk", "int3", ["--qk/--pv int3/bf16"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
     import paroattn.pipelines.generate as generate
@@ -300,8 +303,8 @@ def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
     saved_tiny_flux(tmp_path)
     seen = {}
 
-    def fake_calibrate(pipe, prompts, config, **kwargs):
-        seen["config"] = config
+    def fake_calibrate(pipe, prompts, capture_config, selection, **kwargs):
+        seen["config"], seen["capture"] = selection, capture_config
         return []
 
     monkeypatch.setattr(driver, "calibrate_experts", fake_calibrate)
@@ -310,11 +313,11 @@ def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
                      "--shared-budget"])
     assert result.exit_code == 0, result.output
     config = seen["config"]
-    assert (config.dense_layers, config.layer_floor, config.dilation) == ([0, -1], 0.25, 1)
+    assert (config.dense_layers, config.layer_floor, config.dilation) == ((0, -1), 0.25, 1)
     assert (config.dense_steps, config.shared_budget) == (0.2, True)
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors"])
     assert result.exit_code == 0, result.output
-    assert (seen["config"].dense_layers, seen["config"].layer_floor, seen["config"].dilation) == ([], 0.0, 0)
+    assert (seen["config"].dense_layers, seen["config"].layer_floor, seen["config"].dilation) == ((), 0.0, 0)
     assert (seen["config"].dense_steps, seen["config"].shared_budget) == (0.0, False)
 
 

@@ -99,7 +99,7 @@ def test_paro_runs_through_the_wan_processors_of_the_demo_model(demo_pipe):
 
 
 def test_shipped_plans_fit_the_shipped_model(demo_pipe):
-    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path, study_config
+    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path, study_selection
 
     transformer = demo_pipe.transformer
     for density in SHIPPED_DENSITIES:
@@ -110,8 +110,8 @@ def test_shipped_plans_fit_the_shipped_model(demo_pipe):
         assert shipped_plan_path(density).with_name(plan.info["stats_file"]["name"]).is_file()
         # made with the demo's calibration (scripts/demo_model_quality.py --ship)
         calibration = plan.info["calibration"]
-        assert (calibration["shared_budget"], calibration["dense_steps"]) == (study_config().shared_budget,
-                                                                             study_config().dense_steps)
+        study = study_selection(density)
+        assert (calibration["shared_budget"], calibration["dense_steps"]) == (study.shared_budget, study.dense_steps)
 
 
 def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(demo_pipe):

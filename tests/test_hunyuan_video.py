@@ -176,17 +176,18 @@ def test_capture_statistics_leave_out_padded_text_keys(model):
 
 
 def test_calibration_gives_padded_text_keys_no_mass():
-    from paroattn.calibrate.driver import CalibrationConfig, capture
+    from paroattn.calibrate.config import CaptureConfig
+    from paroattn.calibrate.driver import capture
 
     pipe = tiny_pipeline("hunyuan_video")
     pipe.set_progress_bar_config(disable=True)
     kwargs = tiny_call_kwargs("hunyuan_video")
     extra = {key: kwargs[key] for key in ("max_sequence_length", "guidance_scale", "prompt_template")}
-    config = CalibrationConfig(density=0.5, block_size=TINY_BLOCK, steps=1, height=64, width=64, frames=9,
-                               num_buckets=1, bucket_edges=[1000.0, 0.0], stat_every=1, pipeline_kwargs=extra)
+    config = CaptureConfig(block_size=TINY_BLOCK, steps=1, height=64, width=64, frames=9, num_buckets=1,
+                           bucket_edges=[1000.0, 0.0], stat_every=1, pipeline_kwargs=extra, extras=True)
     # the tiny pipeline pads this prompt's text to 21 tokens, 14 of them real: tokens 62..68 are padding,
     # and key block 4 (tokens 64..68) holds nothing else
-    stats = capture(pipe, ["a red fox in the snow"], config, extras=True)
+    stats = capture(pipe, ["a red fox in the snow"], config)
     assert stats.layout == PIPELINE_LAYOUT
     acc = stats.accumulators["all"]
     acc.flush()
@@ -198,7 +199,8 @@ def test_calibration_gives_padded_text_keys_no_mass():
 
 
 def test_pipeline_dense_plan_equals_default_and_calibration_runs(tmp_path):
-    from paroattn.calibrate.driver import CalibrationConfig, calibrate, save_calibration
+    from paroattn.calibrate.config import CaptureConfig, SelectionConfig
+    from paroattn.calibrate.driver import calibrate, save_calibration
 
     pipe = tiny_pipeline("hunyuan_video")
     pipe.set_progress_bar_config(disable=True)
@@ -212,9 +214,9 @@ def test_pipeline_dense_plan_equals_default_and_calibration_runs(tmp_path):
     with apply(pipe, make_plan(pipe.transformer, PIPELINE_LAYOUT, orders="random"), backend="torch"):
         torch.testing.assert_close(generate(), reference, rtol=1e-5, atol=1e-5)
     extra = {key: kwargs[key] for key in ("max_sequence_length", "guidance_scale", "prompt_template")}
-    config = CalibrationConfig(density=0.5, block_size=TINY_BLOCK, steps=3, height=64, width=64, frames=9,
-                               num_buckets=2, stat_every=1, pipeline_kwargs=extra)
-    plan, result = calibrate(pipe, ["a red fox in the snow"], config)
+    config = CaptureConfig(block_size=TINY_BLOCK, steps=3, height=64, width=64, frames=9, num_buckets=2,
+                           stat_every=1, pipeline_kwargs=extra)
+    plan, result = calibrate(pipe, ["a red fox in the snow"], config, SelectionConfig(density=0.5))
     assert plan.layout == PIPELINE_LAYOUT and plan.expert == "transformer"
     # the text blocks (tokens 48..68: key and query blocks 3 and 4) stay on in every mask
     assert plan.block_mask[..., 3:, :].all() and plan.block_mask[..., :, 3:].all()

@@ -83,7 +83,8 @@ def test_dilate_is_a_max_filter_over_the_block_grid():
 
 
 def test_plan_from_stats_and_the_config_pass_the_budget_options_on():
-    from paroattn.calibrate.driver import CalibrationConfig, capture, plan_from_stats
+    from paroattn.calibrate.config import CaptureConfig, SelectionConfig
+    from paroattn.calibrate.driver import capture, plan_from_stats
     from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
@@ -92,21 +93,19 @@ def test_plan_from_stats_and_the_config_pass_the_budget_options_on():
     base = {"steps": kwargs.pop("num_inference_steps"), "height": kwargs.pop("height"), "width": kwargs.pop("width"),
             "frames": kwargs.pop("num_frames"), "block_size": 16, "num_buckets": 2, "stat_every": 1,
             "pipeline_kwargs": kwargs}
-    stats = capture(pipe, ["a dog"], CalibrationConfig(**base))
+    stats = capture(pipe, ["a dog"], CaptureConfig(**base))
     L = stats.accumulators["all"].num_layers
-    plan, result = plan_from_stats(stats, 0.8, dense_layers=[-1])
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.8, dense_layers=[-1]))
     assert result.dense_layers == [L - 1] and plan.info["calibration"]["dense_layers"] == [L - 1]
     assert bool(plan.dense[:, L - 1].all()) and not bool(plan.dense[:, : L - 1].any())
     assert bool(plan.block_mask[:, L - 1].all())
-    config = CalibrationConfig(**base, dense_layers=[0], layer_floor=1.0, dilation=1)
-    stats = capture(pipe, ["a dog"], config)
-    plan, result = plan_from_stats(stats, 0.8)
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.8, dense_layers=[0], layer_floor=1.0, dilation=1))
     assert result.dense_layers == [0] and bool(plan.dense[:, 0].all())
     assert plan.info["calibration"]["layer_floor"] == 1.0 and plan.info["calibration"]["dilation"] == 1
-    plan, result = plan_from_stats(stats, 0.8, dense_layers=[], layer_floor=0.0, dilation=0)
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.8))
     assert result.dense_layers == [] and not bool(plan.dense.any())
-    with pytest.raises(ValueError, match="layer_floor must be in"):
-        CalibrationConfig(layer_floor=2.0).validate()
+    with pytest.raises(ValueError, match=r"layer_floor 2.0: expected a share of the density in \[0, 1\]"):
+        SelectionConfig(layer_floor=2.0)
 
 
 # -- the budget between timestep buckets: dense leading steps, one budget over all buckets -----------------
@@ -150,7 +149,7 @@ def test_dense_steps_keep_the_leading_buckets_dense_and_the_step_weighted_mean_o
 
 
 def test_dense_steps_that_spend_the_budget_are_refused():
-    from paroattn.calibrate.driver import CalibrationConfig
+    from paroattn.calibrate.config import SelectionConfig
     from paroattn.calibrate.selection import bucket_densities, leading_buckets
 
     acc = bucket_accumulator()
@@ -161,10 +160,10 @@ def test_dense_steps_that_spend_the_budget_are_refused():
         acc.finalize(0.5, 0, compute_device="cpu", bucket_steps=[4, 2, 14], dense_steps=0.45)
     with pytest.raises(ValueError, match=r"dense_steps must be a share of the denoising steps in \[0, 1\)"):
         leading_buckets([0.5, 0.5], 1.0)
-    with pytest.raises(ValueError, match="dense_steps 0.3 spends all of density 0.3"):
-        CalibrationConfig(density=0.3, dense_steps=0.3).validate()
-    with pytest.raises(ValueError, match=r"dense_steps must be a share"):
-        CalibrationConfig(dense_steps=-0.1).validate()
+    with pytest.raises(ValueError, match="dense_steps 0.3: spends all of the density 0.3"):
+        SelectionConfig(density=0.3, dense_steps=0.3)
+    with pytest.raises(ValueError, match=r"dense_steps -0.1: expected a share"):
+        SelectionConfig(dense_steps=-0.1)
     assert bucket_densities(1.0, [0.5, 0.5], [0]) == [1.0, 1.0]  # at density 1 nothing is refused
 
 
@@ -190,7 +189,8 @@ def test_shared_budget_uses_one_mass_threshold_over_the_buckets_at_the_step_weig
 
 
 def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_buckets(tmp_path):
-    from paroattn.calibrate.driver import CalibrationConfig, capture, plan_from_stats
+    from paroattn.calibrate.config import CaptureConfig, SelectionConfig
+    from paroattn.calibrate.driver import capture, plan_from_stats
     from paroattn.plan import Plan, bucket_index
     from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
@@ -198,9 +198,9 @@ def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_bucke
     kwargs = tiny_call_kwargs("wan")
     kwargs.pop("output_type"), kwargs.pop("num_inference_steps")
     edges = [1000.0, 850.0, 0.0]
-    config = CalibrationConfig(steps=6, height=kwargs.pop("height"), width=kwargs.pop("width"),
-                               frames=kwargs.pop("num_frames"), block_size=16, bucket_edges=edges, stat_every=2,
-                               pipeline_kwargs=kwargs)
+    config = CaptureConfig(steps=6, height=kwargs.pop("height"), width=kwargs.pop("width"),
+                           frames=kwargs.pop("num_frames"), block_size=16, bucket_edges=edges, stat_every=2,
+                           pipeline_kwargs=kwargs)
     stats = capture(pipe, ["a dog", "a cat"], config)
     pipe.scheduler.set_timesteps(6)
     expected = [0, 0]
@@ -209,7 +209,7 @@ def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_bucke
     assert stats.bucket_steps == expected and 0 < expected[0] < expected[1], expected
     assert stats.accumulators["all"].steps_per_bucket != expected  # only every 2nd step was captured
     share = expected[0] / sum(expected)
-    plan, result = plan_from_stats(stats, 0.9, dense_steps=share)
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.9, dense_steps=share))
     assert result.dense_buckets == [0] and bool(plan.dense[0].all()) and not bool(plan.dense[1].any())
     assert bool(plan.block_mask[0].all()) and not bool(plan.block_mask[1].all())
     assert plan.info["dense_buckets"] == [0] and plan.info["calibration"]["dense_steps"] == share
@@ -218,5 +218,5 @@ def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_bucke
     plan.save(tmp_path / "plan.safetensors")
     loaded = Plan.load(tmp_path / "plan.safetensors")
     assert torch.equal(loaded.dense, plan.dense) and loaded.info["dense_buckets"] == [0]
-    plan, result = plan_from_stats(stats, 0.9, shared_budget=True)
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.9, shared_budget=True))
     assert result.dense_buckets == [] and plan.info["calibration"]["shared_budget"] is True

@@ -20,8 +20,8 @@ import torch
 from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
+from paroattn.calibrate.config import CaptureConfig, SelectionConfig
 from paroattn.calibrate.driver import (
-    CalibrationConfig,
     calibrate_experts,
     capture,
     save_expert_calibrations,
@@ -222,13 +222,16 @@ def test_a_bare_ti2v_transformer_is_sized_by_the_vae_released_with_its_config():
 # -- calibration of both experts in one run -------------------------------------------------------------
 
 
-def calibration_config(family: str, **changes) -> CalibrationConfig:
+HALF = SelectionConfig(density=0.5)
+
+
+def calibration_config(family: str, **changes) -> CaptureConfig:
     kwargs = tiny_call_kwargs(family)
     extra = {"max_sequence_length": kwargs["max_sequence_length"], "guidance_scale": kwargs["guidance_scale"]}
-    return CalibrationConfig(**{"density": 0.5, "block_size": TINY_BLOCK, "steps": STEPS, "height": kwargs["height"],
-                                "width": kwargs["width"], "frames": kwargs["num_frames"],
-                                "bucket_edges": [1000.0, 900.0, 500.0, 0.0], "stat_every": 1,
-                                "pipeline_kwargs": extra, **changes})
+    return CaptureConfig(**{"block_size": TINY_BLOCK, "steps": STEPS, "height": kwargs["height"],
+                            "width": kwargs["width"], "frames": kwargs["num_frames"],
+                            "bucket_edges": [1000.0, 900.0, 500.0, 0.0], "stat_every": 1,
+                            "pipeline_kwargs": extra, **changes})
 
 
 def test_calibration_captures_both_experts_in_one_run_and_writes_a_plan_each(pair, tmp_path):
@@ -243,7 +246,7 @@ def test_calibration_captures_both_experts_in_one_run_and_writes_a_plan_each(pai
 
     try:
         type(pipe).__call__ = counted
-        calibrations = calibrate_experts(pipe, ["a red fox in the snow"], calibration_config("wan2.2"))
+        calibrations = calibrate_experts(pipe, ["a red fox in the snow"], calibration_config("wan2.2"), HALF)
     finally:
         type(pipe).__call__ = original
     assert len(runs) == 1  # one pipeline run for both experts
@@ -278,12 +281,12 @@ def test_single_expert_capture_refuses_a_pair_and_names_an_expert_that_never_ran
     with pytest.raises(ValueError, match="capture_experts"):
         capture(pipe, ["a cat"], calibration_config("wan2.2"))
     with pytest.raises(RuntimeError, match=r"expert transformer_2 \(low-noise steps, t < 700\) ran in no captured step"):
-        calibrate_experts(pipe, ["a cat"], calibration_config("wan2.2", steps=1))
+        calibrate_experts(pipe, ["a cat"], calibration_config("wan2.2", steps=1), HALF)
 
 
 def test_ti2v_calibration_plan_names_its_expert_and_sizes(ti2v):
     pipe, _ = ti2v
-    [(plan, result)] = calibrate_experts(pipe, ["a red fox"], calibration_config("wan2.2-ti2v", steps=2))
+    [(plan, result)] = calibrate_experts(pipe, ["a red fox"], calibration_config("wan2.2-ti2v", steps=2), HALF)
     assert plan.expert == "transformer" and plan.layout == TI2V_LAYOUT and plan.num_heads == WAN22_TI2V_HEADS
 
 

@@ -1,12 +1,13 @@
 """Calibration: choose each head's token order and the static block masks from a few prompts.
 
-    from paroattn.calibrate import CalibrationConfig, calibrate
-    plan, result = calibrate(pipe, ["a prompt", "another"], CalibrationConfig(density=0.3))
+    from paroattn.calibrate import CaptureConfig, SelectionConfig, calibrate
+    plan, result = calibrate(pipe, ["a prompt", "another"], CaptureConfig(steps=50), SelectionConfig(density=0.3))
     plan.save("plan.safetensors")
     # a pipeline with an expert pair (Wan 2.2 A14B): one plan per expert from the same runs
-    pairs = calibrate_experts(pipe, prompts, config)
+    pairs = calibrate_experts(pipe, prompts, CaptureConfig(), SelectionConfig(density=0.3))
 
-Stages (one module each): capture (`driver.py`, through `paroattn.pipelines.capture_attention`),
+Options, one record per stage, each checked when made (`config.py`). Stages (one module each): capture
+(`driver.py`, through `paroattn.pipelines.capture_attention`),
 block statistics of softmax(QK^T) for every candidate order (`block_stats.py`, Triton, with the
 torch reference in `block_stats_reference.py`), averaging over prompts and steps per timestep bucket
 (`accumulate.py`), order metrics and masks under one global budget (`selection.py`), figures
@@ -15,12 +16,15 @@ torch reference in `block_stats_reference.py`), averaging over prompts and steps
 
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
+from .config import CaptureConfig, ConfigError, SelectionConfig
 from .selection import METRICS, build_masks, order_scores
 
 __all__ = [
     "METRICS",
-    "CalibrationConfig",
     "CalibrationResult",
+    "CaptureConfig",
+    "ConfigError",
+    "SelectionConfig",
     "StatsAccumulator",
     "block_stats",
     "build_masks",
@@ -32,7 +36,7 @@ __all__ = [
 
 def __getattr__(name):
     # the driver imports diffusers through paroattn.pipelines; load it only when asked for
-    if name in ("CalibrationConfig", "calibrate", "calibrate_experts", "save_calibration"):
+    if name in ("calibrate", "calibrate_experts", "save_calibration"):
         from . import driver
 
         return getattr(driver, name)

@@ -17,99 +17,18 @@ import inspect
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..layout import ORDERS, TokenLayout
-from ..modes import modes_problem
-from ..plan import Plan, bucket_edges_problem, bucket_index, default_bucket_edges, expert_plan_path, model_fingerprint
+from ..plan import Plan, bucket_index, expert_plan_path, model_fingerprint
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
-from .selection import METRICS
+from .config import CaptureConfig, SelectionConfig
 
 STATS_SUFFIX = ".stats.safetensors"
-
-
-@dataclass
-class CalibrationConfig:
-    density: float = 0.3  # target mean block density of the masks
-    qk: str = "bf16"  # quantization the plan asks for (recorded; also turns on the incoherence term)
-    pv: str = "bf16"
-    block_size: int = 64
-    # query block of the masks, a multiple of block_size (None: block_size). 128 with 64-key blocks
-    # runs the kernels' fastest D=128 tiles (BENCHMARKS.md); coarser masks, 1.0-2.4 dB
-    # at the same density on the small demo model (QUALITY.md), not measured on a real checkpoint
-    query_block: int | None = None
-    steps: int = 50  # denoising steps of each calibration run
-    height: int | None = None  # generation size; None: the pipeline's default
-    width: int | None = None
-    frames: int | None = None
-    num_buckets: int = 6  # default edges: timesteps above 500 in num_buckets-1 buckets, one for the rest
-    bucket_edges: list[float] | None = None  # descending timesteps on 0..1000; overrides num_buckets
-    # capture statistics at every k-th step (the pipeline still runs every step). 2 keeps a full-size
-    # CogVideoX-5B or Wan2.1-1.3B calibration (2 prompts x 50 steps) under 10 minutes on one H200
-    # (BENCHMARKS.md, Calibration); each bucket still sees 2-3 steps of every prompt
-    stat_every: int = 2
-    metric: str = "mass"
-    # weight of the incoherence term in the "mass" metric. 0 by default: on planted heads it made
-    # unquantized picks worse and quantized ones no better (BENCHMARKS.md, Calibration)
-    quant_weight: float = 0.0
-    alpha: float = 0.5  # the paper metric's weight of the sparse term
-    # mask budget options (selection.build_masks): layers run densely, paid for out of the same
-    # budget (negative indices count from the end); the share of `density` every other layer gets
-    # before the global competition; growth of the chosen blocks by this many blocks
-    dense_layers: list[int] = field(default_factory=list)
-    layer_floor: float = 0.0
-    dilation: int = 0
-    # budget between timestep buckets (`density` is the mean over denoising steps, each bucket counted by
-    # its steps): the fewest leading (noisiest) buckets holding this share of the steps keep every block and
-    # run densely, paid for by the other buckets; and one budget over all buckets instead of one per bucket
-    dense_steps: float = 0.0
-    shared_budget: bool = False
-    eps: float = 1e-3  # "small" threshold of P for the block-sparse score
-    seed: int = 0
-    backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
-    store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
-    figure_layers: list[int] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
-    # one pipeline call with every prompt as a batch (the demo model's quality study) instead of
-    # one call per prompt
-    batch_prompts: bool = False
-    # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU
-    # whatever its device, as the demo model does, needs "cpu")
-    generator_device: str | None = None
-    pipeline_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for every pipeline call
-
-    def validate(self) -> None:
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {self.density}")
-        if problem := modes_problem(self.qk, self.pv):
-            raise ValueError(problem)
-        if self.metric not in METRICS:
-            raise ValueError(f"metric={self.metric!r}; expected one of {METRICS}")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
-        if self.query_block is not None and (self.query_block < self.block_size or self.query_block % self.block_size
-                                             or self.query_block & (self.query_block - 1)):
-            raise ValueError(f"query_block must be a power-of-two multiple of block_size {self.block_size}, "
-                             f"got {self.query_block}")
-        if not 0.0 <= self.layer_floor <= 1.0 or self.dilation < 0:
-            raise ValueError(f"layer_floor must be in [0, 1] and dilation >= 0, got {self.layer_floor} and "
-                             f"{self.dilation}")
-        if not 0.0 <= self.dense_steps < 1.0:
-            raise ValueError(f"dense_steps must be a share of the denoising steps in [0, 1), got {self.dense_steps}")
-        if self.dense_steps >= self.density and self.density < 1.0:
-            raise ValueError(f"dense_steps {self.dense_steps} spends all of density {self.density} (the mean density "
-                             "over steps) on the dense steps: lower dense_steps or raise the density")
-        if self.steps < 1 or self.stat_every < 1:
-            raise ValueError(f"steps and stat_every must be >= 1, got {self.steps} and {self.stat_every}")
-        problem = bucket_edges_problem([float(e) for e in self.edges()])
-        if problem:
-            raise ValueError(problem)
-
-    def edges(self) -> list[float]:
-        return list(self.bucket_edges) if self.bucket_edges is not None else default_bucket_edges(self.num_buckets)
 
 
 class _Progress:
@@ -143,7 +62,7 @@ class _Progress:
             self.bar.update(getattr(self, task), **kwargs)
 
 
-def _call_kwargs(pipe, config: CalibrationConfig, prompt: str | list[str], on_step_end) -> dict:
+def _call_kwargs(pipe, config: CaptureConfig, prompt: str | list[str], on_step_end) -> dict:
     """Keyword arguments for `pipe(...)`, keeping only those its __call__ accepts."""
     accepted = inspect.signature(pipe.__call__).parameters
     device = config.generator_device
@@ -164,7 +83,7 @@ def _call_kwargs(pipe, config: CalibrationConfig, prompt: str | list[str], on_st
     return {k: v for k, v in wanted.items() if v is not None and k in accepted}
 
 
-def _store_device(config: CalibrationConfig, stats_device: torch.device, estimated_bytes: int) -> torch.device:
+def _store_device(config: CaptureConfig, stats_device: torch.device, estimated_bytes: int) -> torch.device:
     if config.store_device != "auto":
         return torch.device(config.store_device)
     if stats_device.type == "cuda":
@@ -183,13 +102,12 @@ class CapturedStats:
     the same statistics. `expert`: the pipeline component the transformer is ("transformer",
     "transformer_2" of an expert pair; "" for a bare transformer)."""
 
-    config: CalibrationConfig
+    config: CaptureConfig
     layout: TokenLayout
     prompts: list[str]
     model_class: str
     model_fingerprint: str
     accumulators: dict[str, StatsAccumulator]
-    extras: bool  # max and below-eps statistics captured too (paper metric, incoherence term)
     timings: dict
     expert: str = ""
     # denoising steps in each bucket (every step the expert ran, captured or not), summed over pipeline calls;
@@ -201,7 +119,7 @@ class _ExpertCapture:
     """The statistics of one transformer of the pipeline while it runs: its accumulators (made at its first
     captured call), the bucket of its current step and whether it ran in that step."""
 
-    def __init__(self, expert: str, transformer, layers: int, config: CalibrationConfig, edges: list[float],
+    def __init__(self, expert: str, transformer, layers: int, config: CaptureConfig, edges: list[float],
                  order_sets: dict[str, list[int]], extras: bool):
         self.expert, self.transformer, self.layers = expert, transformer, layers
         self.config, self.edges, self.order_sets, self.extras = config, edges, order_sets, extras
@@ -276,9 +194,8 @@ class _ExpertCapture:
         self.ran = False
 
 
-def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
-                    order_sets: dict[str, list[int]] | None = None, extras: bool | None = None,
-                    progress: bool = False) -> list[CapturedStats]:
+def capture_experts(pipe, prompts: list[str], config: CaptureConfig | None = None, *,
+                    order_sets: dict[str, list[int]] | None = None, progress: bool = False) -> list[CapturedStats]:
     """`capture` of every denoising transformer of the pipeline in the same runs: one `CapturedStats` per
     expert (`pipeline_experts` order), each with the statistics of the steps its expert ran (Wan 2.2 A14B:
     `transformer` at t >= boundary_ratio * 1000, `transformer_2` below). Buckets are the config's on both
@@ -286,8 +203,9 @@ def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None =
     from ..pipelines import capture_attention, pipeline_experts, self_attention_layers
     from ..pipelines.registry import expert_role
 
-    config = replace(config) if config is not None else CalibrationConfig()  # a copy: the stats keep its settings
-    config.validate()
+    config = config if config is not None else CaptureConfig()
+    if not isinstance(config, CaptureConfig):
+        raise TypeError(f"capture takes a CaptureConfig, got {type(config).__name__}")
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
     order_sets = {name: [int(o) for o in orders] for name, orders in (order_sets or {}).items()}
@@ -295,11 +213,9 @@ def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None =
         if name == "all" or not orders or any(not 0 <= o < len(ORDERS) for o in orders):
             raise ValueError(f"order set {name!r}: {orders}; expected a name other than 'all' and indices into "
                              f"ORDERS (0..{len(ORDERS) - 1})")
-    if extras is None:
-        extras = config.metric == "paper" or config.quant_weight > 0
     edges = config.edges()
     experts = [_ExpertCapture(name, transformer, len(self_attention_layers(transformer)), config, edges, order_sets,
-                              extras)
+                              config.extras)
                for name, transformer in pipeline_experts(pipe)]
     state = {"step": 0}
     timings = {"pipeline_s": 0.0}
@@ -342,83 +258,64 @@ def capture_experts(pipe, prompts: list[str], config: CalibrationConfig | None =
         accumulators = {"all": expert.acc, **{name: acc for name, (acc, _) in expert.subsets.items()}}
         results.append(CapturedStats(
             config=config, layout=expert.layout, prompts=list(prompts), model_class=type(expert.transformer).__name__,
-            model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators, extras=extras,
+            model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators,
             timings=expert_timings, expert=expert.expert, bucket_steps=list(expert.bucket_steps),
         ))
     return results
 
 
-def capture(pipe, prompts: list[str], config: CalibrationConfig | None = None, *,
-            order_sets: dict[str, list[int]] | None = None, extras: bool | None = None, progress: bool = False
-            ) -> CapturedStats:
+def capture(pipe, prompts: list[str], config: CaptureConfig | None = None, *,
+            order_sets: dict[str, list[int]] | None = None, progress: bool = False) -> CapturedStats:
     """Run `pipe` densely on `prompts` (one call per prompt, or one batched call with
     `config.batch_prompts`) and accumulate the block statistics of softmax(QK^T) of every
     self-attention layer at every `config.stat_every`-th step, for every candidate order and,
     separately, for each of `order_sets` (name -> indices into ORDERS).
 
-    `extras` (default: what `config.metric` and `config.quant_weight` need) also accumulates the
-    per-block maxima and counts below eps, so `plan_from_stats` can then use the paper metric or the
-    incoherence term. A pipeline with an expert pair needs `capture_experts`."""
+    `config.extras` also accumulates the per-block maxima and counts below eps, so `plan_from_stats` can
+    then use the paper metric or the incoherence term. A pipeline with an expert pair needs `capture_experts`."""
     from ..pipelines import pipeline_experts
 
     experts = [name for name, _ in pipeline_experts(pipe)]
     if len(experts) > 1:
         raise ValueError(f"{type(pipe).__name__} runs {len(experts)} transformers ({', '.join(experts)}): "
                          "capture them in one run with capture_experts (or calibrate_experts)")
-    return capture_experts(pipe, prompts, config, order_sets=order_sets, extras=extras, progress=progress)[0]
+    return capture_experts(pipe, prompts, config, order_sets=order_sets, progress=progress)[0]
 
 
-def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: str | None = None,
-                    pv: str | None = None, metric: str | None = None, quant_weight: float | None = None,
-                    alpha: float | None = None, orders: str = "all", compute_device: str | torch.device | None = None,
-                    dense_layers: list[int] | None = None, layer_floor: float | None = None,
-                    dilation: int | None = None, dense_steps: float | None = None, shared_budget: bool | None = None,
-                    log=None) -> tuple[Plan, CalibrationResult]:
+def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = None, *,
+                    compute_device: str | torch.device | None = None, log=None) -> tuple[Plan, CalibrationResult]:
     """(Plan, CalibrationResult) from captured statistics, without running the pipeline again: each
-    head's order chosen among the candidates of the accumulator `orders` ("all", or a name given to
-    `capture(order_sets=...)`), masks at `density`. Arguments left None take the capture config's.
+    head's order chosen among the candidates of the accumulator `selection.order_set` ("all", or a name
+    given to `capture(order_sets=...)`), masks at `selection.density` (default: `SelectionConfig()`).
     `dense_layers` are flagged dense in every bucket, their masks full (density 1), and the other layers
     share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone).
     `density` is the mean over denoising steps (`stats.bucket_steps` weigh the buckets); `dense_steps`: the
     leading buckets holding that share of the steps are flagged dense in every layer, their masks full, the
     other buckets sparser; `shared_budget`: one budget over all buckets. The plan records the buckets kept
     dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`)."""
+    selection = selection if selection is not None else SelectionConfig()
+    if not isinstance(selection, SelectionConfig):
+        raise TypeError(f"plan_from_stats takes a SelectionConfig, got {type(selection).__name__}")
     config = stats.config
-    density = config.density if density is None else density
-    qk, pv = config.qk if qk is None else qk, config.pv if pv is None else pv
-    metric = config.metric if metric is None else metric
-    quant_weight = config.quant_weight if quant_weight is None else quant_weight
-    alpha = config.alpha if alpha is None else alpha
-    dense_layers = list(config.dense_layers if dense_layers is None else dense_layers)
-    layer_floor = config.layer_floor if layer_floor is None else layer_floor
-    dilation = config.dilation if dilation is None else dilation
-    dense_steps = config.dense_steps if dense_steps is None else dense_steps
-    shared_budget = config.shared_budget if shared_budget is None else shared_budget
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if not 0.0 <= dense_steps < 1.0:
-        raise ValueError(f"dense_steps must be a share of the denoising steps in [0, 1), got {dense_steps}")
-    if problem := modes_problem(qk, pv):
-        raise ValueError(problem)
-    if metric not in METRICS:
-        raise ValueError(f"metric={metric!r}; expected one of {METRICS}")
-    if (metric == "paper" or quant_weight > 0) and not stats.extras:
-        raise ValueError(f"metric={metric!r} with quant_weight={quant_weight} needs the max and below-eps "
-                         "statistics: capture with extras=True")
+    if selection.needs_extras and not config.extras:
+        raise ValueError(f"metric={selection.metric!r} with quant_weight={selection.quant_weight} needs the max and "
+                         "below-eps statistics: capture with CaptureConfig(extras=True)")
+    orders = selection.order_set
     if orders not in stats.accumulators:
         raise ValueError(f"no statistics for the order set {orders!r}; captured: {sorted(stats.accumulators)}")
     acc, layout = stats.accumulators[orders], stats.layout
     L = acc.num_layers
     start = time.perf_counter()
-    figure_layers = config.figure_layers if config.figure_layers is not None else sorted({0, L // 2, L - 1})
+    figure_layers = list(selection.figure_layers) if selection.figure_layers is not None else sorted({0, L // 2, L - 1})
     # selection runs on the GPU even when the sums live in host memory (as timed in BENCHMARKS.md)
     if compute_device is None:
         compute_device = "cuda" if torch.cuda.is_available() else "cpu"
+    s = selection
     result = acc.finalize(
-        density, layout.prefix, metric=metric, quant_weight=quant_weight, alpha=alpha,
-        compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=layer_floor,
-        dilation=dilation, dense_layers=dense_layers, bucket_steps=stats.bucket_steps, dense_steps=dense_steps,
-        shared_budget=shared_budget,
+        s.density, layout.prefix, metric=s.metric, quant_weight=s.quant_weight, alpha=s.alpha,
+        compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=s.layer_floor,
+        dilation=s.dilation, dense_layers=s.dense_layers, bucket_steps=stats.bucket_steps, dense_steps=s.dense_steps,
+        shared_budget=s.shared_budget,
     )
     dense = torch.zeros(result.block_mask.shape[:2], dtype=torch.bool)
     dense[:, result.dense_layers] = True
@@ -429,11 +326,9 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         who = f"{stats.expert}: " if stats.expert else ""
         log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
-    settings.update(density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, alpha=alpha,
-                    dense_layers=result.dense_layers, layer_floor=layer_floor, dilation=dilation,
-                    dense_steps=dense_steps, shared_budget=shared_budget)
-    if orders != "all":
-        settings["order_set"] = orders
+    settings.update(asdict(selection), dense_layers=result.dense_layers, figure_layers=figure_layers)
+    if orders == "all":
+        del settings["order_set"]
     plan = Plan(
         model_class=stats.model_class,
         model_fingerprint=stats.model_fingerprint,
@@ -442,9 +337,9 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
         orders=result.orders,
         block_mask=result.block_mask,
         bucket_edges=config.edges(),
-        qk=qk,
-        pv=pv,
-        target_density=density,
+        qk=s.qk,
+        pv=s.pv,
+        target_density=s.density,
         density=result.density,
         dense=dense,
         prompts=list(stats.prompts),
@@ -464,20 +359,33 @@ def plan_from_stats(stats: CapturedStats, density: float | None = None, *, qk: s
     return plan, result
 
 
-def calibrate(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
+def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfig) -> CaptureConfig:
+    """The capture config, with the extra statistics turned on when the selection needs them."""
+    capture_config = capture_config if capture_config is not None else CaptureConfig()
+    if selection.needs_extras and not capture_config.extras:
+        capture_config = replace(capture_config, extras=True)
+    return capture_config
+
+
+def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = None,
+              selection: SelectionConfig | None = None, *, progress: bool = False,
               log=None) -> tuple[Plan, CalibrationResult]:
     """Run `pipe` densely on `prompts`, capture attention statistics, and return the plan with the
     calibration result (per-head scores, kept attention mass, figure maps): `capture` then
-    `plan_from_stats` with the config's settings."""
-    stats = capture(pipe, prompts, config, progress=progress)
-    return plan_from_stats(stats, log=log)
+    `plan_from_stats(stats, selection)`."""
+    selection = selection if selection is not None else SelectionConfig()
+    stats = capture(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
+    return plan_from_stats(stats, selection, log=log)
 
 
-def calibrate_experts(pipe, prompts: list[str], config: CalibrationConfig | None = None, *, progress: bool = False,
+def calibrate_experts(pipe, prompts: list[str], capture_config: CaptureConfig | None = None,
+                      selection: SelectionConfig | None = None, *, progress: bool = False,
                       log=None) -> list[tuple[Plan, CalibrationResult]]:
     """`calibrate` of every denoising transformer of the pipeline in the same runs (`capture_experts`): one
     (plan, result) per expert, each plan naming its expert (`Plan.expert`)."""
-    return [plan_from_stats(stats, log=log) for stats in capture_experts(pipe, prompts, config, progress=progress)]
+    selection = selection if selection is not None else SelectionConfig()
+    captured = capture_experts(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
+    return [plan_from_stats(stats, selection, log=log) for stats in captured]
 
 
 def stats_path_for(plan_path: str | Path) -> Path:

@@ -79,17 +79,24 @@ def shipped_plan_path(density: float) -> Path:
 
 
 def study_config(steps: int = DEFAULT_STEPS, *, seed: int = 0, block_size: int = 64,
-                 query_block: int | None = None, size: dict | None = None):
-    """The calibration of the quality study and the shipped plans: the calibration prompts as one
-    batch, statistics at every step, noise drawn on the CPU (as the pipeline does on every device), one
-    block budget over all timestep buckets (QUALITY.md, Calibration options).
+                 query_block: int | None = None, size: dict | None = None, extras: bool = False):
+    """The capture of the quality study and the shipped plans: the calibration prompts as one batch,
+    statistics at every step, noise drawn on the CPU (as the pipeline does on every device).
     `size`: num_frames / height / width of the videos, if not the model's default."""
-    from ..calibrate.driver import CalibrationConfig
+    from ..calibrate.config import CaptureConfig
 
     size = size or {}
-    return CalibrationConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
-                             batch_prompts=True, generator_device="cpu", frames=size.get("num_frames"),
-                             height=size.get("height"), width=size.get("width"), shared_budget=True)
+    return CaptureConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
+                         batch_prompts=True, generator_device="cpu", frames=size.get("num_frames"),
+                         height=size.get("height"), width=size.get("width"), extras=extras)
+
+
+def study_selection(density: float, **changes):
+    """The selection of the quality study and the shipped plans at `density`: one block budget over all
+    timestep buckets (QUALITY.md, Calibration options); `changes` override any other option."""
+    from ..calibrate.config import SelectionConfig
+
+    return SelectionConfig(**{"density": density, "shared_budget": True, **changes})
 
 
 # -- generation and comparison --------------------------------------------------------------------
@@ -292,14 +299,15 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
         log(f"plan: {path} (achieved density {plan.achieved_density():.3f})")
         stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
         return dataclasses.replace(plan, qk=qk, pv=pv), path, stats if stats.is_file() else None
-    from ..calibrate.driver import CalibrationConfig, calibrate, save_calibration, stats_path_for
+    from ..calibrate.config import CaptureConfig, SelectionConfig
+    from ..calibrate.driver import calibrate, save_calibration, stats_path_for
 
     log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
         f"calibrating on {len(CALIBRATION_PROMPTS)} prompts, {calibration_steps} steps")
     start = time.perf_counter()
     # the pipeline draws its noise on the CPU on every device: so does the calibration's generator
-    config = CalibrationConfig(density=density, qk=qk, pv=pv, steps=calibration_steps, generator_device="cpu")
-    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, config, progress=progress)
+    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, CaptureConfig(steps=calibration_steps, generator_device="cpu"),
+                             SelectionConfig(density=density, qk=qk, pv=pv), progress=progress)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     if out is None:
         return plan, None, None

@@ -1,0 +1,150 @@
+"""The options of a calibration, one record per stage, each checked once when it is made.
+
+- `CaptureConfig`: what the dense runs are and which statistics they keep (generation size, steps,
+  timestep buckets, block size, ...). Changing any of them means running the pipeline again.
+- `SelectionConfig`: how orders and masks are chosen from captured statistics (density, quantization
+  the plan asks for, order metric, budget options). `plan_from_stats(stats, selection)` applies one to
+  a capture in about a second, so one capture serves any number of selections.
+
+Both are frozen dataclasses validated in `__post_init__` (so `dataclasses.replace` re-checks the
+result); a bad value raises `ConfigError`, a ValueError that names the option, the value and what was
+expected, which `paro calibrate` turns into a message about its flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..modes import modes_problem
+from ..plan import bucket_edges_problem, default_bucket_edges
+from .selection import METRICS
+
+
+class ConfigError(ValueError):
+    """A calibration option out of range: `option` (the field name), `value`, and `reason`, which says what was
+    expected and reads after "<option> <value>: "."""
+
+    def __init__(self, option: str, value, reason: str):
+        self.option, self.value, self.reason = option, value, reason
+        super().__init__(f"{option} {value}: {reason}")
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """The dense calibration runs and the statistics they keep."""
+
+    block_size: int = 64  # statistics come in square blocks of this many tokens
+    # query block of the masks, a power-of-two multiple of block_size (None: block_size); 128 with 64-token key
+    # blocks runs the kernels' fastest head-dim-128 tiles (BENCHMARKS.md), with coarser masks (QUALITY.md)
+    query_block: int | None = None
+    steps: int = 50  # denoising steps of each calibration run
+    height: int | None = None  # generation size; None: the pipeline's default
+    width: int | None = None
+    frames: int | None = None
+    num_buckets: int = 6  # default edges: timesteps above 500 in num_buckets-1 buckets, one for the rest
+    bucket_edges: tuple[float, ...] | None = None  # descending timesteps on 0..1000; overrides num_buckets
+    # capture statistics at every k-th step (the pipeline still runs every step); what each setting costs and
+    # how many steps per bucket it leaves: BENCHMARKS.md, Calibration
+    stat_every: int = 2
+    # also keep per-block maxima and counts below `eps` (the paper metric and the incoherence term need them)
+    extras: bool = False
+    eps: float = 1e-3  # "small" threshold of P for the block-sparse score
+    seed: int = 0
+    backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
+    store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
+    # one pipeline call with every prompt as a batch (the demo model's quality study) instead of one call per prompt
+    batch_prompts: bool = False
+    # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU whatever its
+    # device, as the demo model does, needs "cpu")
+    generator_device: str | None = None
+    pipeline_kwargs: dict = field(default_factory=dict)  # extra keyword arguments for every pipeline call
+
+    def __post_init__(self):
+        if not _power_of_two(self.block_size) or self.block_size < 16:
+            raise ConfigError("block_size", self.block_size, "expected a power of two >= 16")
+        if self.query_block is not None and (self.query_block < self.block_size or self.query_block % self.block_size
+                                             or not _power_of_two(self.query_block)):
+            raise ConfigError("query_block", self.query_block,
+                              f"expected a power-of-two multiple of the block size {self.block_size}")
+        for name in ("steps", "stat_every", "num_buckets"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "expected an integer >= 1")
+        for name in ("height", "width", "frames"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(name, value, "expected a positive size, or None for the pipeline's default")
+        if self.bucket_edges is not None:
+            object.__setattr__(self, "bucket_edges", tuple(float(e) for e in self.bucket_edges))
+            if problem := bucket_edges_problem(list(self.bucket_edges)):
+                raise ConfigError("bucket_edges", list(self.bucket_edges), problem.removeprefix("bucket_edges "))
+        if not 0.0 < self.eps < 1.0:
+            raise ConfigError("eps", self.eps, "expected a probability in (0, 1)")
+        if self.backend not in ("auto", "triton", "torch"):
+            raise ConfigError("backend", self.backend, "expected 'auto', 'triton' or 'torch'")
+        if self.store_device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("store_device", self.store_device, "expected 'auto', 'cpu' or 'cuda'")
+
+    def edges(self) -> list[float]:
+        return list(self.bucket_edges) if self.bucket_edges is not None else default_bucket_edges(self.num_buckets)
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """How each head's order and the block masks are chosen from captured statistics."""
+
+    density: float = 0.3  # target mean block density of the masks over denoising steps
+    qk: str = "bf16"  # quantization the plan asks for
+    pv: str = "bf16"
+    metric: str = "mass"  # order metric (`selection.METRICS`)
+    # weight of the incoherence term in the "mass" metric; 0 by default (BENCHMARKS.md, Calibration)
+    quant_weight: float = 0.0
+    alpha: float = 0.5  # the paper metric's weight of the sparse term
+    # candidate orders: "all", or the name of an order set given to `capture(order_sets=...)`
+    order_set: str = "all"
+    # mask budget options (`selection.build_masks`): layers run densely, paid for out of the same budget
+    # (negative indices count from the end); the share of `density` every other layer gets before the global
+    # competition; growth of the chosen blocks by this many blocks
+    dense_layers: tuple[int, ...] = ()
+    layer_floor: float = 0.0
+    dilation: int = 0
+    # budget between timestep buckets: the fewest leading (noisiest) buckets holding this share of the steps
+    # keep every block, paid for by the other buckets; and one budget over all buckets instead of one per bucket
+    dense_steps: float = 0.0
+    shared_budget: bool = False
+    figure_layers: tuple[int, ...] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
+        if self.figure_layers is not None:
+            object.__setattr__(self, "figure_layers", tuple(int(x) for x in self.figure_layers))
+        if not 0.0 < self.density <= 1.0:
+            raise ConfigError("density", self.density, "expected a share of the attention blocks in (0, 1]")
+        if problem := modes_problem(self.qk, self.pv):
+            raise ConfigError("qk/pv", f"{self.qk}/{self.pv}", problem)
+        if self.metric not in METRICS:
+            raise ConfigError("metric", self.metric, f"expected one of {', '.join(METRICS)}")
+        if self.quant_weight < 0:
+            raise ConfigError("quant_weight", self.quant_weight, "expected a weight >= 0 (0 turns the term off)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError("alpha", self.alpha, "expected a weight in [0, 1]")
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise ConfigError("layer_floor", self.layer_floor,
+                              "expected a share of the density in [0, 1] (0, the default, turns it off)")
+        if self.dilation < 0:
+            raise ConfigError("dilation", self.dilation, "expected a number of blocks >= 0 (0, the default, turns it off)")
+        if not 0.0 <= self.dense_steps < 1.0:
+            raise ConfigError("dense_steps", self.dense_steps,
+                              "expected a share of the denoising steps in [0, 1) (0, the default, turns it off)")
+        if self.dense_steps >= self.density and self.density < 1.0:
+            raise ConfigError("dense_steps", self.dense_steps,
+                              f"spends all of the density {self.density} (the mean density over steps) on the dense "
+                              "steps: lower the dense steps or raise the density")
+
+    @property
+    def needs_extras(self) -> bool:
+        """Whether the capture must keep the per-block maxima and counts below eps."""
+        return self.metric == "paper" or self.quant_weight > 0
