@@ -132,6 +132,7 @@ def calibrate(
     height: int | None = typer.Option(None, help="generation height in pixels (default: the pipeline's)"),
     width: int | None = typer.Option(None, help="generation width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
+    sizes: str | None = typer.Option(None, help="calibrate several generation sizes into one plan, HEIGHTxWIDTHxFRAMES (HEIGHTxWIDTH for images) comma-separated, e.g. 480x832x81,720x1280x81 (instead of --height/--width/--frames); any size is served, other sizes derived from the closest calibrated one"),
     steps: int = typer.Option(50, help="denoising steps of each calibration run, >= 1"),
     buckets: int = typer.Option(6, help="timestep buckets, >= 1: timesteps above 500 split into N-1, one shared by the rest"),
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (overrides --buckets)"),
@@ -156,7 +157,7 @@ def calibrate(
     (`paro generate --ulysses N`). What each option costs in quality: QUALITY.md."""
     from .calibrate.config import CaptureConfig, ConfigError, SelectionConfig
     from .calibrate.driver import (
-        calibrate_experts,
+        calibrate_sizes,
         default_prompts_file,
         describe_result,
         read_prompts,
@@ -213,6 +214,7 @@ def calibrate(
               f"e.g. {2 * block_size}")
     layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
+    size_list = _parse_sizes(sizes, height, width, frames) if sizes else None
     # the mask options are checked by SelectionConfig below (a ConfigError names the flag)
     _check(seed_problem(seed) or device_problem(device) or dtype_problem(dtype))
     indexed = indexed_family(model_dir)  # video or image, where model_index.json tells
@@ -265,7 +267,8 @@ def calibrate(
     what = type(transformer).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
     typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
     try:
-        calibrations = calibrate_experts(pipe, prompt_list, capture_config, selection, progress=True, log=typer.echo)
+        calibrations = calibrate_sizes(pipe, prompt_list, capture_config, selection, size_list, progress=True,
+                                       log=typer.echo)
     except ValueError as exc:  # a budget the capture shows cannot be met (dense buckets holding more steps)
         _fail(str(exc))
     for (plan, result), (plan_path, stats_path) in zip(calibrations, save_expert_calibrations(calibrations, out)):
@@ -274,6 +277,20 @@ def calibrate(
         typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
         typer.echo(describe_result(plan, result))
         typer.echo(f"wrote {plan_path} and {stats_path}")
+
+
+def _parse_sizes(text: str, height, width, frames) -> list[dict]:
+    """`--sizes 480x832x81,720x1280x81` -> [{height, width, frames}, ...]; exits with the expected form otherwise."""
+    if height is not None or width is not None or frames is not None:
+        _fail("--sizes names every calibrated size: drop --height, --width and --frames")
+    out = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) not in (2, 3) or not all(part.isdigit() and int(part) > 0 for part in parts):
+            _fail(f"--sizes {text!r}: expected comma-separated HEIGHTxWIDTHxFRAMES (or HEIGHTxWIDTH for images) in "
+                  "pixels and frames, e.g. --sizes 480x832x81,720x1280x81")
+        out.append(dict(zip(("height", "width", "frames"), (int(p) for p in parts))))
+    return out
 
 
 def _read_prompts(read_prompts, path: Path, limit: int) -> list[str]:

@@ -5,6 +5,12 @@ masks [buckets, L, H, nq, nk] bit-packed, 8x smaller), `density` float32 [bucket
 `dense` uint8 [buckets, L] (1 = run that layer with the model's own attention in that bucket).
 Everything else is JSON in the safetensors metadata under the key "paroattn_plan". No pickle.
 
+Format version 2 adds what lets one plan serve other generation sizes (`calibrate/shapes.py`): the axis
+profiles `profile_f`, `profile_h`, `profile_w` float32 [buckets, L, H, 2n-1] (attention mass by offset along
+each grid axis), and the plans of further calibrated sizes (`extra_shapes`), each stored as the tensors
+above prefixed `shape<i>.` with its layout and mask shape in the metadata. Version 1 files still load; they
+serve their calibrated size only.
+
 A pipeline with two transformers (Wan 2.2 A14B: `transformer` for the high-noise steps, `transformer_2`
 for the low-noise ones) gets one plan per expert, each in its own file and naming its expert
 (`Plan.expert`); `paro calibrate --out plan.safetensors` writes `plan.safetensors` and
@@ -28,7 +34,8 @@ from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape, synthetic_block_mask
 from .modes import modes_problem
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+PROFILE_TENSORS = ("profile_f", "profile_h", "profile_w")
 METADATA_KEY = "paroattn_plan"
 # config entries that describe where a model came from, not what it computes
 _CONFIG_KEYS_IGNORED = ("_name_or_path", "_diffusers_version", "_class_name", "_use_default_values")
@@ -212,6 +219,11 @@ class Plan:
     # "" when unknown (calibrated on a bare transformer)
     expert: str = ""
     format_version: int = FORMAT_VERSION
+    # attention mass by offset along the F, H, W axes, float32 [buckets, L, H, 2n-1] each (n: that axis's size);
+    # None in plans written before they existed (format version 1): those serve their calibrated size only
+    profiles: list[torch.Tensor] | None = None
+    # plans of the same model calibrated at other sizes, with their own orders, masks and profiles
+    extra_shapes: list[Plan] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.block_size, int):
@@ -232,6 +244,9 @@ class Plan:
             self.dense = torch.zeros(self.block_mask.shape[:2], dtype=torch.bool)
         if self.dense is not None:
             self.dense = _narrowed("dense", self.dense, torch.bool)
+        if self.profiles is not None:
+            self.profiles = [torch.as_tensor(p).float().cpu() for p in self.profiles]
+        self.extra_shapes = list(self.extra_shapes)
         self.validate()
 
     # -- shape -------------------------------------------------------------------------------
@@ -250,6 +265,10 @@ class Plan:
     @property
     def mask_blocks(self) -> tuple[int, int]:
         return mask_shape(self.layout.seq_len, self.block_size)
+
+    def calibrated_plans(self) -> list[Plan]:
+        """This plan and those of its other calibrated sizes."""
+        return [self, *self.extra_shapes]
 
     def achieved_density(self) -> float:
         """Mean fraction of active blocks over the layers and buckets PARO runs."""
@@ -270,6 +289,8 @@ class Plan:
             block_mask=self.block_mask[:, :, start:stop],
             density=self.density[:, :, start:stop],
             info={**self.info, "head_slice": [start, stop]},
+            profiles=None if self.profiles is None else [p[:, :, start:stop] for p in self.profiles],
+            extra_shapes=[other.head_slice(start, stop) for other in self.extra_shapes],
         )
 
     def bucket_of(self, timestep: float) -> int:
@@ -341,6 +362,26 @@ class Plan:
                     f"plan block_mask lacks the diagonal block of bucket {b}, layer {layer}, head {h}, query block "
                     f"{row}: plans always keep the diagonal; the plan is corrupt, recalibrate"
                 )
+        if self.profiles is not None:
+            sizes = (self.layout.frames, self.layout.height, self.layout.width)
+            if len(self.profiles) != 3:
+                raise PlanError(f"plan profiles must be three tensors (F, H, W axes), got {len(self.profiles)}")
+            for name, p, n in zip(PROFILE_TENSORS, self.profiles, sizes):
+                if tuple(p.shape) != (buckets, L, H, 2 * n - 1):
+                    raise PlanError(f"plan {name} must be [buckets, layers, heads, 2n-1] = {[buckets, L, H, 2 * n - 1]} "
+                                    f"for the layout {self.layout}; found {list(p.shape)}: the plan is corrupt, recalibrate")
+                if not bool((torch.isfinite(p) & (p >= 0)).all()):
+                    raise PlanError(f"plan {name} must hold finite masses >= 0: the plan is corrupt, recalibrate")
+        for other in self.extra_shapes:
+            mismatch = [name for name in ("model_class", "model_fingerprint", "bucket_edges", "qk", "pv", "block_size",
+                                          "expert") if getattr(other, name) != getattr(self, name)]
+            if mismatch or other.num_layers != L or other.num_heads != H or not torch.equal(other.dense, self.dense):
+                raise PlanError(f"the plan calibrated for {other.layout} differs from the one for {self.layout} in "
+                                f"{mismatch or 'its layers, heads or dense flags'}: one plan holds sizes of one model "
+                                "calibrated with one setting")
+        layouts = [p.layout for p in self.calibrated_plans()]
+        if len(set(layouts)) != len(layouts):
+            raise PlanError(f"plan lists a calibrated size twice: {[str(x) for x in layouts]}")
         actual = self.block_mask.float().mean(dim=(-1, -2))
         if not torch.allclose(self.density, actual, atol=1e-4):
             worst = float((self.density - actual).abs().max())
@@ -350,9 +391,8 @@ class Plan:
             )
 
     # -- IO ----------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        from safetensors.torch import save_file
-
+    def _stored(self, prefix: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+        """(metadata, tensors) of this plan's own size, tensor names prefixed with `prefix`."""
         meta = {
             "format_version": self.format_version,
             "model_class": self.model_class,
@@ -375,7 +415,67 @@ class Plan:
             "density": self.density.contiguous(),
             "dense": self.dense.to(torch.uint8).contiguous(),
         }
+        if self.profiles is not None:
+            tensors.update(zip(PROFILE_TENSORS, (p.contiguous() for p in self.profiles)))
+        return meta, {prefix + name: t for name, t in tensors.items()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        meta, tensors = self._stored()
+        if self.extra_shapes:
+            meta["extra_shapes"] = []
+            for i, other in enumerate(self.extra_shapes):
+                other_meta, other_tensors = other._stored(f"shape{i}.")
+                meta["extra_shapes"].append({key: other_meta[key] for key in (
+                    "layout", "block_mask_shape", "target_density", "prompts", "info")})
+                tensors.update(other_tensors)
         save_file(tensors, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta)})
+
+    @classmethod
+    def _from_stored(cls, meta: dict, shape_meta: dict, tensors: dict[str, torch.Tensor], prefix: str,
+                     version: int, path: Path) -> Plan:
+        """The plan of one stored size: `meta` the file's metadata, `shape_meta` that size's own entries."""
+        own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)
+               and (prefix or "." not in name)}
+        missing = STORED_TENSORS.keys() - own.keys()
+        if missing:
+            raise PlanError(f"{path} lacks the tensors {sorted(prefix + m for m in missing)}: the plan is corrupt, "
+                            "recalibrate")
+        for name in STORED_TENSORS:
+            if problem := stored_tensor_problem(name, own[name]):
+                raise PlanError(f"{path}: {problem}: the plan is corrupt, recalibrate")
+        shape = tuple(int(s) for s in shape_meta["block_mask_shape"])
+        if own["block_mask_bits"].numel() != -(-math.prod(shape) // 8):
+            raise PlanError(
+                f"{path}: packed block mask holds {own['block_mask_bits'].numel()} bytes, expected "
+                f"{-(-math.prod(shape) // 8)} for shape {list(shape)}: the plan is corrupt, recalibrate"
+            )
+        profiles = None
+        if any(name in own for name in PROFILE_TENSORS):
+            if not all(name in own for name in PROFILE_TENSORS):
+                raise PlanError(f"{path} holds some of the tensors {list(PROFILE_TENSORS)} but not all: the plan is "
+                                "corrupt, recalibrate")
+            profiles = [own[name] for name in PROFILE_TENSORS]
+        return cls(
+            model_class=str(meta["model_class"]),
+            model_fingerprint=str(meta["model_fingerprint"]),
+            layout=TokenLayout(*(int(x) for x in shape_meta["layout"])),
+            block_size=tuple(meta["block_size"]),
+            orders=own["orders"],
+            block_mask=unpack_bits(own["block_mask_bits"], shape),
+            bucket_edges=meta["bucket_edges"],
+            qk=meta["qk"],
+            pv=meta["pv"],
+            target_density=float(shape_meta["target_density"]),
+            density=own["density"],
+            dense=own["dense"].bool(),
+            prompts=list(shape_meta.get("prompts", [])),
+            info=dict(shape_meta.get("info", {})),
+            expert=str(meta.get("expert", "")),
+            format_version=version,
+            profiles=profiles,
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -410,36 +510,13 @@ class Plan:
                     f"{path} has plan format version {version}, newer than this paroattn reads "
                     f"(up to {FORMAT_VERSION}): upgrade paroattn"
                 )
-            missing = STORED_TENSORS.keys() - tensors.keys()
-            if missing:
-                raise PlanError(f"{path} lacks the tensors {sorted(missing)}: the plan is corrupt, recalibrate")
-            for name in STORED_TENSORS:
-                if problem := stored_tensor_problem(name, tensors[name]):
-                    raise PlanError(f"{path}: {problem}: the plan is corrupt, recalibrate")
-            shape = tuple(int(s) for s in meta["block_mask_shape"])
-            if tensors["block_mask_bits"].numel() != -(-math.prod(shape) // 8):
-                raise PlanError(
-                    f"{path}: packed block mask holds {tensors['block_mask_bits'].numel()} bytes, expected "
-                    f"{-(-math.prod(shape) // 8)} for shape {list(shape)}: the plan is corrupt, recalibrate"
-                )
-            return cls(
-                model_class=str(meta["model_class"]),
-                model_fingerprint=str(meta["model_fingerprint"]),
-                layout=TokenLayout(*(int(x) for x in meta["layout"])),
-                block_size=tuple(meta["block_size"]),
-                orders=tensors["orders"],
-                block_mask=unpack_bits(tensors["block_mask_bits"], shape),
-                bucket_edges=meta["bucket_edges"],
-                qk=meta["qk"],
-                pv=meta["pv"],
-                target_density=float(meta["target_density"]),
-                density=tensors["density"],
-                dense=tensors["dense"].bool(),
-                prompts=list(meta.get("prompts", [])),
-                info=dict(meta.get("info", {})),
-                expert=str(meta.get("expert", "")),
-                format_version=version,
-            )
+            plan = cls._from_stored(meta, meta, tensors, "", version, path)
+            extra = [cls._from_stored(meta, shape_meta, tensors, f"shape{i}.", version, path)
+                     for i, shape_meta in enumerate(meta.get("extra_shapes", []))]
+            if extra:
+                plan.extra_shapes = extra
+                plan.validate()
+            return plan
         except PlanError as exc:
             if str(path) in str(exc):
                 raise
@@ -468,10 +545,12 @@ class Plan:
         model_class: str = "",
         model_fingerprint: str = "",
         seed: int = 0,
+        profiles: bool = False,
     ) -> Plan:
         """A plan of the right shapes without calibration: identity ("FHW"), named, random
         ("random") or given orders, and masks of a band around the diagonal plus random blocks at
-        `density`. For tests, benchmarks and the dense-equivalence check (density=1.0)."""
+        `density`. For tests, benchmarks and the dense-equivalence check (density=1.0). `profiles`: random axis
+        profiles too, so that the plan derives masks for other sizes."""
         g = torch.Generator().manual_seed(seed)
         if orders is None or orders == "FHW":
             orders = torch.zeros(num_layers, num_heads, dtype=torch.int8)
@@ -485,6 +564,9 @@ class Plan:
             synthetic_block_mask(num_layers * num_heads, nq, nk, density, generator=g).view(num_layers, num_heads, nq, nk)
             for _ in range(num_buckets)
         ])
+        if profiles:
+            sizes = (layout.frames, layout.height, layout.width)
+            profiles = [torch.rand(num_buckets, num_layers, num_heads, 2 * n - 1, generator=g) for n in sizes]
         return cls(
             model_class=model_class,
             model_fingerprint=model_fingerprint,
@@ -496,6 +578,7 @@ class Plan:
             qk=qk,
             pv=pv,
             target_density=density,
+            profiles=profiles or None,
         )
 
 

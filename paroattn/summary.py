@@ -20,6 +20,11 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
         + (f"  expert {plan.expert}" if plan.expert else ""),
         f"layout       {plan.layout}  ({plan.layout.seq_len} tokens, prefix {plan.layout.prefix}"
         + (f", suffix {plan.layout.suffix})" if plan.layout.suffix else ")"),
+        "sizes        calibrated: " + ", ".join(f"{p.layout}" for p in plan.calibrated_plans()) + "; " + (
+            "any other size of the model derives its masks from the closest of them (axis profiles)"
+            if all(p.profiles is not None for p in plan.calibrated_plans()) else
+            "no axis profiles (plan format version 1, or calibrated without them): other sizes need their own "
+            "calibration"),
         f"attention    {L} layers x {H} heads, blocks {plan.block_size[0]}x{plan.block_size[1]} ({nq}x{nk} per head)",
         f"quantization qk={plan.qk} pv={plan.pv}",
         f"density      target {plan.target_density:.3f}, achieved {plan.achieved_density():.3f}",

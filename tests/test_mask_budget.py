@@ -1,5 +1,5 @@
 """How the masks share one block budget: dense layers, a per-layer floor and dilation (selection.build_masks),
-and that plan_from_stats / CalibrationConfig pass them on."""
+and that plan_from_stats / SelectionConfig pass them on."""
 
 from __future__ import annotations
 

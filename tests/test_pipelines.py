@@ -256,6 +256,37 @@ def test_call_at_another_size(model, change):
     assert torch.equal(out, run(transformer, other))
 
 
+@pytest.mark.parametrize("change", ["resolution", "frames"])
+def test_a_plan_with_axis_profiles_runs_at_another_size(model, change, monkeypatch):
+    """A plan that holds axis profiles derives its masks for another size, once: a full-density one equals the
+    model's own attention there, a sparse one runs its own masks."""
+    import paroattn.calibrate.shapes as shapes
+
+    name, transformer, inputs, reference = model
+    if change == "frames" and name == "flux":
+        pytest.skip("images have no frames")
+    if change == "resolution":
+        other = tiny_forward_inputs(transformer, height=12 if name != "flux" else 16, width=8 if name != "flux" else 12)
+    else:
+        other = tiny_forward_inputs(transformer, frames=2 if name == "cogvideox1.5" else 2 if name != "cogvideox" else 5)
+    actual = call_layout(transformer, other)
+    derived = []
+    original = shapes.derive_plan
+    monkeypatch.setattr(shapes, "derive_plan", lambda plan, layout, *a: derived.append(layout) or original(plan, layout, *a))
+    dense_other = run(transformer, other)
+    with apply(transformer, make_plan(transformer, inputs, density=1.0, profiles=True), backend="torch"):
+        torch.testing.assert_close(run(transformer, other), dense_other, rtol=1e-5, atol=1e-5)
+    assert derived == [actual]
+    with apply(transformer, make_plan(transformer, inputs, density=0.4, profiles=True), backend="torch") as handle:
+        sparse = run(transformer, other)
+        again = run(transformer, other)
+        assert list(handle.processor.shapes.derived) == [actual]
+        full = bool(handle.processor.shapes.derived[actual].block_mask.all())  # text and diagonal may be all
+    assert derived == [actual, actual]  # once per plan and size: the second forward used the cached masks
+    assert torch.isfinite(sparse).all() and torch.equal(sparse, again)
+    assert torch.allclose(sparse, dense_other, rtol=1e-5, atol=1e-5) == full
+
+
 def test_on_mismatch_dense_leaves_the_model_alone(model):
     name, transformer, inputs, reference = model
     plan = Plan.synthetic(layout=call_layout(transformer, inputs), num_layers=7, num_heads=2, block_size=TINY_BLOCK)

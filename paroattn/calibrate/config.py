@@ -53,6 +53,9 @@ class CaptureConfig:
     # also keep per-block maxima and counts below `eps` (the paper metric and the incoherence term need them)
     extras: bool = False
     eps: float = 1e-3  # "small" threshold of P for the block-sparse score
+    # grid queries per captured layer call whose attention gives the axis profiles that let the plan derive
+    # masks for other sizes (`shapes.py`); 0: none (the plan then serves only the calibrated size)
+    profile_queries: int = 1024
     seed: int = 0
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
     store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
@@ -70,6 +73,8 @@ class CaptureConfig:
                                              or not _power_of_two(self.query_block)):
             raise ConfigError("query_block", self.query_block,
                               f"expected a power-of-two multiple of the block size {self.block_size}")
+        if self.profile_queries < 0:
+            raise ConfigError("profile_queries", self.profile_queries, "expected a number of queries >= 0 (0: none)")
         for name in ("steps", "stat_every", "num_buckets"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "expected an integer >= 1")

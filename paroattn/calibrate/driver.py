@@ -27,6 +27,7 @@ from ..plan import Plan, bucket_index, expert_plan_path, model_fingerprint
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .config import CaptureConfig, SelectionConfig
+from .shapes import ProfileAccumulator, offset_mass
 
 STATS_SUFFIX = ".stats.safetensors"
 
@@ -113,6 +114,7 @@ class CapturedStats:
     # denoising steps in each bucket (every step the expert ran, captured or not), summed over pipeline calls;
     # None: unknown (the plan then weighs buckets by their captured steps)
     bucket_steps: list[int] | None = None
+    profiles: ProfileAccumulator | None = None  # attention mass by axis offset (None: config.profile_queries 0)
 
 
 class _ExpertCapture:
@@ -125,6 +127,8 @@ class _ExpertCapture:
         self.config, self.edges, self.order_sets, self.extras = config, edges, order_sets, extras
         self.layout: TokenLayout | None = None
         self.acc: StatsAccumulator | None = None
+        self.profiles: ProfileAccumulator | None = None
+        self.generator = torch.Generator().manual_seed(config.seed)  # which queries the profiles sample
         self.subsets: dict[str, tuple[StatsAccumulator, torch.Tensor]] = {}
         self.bucket = 0
         self.ran = False  # captured a call in the current step
@@ -141,6 +145,8 @@ class _ExpertCapture:
         store = _store_device(config, q.device, estimate)
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
                                     store_device=store, query_block=config.query_block)
+        if config.profile_queries:
+            self.profiles = ProfileAccumulator(L, buckets, layout, q.shape[1])
         for name, subset in self.order_sets.items():
             missing = [ORDERS[o] for o in subset if o not in orders]
             if missing:
@@ -175,6 +181,9 @@ class _ExpertCapture:
                 extras=self.extras, suffix_mask=suffix_mask,
             )
             self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
+            if self.profiles is not None:
+                self.profiles.add(layer, self.bucket, *offset_mass(
+                    q, k, layout, config.profile_queries, self.generator, suffix_mask))
             for subset, slots in self.subsets.values():
                 pick = slots.to(mass.device)
                 subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
@@ -260,6 +269,7 @@ def capture_experts(pipe, prompts: list[str], config: CaptureConfig | None = Non
             config=config, layout=expert.layout, prompts=list(prompts), model_class=type(expert.transformer).__name__,
             model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators,
             timings=expert_timings, expert=expert.expert, bucket_steps=list(expert.bucket_steps),
+            profiles=expert.profiles,
         ))
     return results
 
@@ -344,6 +354,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
         dense=dense,
         prompts=list(stats.prompts),
         expert=stats.expert,
+        profiles=None if stats.profiles is None else stats.profiles.finalize(),
         info={
             "calibration": settings,
             "candidate_orders": [ORDERS[o] for o in result.candidate_orders],
@@ -386,6 +397,22 @@ def calibrate_experts(pipe, prompts: list[str], capture_config: CaptureConfig | 
     selection = selection if selection is not None else SelectionConfig()
     captured = capture_experts(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
     return [plan_from_stats(stats, selection, log=log) for stats in captured]
+
+
+def calibrate_sizes(pipe, prompts: list[str], capture_config: CaptureConfig | None = None,
+                    selection: SelectionConfig | None = None, sizes: list[dict] | None = None, *,
+                    progress: bool = False, log=None) -> list[tuple[Plan, CalibrationResult]]:
+    """`calibrate_experts` at each of `sizes` (dicts of height / width / frames overriding the capture config's),
+    merged into one plan per expert: the first size's plan, holding the others' as `extra_shapes` (their own
+    orders, masks and axis profiles). Other sizes are derived from the closest of them when the plan is applied."""
+    capture_config = capture_config if capture_config is not None else CaptureConfig()
+    runs = [calibrate_experts(pipe, prompts, replace(capture_config, **size), selection, progress=progress, log=log)
+            for size in (sizes or [{}])]
+    first = runs[0]
+    for expert, (plan, _) in enumerate(first):
+        plan.extra_shapes = [run[expert][0] for run in runs[1:]]
+        plan.validate()
+    return first
 
 
 def stats_path_for(plan_path: str | Path) -> Path:

@@ -116,7 +116,10 @@ class PAROHandle:
             return {}
         stats = self.binding.masks.stats() if self.binding.masks is not None else {}
         if self.binding.stacked_masks:
-            stats["traced_bytes"] = {device: store.nbytes for device, store in self.binding.stacked_masks.items()}
+            stats["traced_bytes"] = {}
+            for key, store in self.binding.stacked_masks.items():  # summed over the sizes met on each device
+                device = key.split()[0]
+                stats["traced_bytes"][device] = stats["traced_bytes"].get(device, 0) + store.nbytes
         return stats
 
     def remove(self) -> None:

@@ -46,7 +46,8 @@ class Binding:
         self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
         self.call_problem: str | None = None
         self.masks: MaskStore | None = None
-        self.stacked_masks: dict[str, StackedMasks] = {}  # by device, for traced forwards
+        # for traced forwards: by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80")
+        self.stacked_masks: dict[str, StackedMasks] = {}
         self.token = next(_TOKENS)
         BINDINGS[self.token] = self
         self.warned: set[str] = set()

@@ -37,26 +37,32 @@ def plan_problems(plan: Plan, binding: Binding) -> list[str]:
     return problems
 
 
-def layout_problem(plan: Plan, binding: Binding, inputs: CallInputs, scale: PixelScale) -> str | None:
-    """Why `plan` does not fit the tokens of this call (None when it does), with the command that fixes it."""
+def layout_problem(plan: Plan, binding: Binding, inputs: CallInputs, scale: PixelScale, shapes=None) -> str | None:
+    """Why `plan` does not fit the tokens of this call (None when it does), with the command that fixes it.
+    `shapes` (`calibrate.shapes.ShapePlans` of the plan): the plan fits every size it was calibrated at or can
+    derive masks for; otherwise the message ends with why it cannot."""
     plan_layout = plan.layout
     family, transformer = binding.family, binding.transformer
     if inputs.layout is None:
         return f"this call has no PARO token layout: {inputs.problem}"
     if inputs.layout == plan_layout:
         return None
+    why_not = "" if shapes is None else shapes.problem(inputs.layout)
+    if why_not is None:  # another calibrated size, or one the plan derives masks for
+        return None
+    why_not = f"; {why_not}" if why_not else ""
     if (inputs.layout.frames, inputs.layout.height, inputs.layout.width) == (plan_layout.frames, plan_layout.height,
                                                                              plan_layout.width):
         planned, found = plan_layout.prefix + plan_layout.suffix, inputs.layout.prefix + inputs.layout.suffix
         return (
             f"plan was calibrated with {planned} text tokens; this call has {found}: "
             f"pass max_sequence_length={planned} to the pipeline, or run "
-            f"`{family.calibrate_command(transformer, inputs.layout, scale)}` with the pipeline's text length"
+            f"`{family.calibrate_command(transformer, inputs.layout, scale)}` with the pipeline's text length{why_not}"
         )
     return (
         f"plan was calibrated for {plan_layout} tokens ({family.describe_size(transformer, plan_layout, scale)}); "
         f"this call has {inputs.layout} ({family.describe_size(transformer, inputs.layout, scale)}): run "
-        f"`{family.calibrate_command(transformer, inputs.layout, scale)}` for this size"
+        f"`{family.calibrate_command(transformer, inputs.layout, scale)}` for this size{why_not}"
     )
 
 

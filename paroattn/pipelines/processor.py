@@ -26,7 +26,9 @@ from __future__ import annotations
 import torch
 
 from ..attention import BACKENDS, Launch, decide, paro_attention
+from ..calibrate.shapes import ShapePlans
 from ..errors import PlanError
+from ..layout import TokenLayout
 from ..plan import Plan
 from . import plan_fit
 from .base import CallInputs, PixelScale
@@ -36,13 +38,13 @@ from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
 
 
 @torch._dynamo.assume_constant_result
-def _prepare_stacked(token: int, device: str) -> bool:
-    """Build binding `token`'s `StackedMasks` for `device` unless it exists. Called from a forward traced by
-    torch.compile: dynamo runs it eagerly while tracing (its result is a constant), so the store's tensors
-    exist before the graph reads them and enter it as inputs (not as ops that would rebuild them every call)."""
+def _prepare_stacked(token: int, device: str) -> str:
+    """Build binding `token`'s `StackedMasks` for `device` and the forward's size unless it exists, and return
+    its key in `binding.stacked_masks`. Called from a forward traced by torch.compile: dynamo runs it eagerly
+    while tracing (its result is a constant), so the store's tensors exist before the graph reads them and
+    enter it as inputs (not as ops that would rebuild them every call)."""
     binding = BINDINGS[token]
-    binding.processor.prepare_traced(binding, torch.device(device))
-    return True
+    return binding.processor.prepare_traced(binding, torch.device(device)).key
 
 
 class PAROProcessor(BoundProcessor):
@@ -71,6 +73,7 @@ class PAROProcessor(BoundProcessor):
         if on_mismatch not in plan_fit.ON_MISMATCH:
             raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {plan_fit.ON_MISMATCH}")
         self.plan = plan
+        self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
         self.backend = backend
         self.on_mismatch = on_mismatch
         self.resident = resident
@@ -113,6 +116,12 @@ class PAROProcessor(BoundProcessor):
         """The plan of the heads this process runs: the whole plan, or this GPU's slice of it under Ulysses."""
         return self.plan if self._ulysses is None else self._ulysses.plan
 
+    def head_plan_at(self, layout: TokenLayout | None, device=None) -> Plan:
+        """`head_plan` for a call of `layout`: the calibrated plan of that size, or one derived for it on `device`."""
+        if layout is None or layout == self.plan.layout:
+            return self.head_plan
+        return self.shapes.at(layout, None if self._ulysses is None else self._ulysses.heads, device)
+
     def on_parallel_config(self, config) -> None:
         """Slice the plan to this GPU's heads (Ulysses), or refuse what cannot hold PARO (see `context_parallel`)."""
         self._ulysses, self.parallel_problem = None, None
@@ -138,7 +147,7 @@ class PAROProcessor(BoundProcessor):
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
         """Why the plan does not fit this call's tokens (None when it does)."""
-        return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding))
+        return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding), self.shapes)
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
         traced = torch.compiler.is_compiling()
@@ -178,9 +187,13 @@ class PAROProcessor(BoundProcessor):
         return isinstance(decision, Launch) and decision.backend != "torch"
 
     def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
-        if binding.masks is None or binding.masks.device != device:
+        # the masks of the forward's size: the plan's, another calibrated size's, or derived for it
+        plan = self.head_plan_at(binding.inputs.layout if binding.inputs is not None else None, device)
+        if binding.masks is None or binding.masks.device != device or binding.masks.plan.layout != plan.layout:
+            if binding.masks is not None:
+                binding.masks.close()
             binding.masks = MaskStore(
-                self.head_plan, device, lists=self.uses_block_lists(binding, device),
+                plan, device, lists=self.uses_block_lists(binding, device),
                 resident=self.resident, slots=self.prefetch_slots,
             )
             binding.masks.begin(binding.bucket)
@@ -195,13 +208,14 @@ class PAROProcessor(BoundProcessor):
         one is traced, see `_prepare_stacked`): the stacked masks. Active-block lists are kept resident only
         when `resident` allows it."""
         device = torch.device(device)
-        key = str(device)
+        plan = self.head_plan_at(binding.inputs.layout if binding.inputs is not None else None, device)
+        key = str(device) if plan.layout == self.plan.layout else f"{device} {plan.layout}"
         store = binding.stacked_masks.get(key)
         if store is not None:
             return store
         lists = self.uses_block_lists(binding, device)
         if lists:
-            size = StackedMasks.list_bytes(self.head_plan)
+            size = StackedMasks.list_bytes(plan)
             if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
                 why = ("resident=False asks for it" if self.resident is False else
                        f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
@@ -211,7 +225,8 @@ class PAROProcessor(BoundProcessor):
                     "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
                     f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
                 )
-        store = binding.stacked_masks[key] = StackedMasks(self.head_plan, device, lists=lists)
+        store = binding.stacked_masks[key] = StackedMasks(plan, device, lists=lists)
+        store.key = key
         return store
 
     def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
@@ -231,10 +246,11 @@ class PAROProcessor(BoundProcessor):
         if self.parallel_problem is not None:
             binding.warn_once("parallel", self.parallel_problem + "; running the model's own attention (on_mismatch='dense')")
             return self.dense(binding, attn, call, attention_mask)
+        # block size, modes and dense flags are the same at every size of a plan; orders and masks come from
+        # the store of the forward's size
         plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
         if torch.compiler.is_compiling():
-            _prepare_stacked(binding.token, str(call.q.device))
-            masks = binding.stacked_masks[str(call.q.device)]
+            masks = binding.stacked_masks[_prepare_stacked(binding.token, str(call.q.device))]
             bucket = self._traced_bucket(binding)
         else:
             masks, bucket = self._masks(binding, call.q.device), binding.bucket

@@ -1,0 +1,295 @@
+"""One plan for every generation size: a description of each head's attention that does not depend on the
+grid, and the block masks it gives for any grid of the same model.
+
+The description: for each (timestep bucket, layer, head) and each grid axis (frames, rows, columns), the
+attention mass a query gives to keys at each offset along that axis (`AxisProfiles`, measured at
+calibration from a sample of queries of the dense model). Video DiT heads are local along axes, with RoPE
+making a score a function of the offset, not of the position or the grid's size, so the offset profile
+is what carries over to another size. A head's attention is modelled as the product of its three axis
+kernels, each row-normalized on the new grid:
+
+    P(i, j) = K_F[f_i, f_j] * K_H[y_i, y_j] * K_W[x_i, x_j],    K_a[u, v] = p_a(v - u) / sum_v' p_a(v' - u)
+
+Offsets beyond the calibrated grid (a larger grid) take the profile's outermost value on that side (a
+flat tail). `block_masses` sums this P over every (query block, key block) of the head's order on the new
+layout exactly, through 2-D prefix sums of the axis kernels (a contiguous token range of an order is at
+most three boxes of the grid), and `derive_plan` builds masks from these masses with the calibration's own
+budget (`selection.build_masks`) at the calibrated plan's per-bucket density. `ShapePlans` is what a
+processor asks for the plan of a call's layout: the calibrated plan where the layout is one of its
+calibrated shapes, else one derived from the closest calibrated shape, once per layout (cached).
+How close derived plans come to plans calibrated at that size: QUALITY.md, One plan, many sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import torch
+
+from ..errors import PlanError
+from ..layout import ORDERS, TokenLayout
+from ..plan import Plan
+from .selection import build_masks
+
+AXES = "FHW"
+PROFILE_OF_AXIS = {"F": 0, "H": 1, "W": 2}  # the profile (index into a plan's profiles) that describes each axis
+
+
+# -- measuring: per-axis offset profiles from q, k --------------------------------------------------------
+
+def axis_sizes(layout: TokenLayout) -> tuple[int, int, int]:
+    return layout.frames, layout.height, layout.width
+
+
+def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: int = 1024,
+                generator: torch.Generator | None = None, suffix_mask: torch.Tensor | None = None,
+                chunk_bytes: int = 256 << 20) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Attention mass by offset along each grid axis, from grid queries of q, k [B, H, N, D] (after norms and
+    RoPE, as the model attends). Returns (mass, count) per axis F, H, W: mass [H, 2n-1] float64, the sum over
+    the sampled queries (and the batch) of the mass each gives to the grid keys at offset v - u (index
+    offset + n - 1), and count [2n-1], how many sampled queries have that offset inside the grid. All grid
+    queries when there are at most `queries`, else `queries` drawn without replacement. `suffix_mask` [B, suffix]
+    (False at padded text keys after the grid) leaves those keys out of the softmax, as the model does."""
+    B, H, N, D = q.shape
+    F, Hh, W = axis_sizes(layout)
+    G, prefix = layout.grid_tokens, layout.prefix
+    if N != layout.seq_len:
+        raise ValueError(f"q has {N} tokens; the layout {layout} has {layout.seq_len}")
+    if G <= queries:
+        picked = torch.arange(G)
+    else:
+        picked = torch.randperm(G, generator=generator)[:queries].sort().values
+    coords = torch.stack([picked // (Hh * W), (picked // W) % Hh, picked % W], dim=-1)  # [S, 3]
+    sizes = (F, Hh, W)
+    mass = [torch.zeros(H, 2 * n - 1, dtype=torch.float64, device=q.device) for n in sizes]
+    count = [torch.zeros(2 * n - 1, dtype=torch.float64) for n in sizes]
+    for axis, n in enumerate(sizes):
+        index = torch.arange(n)[None, :] - coords[:, axis : axis + 1] + n - 1  # [S, n]
+        count[axis].index_add_(0, index.flatten(), torch.full((index.numel(),), float(B), dtype=torch.float64))
+    scale = D ** -0.5
+    step = max(1, chunk_bytes // (B * H * N * 4))
+    grid_rows = picked + prefix
+    for start in range(0, len(picked), step):
+        rows = grid_rows[start : start + step].to(q.device)
+        logits = torch.einsum("bhsd,bhnd->bhsn", q[:, :, rows].float(), k.float()) * scale
+        if suffix_mask is not None:
+            logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(
+                ~suffix_mask.to(q.device)[:, None, None, :], float("-inf"))
+        p = torch.softmax(logits, dim=-1)[..., prefix : prefix + G].reshape(B, H, -1, F, Hh, W)
+        marginals = (p.sum(dim=(4, 5)), p.sum(dim=(3, 5)), p.sum(dim=(3, 4)))  # [B, H, s, n] each
+        for axis, n in enumerate(sizes):
+            c = coords[start : start + step, axis].to(q.device)
+            index = torch.arange(n, device=q.device)[None, :] - c[:, None] + n - 1  # [s, n]
+            values = marginals[axis].sum(0).double().reshape(H, -1)  # [H, s * n]
+            mass[axis].index_add_(1, index.flatten(), values)
+    return [m.cpu() for m in mass], count
+
+
+class ProfileAccumulator:
+    """Sums of `offset_mass` per (bucket, layer) over captured steps; `finalize` gives `AxisProfiles`."""
+
+    def __init__(self, num_layers: int, num_buckets: int, layout: TokenLayout, num_heads: int):
+        self.layout = layout
+        sizes = axis_sizes(layout)
+        self.mass = [torch.zeros(num_buckets, num_layers, num_heads, 2 * n - 1, dtype=torch.float64) for n in sizes]
+        self.count = [torch.zeros(num_buckets, num_layers, 2 * n - 1, dtype=torch.float64) for n in sizes]
+
+    def add(self, layer: int, bucket: int, mass: list[torch.Tensor], count: list[torch.Tensor]) -> None:
+        for axis in range(3):
+            self.mass[axis][bucket, layer] += mass[axis]
+            self.count[axis][bucket, layer] += count[axis]
+
+    def finalize(self) -> list[torch.Tensor]:
+        """Per axis float32 [buckets, L, H, 2n-1]: mean mass per query at each offset. A (bucket, layer) without
+        captured steps borrows the mean over the buckets that have them."""
+        profiles = []
+        for mass, count in zip(self.mass, self.count):
+            seen = count.sum(-1) > 0  # [buckets, L]
+            overall_mass, overall_count = mass.sum(0), count.sum(0)  # [L, H, 2n-1], [L, 2n-1]
+            mass = torch.where(seen[..., None, None], mass, overall_mass[None])
+            count = torch.where(seen[..., None], count, overall_count[None])
+            profiles.append((mass / count[:, :, None, :].clamp_min(1)).float())
+        return profiles
+
+
+# -- deriving: block masses of the product model on any layout ---------------------------------------------
+
+def _extended(profile: torch.Tensor, n: int) -> torch.Tensor:
+    """profile [..., 2m-1] over offsets -(m-1)..m-1 -> [..., 2n-1] over -(n-1)..n-1: cut, or extended with
+    the outermost value on each side."""
+    m = (profile.shape[-1] + 1) // 2
+    if n <= m:
+        return profile[..., m - n : m + n - 1]
+    left = profile[..., :1].expand(*profile.shape[:-1], n - m)
+    right = profile[..., -1:].expand(*profile.shape[:-1], n - m)
+    return torch.cat([left, profile, right], dim=-1)
+
+
+def axis_kernel_sums(profile: torch.Tensor, n: int) -> torch.Tensor:
+    """profile [..., 2m-1] -> D [..., n+1, n+1] float64: D[u, v] = sum over x < u, y < v of the row-normalized
+    kernel K[x, y] = p(y - x) / sum_y' p(y' - x) on an axis of n positions."""
+    p = _extended(profile.double().clamp_min(0), n)
+    offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1  # [x, y] -> index of y - x
+    kernel = p[..., offsets]  # [..., n, n]
+    rows = kernel.sum(-1, keepdim=True)
+    kernel = torch.where(rows > 0, kernel / rows.clamp_min(1e-300), torch.full_like(kernel, 1.0 / n))
+    out = torch.zeros(*kernel.shape[:-2], n + 1, n + 1, dtype=torch.float64, device=kernel.device)
+    out[..., 1:, 1:] = kernel.cumsum(-1).cumsum(-2)
+    return out
+
+
+# A prefix of the grid tokens of an order (outer axis a, middle b, inner c, sizes na, nb, nc), the tokens
+# before position (u_a, u_b, u_c), is three boxes: outer < u_a (every b, c); outer = u_a, middle < u_b (every
+# c); outer = u_a, middle = u_b, inner < u_c. The mass between a query prefix (s) and a key prefix (t) is the
+# sum over the 3 x 3 box pairs of the product of one kernel sum per axis. Kernel rows sum to one, so a sum
+# over every key of an axis is the number of queries in the range, and the 9 pairs group by their outer
+# axis factor as
+#   H(s, t) = A_PP nb nc + A_PO (colB_P(t) nc + colB_O(t) colC_P(t)) + A_OP (s_b nc + s_c)
+#           + A_OO (B_PP nc + B_PO colC_P(t) + B_OP s_c + B_OO C_PP)
+# with X_PP = sum over x < u, y < v of K_X[x, y], X_PO = sum over x < u of K_X[x, v], X_OP = sum over y < v of
+# K_X[u, y], X_OO = K_X[u, v] (u the query's coordinate on axis X, v the key's), and colX_P(t), colX_O(t) the
+# kernel's column sums over y < v and at y = v.
+
+def _corner_tables(D: torch.Tensor) -> dict[str, torch.Tensor]:
+    """D [..., n+1, n+1] (`axis_kernel_sums`) -> X_PP, X_PO, X_OP, X_OO [..., n+1, n+1] as above (a point at
+    u = n is empty)."""
+    n = D.shape[-1] - 1
+    nxt = torch.arange(1, n + 2, device=D.device).clamp_max(n)  # u + 1, clamped: the point at n is empty
+    up = D[..., nxt, :]  # D[u + 1, v]
+    return {"PP": D, "PO": D[..., :, nxt] - D, "OP": up - D, "OO": up[..., :, nxt] - up - D[..., :, nxt] + D}
+
+
+def block_masses(profiles: list[torch.Tensor], order: int, layout: TokenLayout, block_size: tuple[int, int],
+                 device=None) -> torch.Tensor:
+    """Attention mass of every (query block, key block) of one order on `layout` under the product model.
+    profiles: per axis F, H, W, [heads, 2m-1] (any m). Returns float32 [heads, nq, nk] over the whole sequence
+    (text blocks hold 0: plans keep them whatever their mass); each grid query's row sums to one."""
+    bq, bk = block_size
+    prefix, G = layout.prefix, layout.grid_tokens
+    sizes = dict(zip(AXES, axis_sizes(layout)))
+    name = ORDERS[order]
+    na, nb, nc = (sizes[a] for a in name)  # outer, middle, inner
+    nq, nk = -(-layout.seq_len // bq), -(-layout.seq_len // bk)
+
+    def coords(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = (bounds - prefix).clamp(0, G)  # grid tokens before each block boundary
+        return g // (nb * nc), (g // nc) % nb, g % nc
+
+    sa, sb, sc = coords(torch.arange(nq + 1, device=device) * bq)
+    ta, tb, tc = coords(torch.arange(nk + 1, device=device) * bk)
+    A, B, C = (_corner_tables(axis_kernel_sums(profiles[PROFILE_OF_AXIS[axis]].to(device), n))
+               for axis, n in zip(name, (na, nb, nc)))
+
+    def pair(table: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [h, n+1, n+1] -> [h, S, T]
+        return table.index_select(-1, v).index_select(-2, u)  # whole rows copied last: the fast way round
+
+    def col(table: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # column sums over every query -> [h, 1, T]
+        n = table.shape[-1] - 1
+        return table[..., n, :].index_select(-1, v)[:, None, :]
+
+    sb_, sc_ = sb.double()[None, :, None], sc.double()[None, :, None]
+    colB_P, colB_O, colC_P = col(B["PP"], tb), col(B["PO"], tb), col(C["PP"], tc)
+    H = pair(A["PP"], sa, ta) * (nb * nc)
+    H += pair(A["PO"], sa, ta) * (colB_P * nc + colB_O * colC_P)
+    H += pair(A["OP"], sa, ta) * (sb_ * nc + sc_)
+    inner = pair(B["PP"], sb, tb) * nc
+    inner += pair(B["PO"], sb, tb) * colC_P
+    inner += pair(B["OP"], sb, tb) * sc_
+    inner += pair(B["OO"], sb, tb) * pair(C["PP"], sc, tc)
+    H += pair(A["OO"], sa, ta) * inner
+    mass = H[:, 1:, 1:] - H[:, :-1, 1:] - H[:, 1:, :-1] + H[:, :-1, :-1]
+    return mass.clamp_min(0).float()
+
+
+def layer_block_masses(profiles: list[torch.Tensor], orders: torch.Tensor, layout: TokenLayout,
+                       block_size: tuple[int, int], device=None) -> torch.Tensor:
+    """profiles per axis [H, 2m-1] of one (bucket, layer), orders [H] -> [H, nq, nk] in each head's order."""
+    H = orders.shape[0]
+    nq, nk = -(-layout.seq_len // block_size[0]), -(-layout.seq_len // block_size[1])
+    out = torch.empty(H, nq, nk, device=device)
+    for order in orders.unique().tolist():
+        heads = (orders == order).nonzero().flatten()
+        out[heads.to(out.device)] = block_masses([p[heads] for p in profiles], int(order), layout, block_size, device)
+    return out
+
+
+def derive_plan(plan: Plan, layout: TokenLayout, device=None) -> Plan:
+    """The plan for `layout` from a plan calibrated at another size of the same model: its orders, dense
+    flags, buckets and modes, and masks built from its axis profiles with the calibration's budget at each
+    bucket's calibrated density."""
+    if plan.profiles is None:
+        raise PlanError(f"the plan calibrated for {plan.layout} holds no axis profiles to derive other sizes from")
+    start = time.perf_counter()
+    B, L = plan.num_buckets, plan.num_layers
+    masks = []
+    for b in range(B):
+        dense_layers = [layer for layer in range(L) if bool(plan.dense[b, layer])]
+        if len(dense_layers) == L:
+            nq, nk = -(-layout.seq_len // plan.block_size[0]), -(-layout.seq_len // plan.block_size[1])
+            masks.append(torch.ones(L, plan.num_heads, nq, nk, dtype=torch.bool))
+            continue
+        mass = torch.stack([
+            layer_block_masses([p[b, layer] for p in plan.profiles], plan.orders[layer].long(), layout,
+                               plan.block_size, device)
+            for layer in range(L)
+        ])
+        density = float(plan.density[b].mean())
+        masks.append(build_masks(mass, density, layout.prefix, plan.block_size, suffix=layout.suffix,
+                                 seq_len=layout.seq_len, dense_layers=dense_layers).cpu())
+    info = {key: value for key, value in plan.info.items() if key not in ("stats_file", "kept_mass", "kept_mass_min")}
+    info["derived_from"] = list(plan.layout.fields)
+    info["derive_s"] = time.perf_counter() - start
+    return replace(plan, layout=layout, block_mask=torch.stack(masks), density=None, info=info, profiles=None,
+                   extra_shapes=[])
+
+
+def shape_distance(a: TokenLayout, b: TokenLayout) -> float:
+    """How far two layouts are apart: the sum over the grid axes of |log(size ratio)|, text length last."""
+    grid = sum(abs(math.log(x / y)) for x, y in zip(axis_sizes(a), axis_sizes(b)))
+    return grid + 1e-3 * abs((a.prefix + a.suffix) - (b.prefix + b.suffix))
+
+
+class ShapePlans:
+    """The plan of each layout a processor meets: a calibrated shape's own plan, or one derived from the
+    closest calibrated shape (once per layout, then cached; `derived` lists them)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.calibrated = {p.layout: p for p in plan.calibrated_plans()}
+        self.derived: dict[TokenLayout, Plan] = {}
+        self._sliced: dict[tuple[TokenLayout, tuple[int, int] | None], Plan] = {}
+
+    def problem(self, layout: TokenLayout) -> str | None:
+        """Why no plan can be had for `layout` (None: calibrated or derivable)."""
+        if layout in self.calibrated:
+            return None
+        source = self.closest(layout)
+        if source.profiles is None:
+            made = ("plan format version 1 predates them" if source.format_version < 2 else
+                    "it was calibrated without them")
+            return (f"the plan holds no axis profiles ({made}), so it serves only its calibrated size; a plan "
+                    "calibrated by this paroattn derives masks for every size of the model")
+        if (layout.prefix > 0) != (source.layout.prefix > 0) or (layout.suffix > 0) != (source.layout.suffix > 0):
+            return (f"the call's text tokens ({layout.prefix} before the grid, {layout.suffix} after) are laid out "
+                    f"unlike the plan's ({source.layout.prefix} before, {source.layout.suffix} after)")
+        return None
+
+    def closest(self, layout: TokenLayout) -> Plan:
+        return min(self.calibrated.values(), key=lambda p: shape_distance(p.layout, layout))
+
+    def at(self, layout: TokenLayout, heads: tuple[int, int] | None = None, device=None) -> Plan:
+        """The plan for `layout` (heads `heads[0]..heads[1]-1` of it when given), derived on `device` (the
+        call's: the work is that of building masks) the first time. Raises PlanError when `problem(layout)`
+        says why there is none."""
+        key = (layout, heads)
+        if key in self._sliced:
+            return self._sliced[key]
+        plan = self.calibrated.get(layout) or self.derived.get(layout)
+        if plan is None:
+            if problem := self.problem(layout):
+                raise PlanError(problem)
+            plan = self.derived[layout] = derive_plan(self.closest(layout), layout, device)
+        self._sliced[key] = plan if heads is None else plan.head_slice(*heads)
+        return self._sliced[key]

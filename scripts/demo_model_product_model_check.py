@@ -1,0 +1,75 @@
+"""How well the product of per-axis offset profiles describes the demo model's heads at the size they were
+measured at: masks derived from a capture's own profiles vs masks from its exact block statistics (kept attention
+mass on those statistics), and the correlation of predicted with measured block masses per head. Separates the
+error of the description from that of carrying it to another size (QUALITY.md, One plan, many sizes).
+
+    python scripts/demo_model_product_model_check.py --size 8x24x24 --out benchmarks/results/derived-shapes-product-model-check-demo-model-cpu.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from paroattn import ORDERS
+from paroattn.calibrate.driver import capture, plan_from_stats
+from paroattn.calibrate.shapes import derive_plan, layer_block_masses
+from paroattn.demo_model import demo
+from paroattn.demo_model.model import load_demo_pipeline
+
+
+def kept_mass(plan, acc) -> float:
+    """Mean over captured (bucket, layer, head) of the share of the measured mass inside the plan's masks."""
+    kept = []
+    for (bucket, layer), mass in acc.mass.items():
+        slots = torch.tensor([acc.candidate_orders.index(int(o)) for o in plan.orders[layer]])
+        chosen = mass.float()[torch.arange(len(slots)), slots]
+        kept.append((chosen * plan.block_mask[bucket, layer]).sum((-1, -2)) / chosen.sum((-1, -2)))
+    return float(torch.cat(kept).mean())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="8x24x24", help="FRAMESxHEIGHTxWIDTH in pixels")
+    p.add_argument("--calibration-steps", type=int, default=1)
+    p.add_argument("--densities", default="0.5,0.3")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    frames, height, width = (int(x) for x in args.size.split("x"))
+    pipe = load_demo_pipeline(device="cpu", dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    size = {"num_frames": frames, "height": height, "width": width}
+    stats = capture(pipe, demo.CALIBRATION_PROMPTS, demo.study_config(args.calibration_steps, size=size))
+    acc = stats.accumulators["all"]
+    acc.flush()
+    lines = [f"demo model at {args.size} ({stats.layout} tokens), CPU float32, {args.calibration_steps} calibration "
+             f"step(s) of the {len(demo.CALIBRATION_PROMPTS)} calibration prompts"]
+    for density in (float(d) for d in args.densities.split(",")):
+        plan, _ = plan_from_stats(stats, demo.study_selection(density))
+        own = derive_plan(plan, stats.layout)
+        lines.append(f"d={density:g}: kept mass, masks from the exact statistics {kept_mass(plan, acc):.4f}; "
+                     f"masks from the size's own axis profiles {kept_mass(own, acc):.4f}")
+    bucket, layer = next(iter(acc.mass))
+    for layer in range(plan.num_layers):
+        mass = acc.mass[(bucket, layer)].float()
+        slots = torch.tensor([acc.candidate_orders.index(int(o)) for o in plan.orders[layer]])
+        true = mass[torch.arange(len(slots)), slots]
+        pred = layer_block_masses([p[bucket, layer] for p in plan.profiles], plan.orders[layer].long(), stats.layout,
+                                  plan.block_size)
+        corr = [float(torch.corrcoef(torch.stack([t.flatten(), q.flatten()]))[0, 1]) for t, q in zip(true, pred)]
+        lines.append(f"bucket {bucket} layer {layer}: predicted vs measured block masses, correlation per head "
+                     + ", ".join(f"{ORDERS[int(o)]} {c:.3f}" for o, c in zip(plan.orders[layer], corr)))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
