@@ -269,9 +269,7 @@ def test_bench_help_lists_the_benchmarks_options():
     ("--dense-steps", "1", ["--dense-steps 1.0", "[0, 1)"]),
     ("--dense-steps", "-0.2", ["--dense-steps -0.2", "[0, 1)"]),
     ("--dense-steps", "0.3", ["--dense-steps 0.3: spends all of the density 0.3", "lower the dense steps"]),
-    ("--query-block", "96", ["--query-block 96", "power-of-two multiple of the block size 64"]),
     ("--buckets", "0", ["--buckets 0", ">= 1"]),
-    ("--qk", "int3", ["--qk/--pv int3/bf16"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
     import paroattn.pipelines.generate as generate
