@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video")
-PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video")
+FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
+            "wan_vace", "qwen_image", "flux2")
+PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
@@ -29,6 +30,12 @@ HUNYUAN_VALID_TEXT = 13
 WAN_I2V_TEXT = 512
 WAN_I2V_IMAGE = 4
 TINY_BLOCK = 16
+# Qwen-Image's text length is the prompt's own (not padded to a fixed length); FLUX.2's is padded (512 for dev)
+QWEN_TEXT = 10
+FLUX2_TEXT = 8
+# the tiny VACE model's control channels: the inactive and reactive video latents (2 x 4) and the 8 x 8 mask
+# pixels per latent position (64), as its pipeline builds them (full size: 2 x 16 + 64 = 96); VACE blocks at layers 0, 1
+VACE_CHANNELS = 72
 # the tiny expert pair switches at t = 700 (boundary_ratio 0.7 in its pipeline config), so that a 4-step run
 # gives each expert two steps (t = 1000, 858 | 602, 9) and the bucket (500, 900] on both sides of the switch
 WAN22_BOUNDARY = 0.7
@@ -88,6 +95,32 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             image_dim=16 if i2v else None,
             added_kv_proj_dim=heads * head_dim if i2v else None,
         )
+    elif family in ("skyreels_v2", "wan_vace"):
+        import diffusers
+
+        extra = {"vace_layers": [0, 1], "vace_in_channels": VACE_CHANNELS} if family == "wan_vace" else {}
+        cls = diffusers.WanVACETransformer3DModel if family == "wan_vace" else diffusers.SkyReelsV2Transformer3DModel
+        model = cls(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
+        )
+    elif family == "qwen_image":
+        from diffusers import QwenImageTransformer2DModel
+
+        model = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=16,
+            axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+        )
+    elif family == "flux2":
+        from diffusers import Flux2Transformer2DModel
+
+        model = Flux2Transformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=16, timestep_guidance_channels=16,
+            axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=True,
+        )
     elif family == "flux":
         from diffusers import FluxTransformer2DModel
 
@@ -130,7 +163,7 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
     name = type(transformer).__name__
     config = transformer.config
 
-    is_flux = name == "FluxTransformer2DModel"
+    is_flux = name in ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
     if frames is None:
         frames = 4 if getattr(config, "patch_size_t", None) else 3
     height = height if height is not None else (12 if is_flux else 8)
@@ -169,6 +202,39 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
         if i2v:
             kwargs["encoder_hidden_states_image"] = rand(batch, WAN_I2V_IMAGE, config.image_dim)
         return kwargs
+    if name in ("SkyReelsV2Transformer3DModel", "WanVACETransformer3DModel"):
+        kwargs = {
+            "hidden_states": rand(batch, config.in_channels, frames, height, width),
+            "timestep": torch.full((batch,), float(timestep)),
+            "encoder_hidden_states": rand(batch, WAN_TEXT, config.text_dim),
+            "return_dict": False,
+        }
+        if name == "WanVACETransformer3DModel":
+            kwargs["control_hidden_states"] = rand(batch, config.vace_in_channels, frames, height, width)
+        return kwargs
+    if name == "QwenImageTransformer2DModel":
+        rows, cols = height // 2, width // 2  # the pipeline packs 2x2 latent pixels per token
+        return {
+            "hidden_states": rand(batch, rows * cols, config.in_channels),
+            "encoder_hidden_states": rand(batch, QWEN_TEXT, config.joint_attention_dim),
+            "timestep": torch.full((batch,), timestep / 1000.0),
+            "img_shapes": [[(1, rows, cols)]] * batch,
+            "return_dict": False,
+        }
+    if name == "Flux2Transformer2DModel":
+        rows, cols = height // 2, width // 2
+        # (time, row, column, text position) per token, as the pipeline builds them
+        img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(rows), torch.arange(cols), torch.arange(1))
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(FLUX2_TEXT))
+        return {
+            "hidden_states": rand(batch, rows * cols, config.in_channels),
+            "encoder_hidden_states": rand(batch, FLUX2_TEXT, config.joint_attention_dim),
+            "timestep": torch.full((batch,), timestep / 1000.0),
+            "img_ids": img_ids.expand(batch, -1, -1),
+            "txt_ids": txt_ids.expand(batch, -1, -1),
+            "guidance": torch.full((batch,), 4.0),
+            "return_dict": False,
+        }
     if name == "FluxTransformer2DModel":
         rows, cols = height // 2, width // 2  # the pipeline packs 2x2 latent pixels per token
         img_ids = torch.zeros(rows, cols, 3)
@@ -279,6 +345,18 @@ def tiny_pipeline(family: str, *, seed: int = 0):
             transformer_2=tiny_transformer("wan", seed=seed + 1) if pair else None,
             boundary_ratio=WAN22_BOUNDARY if pair else None,
         )
+    if family in ("skyreels_v2", "wan_vace"):
+        import diffusers
+
+        tokenizer, text_encoder = tiny_t5(16, seed)
+        vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                         temperal_downsample=[False, True, True],
+                                         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        cls = diffusers.SkyReelsV2Pipeline if family == "skyreels_v2" else diffusers.WanVACEPipeline
+        scheduler = (diffusers.UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+                     if family == "skyreels_v2" else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                   transformer=tiny_transformer(family, seed=seed))
     if family == "wan2.2-ti2v":
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
@@ -339,7 +417,7 @@ def tiny_call_kwargs(family: str) -> dict:
         # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 grid after 2x2 patches
         return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": COGVIDEOX_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 6.0, "output_type": "pt", "use_dynamic_cfg": False}
-    if family in ("wan", "wan2.2"):
+    if family in ("wan", "wan2.2", "skyreels_v2", "wan_vace"):
         # 9 frames of 64x64 -> 3 latent frames of 8x8 -> 3x4x4 tokens; the pair runs one step per expert
         return {"height": 64, "width": 64, "num_frames": 9, "max_sequence_length": WAN_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}

@@ -1,9 +1,10 @@
-"""PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan and FLUX
-transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give what one process gives
-with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
+"""PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan, FLUX.1,
+FLUX.2 and Qwen-Image transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give
+what one process gives with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
 with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
 bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
-divide, CogVideoX, calibration capture and frame binding are refused with what to do.
+divide, models without a context-parallel plan (CogVideoX, HunyuanVideo, SkyReels-V2, Wan VACE), calibration capture
+and frame binding are refused with what to do.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
 workers patch it to 1 and pass a CPU device mesh. One spawn runs every distributed case (the imports dominate)."""
@@ -40,6 +41,8 @@ TIMESTEPS = (800.0, 200.0)  # one per bucket of the two-bucket plans
 JOIN_TIMEOUT_S = 240
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # tiny_pipeline("wan2.2") at tiny_call_kwargs' size: 9 frames of 64 x 64
 PAIR_STEPS = 4  # two on each expert
+# the families whose diffusers context-parallel plan PARO follows (text and grid split in equal chunks)
+ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image")
 
 
 def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:
@@ -230,9 +233,10 @@ def _worker(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     folder = Path(folder)
-    results = {"wan": _ulysses_family("wan", rank), "flux": _ulysses_family("flux", rank), "pair": _expert_pair(rank),
+    results = {family: _ulysses_family(family, rank) for family in ULYSSES_FAMILIES}
+    results.update({"pair": _expert_pair(rank),
                "per_token": _per_token_timesteps(rank),
-               "compiled": _compiled(rank)}  # last: it changes dynamo's config in this process
+                    "compiled": _compiled(rank)})  # last: it changes dynamo's config in this process
     results.update(_refusals(rank))
     results["generate"] = _generate(rank, folder)
     torch.save(results, folder / f"rank{rank}.pt")
@@ -265,7 +269,7 @@ def ranks(tmp_path_factory):
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", ULYSSES_FAMILIES)
 @pytest.mark.parametrize("order", ["after", "before", "unfused_rope"])
 def test_paro_under_ulysses_equals_one_process(ranks, family, order):
     for found in ranks:
@@ -276,7 +280,7 @@ def test_paro_under_ulysses_equals_one_process(ranks, family, order):
     assert not torch.allclose(ranks[0][family]["single"][0], ranks[0][family]["single"][1])
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", ULYSSES_FAMILIES)
 def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
     per_gpu = HEADS // WORLD
     for rank, found in enumerate(ranks):
@@ -380,7 +384,7 @@ def test_ring_is_refused_and_dense_on_mismatch_keeps_the_reason():
         assert "ring_degree=2" in handle.processor.parallel_problem and handle.processor._ulysses is None
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video"])
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video", "skyreels_v2", "wan_vace"])
 def test_models_without_a_context_parallel_plan_are_refused(family):
     transformer = tiny_transformer(family, heads=HEADS)
     plan = make_plan(transformer, tiny_forward_inputs(transformer))

@@ -2,7 +2,7 @@
 
 The pipeline tests only check that a sparse plan gives a finite output that differs from dense, so
 they pass even when every layer is handed layer 0's orders and mask, the wrong bucket's masks, another
-head's order or a transposed mask. Here, for tiny CogVideoX, Wan and FLUX models:
+head's order or a transposed mask. Here, for tiny models of every family:
 
 - plans are built so that every (bucket, layer, head) mask is distinct and not symmetric and the
   heads of a layer have different token orders (asserted, so the tests cannot become vacuous);
@@ -67,9 +67,13 @@ def attention_modules(transformer) -> list[torch.nn.Module]:
     name = type(transformer).__name__
     if name == "CogVideoXTransformer3DModel":
         return [block.attn1 for block in transformer.transformer_blocks]
-    if name == "WanTransformer3DModel":
+    if name in ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel"):
         return [block.attn1 for block in transformer.blocks]
-    if name in ("FluxTransformer2DModel", "HunyuanVideoTransformer3DModel"):
+    if name == "WanVACETransformer3DModel":  # the main blocks, then the VACE blocks (over the control tokens)
+        return [block.attn1 for block in transformer.blocks] + [block.attn1 for block in transformer.vace_blocks]
+    if name == "QwenImageTransformer2DModel":
+        return [block.attn for block in transformer.transformer_blocks]
+    if name in ("FluxTransformer2DModel", "HunyuanVideoTransformer3DModel", "Flux2Transformer2DModel"):
         return [b.attn for b in transformer.transformer_blocks] + [b.attn for b in transformer.single_transformer_blocks]
     raise AssertionError(name)
 
@@ -82,7 +86,8 @@ def call_timestep(transformer, arguments) -> float:
     """The call's timestep on the plans' 0..1000 scale: CogVideoX passes ints 0..999, Wan floats
     0..1000, Flux t / 1000."""
     t = float(arguments["timestep"].flatten()[0])
-    return 1000.0 * t if type(transformer).__name__ == "FluxTransformer2DModel" else t
+    scaled = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
+    return 1000.0 * t if type(transformer).__name__ in scaled else t
 
 
 def call_layout(transformer, arguments) -> TokenLayout:
@@ -93,7 +98,8 @@ def call_layout(transformer, arguments) -> TokenLayout:
         _, frames, _, height, width = latents.shape
         p, pt = config.patch_size, config.patch_size_t or 1
         return TokenLayout(arguments["encoder_hidden_states"].shape[1], frames // pt, height // p, width // p)
-    if name == "WanTransformer3DModel":  # [B, C, F, H, W], no text in self-attention
+    if name in ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel", "WanVACETransformer3DModel"):
+        # [B, C, F, H, W], no text in self-attention
         _, _, frames, height, width = latents.shape
         pt, ph, pw = config.patch_size
         return TokenLayout(0, frames // pt, height // ph, width // pw)
@@ -101,6 +107,13 @@ def call_layout(transformer, arguments) -> TokenLayout:
         _, _, frames, height, width = latents.shape
         p, pt = config.patch_size, config.patch_size_t
         return TokenLayout(0, frames // pt, height // p, width // p, suffix=arguments["encoder_hidden_states"].shape[1])
+    if name == "QwenImageTransformer2DModel":  # packed [B, rows * cols, C], text first, the grid in img_shapes
+        (frames, rows, cols), = arguments["img_shapes"][0]
+        return TokenLayout(arguments["encoder_hidden_states"].shape[1], frames, rows, cols)
+    if name == "Flux2Transformer2DModel":  # packed, text first; ids are (time, row, column, text position)
+        ids = arguments["img_ids"][0]
+        rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+        return TokenLayout(arguments["encoder_hidden_states"].shape[1], 1, rows, cols)
     if name == "FluxTransformer2DModel":  # packed [B, rows * cols, C], text first
         ids = arguments["img_ids"]
         rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
@@ -260,7 +273,8 @@ def assert_buckets_change_within_the_run(recorder: LayerRecorder) -> None:
 
 # -- tests --------------------------------------------------------------------------------------------
 
-FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video"]
+FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video",
+                    "skyreels_v2", "wan_vace", "qwen_image", "flux2"]
 # one falling schedule through all three buckets of [1000, 750, 500, 0], two calls in the first
 TIMESTEPS = [980.0, 800.0, 620.0, 150.0]
 

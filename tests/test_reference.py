@@ -263,7 +263,7 @@ def test_apply_rotary_is_the_models_rope_bit_for_bit():
     from diffusers.models.embeddings import apply_rotary_emb
 
     from paroattn.kernels.reference import apply_rotary
-    from paroattn.pipelines.wan import _op_tables, _rotate
+    from paroattn.pipelines.base import paired_tables, rotate_pairs
 
     g = torch.Generator().manual_seed(0)
     B, H, N, D, S = 2, 3, 40, 64, 33
@@ -274,8 +274,8 @@ def test_apply_rotary_is_the_models_rope_bit_for_bit():
         expected[:, :, N - S:] = apply_rotary_emb(x[:, :, N - S:], (cos, sin))  # CogVideoX: after the text
         assert torch.equal(apply_rotary(x, cos, sin), expected)
         wan_cos, wan_sin = torch.randn(1, N, 1, D, generator=g), torch.randn(1, N, 1, D, generator=g)
-        wan = _rotate(x.transpose(1, 2), wan_cos, wan_sin).transpose(1, 2)  # Wan holds [B, S, H, D]
-        assert torch.equal(apply_rotary(x, *_op_tables(wan_cos, wan_sin)), wan)
+        wan = rotate_pairs(x.transpose(1, 2), wan_cos, wan_sin).transpose(1, 2)  # Wan holds [B, S, H, D]
+        assert torch.equal(apply_rotary(x, *paired_tables(wan_cos, wan_sin)), wan)
 
 
 def test_bad_rotary_tables_raise_clear_errors():

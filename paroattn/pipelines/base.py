@@ -121,6 +121,35 @@ def float32_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, 
     return cos.float().contiguous(), sin.float().contiguous()
 
 
+def rotate_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE of Wan and the models built on its blocks (SkyReels-V2, Wan VACE): interleaved pairs,
+    [B, S, H, D] with cos/sin [1, S, 1, D] broadcast over heads, pair i turned by cos[2i] and sin[2i + 1]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def paired_tables(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotate_pairs`'s rotation as `paro_attention`'s tables: pair i turns by cos[2i] and sin[2i + 1], so
+    both columns of the pair get those. [1, S, 1, D] -> float32 [S, D]. `rotate_pairs` multiplies in the
+    tables' dtype (bf16 once the model is cast): the op's float32 products round once, not twice."""
+    cos = freqs_cos.flatten(0, -2)[:, 0::2].float().repeat_interleave(2, dim=-1)
+    sin = freqs_sin.flatten(0, -2)[:, 1::2].float().repeat_interleave(2, dim=-1)
+    return cos, sin
+
+
+def complex_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables for a RoPE given as complex frequencies [S, D / 2] multiplied into interleaved pairs viewed as
+    complex numbers (Qwen-Image): pair i turns by freqs[i], so both columns of the pair get its real part
+    (cos) and its imaginary part (sin). The model multiplies in float32 (complex64): float32 tables are exact."""
+    return (freqs.real.float().repeat_interleave(2, dim=-1).contiguous(),
+            freqs.imag.float().repeat_interleave(2, dim=-1).contiguous())
+
+
 def without_rotary(call: SelfAttentionCall, q: torch.Tensor, k: torch.Tensor) -> SelfAttentionCall:
     """`call` with q and k replaced by their rotated versions."""
     return dataclasses.replace(call, q=q, k=k, rotary_emb=None, rotary=None)
@@ -156,13 +185,27 @@ def class_names(obj) -> set[str]:
 
 
 class FamilyAdapter:
-    """Base class; see the module docstring. Subclasses set the class attributes."""
+    """Base class; see the module docstring. Subclasses set the class attributes; what most families share is
+    declared there and implemented here once:
+
+    - `self_attention_paths`: (module list, attention attribute) pairs, in plan layer order; the self-attention
+      layers are every block's attention of each list in turn;
+    - geometry: the transformer's patch sizes (`patch_sizes`, read from its config), where the text sits in the
+      self-attention sequence (`text_position`: "none", "prefix" or "suffix") and how long it is by default
+      (`default_text_tokens`), the default frame count of a video family (`default_frames`), and for image
+      families the latent pixels packed per token side (`pack`). `layout_for` and `pixel_size` follow from them.
+    """
 
     name: str = ""
     models: str = ""  # the model names users know (help and messages); default: transformer_classes
     transformer_classes: tuple[str, ...] = ()
     attention_classes: tuple[str, ...] = ()
+    self_attention_paths: tuple[tuple[str, str], ...] = ()
     is_video: bool = True
+    text_position: str = "none"
+    default_text_tokens: int = 0
+    default_frames: int = 81
+    pack: int = 1
     # the layout of the plan a PAROProcessor runs (set when it binds): what a forward traced by torch.compile
     # takes for a call whose layout the arguments' shapes alone do not settle (Flux's image grid)
     planned_layout: TokenLayout | None = None
@@ -172,7 +215,10 @@ class FamilyAdapter:
 
     # -- structure ---------------------------------------------------------------------------
     def self_attention_layers(self, transformer) -> list[str]:
-        raise NotImplementedError
+        if not self.self_attention_paths:
+            raise NotImplementedError(f"{type(self).__name__} declares no self_attention_paths")
+        return [f"{blocks}.{i}.{attention}.processor" for blocks, attention in self.self_attention_paths
+                for i in range(len(getattr(transformer, blocks)))]
 
     def num_heads(self, transformer) -> int:
         return int(transformer.config.num_attention_heads)
@@ -189,15 +235,57 @@ class FamilyAdapter:
         raise NotImplementedError
 
     # -- geometry ----------------------------------------------------------------------------
+    def patch_sizes(self, transformer) -> tuple[int, int, int]:
+        """Latent positions per token along (frames, height, width): the config's `patch_size` as a triple
+        (Wan), or `patch_size_t` (1 when absent) and a square `patch_size`."""
+        config = transformer.config
+        p = config.patch_size
+        if isinstance(p, (tuple, list)):
+            return tuple(int(x) for x in p)
+        return int(getattr(config, "patch_size_t", None) or 1), int(p), int(p)
+
+    def grid_layout(self, transformer, latent_frames: int, latent_height: int, latent_width: int,
+                    text_tokens: int = 0) -> TokenLayout:
+        """The layout of a call on latents of this size with `text_tokens` where the family puts its text."""
+        pt, ph, pw = self.patch_sizes(transformer)
+        text = int(text_tokens)
+        return TokenLayout(text if self.text_position == "prefix" else 0, int(latent_frames) // pt,
+                           int(latent_height) // ph, int(latent_width) // pw,
+                           suffix=text if self.text_position == "suffix" else 0)
+
+    def _token_side(self, transformer, scale: PixelScale) -> tuple[int, int]:
+        _, ph, pw = self.patch_sizes(transformer)
+        return scale.spatial * self.pack * ph, scale.spatial * self.pack * pw
+
     def layout_for(self, transformer, *, height: int, width: int, frames: int | None = None,
                    text_tokens: int | None = None, scale: PixelScale = STANDARD_VAE) -> TokenLayout:
-        raise NotImplementedError
+        text = self.default_text_tokens if text_tokens is None else int(text_tokens)
+        if not self.is_video:
+            side_h, side_w = self._token_side(transformer, scale)
+            return TokenLayout(text if self.text_position == "prefix" else 0, 1, height // side_h, width // side_w,
+                               suffix=text if self.text_position == "suffix" else 0)
+        frames = self.default_frames if frames is None else int(frames)
+        latent_frames = (frames - 1) // scale.temporal + 1
+        side = scale.spatial * self.pack
+        return self.grid_layout(transformer, latent_frames, height // side, width // side, text)
 
     def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
         """Smallest generation size (pixels, frames) whose tokens have this layout."""
-        raise NotImplementedError
+        side_h, side_w = self._token_side(transformer, scale)
+        size = {"height": layout.height * side_h, "width": layout.width * side_w}
+        if self.is_video:
+            pt = self.patch_sizes(transformer)[0]
+            size = {"frames": (layout.frames * pt - 1) * scale.temporal + 1, **size}
+        return size
 
     # -- per self-attention call -------------------------------------------------------------
+    def arguments(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                  encoder_hidden_states_mask=None):
+        """(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb) of a call that diffusers made
+        in the attention module's own positional order (most modules pass these four in this order), with a
+        text mask passed on its own (`encoder_hidden_states_mask`) folded into `attention_mask`."""
+        return hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
         """q, k, v after projections and norms; RoPE left pending in `rotary_emb` / `rotary`."""
         raise NotImplementedError

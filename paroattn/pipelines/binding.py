@@ -220,10 +220,19 @@ class BoundProcessor:
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb=None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
     ):
+        # `encoder_hidden_states_mask` (Qwen-Image's text padding) is named so that the legacy `Attention.forward`
+        # passes it: it drops the keywords a processor's signature lacks. A module that passes a sixth argument
+        # positionally (LTX-2's key_rotary_emb) finds it there too, and its default processor gets it back.
         binding, layer = self._entry(attn)
         if layer is None or not binding.family.is_self_attention(attn, encoder_hidden_states):
-            return binding.delegate(attn)(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            sixth = () if encoder_hidden_states_mask is None else (encoder_hidden_states_mask,)
+            return binding.delegate(attn)(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                                          *sixth)
+        # in the model's own order (FLUX.2's single-stream blocks pass them in another), a text mask as attention_mask
+        hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb = binding.family.arguments(
+            attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, encoder_hidden_states_mask)
         call = binding.family.qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         out = self.attend(binding, attn, layer, call, attention_mask)
         return binding.family.finish(attn, out, call)

@@ -35,12 +35,11 @@ class CogVideoXAdapter(FamilyAdapter):
     models = "CogVideoX"
     transformer_classes = ("CogVideoXTransformer3DModel",)
     attention_classes = ("Attention",)
+    self_attention_paths = (("transformer_blocks", "attn1"),)
+    text_position = "prefix"
 
     def __init__(self):
         self._tables = RotaryTables(float32_tables)  # [S_video, D]: the video tokens after the text
-
-    def self_attention_layers(self, transformer) -> list[str]:
-        return [f"transformer_blocks.{i}.attn1.processor" for i in range(len(transformer.transformer_blocks))]
 
     # -- per forward -------------------------------------------------------------------------
     def _layout(self, transformer, text_tokens: int, latent_frames: int, latent_height: int, latent_width: int):

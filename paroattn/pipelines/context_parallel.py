@@ -28,9 +28,11 @@ head's reordering and block mask are defined on: refused. So are head counts tha
 models without a context-parallel plan in diffusers (CogVideoX, whose attention calls SDPA directly).
 
 How each supported family's sequence is split, read from diffusers 0.42.1's `_cp_plan`s: Wan splits the video
-tokens at `blocks.0` (no text in self-attention); Flux splits `hidden_states` (image) and
-`encoder_hidden_states` (text) separately at the transformer's entry and concatenates [text ; image] per GPU.
-Both are "the text prefix and the grid, each in N equal chunks" (Wan's prefix is empty).
+tokens at `blocks.0` (no text in self-attention); FLUX.1 and FLUX.2 split `hidden_states` (image) and
+`encoder_hidden_states` (text) separately at the transformer's entry, Qwen-Image at `transformer_blocks.0`
+(with its RoPE frequencies of each stream split alike at `pos_embed`), and each concatenates [text ; image] per
+GPU. All are "the text prefix and the grid, each in N equal chunks" (Wan's prefix is empty). SkyReels-V2, Wan
+VACE and HunyuanVideo have no plan in diffusers and are refused.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ..layout import TokenLayout
 from ..plan import Plan
 
 # families whose sequence diffusers splits as described above (the transformer must also have a `_cp_plan`)
-SPLIT_FAMILIES = ("wan", "flux")
+SPLIT_FAMILIES = ("wan", "flux", "flux2", "qwen_image")
 
 
 def context_parallel_config(parallel_config):
@@ -77,7 +79,7 @@ def model_problem(transformer, family_name: str) -> str | None:
         return (
             f"{name} has no context-parallel plan in diffusers (its attention does not go through "
             "dispatch_attention_fn), so PARO cannot run with enable_parallelism on it: run one pipeline per GPU "
-            "(context parallelism with PARO supports Wan and FLUX)"
+            "(context parallelism with PARO supports Wan, FLUX.1, FLUX.2 and Qwen-Image)"
         )
     return None
 

@@ -12,10 +12,8 @@ import torch
 
 from ..layout import TokenLayout
 from .base import (
-    STANDARD_VAE,
     CallInputs,
     FamilyAdapter,
-    PixelScale,
     RotaryTables,
     SelfAttentionCall,
     dispatch_dense,
@@ -23,25 +21,21 @@ from .base import (
     without_rotary,
 )
 
-# Flux packs 2x2 latent pixels into one token before its own patch embedding
-_PACK = 2
-
 
 class FluxAdapter(FamilyAdapter):
     name = "flux"
     models = "FLUX.1"
     transformer_classes = ("FluxTransformer2DModel",)
     attention_classes = ("FluxAttention",)
+    self_attention_paths = (("transformer_blocks", "attn"), ("single_transformer_blocks", "attn"))
     is_video = False
+    text_position = "prefix"
+    default_text_tokens = 512
+    pack = 2  # the pipeline packs 2x2 latent pixels into one token before the transformer's own patch embedding
 
     def __init__(self):
         self._grid_cache: tuple[torch.Tensor, tuple[int, int] | None, str | None] | None = None
         self._tables = RotaryTables(float32_tables)  # [S, D] over the whole text + image sequence
-
-    def self_attention_layers(self, transformer) -> list[str]:
-        dual = [f"transformer_blocks.{i}.attn.processor" for i in range(len(transformer.transformer_blocks))]
-        single = [f"single_transformer_blocks.{i}.attn.processor" for i in range(len(transformer.single_transformer_blocks))]
-        return dual + single
 
     # -- per forward -------------------------------------------------------------------------
     def _image_grid(self, img_ids: torch.Tensor) -> tuple[tuple[int, int] | None, str | None]:
@@ -90,19 +84,6 @@ class FluxAdapter(FamilyAdapter):
         # inside FluxTransformer2DModel.forward `timestep` is already multiplied by 1000
         text_tokens = f_locals["txt_ids"].shape[-2]
         return self._inputs(text_tokens, f_locals["img_ids"], f_locals["timestep"], 1.0)
-
-    # -- geometry ----------------------------------------------------------------------------
-    def _tokens_per_side(self, transformer, scale: PixelScale) -> int:
-        return scale.spatial * _PACK * int(transformer.config.patch_size)
-
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
-                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
-        side = self._tokens_per_side(transformer, scale)
-        return TokenLayout(512 if text_tokens is None else int(text_tokens), 1, height // side, width // side)
-
-    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
-        side = self._tokens_per_side(transformer, scale)
-        return {"height": layout.height * side, "width": layout.width * side}
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:

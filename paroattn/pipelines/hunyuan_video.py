@@ -16,17 +16,12 @@ import torch
 
 from ..layout import TokenLayout
 from .base import (
-    STANDARD_VAE,
     CallInputs,
     FamilyAdapter,
-    PixelScale,
     SelfAttentionCall,
     dispatch_dense,
     without_rotary,
 )
-
-DEFAULT_TEXT_TOKENS = 256  # HunyuanVideoPipeline's max_sequence_length
-DEFAULT_FRAMES = 129
 
 
 def _apply_rotary_emb(x, emb):
@@ -63,48 +58,26 @@ class HunyuanVideoAdapter(FamilyAdapter):
     models = "HunyuanVideo"
     transformer_classes = ("HunyuanVideoTransformer3DModel",)
     attention_classes = ("Attention",)
+    self_attention_paths = (("transformer_blocks", "attn"), ("single_transformer_blocks", "attn"))
+    text_position = "suffix"
+    default_text_tokens = 256  # HunyuanVideoPipeline's max_sequence_length
+    default_frames = 129
 
     def __init__(self):
         self._tables = _SequenceTables()
         self._padding: tuple | None = None  # (attention mask, its suffix mask or None), once per forward
 
-    def self_attention_layers(self, transformer) -> list[str]:
-        return ([f"transformer_blocks.{i}.attn.processor" for i in range(len(transformer.transformer_blocks))]
-                + [f"single_transformer_blocks.{i}.attn.processor"
-                   for i in range(len(transformer.single_transformer_blocks))])
-
     # -- per forward -------------------------------------------------------------------------
-    def _layout(self, transformer, text_tokens, latent_frames, latent_height, latent_width) -> TokenLayout:
-        p, pt = int(transformer.config.patch_size), int(transformer.config.patch_size_t)
-        return TokenLayout(0, int(latent_frames) // pt, int(latent_height) // p, int(latent_width) // p,
-                           suffix=int(text_tokens))
-
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:
         _, _, frames, height, width = arguments["hidden_states"].shape  # [B, C, F, H, W]
         text = arguments["encoder_hidden_states"].shape[1]  # the refiner keeps the text length
-        return CallInputs(arguments["timestep"], self._layout(transformer, text, frames, height, width))
+        return CallInputs(arguments["timestep"], self.grid_layout(transformer, frames, height, width, text))
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
         # HunyuanVideoTransformer3DModel.forward unpacks the latent shape into these names first thing
         text = f_locals["encoder_hidden_states"].shape[1]
-        layout = self._layout(transformer, text, f_locals["num_frames"], f_locals["height"], f_locals["width"])
+        layout = self.grid_layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"], text)
         return CallInputs(f_locals["timestep"], layout)
-
-    # -- geometry ----------------------------------------------------------------------------
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
-                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
-        frames = DEFAULT_FRAMES if frames is None else int(frames)
-        text = DEFAULT_TEXT_TOKENS if text_tokens is None else int(text_tokens)
-        latent_frames = (frames - 1) // scale.temporal + 1
-        return self._layout(transformer, text, latent_frames, height // scale.spatial, width // scale.spatial)
-
-    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
-        p, pt = int(transformer.config.patch_size), int(transformer.config.patch_size_t)
-        return {
-            "frames": (layout.frames * pt - 1) * scale.temporal + 1,
-            "height": layout.height * p * scale.spatial,
-            "width": layout.width * p * scale.spatial,
-        }
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:

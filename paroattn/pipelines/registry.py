@@ -7,10 +7,17 @@ import torch
 from .base import FamilyAdapter
 from .cogvideox import CogVideoXAdapter
 from .flux import FluxAdapter
+from .flux2 import Flux2Adapter
 from .hunyuan_video import HunyuanVideoAdapter
+from .qwen_image import QwenImageAdapter
+from .skyreels_v2 import SkyReelsV2Adapter
 from .wan import WanAdapter
+from .wan_vace import WanVACEAdapter
 
-FAMILIES: tuple[type[FamilyAdapter], ...] = (CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter)
+FAMILIES: tuple[type[FamilyAdapter], ...] = (
+    CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter, SkyReelsV2Adapter, WanVACEAdapter,
+    QwenImageAdapter, Flux2Adapter,
+)
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
 # the same families as users name them, for help texts: "CogVideoX, Wan 2.1 / 2.2, FLUX.1, HunyuanVideo"
 SUPPORTED_MODELS = ", ".join(family.models or " / ".join(family.transformer_classes) for family in FAMILIES)

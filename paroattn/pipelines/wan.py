@@ -7,7 +7,7 @@ size follows from the pipeline's `vae_scale_factor_spatial` and the transformer'
 passes a per-token timestep [B, N] (`expand_timesteps`), all equal in text-to-video; the largest is bucketed.
 
 Sequence of `attn1`: the F x H x W video tokens only (no text). q/k RMSNorm over heads*dim before
-the head split, RoPE on all tokens (passed positionally as the 5th argument; `_rotate` reproduces
+the head split, RoPE on all tokens (passed positionally as the 5th argument; `rotate_pairs` reproduces
 diffusers' function), `dispatch_attention_fn` on [B, S, H, D]. `attn2` is cross-attention to the text (+ image for I2V) and keeps its processor.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import TokenLayout
 from .base import (
     STANDARD_VAE,
     CallInputs,
@@ -24,30 +23,12 @@ from .base import (
     RotaryTables,
     SelfAttentionCall,
     dispatch_dense,
+    paired_tables,
+    rotate_pairs,
     without_rotary,
 )
 
 WAN22_VAE_CHANNELS = 48
-
-
-def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE on interleaved pairs, [B, S, H, D] with cos/sin broadcast over heads."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
-def _op_tables(freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_rotate`'s rotation as `paro_attention`'s tables: pair i turns by cos[2i] and sin[2i + 1], so
-    both columns of the pair get those. [1, S, 1, D] -> float32 [S, D]. `_rotate` multiplies in the
-    tables' dtype (bf16 once the model is cast): the op's float32 products round once, not twice."""
-    cos = freqs_cos.flatten(0, -2)[:, 0::2].float().repeat_interleave(2, dim=-1)
-    sin = freqs_sin.flatten(0, -2)[:, 1::2].float().repeat_interleave(2, dim=-1)
-    return cos, sin
 
 
 class WanAdapter(FamilyAdapter):
@@ -55,9 +36,10 @@ class WanAdapter(FamilyAdapter):
     models = "Wan 2.1 / 2.2"
     transformer_classes = ("WanTransformer3DModel",)
     attention_classes = ("WanAttention",)
+    self_attention_paths = (("blocks", "attn1"),)
 
     def __init__(self):
-        self._tables = RotaryTables(_op_tables)
+        self._tables = RotaryTables(paired_tables)
 
     def default_scale(self, transformer) -> PixelScale:
         # a bare transformer with 48 latent channels is Wan 2.2 TI2V-5B, whose VAE (z_dim 48) compresses
@@ -66,41 +48,18 @@ class WanAdapter(FamilyAdapter):
             return PixelScale(temporal=4, spatial=16)
         return STANDARD_VAE
 
-    def self_attention_layers(self, transformer) -> list[str]:
-        return [f"blocks.{i}.attn1.processor" for i in range(len(transformer.blocks))]
-
     def is_self_attention(self, attn, encoder_hidden_states) -> bool:
         return encoder_hidden_states is None and not getattr(attn, "is_cross_attention", False)
 
     # -- per forward -------------------------------------------------------------------------
-    def _layout(self, transformer, latent_frames, latent_height, latent_width):
-        p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
-        return TokenLayout(0, int(latent_frames) // p_t, int(latent_height) // p_h, int(latent_width) // p_w)
-
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:
         _, _, frames, height, width = arguments["hidden_states"].shape  # [B, C, F, H, W]
-        return CallInputs(arguments["timestep"], self._layout(transformer, frames, height, width))
+        return CallInputs(arguments["timestep"], self.grid_layout(transformer, frames, height, width))
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
-        # WanTransformer3DModel.forward unpacks the latent shape into these names first thing
-        layout = self._layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"])
+        # the transformer's forward unpacks the latent shape into these names first thing
+        layout = self.grid_layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"])
         return CallInputs(f_locals["timestep"], layout)
-
-    # -- geometry ----------------------------------------------------------------------------
-    def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,
-                   scale: PixelScale = STANDARD_VAE) -> TokenLayout:
-        if frames is None:
-            frames = 81
-        latent_frames = (int(frames) - 1) // scale.temporal + 1
-        return self._layout(transformer, latent_frames, height // scale.spatial, width // scale.spatial)
-
-    def pixel_size(self, transformer, layout: TokenLayout, scale: PixelScale = STANDARD_VAE) -> dict[str, int]:
-        p_t, p_h, p_w = (int(p) for p in transformer.config.patch_size)
-        return {
-            "frames": (layout.frames * p_t - 1) * scale.temporal + 1,
-            "height": layout.height * p_h * scale.spatial,
-            "width": layout.width * p_w * scale.spatial,
-        }
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:
@@ -125,8 +84,8 @@ class WanAdapter(FamilyAdapter):
     def rotate(self, call: SelfAttentionCall) -> SelfAttentionCall:
         if call.rotary_emb is None:
             return call
-        query = _rotate(call.q.transpose(1, 2), *call.rotary_emb)
-        key = _rotate(call.k.transpose(1, 2), *call.rotary_emb)
+        query = rotate_pairs(call.q.transpose(1, 2), *call.rotary_emb)
+        key = rotate_pairs(call.k.transpose(1, 2), *call.rotary_emb)
         return without_rotary(call, query.transpose(1, 2), key.transpose(1, 2))
 
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""SkyReels-V2 (T2V, I2V and the diffusion-forcing pipelines): Wan's blocks under other names, so the Wan
+adapter with `SkyReelsV2AttnProcessor`'s module.
+
+Sequence of `attn1`: the F x H x W video tokens only, RoPE on interleaved pairs (Wan's), q/k RMSNorm over
+heads*dim, `dispatch_attention_fn` on [B, S, H, D]. `attn2` is cross-attention to the text (+ image for I2V) and
+keeps its processor. The diffusion-forcing pipelines pass a per-frame timestep [B, F]: the largest is bucketed
+(the noisiest frame's), as for Wan 2.2's per-token timesteps.
+
+Refused: causal (autoregressive) attention, `num_frame_per_block > 1` (`causal_block_size` of the
+diffusion-forcing pipelines), which hands every self-attention a block-causal mask over frames. A plan's
+per-head orders and block masks have no room for a second, token-level mask: the call gets a PlanError (or the
+model's own attention with on_mismatch="dense"). No context-parallel plan in diffusers 0.42.1: `enable_parallelism`
+with PARO is refused (run one pipeline per GPU).
+"""
+
+from __future__ import annotations
+
+from .base import CallInputs
+from .wan import WanAdapter
+
+
+class SkyReelsV2Adapter(WanAdapter):
+    name = "skyreels_v2"
+    transformer_classes = ("SkyReelsV2Transformer3DModel",)
+    attention_classes = ("SkyReelsV2Attention",)
+    self_attention_paths = (("blocks", "attn1"),)
+
+    @staticmethod
+    def _causal_problem(transformer) -> str | None:
+        block = int(getattr(transformer.config, "num_frame_per_block", 1) or 1)
+        if block <= 1:
+            return None
+        return (
+            f"this SkyReels-V2 transformer attends causally over blocks of {block} frames (num_frame_per_block={block}, "
+            "the diffusion-forcing pipeline's causal_block_size): a PARO plan cannot add that mask to its block-sparse "
+            "one; run without causal_block_size (full attention over the frames)"
+        )
+
+    def _checked(self, transformer, inputs: CallInputs) -> CallInputs:
+        problem = self._causal_problem(transformer)
+        return inputs if problem is None else CallInputs(inputs.timestep, None, problem)
+
+    def call_inputs(self, transformer, arguments: dict) -> CallInputs:
+        return self._checked(transformer, super().call_inputs(transformer, arguments))
+
+    def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
+        return self._checked(transformer, super().call_inputs_from_locals(transformer, f_locals))

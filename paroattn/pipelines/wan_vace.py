@@ -1,0 +1,23 @@
+"""Wan VACE (video editing, control and reference-to-video on Wan 2.1): the Wan adapter over both stacks of
+`WanVACETransformer3DModel`, its 40 (14B) or 30 (1.3B) Wan blocks and its 8 (15) VACE blocks.
+
+Every VACE block runs self-attention (`attn1`) over the control tokens, which the model pads to the video's token
+count: the same F x H x W layout and RoPE as the main blocks, so PARO takes both. Plan layer order: the main
+blocks, then the VACE blocks. `attn2` of each is cross-attention to the text and keeps its processor.
+
+Reference images enter as whole latent frames before the video's (the pipeline adds one per image), so the grid
+is (latent frames + reference images) x H x W in the usual row-major order: a plan is calibrated with the number
+of reference images it will run with, and a call with another count is a layout mismatch named as such.
+No context-parallel plan in diffusers 0.42.1: `enable_parallelism` with PARO is refused (run one pipeline per GPU).
+"""
+
+from __future__ import annotations
+
+from .wan import WanAdapter
+
+
+class WanVACEAdapter(WanAdapter):
+    name = "wan_vace"
+    transformer_classes = ("WanVACETransformer3DModel",)
+    attention_classes = ("WanAttention",)
+    self_attention_paths = (("blocks", "attn1"), ("vace_blocks", "attn1"))

@@ -1,0 +1,230 @@
+"""SkyReels-V2, Wan VACE, Qwen-Image and FLUX.2 on tiny offline models (each layer against the reference op across
+buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ulysses: `test_context_parallel.py`):
+
+- the self-attention layers PARO takes, in plan order, and the token layout of a generation size;
+- a full-density plan reproduces the model's own output (fused and unfused RoPE, identity and random orders), and a
+  sparse one gives the same with the op's RoPE tables as with the model's RoPE code, differing from dense;
+- layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
+  own attention, the text padding included);
+- Wan VACE and SkyReels-V2 pipelines: a dense plan equals the default, `paro calibrate` and
+  `paro generate --compare` run on a saved pipeline folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from paroattn import Plan, PlanError, TokenLayout
+from paroattn.cli import app
+from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
+from paroattn.plan import model_fingerprint
+from paroattn.testing import (
+    FLUX2_TEXT,
+    QWEN_TEXT,
+    TINY_BLOCK,
+    tiny_call_kwargs,
+    tiny_forward_inputs,
+    tiny_pipeline,
+    tiny_transformer,
+)
+
+FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2"]
+
+
+def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, seed=0) -> Plan:
+    return Plan.synthetic(
+        layout=layout, num_layers=len(self_attention_layers(transformer)),
+        num_heads=transformer.config.num_attention_heads, density=density, orders=orders, num_buckets=num_buckets,
+        block_size=TINY_BLOCK, model_class=type(transformer).__name__,
+        model_fingerprint=model_fingerprint(transformer.config), seed=seed,
+    )
+
+
+def run(transformer, inputs):
+    with torch.no_grad():
+        return transformer(**inputs)[0]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    transformer = tiny_transformer(request.param)
+    inputs = tiny_forward_inputs(transformer, timestep=700.0)
+    reference = run(transformer, inputs)
+    layout = family_of(transformer).call_inputs(transformer, inputs).layout
+    return request.param, transformer, inputs, reference, layout
+
+
+def test_layers_and_layouts():
+    vace = tiny_transformer("wan_vace")
+    assert self_attention_layers(vace) == [
+        "blocks.0.attn1.processor", "blocks.1.attn1.processor",
+        "vace_blocks.0.attn1.processor", "vace_blocks.1.attn1.processor"]
+    assert self_attention_layers(tiny_transformer("skyreels_v2")) == ["blocks.0.attn1.processor",
+                                                                      "blocks.1.attn1.processor"]
+    assert self_attention_layers(tiny_transformer("qwen_image")) == [
+        "transformer_blocks.0.attn.processor", "transformer_blocks.1.attn.processor"]
+    assert self_attention_layers(tiny_transformer("flux2")) == [
+        "transformer_blocks.0.attn.processor", "single_transformer_blocks.0.attn.processor",
+        "single_transformer_blocks.1.attn.processor"]
+    # 720p x 121 frames (SkyReels-V2 720P): 31 latent frames of 90 x 160 -> 31 x 45 x 80 tokens, no text
+    assert layout_for(tiny_transformer("skyreels_v2"), height=720, width=1280, frames=121) == TokenLayout(0, 31, 45, 80)
+    assert layout_for(vace, height=480, width=832, frames=81) == TokenLayout(0, 21, 30, 52)
+    # 1024 x 1024: 128 x 128 latents, 2 x 2 per token -> 64 x 64 tokens after the text
+    assert layout_for(tiny_transformer("qwen_image"), height=1024, width=1024, text_tokens=77) == TokenLayout(
+        77, 1, 64, 64)
+    assert layout_for(tiny_transformer("flux2"), height=1024, width=1024) == TokenLayout(512, 1, 64, 64)
+
+
+def test_call_layouts_of_the_tiny_models():
+    expected = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
+                "qwen_image": TokenLayout(QWEN_TEXT, 1, 6, 6), "flux2": TokenLayout(FLUX2_TEXT, 1, 6, 6)}
+    for family, layout in expected.items():
+        transformer = tiny_transformer(family)
+        inputs = tiny_forward_inputs(transformer)
+        assert family_of(transformer).call_inputs(transformer, inputs).layout == layout, family
+        size = family_of(transformer).pixel_size(transformer, layout)
+        assert layout_for(transformer, **size, text_tokens=layout.prefix) == layout, family
+
+
+@pytest.mark.parametrize("orders", ["FHW", "random"])
+@pytest.mark.parametrize("fuse_rope", [True, False])
+def test_dense_plan_equals_the_models_own_attention(model, orders, fuse_rope):
+    _, transformer, inputs, reference, layout = model
+    with apply(transformer, make_plan(transformer, layout, orders=orders), backend="torch", fuse_rope=fuse_rope):
+        out = run(transformer, inputs)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(run(transformer, inputs), reference)  # and comes off bit-exact
+
+
+def test_sparse_plan_the_ops_rope_equals_the_models(model):
+    _, transformer, inputs, reference, layout = model
+    outs = []
+    for fuse_rope in (True, False):
+        with apply(transformer, make_plan(transformer, layout, density=0.5, orders="random"), backend="torch",
+                   fuse_rope=fuse_rope):
+            outs.append(run(transformer, inputs))
+    assert torch.isfinite(outs[0]).all() and (outs[0] - reference).abs().max() > 1e-3
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+# -- refusals ------------------------------------------------------------------------------------------------------
+
+
+def _refused(transformer, inputs, plan, match):
+    with apply(transformer, plan, backend="torch"), pytest.raises(PlanError, match=match):
+        run(transformer, inputs)
+    with pytest.warns(UserWarning, match=match), apply(transformer, plan, backend="torch", on_mismatch="dense"):
+        return run(transformer, inputs)
+
+
+def test_skyreels_causal_blocks_are_refused():
+    transformer = tiny_transformer("skyreels_v2")
+    inputs = tiny_forward_inputs(transformer)
+    transformer.register_to_config(num_frame_per_block=3)  # what causal_block_size=3 sets: one causal block here
+    plan = make_plan(transformer, TokenLayout(0, 3, 4, 4))
+    reference = run(transformer, inputs)
+    out = _refused(transformer, inputs, plan, "attends causally over blocks of 3 frames")
+    assert torch.equal(out, reference)
+
+
+def test_qwen_image_padded_text_is_refused_and_dense_keeps_the_padding():
+    transformer = tiny_transformer("qwen_image")
+    inputs = tiny_forward_inputs(transformer)
+    mask = torch.ones(2, QWEN_TEXT, dtype=torch.long)
+    mask[0, 6:] = 0  # prompts of 6 and 10 tokens in one batch
+    inputs["encoder_hidden_states_mask"] = mask
+    reference = run(transformer, inputs)
+    unpadded = run(transformer, {**inputs, "encoder_hidden_states_mask": None})
+    assert (reference[0] - unpadded[0]).abs().max() > 1e-3  # the padding matters to the model
+    out = _refused(transformer, inputs, make_plan(transformer, TokenLayout(QWEN_TEXT, 1, 6, 6)),
+                   "prompts have different lengths")
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    # a mask with nothing padded is no mask: PARO runs
+    ones = {**inputs, "encoder_hidden_states_mask": torch.ones(2, QWEN_TEXT, dtype=torch.long)}
+    with apply(transformer, make_plan(transformer, TokenLayout(QWEN_TEXT, 1, 6, 6)), backend="torch"):
+        torch.testing.assert_close(run(transformer, ones), unpadded, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen_image_edit_and_other_text_lengths_are_refused():
+    transformer = tiny_transformer("qwen_image")
+    inputs = tiny_forward_inputs(transformer)
+    plan = make_plan(transformer, TokenLayout(QWEN_TEXT, 1, 6, 6))
+    # the target and a 3 x 3 reference image (Qwen-Image-Edit), its tokens after the target's
+    edit = {**inputs, "hidden_states": torch.cat([inputs["hidden_states"], inputs["hidden_states"][:, :9]], dim=1),
+            "img_shapes": [[(1, 6, 6), (1, 3, 3)]] * 2}
+    _refused(transformer, edit, plan, "more than one image per sample")
+    shorter = {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :7]}
+    with apply(transformer, plan, backend="torch"), pytest.raises(PlanError, match=f"calibrated with {QWEN_TEXT} text"):
+        run(transformer, shorter)
+
+
+def test_flux2_reference_images_and_kv_cache_are_refused():
+    transformer = tiny_transformer("flux2")
+    inputs = tiny_forward_inputs(transformer)
+    plan = make_plan(transformer, TokenLayout(FLUX2_TEXT, 1, 6, 6))
+    ref_ids = inputs["img_ids"].clone()
+    ref_ids[..., 0] = 10  # a reference image's tokens: time coordinate 10, after the target's
+    conditioned = {**inputs, "hidden_states": torch.cat([inputs["hidden_states"]] * 2, dim=1),
+                   "img_ids": torch.cat([inputs["img_ids"], ref_ids], dim=1)}
+    reference = run(transformer, conditioned)
+    out = _refused(transformer, conditioned, plan, r"1 reference image\(s\) after the target")
+    assert torch.equal(out, reference)
+    adapter = family_of(transformer)
+    inputs_cached = {**inputs, "kv_cache_mode": "extract", "num_ref_tokens": 36}
+    assert "reference KV cache" in adapter.call_inputs(transformer, inputs_cached).problem
+
+
+# -- pipelines -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_ftfy(monkeypatch):
+    """These pipelines clean prompts with ftfy (not a dependency here): stand it in by the identity."""
+    import types
+
+    from diffusers.pipelines.skyreels_v2 import pipeline_skyreels_v2
+    from diffusers.pipelines.wan import pipeline_wan_vace
+
+    for module in (pipeline_skyreels_v2, pipeline_wan_vace):
+        monkeypatch.setattr(module, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+
+
+@pytest.mark.parametrize("family", ["skyreels_v2", "wan_vace"])
+def test_pipeline_dense_plan_equals_default(family, no_ftfy):
+    pipe = tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {**tiny_call_kwargs(family), "output_type": "latent"}
+
+    def generate():
+        with torch.no_grad():
+            return pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    reference = generate()
+    with apply(pipe, make_plan(pipe.transformer, TokenLayout(0, 3, 4, 4), orders="random"), backend="torch"):
+        torch.testing.assert_close(generate(), reference, rtol=1e-5, atol=1e-5)
+    with apply(pipe, make_plan(pipe.transformer, TokenLayout(0, 3, 4, 4), density=0.5, orders="random"),
+               backend="torch"):
+        sparse = generate()
+    assert torch.isfinite(sparse).all() and (sparse - reference).abs().max() > 1e-4
+
+
+def test_cli_calibrate_and_generate_compare_wan_vace(tmp_path, no_ftfy):
+    tiny_pipeline("wan_vace").save_pretrained(tmp_path / "model")
+    runner = CliRunner()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    size = ["--height", 64, "--width", 64, "--frames", 9]
+    result = runner.invoke(app, [str(a) for a in [
+        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
+        "--num-prompts", 1, "--steps", 2, "--stat-every", 1, "--buckets", 2, "--density", 0.5,
+        "--block-size", TINY_BLOCK, "--device", "cpu", *size]])
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(tmp_path / "plan.safetensors")
+    assert plan.layout == TokenLayout(0, 3, 4, 4) and plan.num_layers == 4
+    result = runner.invoke(app, [str(a) for a in [
+        "generate", tmp_path / "model", "--prompt", "a cat", "--plan", tmp_path / "plan.safetensors", "--compare",
+        "--steps", 2, "--device", "cpu", "--backend", "torch", "--out", tmp_path / "out.gif", *size]])
+    assert result.exit_code == 0, result.output
+    assert "PARO vs dense: PSNR" in result.output
