@@ -8,10 +8,15 @@ depend on weight values. One "step" is one transformer forward at the model's de
 - FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens;
 - Wan 2.2 A14B, one expert (both have this config): 81 frames 720x1280, B=1, 21x45x80 = 75600 tokens;
 - Wan 2.2 TI2V-5B: 121 frames 704x1280 (VAE 16x), B=1, per-token timesteps, 31x22x40 = 27280 tokens;
+- SkyReels-V2-14B (720P): 121 frames 720x1280, B=1, 31x45x80 = 111600 tokens;
+- Wan2.1-VACE-14B: the pipeline's 81 frames 480x832, B=1, 21x30x52 = 32760 tokens in 40 main + 8 VACE blocks;
+- Qwen-Image: 1024x1024 (2048x2048), B=1 (one CFG branch), 128 text (a prompt's own length) + 64x64 (128x128);
+- FLUX.2-dev: 1024x1024 (2048x2048), B=1 (guidance-distilled), 512 text + 64x64 (128x128);
 - HunyuanVideo: 129 frames 720x1280, B=1 (guidance-distilled), 33x45x80 + 256 text = 119056 tokens, the
   text padded as a prompt pads it: --text-tokens real ones (96 by default; 256: a prompt that fills it).
   Dense runs the model's masked SDPA, PARO the kernels with the op's suffix_mask.
-Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
+The dense row also gives the step's attention share: one SDPA call of the step's shape timed alone, times
+the self-attention layers, over the step. Modes: dense (the model's own processors, SDPA), PARO at density 0.5 and 0.2 with bf16 or int8 QK +
 fp8 PV, synthetic plans (random orders, banded + scattered masks). The prefetch overhead is the step
 time with masks streamed per layer (side stream, 3 slots) minus the time with all masks resident; the
 "model-rope" rows apply the model's own RoPE code before the op (fuse_rope=False) instead of the op's pass.
@@ -19,6 +24,7 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
         [--modes "dense,paro d=0.2 int8+fp8"] [--resident-only]     # (models also: wan2.2-a14b, wan2.2-ti2v, hunyuan)
         [--text-tokens 96]                                          # hunyuan: real tokens of the 256
+        # also: skyreels-v2-720p, wan-vace-14b, qwen-image, qwen-image-2048, flux2, flux2-2048
     python benchmarks/e2e.py --compile fullgraph,reduce-overhead [--models ...]   # compiled rows (below)
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
@@ -89,11 +95,34 @@ CONFIGS = {
         rope_axes_dim=(16, 56, 56),
     )),
 }
+# Wan 2.1 14B's blocks, which SkyReels-V2-T2V-14B-720P and Wan2.1-VACE-14B share
+_WAN_14B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)
+CONFIGS.update({
+    "skyreels-v2-720p": ("SkyReelsV2Transformer3DModel", dict(_WAN_14B)),
+    "wan-vace-14b": ("WanVACETransformer3DModel", dict(
+        _WAN_14B, vace_layers=[0, 5, 10, 15, 20, 25, 30, 35], vace_in_channels=96)),
+    # diffusers' defaults are the released Qwen-Image and FLUX.2-dev configs
+    "qwen-image": ("QwenImageTransformer2DModel", {}),
+    "qwen-image-2048": ("QwenImageTransformer2DModel", {}),
+    "flux2": ("Flux2Transformer2DModel", {}),
+    "flux2-2048": ("Flux2Transformer2DModel", {}),
+})
 LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev",
-          "wan2.2-a14b": "Wan2.2-A14B expert 720p", "wan2.2-ti2v": "Wan2.2-TI2V-5B", "hunyuan": "HunyuanVideo 720p"}
+          "wan2.2-a14b": "Wan2.2-A14B expert 720p", "wan2.2-ti2v": "Wan2.2-TI2V-5B", "hunyuan": "HunyuanVideo 720p",
+          "skyreels-v2-720p": "SkyReels-V2-14B 720p", "wan-vace-14b": "Wan2.1-VACE-14B",
+          "qwen-image": "Qwen-Image 1024", "qwen-image-2048": "Qwen-Image 2048",
+          "flux2": "FLUX.2-dev 1024", "flux2-2048": "FLUX.2-dev 2048"}
 # the tiny model of each family, for --smoke
 SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan",
-                  "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video"}
+                  "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video", "skyreels-v2-720p": "skyreels_v2",
+                  "wan-vace-14b": "wan_vace", "qwen-image": "qwen_image", "qwen-image-2048": "qwen_image",
+                  "flux2": "flux2", "flux2-2048": "flux2"}
+# Qwen-Image's text is the prompt's own length (not padded): a prompt of a few sentences
+QWEN_IMAGE_TEXT = 128
 MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
          ("paro d=0.5 int8+fp8", 0.5, "int8", "fp8"), ("paro d=0.2 int8+fp8", 0.2, "int8", "fp8")]
 # real tokens of HunyuanVideo's 256 text tokens (the rest is padding): a prompt of a few sentences
@@ -158,6 +187,25 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
                 "encoder_attention_mask": (torch.arange(256, device=device) < text_tokens).long()[None],
                 "pooled_projections": rand(1, 768), "timestep": torch.full((1,), 900.0, device=device, dtype=dtype),
                 "guidance": torch.full((1,), 6000.0, device=device, dtype=dtype), "return_dict": False}
+    if name == "skyreels-v2-720p":  # 121 frames of 720 x 1280: 31 x 45 x 80 tokens
+        return {"hidden_states": rand(1, 16, 31, 90, 160), "encoder_hidden_states": rand(1, 512, 4096),
+                "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
+    if name == "wan-vace-14b":  # the pipeline's default, 81 frames of 480 x 832: 21 x 30 x 52 tokens
+        return {"hidden_states": rand(1, 16, 21, 60, 104), "control_hidden_states": rand(1, 96, 21, 60, 104),
+                "encoder_hidden_states": rand(1, 512, 4096), "timestep": torch.full((1,), 900.0, device=device),
+                "return_dict": False}
+    if name.startswith("qwen-image"):  # 1024 (2048) pixels: 64 x 64 (128 x 128) tokens of 2 x 2 latents
+        side = 128 if name.endswith("2048") else 64
+        return {"hidden_states": rand(1, side * side, 64), "encoder_hidden_states": rand(1, QWEN_IMAGE_TEXT, 3584),
+                "timestep": torch.full((1,), 0.9, device=device), "img_shapes": [[(1, side, side)]],
+                "return_dict": False}
+    if name.startswith("flux2"):
+        side = 128 if name.endswith("2048") else 64
+        img_ids = torch.cartesian_prod(*(torch.arange(n, device=device) for n in (1, side, side, 1)))
+        txt_ids = torch.cartesian_prod(*(torch.arange(n, device=device) for n in (1, 1, 1, 512)))
+        return {"hidden_states": rand(1, side * side, 128), "encoder_hidden_states": rand(1, 512, 15360),
+                "timestep": torch.full((1,), 0.9, device=device), "guidance": torch.full((1,), 4.0, device=device),
+                "img_ids": img_ids[None], "txt_ids": txt_ids[None], "return_dict": False}
     img_ids = torch.zeros(64, 64, 3, device=device)
     img_ids[..., 1] = torch.arange(64, device=device)[:, None]
     img_ids[..., 2] = torch.arange(64, device=device)[None, :]
@@ -183,6 +231,10 @@ def synthetic_plan(transformer, layout: TokenLayout, density: float, qk: str, pv
     )
 
 
+def inputs_dtype(inputs: dict) -> torch.dtype:
+    return inputs["hidden_states"].dtype
+
+
 def time_step(transformer, inputs, iters: int, device) -> tuple[float, list[float]]:
     """Median seconds of one forward after one warm-up forward (compiles and autotunes)."""
     times = []
@@ -197,6 +249,28 @@ def time_step(transformer, inputs, iters: int, device) -> tuple[float, list[floa
             if i:
                 times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+def attention_seconds(transformer, layout: TokenLayout, batch: int, device, dtype, iters: int = 5) -> float:
+    """Seconds of the dense self-attention of one step: one SDPA call on q, k, v [B, H, N, D] of the layout's
+    length, times the self-attention layers (projections, norms and cross-attention not included)."""
+    import torch.nn.functional as F
+
+    heads = transformer.config.num_attention_heads
+    q, k, v = (torch.randn(batch, heads, layout.seq_len, transformer.config.attention_head_dim, device=device,
+                           dtype=dtype) for _ in range(3))
+    times = []
+    with torch.no_grad():
+        for i in range(iters + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times) * len(self_attention_layers(transformer))
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict]:
@@ -253,11 +327,14 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
                 handle.remove()
             if density is None:
                 dense_s = seconds
+                row["attention_s"] = attention_seconds(transformer, layout, row["batch"], device, inputs_dtype(inputs))
+                row["attention_share"] = row["attention_s"] / seconds
             row["speedup"] = dense_s / seconds if dense_s is not None else float("nan")  # dense not run
             rows.append(row)
             if args.json:  # each row as it comes: a run cut short keeps what it measured
                 args.json.write_text(json.dumps({"info": args.info, "rows": args.rows_before + rows}, indent=1))
             print(f"  {label:22s} {row['masks']:9s} {seconds * 1000:9.1f} ms  x{row['speedup']:.2f}"
+                  + (f"  attention {row['attention_share'] * 100:.0f}% of the step" if "attention_share" in row else "")
                   + (f"  peak {row['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in row else "")
                   + (f"  masks on GPU {row['mask_gpu_mib']:.1f} MiB" if "mask_gpu_mib" in row else ""), flush=True)
           except Exception as exc:  # a kernel mode that fails must not hide the others
