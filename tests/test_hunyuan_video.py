@@ -8,7 +8,8 @@
 - a plan for another size or text length raises PlanError naming both and the fix;
 - calibration statistics leave the padded text keys out, as the op does;
 - calibration, `paro calibrate` and `paro generate --compare` on a saved pipeline folder.
-(Each layer against the reference op: `test_layer_oracle.py`.)
+- each layer against attention built from first principles with the plan's orders, masks and the padding (and
+  against the reference op in `test_layer_oracle.py`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,78 @@ def test_padding_becomes_the_suffix_mask_and_none_without_padding(model):
     assert padded[0].tolist() == [True] * HUNYUAN_VALID_TEXT + [False] * (HUNYUAN_TEXT - HUNYUAN_VALID_TEXT)
     assert bool(padded[1].all())
     assert adapter.suffix_mask(masks[1], layout) == (True, None)  # nothing padded: the Triton kernels can run it
+
+
+def test_every_layer_equals_first_principles_attention_with_the_padding():
+    """Forward calls at falling timesteps through three buckets, item 0's text padded: each layer's output is
+    softmax attention built from first principles (each grid token's (f, h, w) sorted by its head's order, the text
+    kept after the grid, the mask of that layer and of the bucket the test derives from the timestep expanded
+    through that permutation, padded text keys never attended), then the layer's output projections. Removing the
+    padding, or taking another layer's, bucket's or head's entry, or the transposed mask, moves the result."""
+    from test_layer_oracle import (
+        TIMESTEPS,
+        VISIBLE,
+        LayerRecorder,
+        _replace,
+        discriminating_plan,
+        grid_permutation,
+    )
+
+    from paroattn.layout import ORDERS
+
+    transformer = tiny_transformer("hunyuan_video")
+    adapter = family_of(transformer)
+    calls = [tiny_forward_inputs(transformer, timestep=t, seed=i) for i, t in enumerate(TIMESTEPS)]
+    layout = adapter.call_inputs(transformer, calls[0]).layout
+    plan = discriminating_plan(transformer, layout, [1000.0, 750.0, 500.0, 0.0], seed=1)
+    with torch.no_grad(), apply(transformer, plan, backend="torch"), LayerRecorder(transformer, plan) as recorder:
+        for inputs in calls:
+            transformer(**inputs)
+    assert {bucket for _, bucket, _ in recorder.forwards} == {0, 1, 2}
+
+    def first_principles(call, plan, bucket, padded=True):
+        split = adapter.rotate(adapter.qkv(call["module"], call["hidden_states"], call["encoder_hidden_states"],
+                                           call["rotary"]))
+        q, k, v = split.q, split.k, split.v
+        B, H, N, D = q.shape
+        keys = torch.ones(B, N, dtype=torch.bool)
+        if padded:  # the model's [B, 1, 1, N] mask: False at padded text keys
+            keys = call["attention_mask"][:, 0, 0, :].bool()
+        out = torch.empty_like(q)
+        for h in range(H):
+            position = torch.empty(N, dtype=torch.long)  # original token -> reordered position
+            position[torch.tensor(grid_permutation(layout, ORDERS[int(plan.orders[call["layer"], h])]))] = torch.arange(N)
+            block = position // TINY_BLOCK
+            allowed = plan.block_mask[bucket, call["layer"], h][block[:, None], block[None, :]]
+            scores = (q[:, h] @ k[:, h].transpose(-1, -2)) / D ** 0.5
+            attended = allowed[None] & keys[:, None, :]
+            weights = torch.softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
+            # a query whose active blocks hold padded keys only attends to nothing: zeros (the op's contract)
+            out[:, h] = torch.where(attended.any(-1, keepdim=True), weights, 0.0) @ v[:, h]
+        return adapter.finish(call["module"], out, split)
+
+    assert not bool(recorder.calls[0]["attention_mask"].all())
+    for call in recorder.calls:
+        _, bucket, _ = recorder.forwards[call["forward"]]
+        with torch.no_grad():
+            expected = first_principles(call, plan, bucket)
+        for got, want in zip(call["output"], expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, c=call: f"layer {c['layer']}: {m}")
+
+    call = next(c for c in recorder.calls if c["layer"] == plan.num_layers - 1 and recorder.forwards[c["forward"]][1] == 1)
+    L = plan.num_layers
+    with torch.no_grad():
+        right = first_principles(call, plan, 1)[0]
+        wrong = {
+            "padding ignored": first_principles(call, plan, 1, padded=False)[0],
+            "layer 0": first_principles(call, _replace(plan, orders=plan.orders[[0] * L],
+                                                       block_mask=plan.block_mask[:, [0] * L]), 1)[0],
+            "other bucket": first_principles(call, plan, 0)[0],
+            "heads rolled": first_principles(call, _replace(plan, orders=plan.orders.roll(1, dims=1)), 1)[0],
+            "transposed": first_principles(call, _replace(plan, block_mask=plan.block_mask.transpose(-1, -2)), 1)[0],
+        }
+    for what, moved in wrong.items():
+        assert (moved - right).abs().max() > VISIBLE, what
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="16-token blocks run in the interpreter only; the GPU's "
