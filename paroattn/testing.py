@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
-            "wan_vace", "qwen_image", "flux2")
+            "wan_vace", "qwen_image", "flux2", "hunyuan_video15")
 PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
@@ -33,6 +33,9 @@ TINY_BLOCK = 16
 # Qwen-Image's text length is the prompt's own (not padded to a fixed length); FLUX.2's is padded (512 for dev)
 QWEN_TEXT = 10
 FLUX2_TEXT = 8
+# HunyuanVideo 1.5's joined text: 7 MLLM + 5 ByT5 + 4 vision tokens (1000 + 256 + 729 at full size); the first
+# item's MLLM text is padded after 4 tokens, its ByT5 after 2, and in text-to-video the vision tokens are padding
+HUNYUAN15_TEXT = (7, 5, 4)
 # the tiny VACE model's control channels: the inactive and reactive video latents (2 x 4) and the 8 x 8 mask
 # pixels per latent position (64), as its pipeline builds them (full size: 2 x 16 + 64 = 96); VACE blocks at layers 0, 1
 VACE_CHANNELS = 72
@@ -104,6 +107,14 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **extra,
+        )
+    elif family == "hunyuan_video15":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        model = HunyuanVideo15Transformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim, num_layers=2,
+            num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=16, image_embed_dim=16,
+            rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
         )
     elif family == "qwen_image":
         from diffusers import QwenImageTransformer2DModel
@@ -212,6 +223,20 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
         if name == "WanVACETransformer3DModel":
             kwargs["control_hidden_states"] = rand(batch, config.vace_in_channels, frames, height, width)
         return kwargs
+    if name == "HunyuanVideo15Transformer3DModel":
+        mllm, byt5, vision = HUNYUAN15_TEXT
+        mask, mask_2 = torch.ones(batch, mllm, dtype=torch.long), torch.ones(batch, byt5, dtype=torch.long)
+        mask[0, 4:], mask_2[0, 2:] = 0, 0
+        return {
+            "hidden_states": rand(batch, config.in_channels, frames, height, width),
+            "timestep": torch.full((batch,), float(timestep)),
+            "encoder_hidden_states": rand(batch, mllm, config.text_embed_dim),
+            "encoder_attention_mask": mask,
+            "encoder_hidden_states_2": rand(batch, byt5, config.text_embed_2_dim),
+            "encoder_attention_mask_2": mask_2,
+            "image_embeds": torch.zeros(batch, vision, config.image_embed_dim, dtype=dtype),  # text-to-video
+            "return_dict": False,
+        }
     if name == "QwenImageTransformer2DModel":
         rows, cols = height // 2, width // 2  # the pipeline packs 2x2 latent pixels per token
         return {

@@ -3,8 +3,8 @@ FLUX.2 and Qwen-Image transformers with `enable_parallelism(ContextParallelConfi
 what one process gives with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
 with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
 bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
-divide, models without a context-parallel plan (CogVideoX, HunyuanVideo, SkyReels-V2, Wan VACE), calibration capture
-and frame binding are refused with what to do.
+divide, models without a context-parallel plan (CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2, Wan VACE), calibration
+capture and frame binding are refused with what to do.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
 workers patch it to 1 and pass a CPU device mesh. One spawn runs every distributed case (the imports dominate)."""
@@ -384,7 +384,7 @@ def test_ring_is_refused_and_dense_on_mismatch_keeps_the_reason():
         assert "ring_degree=2" in handle.processor.parallel_problem and handle.processor._ulysses is None
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video", "skyreels_v2", "wan_vace"])
+@pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video", "hunyuan_video15", "skyreels_v2", "wan_vace"])
 def test_models_without_a_context_parallel_plan_are_refused(family):
     transformer = tiny_transformer(family, heads=HEADS)
     plan = make_plan(transformer, tiny_forward_inputs(transformer))

@@ -1,4 +1,4 @@
-"""SkyReels-V2, Wan VACE, Qwen-Image and FLUX.2 on tiny offline models (each layer against the reference op across
+"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2 and HunyuanVideo 1.5 on tiny offline models (each layer against the reference op across
 buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ulysses: `test_context_parallel.py`):
 
 - the self-attention layers PARO takes, in plan order, and the token layout of a generation size;
@@ -22,6 +22,7 @@ from paroattn.pipelines import apply, family_of, layout_for, self_attention_laye
 from paroattn.plan import model_fingerprint
 from paroattn.testing import (
     FLUX2_TEXT,
+    HUNYUAN15_TEXT,
     QWEN_TEXT,
     TINY_BLOCK,
     tiny_call_kwargs,
@@ -30,7 +31,7 @@ from paroattn.testing import (
     tiny_transformer,
 )
 
-FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2"]
+FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15"]
 
 
 def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, seed=0) -> Plan:
@@ -75,17 +76,24 @@ def test_layers_and_layouts():
     assert layout_for(tiny_transformer("qwen_image"), height=1024, width=1024, text_tokens=77) == TokenLayout(
         77, 1, 64, 64)
     assert layout_for(tiny_transformer("flux2"), height=1024, width=1024) == TokenLayout(512, 1, 64, 64)
+    # HunyuanVideo 1.5 at 720p x 121 frames: its VAE compresses space by 16 -> 31 x 45 x 80, then 1985 text tokens
+    hunyuan15 = tiny_transformer("hunyuan_video15")
+    assert self_attention_layers(hunyuan15) == ["transformer_blocks.0.attn.processor",
+                                                "transformer_blocks.1.attn.processor"]
+    assert layout_for(hunyuan15, height=720, width=1280, frames=121) == TokenLayout(0, 31, 45, 80, suffix=1985)
 
 
 def test_call_layouts_of_the_tiny_models():
     expected = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
+                "hunyuan_video15": TokenLayout(0, 4, 8, 8, suffix=sum(HUNYUAN15_TEXT)),
                 "qwen_image": TokenLayout(QWEN_TEXT, 1, 6, 6), "flux2": TokenLayout(FLUX2_TEXT, 1, 6, 6)}
     for family, layout in expected.items():
         transformer = tiny_transformer(family)
         inputs = tiny_forward_inputs(transformer)
-        assert family_of(transformer).call_inputs(transformer, inputs).layout == layout, family
-        size = family_of(transformer).pixel_size(transformer, layout)
-        assert layout_for(transformer, **size, text_tokens=layout.prefix) == layout, family
+        adapter = family_of(transformer)
+        assert adapter.call_inputs(transformer, inputs).layout == layout, family
+        size = adapter.pixel_size(transformer, layout, adapter.default_scale(transformer))
+        assert layout_for(transformer, **size, text_tokens=layout.prefix + layout.suffix) == layout, family
 
 
 @pytest.mark.parametrize("orders", ["FHW", "random"])

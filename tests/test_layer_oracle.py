@@ -71,7 +71,7 @@ def attention_modules(transformer) -> list[torch.nn.Module]:
         return [block.attn1 for block in transformer.blocks]
     if name == "WanVACETransformer3DModel":  # the main blocks, then the VACE blocks (over the control tokens)
         return [block.attn1 for block in transformer.blocks] + [block.attn1 for block in transformer.vace_blocks]
-    if name == "QwenImageTransformer2DModel":
+    if name in ("QwenImageTransformer2DModel", "HunyuanVideo15Transformer3DModel"):
         return [block.attn for block in transformer.transformer_blocks]
     if name in ("FluxTransformer2DModel", "HunyuanVideoTransformer3DModel", "Flux2Transformer2DModel"):
         return [b.attn for b in transformer.transformer_blocks] + [b.attn for b in transformer.single_transformer_blocks]
@@ -107,6 +107,12 @@ def call_layout(transformer, arguments) -> TokenLayout:
         _, _, frames, height, width = latents.shape
         p, pt = config.patch_size, config.patch_size_t
         return TokenLayout(0, frames // pt, height // p, width // p, suffix=arguments["encoder_hidden_states"].shape[1])
+    if name == "HunyuanVideo15Transformer3DModel":  # [B, C, F, H, W], then MLLM, ByT5 and vision tokens
+        _, _, frames, height, width = latents.shape
+        text = sum(arguments[key].shape[1] for key in ("encoder_hidden_states", "encoder_hidden_states_2",
+                                                       "image_embeds"))
+        return TokenLayout(0, frames // config.patch_size_t, height // config.patch_size, width // config.patch_size,
+                           suffix=text)
     if name == "QwenImageTransformer2DModel":  # packed [B, rows * cols, C], text first, the grid in img_shapes
         (frames, rows, cols), = arguments["img_shapes"][0]
         return TokenLayout(arguments["encoder_hidden_states"].shape[1], frames, rows, cols)
@@ -234,8 +240,11 @@ def expected_output(adapter, plan: Plan, call: dict, layout: TokenLayout, bucket
     split = adapter.qkv(attn, call["hidden_states"], call["encoder_hidden_states"], call["rotary"])
     split = adapter.rotate(split)
     suffix_mask = None
-    if call.get("attention_mask") is not None:  # HunyuanVideo: [B, 1, 1, N], False at padded text keys
-        suffix_mask = call["attention_mask"][:, 0, 0, layout.seq_len - layout.suffix:]
+    mask = call.get("attention_mask")
+    if mask is not None and mask.dim() == 4:  # HunyuanVideo: [B, 1, 1, N], False at padded text keys
+        suffix_mask = mask[:, 0, 0, layout.seq_len - layout.suffix:]
+    elif mask is not None:  # HunyuanVideo 1.5: the text's own mask [B, T], False at padding
+        suffix_mask = mask.bool()
     out = paro_attention_reference(
         split.q, split.k, split.v, layout, plan.orders[layer].long(), plan.block_mask[bucket, layer],
         *plan.block_size, suffix_mask=suffix_mask,
@@ -274,7 +283,7 @@ def assert_buckets_change_within_the_run(recorder: LayerRecorder) -> None:
 # -- tests --------------------------------------------------------------------------------------------
 
 FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video",
-                    "skyreels_v2", "wan_vace", "qwen_image", "flux2"]
+                    "skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15"]
 # one falling schedule through all three buckets of [1000, 750, 500, 0], two calls in the first
 TIMESTEPS = [980.0, 800.0, 620.0, 150.0]
 
