@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
-            "wan_vace", "qwen_image", "flux2", "hunyuan_video15")
+            "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx")
 PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
@@ -115,6 +115,13 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
             in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim, num_layers=2,
             num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=16, image_embed_dim=16,
             rope_axes_dim=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),
+        )
+    elif family == "ltx":
+        from diffusers import LTXVideoTransformer3DModel
+
+        model = LTXVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim,
+            cross_attention_dim=heads * head_dim, num_layers=2, caption_channels=16,
         )
     elif family == "qwen_image":
         from diffusers import QwenImageTransformer2DModel
@@ -223,6 +230,18 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
         if name == "WanVACETransformer3DModel":
             kwargs["control_hidden_states"] = rand(batch, config.vace_in_channels, frames, height, width)
         return kwargs
+    if name == "LTXVideoTransformer3DModel":  # the pipeline packs the latents row-major (patch size 1)
+        text_mask = torch.ones(batch, WAN_TEXT, dtype=torch.long)
+        text_mask[0, 5:] = 0
+        return {
+            "hidden_states": rand(batch, frames * height * width, config.in_channels),
+            "encoder_hidden_states": rand(batch, WAN_TEXT, config.caption_channels),
+            "timestep": torch.full((batch,), float(timestep)),
+            "encoder_attention_mask": text_mask,
+            "num_frames": frames, "height": height, "width": width,
+            "rope_interpolation_scale": (8 / 25, 32, 32),  # the pipeline's: VAE factors over the frame rate
+            "return_dict": False,
+        }
     if name == "HunyuanVideo15Transformer3DModel":
         mllm, byt5, vision = HUNYUAN15_TEXT
         mask, mask_2 = torch.ones(batch, mllm, dtype=torch.long), torch.ones(batch, byt5, dtype=torch.long)

@@ -1,7 +1,7 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan, FLUX.1,
-FLUX.2 and Qwen-Image transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and must give
-what one process gives with the same plan, each running its own slice of the plan's heads, and so must a tiny Wan 2.2 expert pair generating
-with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
+FLUX.2, Qwen-Image and LTX-Video transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and
+must give what one process gives with the same plan, each running its own slice of the plan's heads, and so must a
+tiny Wan 2.2 expert pair generating with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
 bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
 divide, models without a context-parallel plan (CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2, Wan VACE), calibration
 capture and frame binding are refused with what to do.
@@ -42,7 +42,7 @@ JOIN_TIMEOUT_S = 240
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # tiny_pipeline("wan2.2") at tiny_call_kwargs' size: 9 frames of 64 x 64
 PAIR_STEPS = 4  # two on each expert
 # the families whose diffusers context-parallel plan PARO follows (text and grid split in equal chunks)
-ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image")
+ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx")
 
 
 def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:

@@ -1,4 +1,4 @@
-"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2 and HunyuanVideo 1.5 on tiny offline models (each layer against the reference op across
+"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2, HunyuanVideo 1.5 and LTX-Video on tiny offline models (each layer against the reference op across
 buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ulysses: `test_context_parallel.py`):
 
 - the self-attention layers PARO takes, in plan order, and the token layout of a generation size;
@@ -31,7 +31,7 @@ from paroattn.testing import (
     tiny_transformer,
 )
 
-FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15"]
+FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx"]
 
 
 def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, seed=0) -> Plan:
@@ -81,11 +81,15 @@ def test_layers_and_layouts():
     assert self_attention_layers(hunyuan15) == ["transformer_blocks.0.attn.processor",
                                                 "transformer_blocks.1.attn.processor"]
     assert layout_for(hunyuan15, height=720, width=1280, frames=121) == TokenLayout(0, 31, 45, 80, suffix=1985)
+    # LTX-Video's pipeline default, 161 frames of 512 x 704: its VAE compresses by 8 in time and 32 in space
+    ltx = tiny_transformer("ltx")
+    assert self_attention_layers(ltx) == ["transformer_blocks.0.attn1.processor", "transformer_blocks.1.attn1.processor"]
+    assert layout_for(ltx, height=512, width=704, frames=161) == TokenLayout(0, 21, 16, 22)
 
 
 def test_call_layouts_of_the_tiny_models():
     expected = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
-                "hunyuan_video15": TokenLayout(0, 4, 8, 8, suffix=sum(HUNYUAN15_TEXT)),
+                "hunyuan_video15": TokenLayout(0, 4, 8, 8, suffix=sum(HUNYUAN15_TEXT)), "ltx": TokenLayout(0, 4, 8, 8),
                 "qwen_image": TokenLayout(QWEN_TEXT, 1, 6, 6), "flux2": TokenLayout(FLUX2_TEXT, 1, 6, 6)}
     for family, layout in expected.items():
         transformer = tiny_transformer(family)
@@ -182,6 +186,21 @@ def test_flux2_reference_images_and_kv_cache_are_refused():
     adapter = family_of(transformer)
     inputs_cached = {**inputs, "kv_cache_mode": "extract", "num_ref_tokens": 36}
     assert "reference KV cache" in adapter.call_inputs(transformer, inputs_cached).problem
+
+
+def test_ltx_conditioning_tokens_after_the_grid_are_refused():
+    transformer = tiny_transformer("ltx")
+    inputs = tiny_forward_inputs(transformer)
+    plan = make_plan(transformer, TokenLayout(0, 4, 8, 8))
+    # a keyframe's 64 tokens appended after the 4 x 8 x 8 video, as LTXConditionPipeline conditions
+    # (the RoPE then comes from each token's coordinates, `video_coords` [B, 3, N], as that pipeline passes them)
+    coords = torch.stack(torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in (5, 8, 8)), indexing="ij"))
+    conditioned = {**inputs, "hidden_states": torch.cat([inputs["hidden_states"], inputs["hidden_states"][:, :64]], 1),
+                   "video_coords": coords.flatten(1)[None].expand(2, -1, -1)}
+    problem = family_of(transformer).call_inputs(transformer, conditioned).problem
+    assert "the call has 320 video tokens, not the 4x8x8 grid" in problem
+    reference = run(transformer, conditioned)
+    assert torch.equal(_refused(transformer, conditioned, plan, "320 video tokens"), reference)
 
 
 # -- pipelines -----------------------------------------------------------------------------------------------------

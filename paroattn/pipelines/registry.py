@@ -10,6 +10,7 @@ from .flux import FluxAdapter
 from .flux2 import Flux2Adapter
 from .hunyuan_video import HunyuanVideoAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
+from .ltx import LTXVideoAdapter
 from .qwen_image import QwenImageAdapter
 from .skyreels_v2 import SkyReelsV2Adapter
 from .wan import WanAdapter
@@ -17,7 +18,7 @@ from .wan_vace import WanVACEAdapter
 
 FAMILIES: tuple[type[FamilyAdapter], ...] = (
     CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter, SkyReelsV2Adapter, WanVACEAdapter,
-    QwenImageAdapter, Flux2Adapter, HunyuanVideo15Adapter,
+    QwenImageAdapter, Flux2Adapter, HunyuanVideo15Adapter, LTXVideoAdapter,
 )
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
 # the same families as users name them, for help texts: "CogVideoX, Wan 2.1 / 2.2, FLUX.1, HunyuanVideo"
