@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
-            "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx")
+            "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2")
 PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
@@ -36,6 +36,8 @@ FLUX2_TEXT = 8
 # HunyuanVideo 1.5's joined text: 7 MLLM + 5 ByT5 + 4 vision tokens (1000 + 256 + 729 at full size); the first
 # item's MLLM text is padded after 4 tokens, its ByT5 after 2, and in text-to-video the vision tokens are padding
 HUNYUAN15_TEXT = (7, 5, 4)
+# audio frames beside the tiny LTX-2 model's video
+LTX2_AUDIO = 6
 # the tiny VACE model's control channels: the inactive and reactive video latents (2 x 4) and the 8 x 8 mask
 # pixels per latent position (64), as its pipeline builds them (full size: 2 x 16 + 64 = 96); VACE blocks at layers 0, 1
 VACE_CHANNELS = 72
@@ -122,6 +124,16 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
         model = LTXVideoTransformer3DModel(
             in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim,
             cross_attention_dim=heads * head_dim, num_layers=2, caption_channels=16,
+        )
+    elif family == "ltx2":
+        from diffusers import LTX2VideoTransformer3DModel
+
+        # gated attention on: the adapter must apply the model's per-head gates
+        model = LTX2VideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=head_dim,
+            cross_attention_dim=heads * head_dim, audio_in_channels=4, audio_out_channels=4,
+            audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2,
+            caption_channels=16, gated_attn=True,
         )
     elif family == "qwen_image":
         from diffusers import QwenImageTransformer2DModel
@@ -240,6 +252,19 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
             "encoder_attention_mask": text_mask,
             "num_frames": frames, "height": height, "width": width,
             "rope_interpolation_scale": (8 / 25, 32, 32),  # the pipeline's: VAE factors over the frame rate
+            "return_dict": False,
+        }
+    if name == "LTX2VideoTransformer3DModel":  # video packed row-major; LTX2_AUDIO audio frames beside it
+        text_mask = torch.ones(batch, WAN_TEXT, dtype=torch.long)
+        text_mask[0, 5:] = 0
+        return {
+            "hidden_states": rand(batch, frames * height * width, config.in_channels),
+            "audio_hidden_states": rand(batch, LTX2_AUDIO, config.audio_in_channels),
+            "encoder_hidden_states": rand(batch, WAN_TEXT, config.caption_channels),
+            "audio_encoder_hidden_states": rand(batch, WAN_TEXT, config.caption_channels),
+            "timestep": torch.full((batch,), float(timestep)),
+            "encoder_attention_mask": text_mask, "audio_encoder_attention_mask": text_mask,
+            "num_frames": frames, "height": height, "width": width, "audio_num_frames": LTX2_AUDIO,
             "return_dict": False,
         }
     if name == "HunyuanVideo15Transformer3DModel":

@@ -1,5 +1,5 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan, FLUX.1,
-FLUX.2, Qwen-Image and LTX-Video transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and
+FLUX.2, Qwen-Image, LTX-Video and LTX-2 transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and
 must give what one process gives with the same plan, each running its own slice of the plan's heads, and so must a
 tiny Wan 2.2 expert pair generating with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
 bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
@@ -42,7 +42,7 @@ JOIN_TIMEOUT_S = 240
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # tiny_pipeline("wan2.2") at tiny_call_kwargs' size: 9 frames of 64 x 64
 PAIR_STEPS = 4  # two on each expert
 # the families whose diffusers context-parallel plan PARO follows (text and grid split in equal chunks)
-ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx")
+ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2")
 
 
 def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:
@@ -83,6 +83,11 @@ def _ulysses_family(family: str, rank: int) -> dict:
     """PARO on one process, then under Ulysses 2 with the plan applied after and before enable_parallelism."""
     transformer = tiny_transformer(family, heads=HEADS)
     calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
+    if family.startswith("ltx"):
+        # LTX's own cross-attention processor expands a text mask to every head before diffusers' Ulysses exchange
+        # gives each GPU half of them, and fails (diffusers 0.42.1, with or without PARO): no text mask here
+        calls = [{**inputs, "encoder_attention_mask": None, "audio_encoder_attention_mask": None}
+                 if family == "ltx2" else {**inputs, "encoder_attention_mask": None} for inputs in calls]
     plan, single = _one_process_then_ulysses(transformer, calls)
     found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single}
     with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original

@@ -1,8 +1,9 @@
-"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2, HunyuanVideo 1.5 and LTX-Video on tiny offline models (each layer against the reference op across
+"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2, HunyuanVideo 1.5, LTX-Video and LTX-2 on tiny offline models (each layer against the reference op across
 buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ulysses: `test_context_parallel.py`):
 
 - the self-attention layers PARO takes, in plan order, and the token layout of a generation size;
-- a full-density plan reproduces the model's own output (fused and unfused RoPE, identity and random orders), and a
+- a full-density plan reproduces the model's own output (fused and unfused RoPE, identity and random orders, and a
+  lone processor installed on every attention module, which hands the others to their own processors), and a
   sparse one gives the same with the op's RoPE tables as with the model's RoPE code, differing from dense;
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
@@ -31,7 +32,7 @@ from paroattn.testing import (
     tiny_transformer,
 )
 
-FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx"]
+FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2"]
 
 
 def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, seed=0) -> Plan:
@@ -44,8 +45,9 @@ def make_plan(transformer, layout, *, density=1.0, orders="FHW", num_buckets=2, 
 
 
 def run(transformer, inputs):
+    """Every output of the forward (LTX-2: video and audio), flattened into one tensor."""
     with torch.no_grad():
-        return transformer(**inputs)[0]
+        return torch.cat([out.flatten() for out in transformer(**inputs)])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -85,11 +87,16 @@ def test_layers_and_layouts():
     ltx = tiny_transformer("ltx")
     assert self_attention_layers(ltx) == ["transformer_blocks.0.attn1.processor", "transformer_blocks.1.attn1.processor"]
     assert layout_for(ltx, height=512, width=704, frames=161) == TokenLayout(0, 21, 16, 22)
+    # LTX-2's pipeline default, 121 frames of 512 x 768 (VAE 8 in time, 32 in space)
+    ltx2 = tiny_transformer("ltx2")
+    assert self_attention_layers(ltx2) == ["transformer_blocks.0.attn1.processor", "transformer_blocks.1.attn1.processor"]
+    assert layout_for(ltx2, height=512, width=768, frames=121) == TokenLayout(0, 16, 16, 24)
 
 
 def test_call_layouts_of_the_tiny_models():
     expected = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
                 "hunyuan_video15": TokenLayout(0, 4, 8, 8, suffix=sum(HUNYUAN15_TEXT)), "ltx": TokenLayout(0, 4, 8, 8),
+                "ltx2": TokenLayout(0, 4, 8, 8),
                 "qwen_image": TokenLayout(QWEN_TEXT, 1, 6, 6), "flux2": TokenLayout(FLUX2_TEXT, 1, 6, 6)}
     for family, layout in expected.items():
         transformer = tiny_transformer(family)
@@ -108,6 +115,21 @@ def test_dense_plan_equals_the_models_own_attention(model, orders, fuse_rope):
         out = run(transformer, inputs)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(run(transformer, inputs), reference)  # and comes off bit-exact
+
+
+def test_lone_processor_on_every_module_equals_the_models_own_attention(model):
+    """`set_attn_processor(PAROProcessor(plan))` puts PARO on cross-attention and audio modules too: it must hand
+    them to their default processors with every argument they came with (LTX-2's key_rotary_emb included)."""
+    from paroattn.pipelines import PAROProcessor
+
+    _, transformer, inputs, reference, layout = model
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch"))
+    try:
+        out = run(transformer, inputs)
+    finally:
+        transformer.set_attn_processor(originals)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_sparse_plan_the_ops_rope_equals_the_models(model):
@@ -201,6 +223,23 @@ def test_ltx_conditioning_tokens_after_the_grid_are_refused():
     assert "the call has 320 video tokens, not the 4x8x8 grid" in problem
     reference = run(transformer, conditioned)
     assert torch.equal(_refused(transformer, conditioned, plan, "320 video tokens"), reference)
+
+
+def test_ltx2_self_attention_mask_and_perturbed_attention_are_refused():
+    transformer = tiny_transformer("ltx2")
+    inputs = tiny_forward_inputs(transformer)
+    plan = make_plan(transformer, TokenLayout(0, 4, 8, 8))
+    masked = {**inputs, "video_self_attention_mask": torch.ones(2, 256, 256)}
+    masked["video_self_attention_mask"][:, :, 128:] = 0  # the first half of the video may not see the second
+    reference = run(transformer, masked)
+    assert (reference - run(transformer, inputs)).abs().max() > 1e-3
+    out = _refused(transformer, masked, plan, "masks the video self-attention")
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)  # the dense path keeps the model's mask
+
+    perturbed = tiny_transformer("ltx2")
+    perturbed.register_to_config(perturbed_attn=True)
+    with pytest.raises(PlanError, match="perturbed_attn=True"):
+        apply(perturbed, plan, backend="torch")
 
 
 # -- pipelines -----------------------------------------------------------------------------------------------------

@@ -83,6 +83,21 @@ def test_dense_plan_equals_the_default_processors(model, orders, fuse_rope):
     assert torch.equal(run(transformer, inputs), reference)
 
 
+def test_lone_processor_hands_the_refiner_to_its_own_processor(model):
+    """`set_attn_processor(PAROProcessor(plan))` also lands on the token refiner's attention, which the processor
+    hands to diffusers' `AttnProcessor2_0`, as the model has it: a dense plan gives the model's output."""
+    from paroattn.pipelines import PAROProcessor
+
+    transformer, inputs, reference, layout = model
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch"))
+    try:
+        out = run(transformer, inputs)
+    finally:
+        transformer.set_attn_processor(originals)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_sparse_plan_runs_and_differs(model):
     transformer, inputs, reference, layout = model
     outs = []

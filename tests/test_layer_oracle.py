@@ -65,7 +65,7 @@ def bucket_at(edges: list[float], t: float) -> int:
 def attention_modules(transformer) -> list[torch.nn.Module]:
     """Self-attention modules in plan layer order, listed from the model's structure."""
     name = type(transformer).__name__
-    if name in ("CogVideoXTransformer3DModel", "LTXVideoTransformer3DModel"):
+    if name in ("CogVideoXTransformer3DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"):
         return [block.attn1 for block in transformer.transformer_blocks]
     if name in ("WanTransformer3DModel", "SkyReelsV2Transformer3DModel"):
         return [block.attn1 for block in transformer.blocks]
@@ -107,7 +107,7 @@ def call_layout(transformer, arguments) -> TokenLayout:
         _, _, frames, height, width = latents.shape
         p, pt = config.patch_size, config.patch_size_t
         return TokenLayout(0, frames // pt, height // p, width // p, suffix=arguments["encoder_hidden_states"].shape[1])
-    if name == "LTXVideoTransformer3DModel":  # packed [B, F * H * W, C], the grid in its own arguments
+    if name in ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"):  # packed [B, F * H * W, C], the grid in its own arguments
         return TokenLayout(0, arguments["num_frames"], arguments["height"], arguments["width"])
     if name == "HunyuanVideo15Transformer3DModel":  # [B, C, F, H, W], then MLLM, ByT5 and vision tokens
         _, _, frames, height, width = latents.shape
@@ -221,7 +221,8 @@ class LayerRecorder:
                 "module": module,
                 "hidden_states": arguments["hidden_states"].clone(),
                 "encoder_hidden_states": _clone(arguments.get("encoder_hidden_states")),
-                "rotary": arguments.get("image_rotary_emb", arguments.get("rotary_emb")),
+                "rotary": next((arguments[k] for k in ("image_rotary_emb", "rotary_emb", "query_rotary_emb")
+                                if arguments.get(k) is not None), None),
                 "attention_mask": arguments.get("attention_mask"),
                 "output": _clone(output),
             })
@@ -285,7 +286,7 @@ def assert_buckets_change_within_the_run(recorder: LayerRecorder) -> None:
 # -- tests --------------------------------------------------------------------------------------------
 
 FORWARD_FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video",
-                    "skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx"]
+                    "skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2"]
 # one falling schedule through all three buckets of [1000, 750, 500, 0], two calls in the first
 TIMESTEPS = [980.0, 800.0, 620.0, 150.0]
 

@@ -28,8 +28,8 @@ head's reordering and block mask are defined on: refused. So are head counts tha
 models without a context-parallel plan in diffusers (CogVideoX, whose attention calls SDPA directly).
 
 How each supported family's sequence is split, read from diffusers 0.42.1's `_cp_plan`s: Wan splits the video
-tokens at `blocks.0` and LTX-Video at its entry (no text in self-attention; LTX's RoPE, applied before the exchange,
-is split alike); FLUX.1 and FLUX.2 split `hidden_states` (image) and
+tokens at `blocks.0` and LTX-Video and LTX-2 theirs at the entry (no text in video self-attention; their RoPE,
+applied before the exchange, is split alike); FLUX.1 and FLUX.2 split `hidden_states` (image) and
 `encoder_hidden_states` (text) separately at the transformer's entry, Qwen-Image at `transformer_blocks.0`
 (with its RoPE frequencies of each stream split alike at `pos_embed`), and each concatenates [text ; image] per
 GPU. All are "the text prefix and the grid, each in N equal chunks" (Wan's prefix is empty). SkyReels-V2, Wan
@@ -47,7 +47,7 @@ from ..layout import TokenLayout
 from ..plan import Plan
 
 # families whose sequence diffusers splits as described above (the transformer must also have a `_cp_plan`)
-SPLIT_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx")
+SPLIT_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2")
 
 
 def context_parallel_config(parallel_config):
@@ -80,7 +80,7 @@ def model_problem(transformer, family_name: str) -> str | None:
         return (
             f"{name} has no context-parallel plan in diffusers (its attention does not go through "
             "dispatch_attention_fn), so PARO cannot run with enable_parallelism on it: run one pipeline per GPU "
-            "(context parallelism with PARO supports Wan, FLUX.1, FLUX.2, Qwen-Image and LTX-Video)"
+            "(context parallelism with PARO supports Wan, FLUX.1, FLUX.2, Qwen-Image, LTX-Video and LTX-2)"
         )
     return None
 

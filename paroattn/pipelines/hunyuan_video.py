@@ -126,6 +126,12 @@ class HunyuanVideoAdapter(FamilyAdapter):
             self._padding = (attention_mask, None if bool(suffix.all()) else suffix)
         return True, self._padding[1]
 
+    def default_processor(self, attn):
+        """The token refiner's processor (its attention is diffusers' legacy `Attention`, which names no default)."""
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        return AttnProcessor2_0()
+
     def dense(self, attn, call, attention_mask, backend=None, parallel_config=None) -> torch.Tensor:
         return dispatch_dense(call, attention_mask, backend, parallel_config)
 

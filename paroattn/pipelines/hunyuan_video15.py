@@ -48,8 +48,13 @@ class HunyuanVideo15Adapter(HunyuanVideoAdapter):
         return CallInputs(arguments["timestep"], self.grid_layout(transformer, frames, height, width, text))
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
-        # by its first attention call the forward has joined the three streams into `encoder_hidden_states`
-        text = f_locals["encoder_hidden_states"].shape[1]
+        # the forward joins the three streams into `encoder_hidden_states` (building `new_encoder_hidden_states`)
+        # before its first block; the token refiner's attention runs before that, on the MLLM text alone
+        if "new_encoder_hidden_states" in f_locals:
+            text = f_locals["encoder_hidden_states"].shape[1]
+        else:
+            text = sum(int(f_locals[name].shape[1]) for name in ("encoder_hidden_states", "encoder_hidden_states_2",
+                                                                  "image_embeds") if f_locals.get(name) is not None)
         layout = self.grid_layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"], text)
         return CallInputs(f_locals["timestep"], layout)
 

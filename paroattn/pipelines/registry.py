@@ -11,6 +11,7 @@ from .flux2 import Flux2Adapter
 from .hunyuan_video import HunyuanVideoAdapter
 from .hunyuan_video15 import HunyuanVideo15Adapter
 from .ltx import LTXVideoAdapter
+from .ltx2 import LTX2Adapter
 from .qwen_image import QwenImageAdapter
 from .skyreels_v2 import SkyReelsV2Adapter
 from .wan import WanAdapter
@@ -18,7 +19,7 @@ from .wan_vace import WanVACEAdapter
 
 FAMILIES: tuple[type[FamilyAdapter], ...] = (
     CogVideoXAdapter, WanAdapter, FluxAdapter, HunyuanVideoAdapter, SkyReelsV2Adapter, WanVACEAdapter,
-    QwenImageAdapter, Flux2Adapter, HunyuanVideo15Adapter, LTXVideoAdapter,
+    QwenImageAdapter, Flux2Adapter, HunyuanVideo15Adapter, LTXVideoAdapter, LTX2Adapter,
 )
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.transformer_classes)
 # the same families as users name them, for help texts: "CogVideoX, Wan 2.1 / 2.2, FLUX.1, HunyuanVideo"
