@@ -12,6 +12,9 @@ depend on weight values. One "step" is one transformer forward at the model's de
 - Wan2.1-VACE-14B: the pipeline's 81 frames 480x832, B=1, 21x30x52 = 32760 tokens in 40 main + 8 VACE blocks;
 - Qwen-Image: 1024x1024 (2048x2048), B=1 (one CFG branch), 128 text (a prompt's own length) + 64x64 (128x128);
 - FLUX.2-dev: 1024x1024 (2048x2048), B=1 (guidance-distilled), 512 text + 64x64 (128x128);
+- HunyuanVideo-1.5 (8.3B): 121 frames 720x1280 (VAE 16x), B=1, 31x45x80 + 1985 text (128 + 16 real) = 113585;
+- LTX-Video 0.9 (2B): the pipeline's 161 frames 512x704 (VAE 32x, 8x in time), B=1, 21x16x22 = 7392 tokens;
+- LTX-2 (19B): the pipeline's 121 frames 512x768, B=1, 16x16x24 = 6144 video tokens beside 126 audio frames;
 - HunyuanVideo: 129 frames 720x1280, B=1 (guidance-distilled), 33x45x80 + 256 text = 119056 tokens, the
   text padded as a prompt pads it: --text-tokens real ones (96 by default; 256: a prompt that fills it).
   Dense runs the model's masked SDPA, PARO the kernels with the op's suffix_mask.
@@ -24,7 +27,8 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
     python benchmarks/e2e.py [--models cogvideox,wan,flux] [--iters 3] [--query-block 128] [--json results.json]
         [--modes "dense,paro d=0.2 int8+fp8"] [--resident-only]     # (models also: wan2.2-a14b, wan2.2-ti2v, hunyuan)
         [--text-tokens 96]                                          # hunyuan: real tokens of the 256
-        # also: skyreels-v2-720p, wan-vace-14b, qwen-image, qwen-image-2048, flux2, flux2-2048
+        # also: skyreels-v2-720p, wan-vace-14b, qwen-image, qwen-image-2048, flux2, flux2-2048,
+        #       hunyuanvideo-1.5-720p, ltx-video, ltx-2                 [--no-model-rope]
     python benchmarks/e2e.py --compile fullgraph,reduce-overhead [--models ...]   # compiled rows (below)
     python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
@@ -110,17 +114,23 @@ CONFIGS.update({
     "qwen-image-2048": ("QwenImageTransformer2DModel", {}),
     "flux2": ("Flux2Transformer2DModel", {}),
     "flux2-2048": ("Flux2Transformer2DModel", {}),
+    # diffusers' defaults are HunyuanVideo-1.5 (8.3B), LTX-Video 0.9 (2B) and LTX-2 (19B, audio and video)
+    "hunyuanvideo-1.5-720p": ("HunyuanVideo15Transformer3DModel", {}),
+    "ltx-video": ("LTXVideoTransformer3DModel", {}),
+    "ltx-2": ("LTX2VideoTransformer3DModel", {}),
 })
 LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev",
           "wan2.2-a14b": "Wan2.2-A14B expert 720p", "wan2.2-ti2v": "Wan2.2-TI2V-5B", "hunyuan": "HunyuanVideo 720p",
           "skyreels-v2-720p": "SkyReels-V2-14B 720p", "wan-vace-14b": "Wan2.1-VACE-14B",
           "qwen-image": "Qwen-Image 1024", "qwen-image-2048": "Qwen-Image 2048",
-          "flux2": "FLUX.2-dev 1024", "flux2-2048": "FLUX.2-dev 2048"}
+          "flux2": "FLUX.2-dev 1024", "flux2-2048": "FLUX.2-dev 2048",
+          "hunyuanvideo-1.5-720p": "HunyuanVideo-1.5 720p", "ltx-video": "LTX-Video 2B", "ltx-2": "LTX-2 19B"}
 # the tiny model of each family, for --smoke
 SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan",
                   "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video", "skyreels-v2-720p": "skyreels_v2",
                   "wan-vace-14b": "wan_vace", "qwen-image": "qwen_image", "qwen-image-2048": "qwen_image",
-                  "flux2": "flux2", "flux2-2048": "flux2"}
+                  "flux2": "flux2", "flux2-2048": "flux2", "hunyuanvideo-1.5-720p": "hunyuan_video15",
+                  "ltx-video": "ltx", "ltx-2": "ltx2"}
 # Qwen-Image's text is the prompt's own length (not padded): a prompt of a few sentences
 QWEN_IMAGE_TEXT = 128
 MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
@@ -158,8 +168,9 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
         from paroattn.testing import tiny_forward_inputs
 
         inputs = tiny_forward_inputs(transformer, timestep=900.0)
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else tuple(t.to(device) for t in v) if isinstance(v, tuple) else v)
-                for k, v in inputs.items()}
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else tuple(t.to(device) if isinstance(t, torch.Tensor)
+                                                                          else t for t in v)
+                    if isinstance(v, tuple) else v) for k, v in inputs.items()}
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
@@ -194,6 +205,27 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
         return {"hidden_states": rand(1, 16, 21, 60, 104), "control_hidden_states": rand(1, 96, 21, 60, 104),
                 "encoder_hidden_states": rand(1, 512, 4096), "timestep": torch.full((1,), 900.0, device=device),
                 "return_dict": False}
+    if name == "hunyuanvideo-1.5-720p":
+        # 121 frames of 720 x 1280 (VAE 16 in space, 4 in time): 31 x 45 x 80 tokens, then 1000 MLLM + 256 ByT5 +
+        # 729 vision tokens, of which a prompt fills QWEN_IMAGE_TEXT and 16 (text-to-video: no vision tokens)
+        mask = (torch.arange(1000, device=device) < QWEN_IMAGE_TEXT).long()[None]
+        mask_2 = (torch.arange(256, device=device) < 16).long()[None]
+        return {"hidden_states": rand(1, 65, 31, 45, 80), "timestep": torch.full((1,), 900.0, device=device),
+                "encoder_hidden_states": rand(1, 1000, 3584), "encoder_attention_mask": mask,
+                "encoder_hidden_states_2": rand(1, 256, 1472), "encoder_attention_mask_2": mask_2,
+                "image_embeds": torch.zeros(1, 729, 1152, device=device, dtype=dtype), "return_dict": False}
+    if name == "ltx-video":  # the pipeline's 161 frames of 512 x 704 (VAE 8 in time, 32 in space): 21 x 16 x 22
+        return {"hidden_states": rand(1, 21 * 16 * 22, 128), "encoder_hidden_states": rand(1, 128, 4096),
+                "encoder_attention_mask": torch.ones(1, 128, device=device), "timestep": torch.full(
+                    (1,), 900.0, device=device), "num_frames": 21, "height": 16, "width": 22,
+                "rope_interpolation_scale": (8 / 25, 32, 32), "return_dict": False}
+    if name == "ltx-2":  # the pipeline's 121 frames of 512 x 768: 16 x 16 x 24 video tokens, 126 audio frames
+        return {"hidden_states": rand(1, 16 * 16 * 24, 128), "audio_hidden_states": rand(1, 126, 128),
+                "encoder_hidden_states": rand(1, 1024, 3840), "audio_encoder_hidden_states": rand(1, 1024, 3840),
+                "encoder_attention_mask": torch.ones(1, 1024, device=device),
+                "audio_encoder_attention_mask": torch.ones(1, 1024, device=device),
+                "timestep": torch.full((1,), 900.0, device=device), "num_frames": 16, "height": 16, "width": 24,
+                "audio_num_frames": 126, "return_dict": False}
     if name.startswith("qwen-image"):  # 1024 (2048) pixels: 64 x 64 (128 x 128) tokens of 2 x 2 latents
         side = 128 if name.endswith("2048") else 64
         return {"hidden_states": rand(1, side * side, 64), "encoder_hidden_states": rand(1, QWEN_IMAGE_TEXT, 3584),
@@ -293,7 +325,9 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
         if args.modes and label not in args.modes:
             continue
         runs = [("resident", True, True)]
-        if density == 0.2 and not args.resident_only:
+        if density == 0.2 and args.no_model_rope:
+            runs = [("resident", True, True), ("streamed", False, True)]
+        elif density == 0.2 and not args.resident_only:
             # prefetch overhead: the same plan with masks streamed per layer; what the op's RoPE pass
             # buys: the same plan with the model's own RoPE code applied first (fuse_rope=False)
             runs = [("resident", True, True), ("streamed", False, True), ("model-rope", True, False)]
@@ -540,6 +574,8 @@ def main(argv=None):
                         help="hunyuan: real text tokens of the 256, the rest padding (256: none padded)")
     parser.add_argument("--resident-only", action="store_true",
                         help="skip the d=0.2 runs with streamed masks and with the model's own RoPE")
+    parser.add_argument("--no-model-rope", action="store_true",
+                        help="skip the d=0.2 run with the model's own RoPE (keep resident and streamed masks)")
     parser.add_argument("--compile", default=None, metavar="SETTINGS",
                         help=f"compiled rows instead: comma-separated of {', '.join(COMPILE_SETTINGS)}")
     parser.add_argument("--compile-densities", default="0.2", type=lambda s: [float(d) for d in s.split(",")],

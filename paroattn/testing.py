@@ -16,7 +16,7 @@ import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
             "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2")
-PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace")
+PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace", "ltx")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
@@ -426,6 +426,16 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                      if family == "skyreels_v2" else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
         return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                    transformer=tiny_transformer(family, seed=seed))
+    if family == "ltx":
+        import diffusers
+
+        tokenizer, text_encoder = tiny_t5(16, seed)
+        vae = diffusers.AutoencoderKLLTXVideo(  # 32x in space (a 4x4 patchify, then 3 halvings), 8x in time
+            latent_channels=4, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1))
+        return diffusers.LTXPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                     text_encoder=text_encoder, tokenizer=tokenizer,
+                                     transformer=tiny_transformer("ltx", seed=seed))
     if family == "wan2.2-ti2v":
         from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
@@ -494,6 +504,10 @@ def tiny_call_kwargs(family: str) -> dict:
         # 9 frames of 128x128 -> 3 latent frames of 8x8 (VAE 16 in space) -> 3x4x4 tokens
         return {"height": 128, "width": 128, "num_frames": 9, "max_sequence_length": WAN_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
+    if family == "ltx":
+        # 17 frames of 128x128 -> 3 latent frames of 4x4 (VAE 8 in time, 32 in space) -> 3x4x4 tokens
+        return {"height": 128, "width": 128, "num_frames": 17, "max_sequence_length": WAN_TEXT,
+                "num_inference_steps": 2, "guidance_scale": 3.0, "output_type": "pt"}
     if family == "flux":
         # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens
         return {"height": 96, "width": 96, "max_sequence_length": FLUX_TEXT,

@@ -83,11 +83,15 @@ def _ulysses_family(family: str, rank: int) -> dict:
     """PARO on one process, then under Ulysses 2 with the plan applied after and before enable_parallelism."""
     transformer = tiny_transformer(family, heads=HEADS)
     calls = [tiny_forward_inputs(transformer, timestep=t) for t in TIMESTEPS]
-    if family.startswith("ltx"):
+    if family == "ltx":
         # LTX's own cross-attention processor expands a text mask to every head before diffusers' Ulysses exchange
         # gives each GPU half of them, and fails (diffusers 0.42.1, with or without PARO): no text mask here
-        calls = [{**inputs, "encoder_attention_mask": None, "audio_encoder_attention_mask": None}
-                 if family == "ltx2" else {**inputs, "encoder_attention_mask": None} for inputs in calls]
+        calls = [{**inputs, "encoder_attention_mask": None} for inputs in calls]
+    if family == "ltx2":
+        # the same for LTX-2's text masks; and its audio-video cross-attention fails under diffusers' own context
+        # parallelism (the video side's cross-attention RoPE is not split with the video): modalities isolated
+        calls = [{**inputs, "encoder_attention_mask": None, "audio_encoder_attention_mask": None,
+                  "isolate_modalities": True} for inputs in calls]
     plan, single = _one_process_then_ulysses(transformer, calls)
     found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single}
     with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original
@@ -294,7 +298,8 @@ def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
         assert torch.equal(found["head_orders"], found["plan_orders"][:, rank * per_gpu:(rank + 1) * per_gpu])
         assert found["mask_heads"] == {(per_gpu, *found["mask_blocks"])}  # the bool masks the layers read
         head_bytes, plan_bytes = found["list_bytes"]
-        assert head_bytes * WORLD == plan_bytes
+        # lists are padded to the longest row of the heads they hold: a GPU's slice takes at most 1/N
+        assert 0 < head_bytes * WORLD <= plan_bytes
     assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
 
 

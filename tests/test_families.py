@@ -7,8 +7,8 @@ buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ul
   sparse one gives the same with the op's RoPE tables as with the model's RoPE code, differing from dense;
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
-- Wan VACE and SkyReels-V2 pipelines: a dense plan equals the default, `paro calibrate` and
-  `paro generate --compare` run on a saved pipeline folder.
+- Wan VACE, SkyReels-V2 and LTX-Video pipelines: a dense plan equals the default; `paro calibrate` and
+  `paro generate --compare` run on a saved Wan VACE and LTX-Video pipeline folder.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def no_ftfy(monkeypatch):
         monkeypatch.setattr(module, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
 
 
-@pytest.mark.parametrize("family", ["skyreels_v2", "wan_vace"])
+@pytest.mark.parametrize("family", ["skyreels_v2", "wan_vace", "ltx"])
 def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     pipe = tiny_pipeline(family)
     pipe.set_progress_bar_config(disable=True)
@@ -276,19 +276,20 @@ def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     assert torch.isfinite(sparse).all() and (sparse - reference).abs().max() > 1e-4
 
 
-def test_cli_calibrate_and_generate_compare_wan_vace(tmp_path, no_ftfy):
-    tiny_pipeline("wan_vace").save_pretrained(tmp_path / "model")
+@pytest.mark.parametrize("family,size,layers", [("wan_vace", (64, 64, 9), 4), ("ltx", (128, 128, 17), 2)])
+def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, layers):
+    tiny_pipeline(family).save_pretrained(tmp_path / "model")
     runner = CliRunner()
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox in the snow\n")
-    size = ["--height", 64, "--width", 64, "--frames", 9]
+    size = ["--height", size[0], "--width", size[1], "--frames", size[2]]
     result = runner.invoke(app, [str(a) for a in [
         "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
         "--num-prompts", 1, "--steps", 2, "--stat-every", 1, "--buckets", 2, "--density", 0.5,
         "--block-size", TINY_BLOCK, "--device", "cpu", *size]])
     assert result.exit_code == 0, result.output
     plan = Plan.load(tmp_path / "plan.safetensors")
-    assert plan.layout == TokenLayout(0, 3, 4, 4) and plan.num_layers == 4
+    assert plan.layout == TokenLayout(0, 3, 4, 4) and plan.num_layers == layers
     result = runner.invoke(app, [str(a) for a in [
         "generate", tmp_path / "model", "--prompt", "a cat", "--plan", tmp_path / "plan.safetensors", "--compare",
         "--steps", 2, "--device", "cpu", "--backend", "torch", "--out", tmp_path / "out.gif", *size]])

@@ -22,7 +22,8 @@ from .base import pixel_scale_of
 from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
-_FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15, "skyreels_v2": 24, "wan_vace": 16}
+_FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15, "skyreels_v2": 24, "wan_vace": 16, "hunyuan_video15": 24,
+        "ltx": 25, "ltx2": 24}
 # what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
 VIDEO_SUFFIXES = (".mp4", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
