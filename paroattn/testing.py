@@ -16,7 +16,8 @@ import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
             "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2")
-PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace", "ltx")
+PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace", "ltx",
+             "qwen_image")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
@@ -382,6 +383,27 @@ def tiny_clip(hidden: int = 16, seed: int = 0):
     return tokenizer, CLIPTextModel(config).eval()
 
 
+def tiny_qwen2_vl(hidden: int = 16, seed: int = 0):
+    """(byte-level Qwen2 tokenizer without merges: one token per byte, 1-layer Qwen2.5-VL with `hidden` channels)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {piece: i for i, piece in enumerate(bytes_to_unicode().values())}
+    end = vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>", eos_token="<|endoftext|>",
+                               pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=end, eos_token_id=end, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                           fullatt_block_indexes=[0]),
+    )
+    return tokenizer, Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
 def tiny_pipeline(family: str, *, seed: int = 0):
     """A whole diffusers pipeline of `family` ("cogvideox", "wan", "flux") with random tiny weights.
     Generate with `tiny_call_kwargs(family)` for a size that matches `tiny_transformer` plans."""
@@ -426,6 +448,16 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                      if family == "skyreels_v2" else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
         return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                    transformer=tiny_transformer(family, seed=seed))
+    if family == "qwen_image":
+        import diffusers
+
+        tokenizer, text_encoder = tiny_qwen2_vl(16, seed)
+        vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                               temperal_downsample=[False, True, True],
+                                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        return diffusers.QwenImagePipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                           text_encoder=text_encoder, tokenizer=tokenizer,
+                                           transformer=tiny_transformer("qwen_image", seed=seed))
     if family == "ltx":
         import diffusers
 
@@ -504,6 +536,10 @@ def tiny_call_kwargs(family: str) -> dict:
         # 9 frames of 128x128 -> 3 latent frames of 8x8 (VAE 16 in space) -> 3x4x4 tokens
         return {"height": 128, "width": 128, "num_frames": 9, "max_sequence_length": WAN_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
+    if family == "qwen_image":
+        # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens after the prompt's own tokens (one per byte here,
+        # with the system prompt's tail the pipeline keeps)
+        return {"height": 96, "width": 96, "num_inference_steps": 2, "output_type": "pt"}
     if family == "ltx":
         # 17 frames of 128x128 -> 3 latent frames of 4x4 (VAE 8 in time, 32 in space) -> 3x4x4 tokens
         return {"height": 128, "width": 128, "num_frames": 17, "max_sequence_length": WAN_TEXT,

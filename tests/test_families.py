@@ -7,8 +7,9 @@ buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ul
   sparse one gives the same with the op's RoPE tables as with the model's RoPE code, differing from dense;
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
-- Wan VACE, SkyReels-V2 and LTX-Video pipelines: a dense plan equals the default; `paro calibrate` and
-  `paro generate --compare` run on a saved Wan VACE and LTX-Video pipeline folder.
+- Wan VACE, SkyReels-V2, LTX-Video and Qwen-Image pipelines: a dense plan equals the default; `paro calibrate`
+  and `paro generate --compare` run on a saved Wan VACE, LTX-Video and Qwen-Image pipeline folder (Qwen-Image:
+  a plan fits prompts of its token count, and another count is refused naming both).
 """
 
 from __future__ import annotations
@@ -257,21 +258,29 @@ def no_ftfy(monkeypatch):
         monkeypatch.setattr(module, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
 
 
-@pytest.mark.parametrize("family", ["skyreels_v2", "wan_vace", "ltx"])
+# the tiny Qwen-Image pipeline's tokenizer has one token per byte: this prompt gives 137 text tokens (the system
+# prompt's tail included), before 6 x 6 image tokens
+QWEN_PIPELINE_LAYOUT = TokenLayout(137, 1, 6, 6)
+PIPELINE_LAYOUTS = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
+                    "ltx": TokenLayout(0, 3, 4, 4), "qwen_image": QWEN_PIPELINE_LAYOUT}
+
+
+@pytest.mark.parametrize("family", list(PIPELINE_LAYOUTS))
 def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     pipe = tiny_pipeline(family)
     pipe.set_progress_bar_config(disable=True)
     kwargs = {**tiny_call_kwargs(family), "output_type": "latent"}
+    layout = PIPELINE_LAYOUTS[family]
 
     def generate():
         with torch.no_grad():
-            return pipe("a cat runs on the beach", generator=torch.Generator().manual_seed(0), **kwargs).frames
+            result = pipe("a red fox", generator=torch.Generator().manual_seed(0), **kwargs)
+        return result.images if family == "qwen_image" else result.frames
 
     reference = generate()
-    with apply(pipe, make_plan(pipe.transformer, TokenLayout(0, 3, 4, 4), orders="random"), backend="torch"):
+    with apply(pipe, make_plan(pipe.transformer, layout, orders="random"), backend="torch"):
         torch.testing.assert_close(generate(), reference, rtol=1e-5, atol=1e-5)
-    with apply(pipe, make_plan(pipe.transformer, TokenLayout(0, 3, 4, 4), density=0.5, orders="random"),
-               backend="torch"):
+    with apply(pipe, make_plan(pipe.transformer, layout, density=0.5, orders="random"), backend="torch"):
         sparse = generate()
     assert torch.isfinite(sparse).all() and (sparse - reference).abs().max() > 1e-4
 
@@ -295,3 +304,28 @@ def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, lay
         "--steps", 2, "--device", "cpu", "--backend", "torch", "--out", tmp_path / "out.gif", *size]])
     assert result.exit_code == 0, result.output
     assert "PARO vs dense: PSNR" in result.output
+
+
+def test_cli_qwen_image_plan_fits_prompts_of_its_token_count(tmp_path):
+    tiny_pipeline("qwen_image").save_pretrained(tmp_path / "model")
+    runner = CliRunner()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n")
+    size = ["--height", 96, "--width", 96, "--steps", 2, "--device", "cpu"]
+    result = runner.invoke(app, [str(a) for a in [
+        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
+        "--num-prompts", 1, "--stat-every", 1, "--buckets", 2, "--density", 0.5, "--block-size", TINY_BLOCK, *size]])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(tmp_path / "plan.safetensors").layout == QWEN_PIPELINE_LAYOUT
+
+    def generate(prompt):
+        return runner.invoke(app, [str(a) for a in [
+            "generate", tmp_path / "model", "--prompt", prompt, "--plan", tmp_path / "plan.safetensors", "--compare",
+            "--backend", "torch", "--out", tmp_path / "out.png", *size]])
+
+    result = generate("a big cat")  # as many tokens as the calibration prompt
+    assert result.exit_code == 0, result.output
+    assert "PARO vs dense: PSNR" in result.output
+    result = generate("a cat")  # 4 tokens fewer: the plan's sequence does not fit, and the message says so
+    assert result.exit_code != 0
+    assert "calibrated with 137 text tokens; this call has 133" in str(result.output) + str(result.exception)
