@@ -17,7 +17,7 @@ import torch
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
             "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2")
 PIPELINES = ("cogvideox", "wan", "wan2.2", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2", "wan_vace", "ltx",
-             "qwen_image")
+             "qwen_image", "flux2")
 
 # text lengths of the tiny pipelines (the real models use 226, 512 and 512)
 COGVIDEOX_TEXT = 8
@@ -147,10 +147,11 @@ def tiny_transformer(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
     elif family == "flux2":
         from diffusers import Flux2Transformer2DModel
 
+        # FLUX.2 [klein]-like: no guidance embedding, text features of 3 encoder layers of 16 channels
         model = Flux2Transformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=head_dim,
-            num_attention_heads=heads, joint_attention_dim=16, timestep_guidance_channels=16,
-            axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=True,
+            num_attention_heads=heads, joint_attention_dim=48, timestep_guidance_channels=16,
+            axes_dims_rope=(head_dim // 4,) * 4, guidance_embeds=False,
         )
     elif family == "flux":
         from diffusers import FluxTransformer2DModel
@@ -302,7 +303,7 @@ def tiny_forward_inputs(transformer, *, timestep: float = 500.0, batch: int = 2,
             "timestep": torch.full((batch,), timestep / 1000.0),
             "img_ids": img_ids.expand(batch, -1, -1),
             "txt_ids": txt_ids.expand(batch, -1, -1),
-            "guidance": torch.full((batch,), 4.0),
+            "guidance": torch.full((batch,), 4.0) if config.guidance_embeds else None,
             "return_dict": False,
         }
     if name == "FluxTransformer2DModel":
@@ -448,6 +449,23 @@ def tiny_pipeline(family: str, *, seed: int = 0):
                      if family == "skyreels_v2" else diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
         return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                    transformer=tiny_transformer(family, seed=seed))
+    if family == "flux2":  # FLUX.2 [klein]: a Qwen3 text encoder, the features of its layers 9, 18 and 27
+        import diffusers
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        tokenizer, _ = tiny_qwen2_vl(16, seed)
+        tokenizer.chat_template = (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=1024)).eval()
+        vae = diffusers.AutoencoderKLFlux2(block_out_channels=(4, 4, 4, 4), layers_per_block=1, latent_channels=4,
+                                           norm_num_groups=1)
+        return diffusers.Flux2KleinPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                                            text_encoder=text_encoder, tokenizer=tokenizer,
+                                            transformer=tiny_transformer("flux2", seed=seed))
     if family == "qwen_image":
         import diffusers
 
@@ -536,6 +554,10 @@ def tiny_call_kwargs(family: str) -> dict:
         # 9 frames of 128x128 -> 3 latent frames of 8x8 (VAE 16 in space) -> 3x4x4 tokens
         return {"height": 128, "width": 128, "num_frames": 9, "max_sequence_length": WAN_TEXT,
                 "num_inference_steps": 2, "guidance_scale": 5.0, "output_type": "pt"}
+    if family == "flux2":
+        # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens after FLUX2_TEXT text tokens (the prompt padded)
+        return {"height": 96, "width": 96, "max_sequence_length": FLUX2_TEXT, "num_inference_steps": 2,
+                "guidance_scale": 4.0, "output_type": "pt"}
     if family == "qwen_image":
         # 96x96 pixels / 8 (VAE) / 2 (packing) -> 6x6 image tokens after the prompt's own tokens (one per byte here,
         # with the system prompt's tail the pipeline keeps)

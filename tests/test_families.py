@@ -7,8 +7,9 @@ buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ul
   sparse one gives the same with the op's RoPE tables as with the model's RoPE code, differing from dense;
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
-- Wan VACE, SkyReels-V2, LTX-Video and Qwen-Image pipelines: a dense plan equals the default; `paro calibrate`
-  and `paro generate --compare` run on a saved Wan VACE, LTX-Video and Qwen-Image pipeline folder (Qwen-Image:
+- Wan VACE, SkyReels-V2, LTX-Video, Qwen-Image and FLUX.2 [klein] pipelines: a dense plan equals the default;
+  `paro calibrate` and `paro generate --compare` run on a saved Wan VACE, LTX-Video, FLUX.2 [klein] and
+  Qwen-Image pipeline folder (Qwen-Image:
   a plan fits prompts of its token count, and another count is refused naming both).
 """
 
@@ -262,7 +263,8 @@ def no_ftfy(monkeypatch):
 # prompt's tail included), before 6 x 6 image tokens
 QWEN_PIPELINE_LAYOUT = TokenLayout(137, 1, 6, 6)
 PIPELINE_LAYOUTS = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLayout(0, 3, 4, 4),
-                    "ltx": TokenLayout(0, 3, 4, 4), "qwen_image": QWEN_PIPELINE_LAYOUT}
+                    "ltx": TokenLayout(0, 3, 4, 4), "qwen_image": QWEN_PIPELINE_LAYOUT,
+                    "flux2": TokenLayout(FLUX2_TEXT, 1, 6, 6)}
 
 
 @pytest.mark.parametrize("family", list(PIPELINE_LAYOUTS))
@@ -274,8 +276,8 @@ def test_pipeline_dense_plan_equals_default(family, no_ftfy):
 
     def generate():
         with torch.no_grad():
-            result = pipe("a red fox", generator=torch.Generator().manual_seed(0), **kwargs)
-        return result.images if family == "qwen_image" else result.frames
+            result = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(0), **kwargs)
+        return result.images if family in ("qwen_image", "flux2") else result.frames
 
     reference = generate()
     with apply(pipe, make_plan(pipe.transformer, layout, orders="random"), backend="torch"):
@@ -302,6 +304,26 @@ def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, lay
     result = runner.invoke(app, [str(a) for a in [
         "generate", tmp_path / "model", "--prompt", "a cat", "--plan", tmp_path / "plan.safetensors", "--compare",
         "--steps", 2, "--device", "cpu", "--backend", "torch", "--out", tmp_path / "out.gif", *size]])
+    assert result.exit_code == 0, result.output
+    assert "PARO vs dense: PSNR" in result.output
+
+
+def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
+    """FLUX.2 [klein] pads the prompt to max_sequence_length (512 by default): calibration at the default, and
+    generation with the plan's text length (which `paro generate` passes)."""
+    tiny_pipeline("flux2").save_pretrained(tmp_path / "model")
+    runner = CliRunner()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    size = ["--height", 96, "--width", 96, "--steps", 2, "--device", "cpu"]
+    result = runner.invoke(app, [str(a) for a in [
+        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
+        "--num-prompts", 1, "--stat-every", 1, "--buckets", 2, "--density", 0.5, "--block-size", TINY_BLOCK, *size]])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(tmp_path / "plan.safetensors").layout == TokenLayout(512, 1, 6, 6)
+    result = runner.invoke(app, [str(a) for a in [
+        "generate", tmp_path / "model", "--prompt", "a cat", "--plan", tmp_path / "plan.safetensors", "--compare",
+        "--backend", "torch", "--out", tmp_path / "out.png", *size]])
     assert result.exit_code == 0, result.output
     assert "PARO vs dense: PSNR" in result.output
 

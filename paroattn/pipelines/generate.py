@@ -212,7 +212,8 @@ def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
-        result = pipe(prompt, generator=generator, output_type="np", **call)
+        # by keyword: FLUX.2's pipelines take an image first
+        result = pipe(prompt=prompt, generator=generator, output_type="np", **call)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
