@@ -18,7 +18,8 @@ rather than through the dispatcher, because:
   back in the GPUs' order) in the copy the exchange makes anyway;
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
-take 1/N of the plan's memory. Checked eagerly: tiny Wan, FLUX and a Wan 2.2 expert pair on CPU with gloo
+take at most 1/N of the plan's memory. Checked eagerly: tiny Wan, FLUX.1, FLUX.2, Qwen-Image, LTX-Video, LTX-2 and a Wan
+2.2 expert pair on CPU with gloo
 (tests/test_context_parallel.py), Wan2.1-14B and 1.3B on two GPUs with NCCL (benchmarks/multi_gpu.py --check);
 under `torch.compile(fullgraph=True)` on CPU (after an eager forward, with dynamo skipping diffusers' hook logging:
 README), not on GPUs.
