@@ -1,5 +1,6 @@
-"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2, HunyuanVideo 1.5, LTX-Video and LTX-2 on tiny offline models (each layer against the reference op across
-buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ulysses: `test_context_parallel.py`):
+"""SkyReels-V2, Wan VACE, Qwen-Image, FLUX.2, HunyuanVideo 1.5, LTX-Video and LTX-2 on tiny offline models (each
+layer against the reference op across buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under
+Ulysses: `test_context_parallel.py`):
 
 - the self-attention layers PARO takes, in plan order, and the token layout of a generation size;
 - a full-density plan reproduces the model's own output (fused and unfused RoPE, identity and random orders, and a
@@ -8,8 +9,7 @@ buckets, and the mutations the oracle must see: `test_layer_oracle.py`; under Ul
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
 - Wan VACE, SkyReels-V2, LTX-Video, Qwen-Image and FLUX.2 [klein] pipelines: a dense plan equals the default;
-  `paro calibrate` and `paro generate --compare` run on a saved Wan VACE, LTX-Video, FLUX.2 [klein] and
-  Qwen-Image pipeline folder (Qwen-Image:
+  `paro calibrate` and `paro generate --compare` run on a saved pipeline folder of each (Qwen-Image:
   a plan fits prompts of its token count, and another count is refused naming both).
 """
 
@@ -287,7 +287,8 @@ def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     assert torch.isfinite(sparse).all() and (sparse - reference).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family,size,layers", [("wan_vace", (64, 64, 9), 4), ("ltx", (128, 128, 17), 2)])
+@pytest.mark.parametrize("family,size,layers", [("wan_vace", (64, 64, 9), 4), ("skyreels_v2", (64, 64, 9), 2),
+                                                 ("ltx", (128, 128, 17), 2)])
 def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, layers):
     tiny_pipeline(family).save_pretrained(tmp_path / "model")
     runner = CliRunner()
