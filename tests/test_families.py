@@ -227,6 +227,29 @@ def test_ltx_conditioning_tokens_after_the_grid_are_refused():
     assert torch.equal(_refused(transformer, conditioned, plan, "320 video tokens"), reference)
 
 
+def test_ltx2_split_rope_runs_as_the_model_applies_it():
+    """LTX-2's other RoPE (`rope_type="split"`: the two halves of each head rotated, per-head tables): a dense plan
+    equals the model's attention, a sparse one differs."""
+    import diffusers
+
+    torch.manual_seed(0)
+    transformer = diffusers.LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=8,
+        audio_cross_attention_dim=16, num_layers=2, caption_channels=16, rope_type="split").eval()
+    assert transformer.transformer_blocks[0].attn1.rope_type == "split"
+    with torch.no_grad():
+        for parameter in transformer.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    inputs = tiny_forward_inputs(transformer)
+    reference = run(transformer, inputs)
+    layout = TokenLayout(0, 4, 8, 8)
+    with apply(transformer, make_plan(transformer, layout, orders="random"), backend="torch"):
+        torch.testing.assert_close(run(transformer, inputs), reference, rtol=1e-5, atol=1e-5)
+    with apply(transformer, make_plan(transformer, layout, density=0.5, orders="random"), backend="torch"):
+        assert (run(transformer, inputs) - reference).abs().max() > 1e-3
+
+
 def test_ltx2_self_attention_mask_and_perturbed_attention_are_refused():
     transformer = tiny_transformer("ltx2")
     inputs = tiny_forward_inputs(transformer)
