@@ -9,8 +9,8 @@ Ulysses: `test_context_parallel.py`):
 - layouts a plan cannot express are refused with a PlanError naming the reason (on_mismatch="dense" runs the model's
   own attention, the text padding included);
 - Wan VACE, SkyReels-V2, LTX-Video, Qwen-Image and FLUX.2 [klein] pipelines: a dense plan equals the default;
-  `paro calibrate` and `paro generate --compare` run on a saved pipeline folder of each (Qwen-Image:
-  a plan fits prompts of its token count, and another count is refused naming both).
+  `paro calibrate` and `paro generate --compare` run on a saved pipeline folder of each (Qwen-Image: a prompt of
+  another token count gets masks derived from the plan).
 """
 
 from __future__ import annotations
@@ -352,7 +352,9 @@ def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
     assert "PARO vs dense: PSNR" in result.output
 
 
-def test_cli_qwen_image_plan_fits_prompts_of_its_token_count(tmp_path):
+def test_cli_qwen_image_plan_serves_prompts_of_other_token_counts(tmp_path):
+    """Qwen-Image does not pad prompts: a prompt of another token count is another layout, whose masks the plan
+    derives from its axis profiles as for another size."""
     tiny_pipeline("qwen_image").save_pretrained(tmp_path / "model")
     runner = CliRunner()
     prompts = tmp_path / "prompts.txt"
@@ -372,6 +374,11 @@ def test_cli_qwen_image_plan_fits_prompts_of_its_token_count(tmp_path):
     result = generate("a big cat")  # as many tokens as the calibration prompt
     assert result.exit_code == 0, result.output
     assert "PARO vs dense: PSNR" in result.output
-    result = generate("a cat")  # 4 tokens fewer: the plan's sequence does not fit, and the message says so
-    assert result.exit_code != 0
-    assert "calibrated with 137 text tokens; this call has 133" in str(result.output) + str(result.exception)
+    result = generate("a cat")  # 4 tokens fewer: masks derived for 133 text tokens from the plan's axis profiles
+    assert result.exit_code == 0, result.output
+    assert "PARO vs dense: PSNR" in result.output
+    pipe = tiny_pipeline("qwen_image")
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad(), apply(pipe, Plan.load(tmp_path / "plan.safetensors"), backend="torch") as handle:
+        pipe(prompt="a cat", **tiny_call_kwargs("qwen_image"))
+        assert TokenLayout(133, 1, 6, 6) in handle.processor.shapes.derived

@@ -192,8 +192,9 @@ class FamilyAdapter:
       layers are every block's attention of each list in turn;
     - geometry: the transformer's patch sizes (`patch_sizes`, read from its config), where the text sits in the
       self-attention sequence (`text_position`: "none", "prefix" or "suffix") and how long it is by default
-      (`default_text_tokens`), the default frame count of a video family (`default_frames`), and for image
-      families the latent pixels packed per token side (`pack`). `layout_for` and `pixel_size` follow from them.
+      (`default_text_tokens`) and whether the pipeline pads it to that length (`pads_text`), the default frame
+      count of a video family (`default_frames`), and for image families the latent pixels packed per token side
+      (`pack`). `layout_for` and `pixel_size` follow from them.
     """
 
     name: str = ""
@@ -206,6 +207,9 @@ class FamilyAdapter:
     default_text_tokens: int = 0
     default_frames: int = 81
     pack: int = 1
+    # whether the pipeline pads the text to `max_sequence_length` (so `paro generate` passes the plan's text length
+    # there); Qwen-Image's keeps each prompt's own length, which max_sequence_length would only truncate
+    pads_text: bool = True
     # the layout of the plan a PAROProcessor runs (set when it binds): what a forward traced by torch.compile
     # takes for a call whose layout the arguments' shapes alone do not settle (Flux's image grid)
     planned_layout: TokenLayout | None = None

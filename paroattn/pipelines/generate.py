@@ -414,7 +414,7 @@ def generate(
                              "--frames out")
         call["num_frames"] = frames
     text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
-    if text_tokens and "max_sequence_length" not in call:
+    if text_tokens and family.pads_text and "max_sequence_length" not in call:
         call["max_sequence_length"] = text_tokens  # text tokens are part of the plan's sequence
     fps = _FPS.get(family.name, 8)
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}

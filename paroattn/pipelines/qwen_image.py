@@ -7,8 +7,8 @@ interleaved pairs: the image's from `img_shapes`, the text's continuing after th
 `timestep = t / 1000`. There is no text-only or cross-attention module: PARO takes every block.
 
 T is the prompt's own token count: the pipeline does not pad a prompt to a fixed length (it only truncates at
-`max_sequence_length`), so a plan fits prompts of the token count it was calibrated with; a prompt of another
-length is a layout mismatch that names both counts.
+`max_sequence_length`), so each prompt length is a layout of its own, whose masks a plan derives from its axis
+profiles as it does for another size (`paro generate` leaves max_sequence_length alone: `pads_text`).
 
 Refused (PlanError, or the model's own attention with on_mismatch="dense"): prompts of different lengths in one
 batch, whose padding (`encoder_hidden_states_mask`) sits in the text before the image, where the op's key mask
@@ -54,6 +54,7 @@ class QwenImageAdapter(FamilyAdapter):
     is_video = False
     text_position = "prefix"
     default_text_tokens = 64  # a layout_for without text_tokens: the pipeline's text length follows the prompt
+    pads_text = False
 
     def __init__(self):
         self._tables = RotaryTables(_joint_tables)

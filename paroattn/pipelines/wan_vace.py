@@ -6,8 +6,8 @@ count: the same F x H x W layout and RoPE as the main blocks, so PARO takes both
 blocks, then the VACE blocks. `attn2` of each is cross-attention to the text and keeps its processor.
 
 Reference images enter as whole latent frames before the video's (the pipeline adds one per image), so the grid
-is (latent frames + reference images) x H x W in the usual row-major order: a plan is calibrated with the number
-of reference images it will run with, and a call with another count is a layout mismatch named as such.
+is (latent frames + reference images) x H x W in the usual row-major order: another number of reference images is
+another frame count, whose masks a plan derives as for any other size.
 No context-parallel plan in diffusers 0.42.1: `enable_parallelism` with PARO is refused (run one pipeline per GPU).
 """
 
