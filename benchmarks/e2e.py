@@ -210,7 +210,9 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
         # 729 vision tokens, of which a prompt fills QWEN_IMAGE_TEXT and 16 (text-to-video: no vision tokens)
         mask = (torch.arange(1000, device=device) < QWEN_IMAGE_TEXT).long()[None]
         mask_2 = (torch.arange(256, device=device) < 16).long()[None]
-        return {"hidden_states": rand(1, 65, 31, 45, 80), "timestep": torch.full((1,), 900.0, device=device),
+        # its time embedding does not cast the timestep: it comes in the weights' dtype, as the pipeline passes it
+        return {"hidden_states": rand(1, 65, 31, 45, 80), "timestep": torch.full((1,), 900.0, device=device,
+                                                                                 dtype=dtype),
                 "encoder_hidden_states": rand(1, 1000, 3584), "encoder_attention_mask": mask,
                 "encoder_hidden_states_2": rand(1, 256, 1472), "encoder_attention_mask_2": mask_2,
                 "image_embeds": torch.zeros(1, 729, 1152, device=device, dtype=dtype), "return_dict": False}
