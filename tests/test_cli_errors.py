@@ -630,6 +630,7 @@ def test_help_lists_every_supported_family(command):
     text = " ".join(invoke([command, "--help"]).output.split())
     for family in FAMILIES:
         assert family.models and family.models in text, (family.models, text)
+    assert len({family.models for family in FAMILIES}) == len(FAMILIES)  # each family under its own name
     for name in ("CogVideoX", "Wan 2.1 / 2.2", "HunyuanVideo", "FLUX.1"):
         assert name in text
 

@@ -30,6 +30,7 @@ def _single_stream(attn) -> bool:
 
 class Flux2Adapter(FluxAdapter):
     name = "flux2"
+    models = "FLUX.2"
     transformer_classes = ("Flux2Transformer2DModel",)
     attention_classes = ("Flux2Attention", "Flux2ParallelSelfAttention")
 

@@ -31,6 +31,7 @@ DEFAULT_TEXT_TOKENS = 1000 + 256 + 729
 
 class HunyuanVideo15Adapter(HunyuanVideoAdapter):
     name = "hunyuan_video15"
+    models = "HunyuanVideo 1.5"
     transformer_classes = ("HunyuanVideo15Transformer3DModel",)
     attention_classes = ("Attention",)
     self_attention_paths = (("transformer_blocks", "attn"),)

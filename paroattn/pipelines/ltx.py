@@ -29,6 +29,7 @@ def _apply_rotary(x: torch.Tensor, emb) -> torch.Tensor:
 
 class LTXVideoAdapter(FamilyAdapter):
     name = "ltx"
+    models = "LTX-Video"
     transformer_classes = ("LTXVideoTransformer3DModel",)
     attention_classes = ("LTXAttention",)
     self_attention_paths = (("transformer_blocks", "attn1"),)

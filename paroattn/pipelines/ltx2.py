@@ -38,6 +38,7 @@ def _apply_rotary(attn, x: torch.Tensor, emb) -> torch.Tensor:
 
 class LTX2Adapter(LTXVideoAdapter):
     name = "ltx2"
+    models = "LTX-2"
     transformer_classes = ("LTX2VideoTransformer3DModel",)
     attention_classes = ("LTX2Attention",)
     self_attention_paths = (("transformer_blocks", "attn1"),)

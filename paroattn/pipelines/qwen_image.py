@@ -48,6 +48,7 @@ def _apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 class QwenImageAdapter(FamilyAdapter):
     name = "qwen_image"
+    models = "Qwen-Image"
     transformer_classes = ("QwenImageTransformer2DModel",)
     attention_classes = ("Attention",)
     self_attention_paths = (("transformer_blocks", "attn"),)

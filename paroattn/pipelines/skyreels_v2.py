@@ -21,6 +21,7 @@ from .wan import WanAdapter
 
 class SkyReelsV2Adapter(WanAdapter):
     name = "skyreels_v2"
+    models = "SkyReels-V2"
     transformer_classes = ("SkyReelsV2Transformer3DModel",)
     attention_classes = ("SkyReelsV2Attention",)
     self_attention_paths = (("blocks", "attn1"),)

@@ -18,6 +18,7 @@ from .wan import WanAdapter
 
 class WanVACEAdapter(WanAdapter):
     name = "wan_vace"
+    models = "Wan VACE"
     transformer_classes = ("WanVACETransformer3DModel",)
     attention_classes = ("WanAttention",)
     self_attention_paths = (("blocks", "attn1"), ("vace_blocks", "attn1"))
