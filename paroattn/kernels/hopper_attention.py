@@ -53,12 +53,6 @@ MODES = (("bf16", "bf16"),)  # (qk, pv); "bf16" stands for the inputs' 16-bit ty
 TESTED_TRITON = ("3.6",)
 
 
-def takes_strides(q: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the kernel reads q and writes out as laid out: unit stride along D. (A stride passed to a
-    Gluon worker partition is a runtime value, so 1 must be built in for 16-byte accesses.)"""
-    return q.stride(-1) == 1 and out.stride(-1) == 1
-
-
 if gluon is not None:
     from .index_math import jit_mirror
 
@@ -269,7 +263,7 @@ def launch(q, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, n
            kv_descriptors=None, key=None):
     """Run the kernel on the prologue's reordered K and V; the consumers gather their query rows from the
     caller's `q` [B, H, N, D] and write the caller's `out` of the same shape. q and out have unit stride
-    along D (`takes_strides`). `kv_descriptors`: `descriptors(kq, vq)` built earlier (the caller keeps
+    along D (`dispatch`'s Gluon family refuses other calls). `kv_descriptors`: `descriptors(kq, vq)` built earlier (the caller keeps
     them with the buffers); `key`: the launch's `launcher.CachedLauncher` key, None for a full launch."""
     k_desc, v_desc = kv_descriptors or descriptors(kq, vq)
     # 4 + 4 + 1 warps are allocated as three warpgroups: maxnreg x 12 warps x 32 fits the SM's 64K
