@@ -269,19 +269,25 @@ def inputs_dtype(inputs: dict) -> torch.dtype:
     return inputs["hidden_states"].dtype
 
 
-def time_step(transformer, inputs, iters: int, device) -> tuple[float, list[float]]:
-    """Median seconds of one forward after one warm-up forward (compiles and autotunes)."""
+def _timed(run, iters: int, device) -> list[float]:
+    """Seconds of each of `iters` calls of `run()` after one warm-up call (compiles and autotunes)."""
     times = []
     with torch.no_grad():
         for i in range(iters + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            transformer(**inputs)
+            run()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i:
                 times.append(time.perf_counter() - start)
+    return times
+
+
+def time_step(transformer, inputs, iters: int, device) -> tuple[float, list[float]]:
+    """Median seconds of one forward after one warm-up forward (compiles and autotunes)."""
+    times = _timed(lambda: transformer(**inputs), iters, device)
     return statistics.median(times), times
 
 
@@ -293,17 +299,7 @@ def attention_seconds(transformer, layout: TokenLayout, batch: int, device, dtyp
     heads = transformer.config.num_attention_heads
     q, k, v = (torch.randn(batch, heads, layout.seq_len, transformer.config.attention_head_dim, device=device,
                            dtype=dtype) for _ in range(3))
-    times = []
-    with torch.no_grad():
-        for i in range(iters + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - start)
+    times = _timed(lambda: F.scaled_dot_product_attention(q, k, v), iters, device)
     return statistics.median(times) * len(self_attention_layers(transformer))
 
 
