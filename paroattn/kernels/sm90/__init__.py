@@ -47,10 +47,19 @@ def stages(head_dim: int) -> int:
     return 3 + QK_AHEAD[head_dim]
 
 
+# the row sums of P from the P V product (8 rows of ones after V^T in every stage) instead of a per-score add
+ROWSUM_MMA = True
+
+
+def stage_bytes(head_dim: int) -> int:
+    """One K/V stage: K [64 x D], V^T [D x 64] and the rows of ones, rounded up to the tiles' 1 KB alignment."""
+    return -(-(2 * BLOCK_N * head_dim + (8 * BLOCK_N if ROWSUM_MMA else 0)) // 1024) * 1024
+
+
 def shared_bytes(head_dim: int, warpgroups: int, max_active: int) -> int:
     """Dynamic shared memory of a launch: the Q tile, the K/V stages, 1 KB to align the swizzled tiles, and
     the active list (an index and a K scale per entry)."""
-    return 64 * warpgroups * head_dim + stages(head_dim) * 2 * BLOCK_N * head_dim + 1024 + 8 * max_active
+    return 64 * warpgroups * head_dim + stages(head_dim) * stage_bytes(head_dim) + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -86,7 +95,7 @@ def source() -> str:
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
             "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
-            "PARO_QK_AHEAD": QK_AHEAD[head_dim]}
+            "PARO_QK_AHEAD": QK_AHEAD[head_dim], "PARO_ROWSUM_MMA": int(ROWSUM_MMA)}
 
 
 # every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
@@ -99,7 +108,7 @@ _KERNELS: dict[tuple, object] = {}
 def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD[head_dim])
+    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD[head_dim], ROWSUM_MMA)
     loaded = _KERNELS.get(key)
     if loaded is not None:
         return loaded

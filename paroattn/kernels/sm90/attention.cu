@@ -38,6 +38,12 @@
 #ifndef PARO_STAGES
 #define PARO_STAGES 4
 #endif
+#ifndef PARO_ROWSUM_MMA
+#define PARO_ROWSUM_MMA 1
+#endif
+#ifndef PARO_MIN_CTAS
+#define PARO_MIN_CTAS (3 - PARO_WARPGROUPS)
+#endif
 
 namespace paro {
 
@@ -48,6 +54,10 @@ constexpr int kCtaRows = 64 * kWarpgroups;
 constexpr int kBlockN = 64;   // keys per block
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kStages = PARO_STAGES;
+// the row sums of P come out of the P V product: V^T gets 8 more rows of ones (1.0 in e4m3), so the product's
+// columns D .. D+7 are each row's sum of the e4m3 P it multiplies, with no per-score add in the softmax
+constexpr bool kRowSumMma = PARO_ROWSUM_MMA != 0;
+constexpr int kPvCols = kHeadDim + (kRowSumMma ? 8 : 0);  // columns of the P V product (and of O)
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
 constexpr float kQuantEps = 1e-8f;                  // reference.QUANT_EPS
@@ -199,11 +209,47 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 72] (f32) (+)= A[64 x 32] * B[72 x 32]^T, e4m3, A in registers, B K-major in shared memory
+__device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 136] (f32) (+)= A[64 x 32] * B[136 x 32]^T, e4m3, A in registers, B K-major in shared memory
+__device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs(float (&d)[68], const unsigned (&a)[4],
+                                                      unsigned long long desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 template <int n>
 __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], unsigned long long desc_b,
                                          int accumulate) {
-  if constexpr (n == 64) {
+  if constexpr (n == 68) {
+    wgmma_m64n136k32_e4m3_rs(d, a, desc_b, accumulate);
+  } else if constexpr (n == 64) {
     wgmma_m64n128k32_e4m3_rs(d, a, desc_b, accumulate);
+  } else if constexpr (n == 36) {
+    wgmma_m64n72k32_e4m3_rs(d, a, desc_b, accumulate);
   } else {
     wgmma_m64n64k32_e4m3_rs(d, a, desc_b, accumulate);
   }
@@ -218,7 +264,9 @@ using namespace paro;
 constexpr int kQBytes = kCtaRows * kHeadDim;
 constexpr int kKBytes = kBlockN * kHeadDim;
 constexpr int kVBytes = kHeadDim * kBlockN;
-constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr int kOnesBytes = kRowSumMma ? 8 * kBlockN : 0;  // the rows of ones after V^T
+// every stage starts on a 1024-byte boundary (the swizzled tiles' alignment)
+constexpr int kStageBytes = (kKBytes + kVBytes + kOnesBytes + 1023) / 1024 * 1024;
 
 
 // cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage, 16 bytes per copy. Thread tid
@@ -334,10 +382,12 @@ struct Softmax {
       const int r = (j >> 1) & 1;
       // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
       f[j] = any ? exp2_approx(fmaf(f[j], scale, -shift[r])) : 0.f;
-      rowsum[r] += f[j];
+      if (!kRowSumMma) rowsum[r] += f[j];
     }
-    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
-    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+    if (!kRowSumMma) {
+      l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+      l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+    }
 
     // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
     // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
@@ -353,7 +403,7 @@ struct Softmax {
   }
 };
 
-extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
+extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
     const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
     unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
@@ -397,6 +447,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   const signed char* kq_bh = kq + (long long)bh * n_pad * kHeadDim;
   const unsigned char* vq_bh = vq + (long long)bh * kHeadDim * n_pad;
   const KVLoader loader(kq_bh, vq_bh, n_pad, tid);
+  if (kRowSumMma) {
+    // the rows of ones after every stage's V^T (e4m3 1.0 = 0x38), written once: the copies never touch them;
+    // the fence and barrier before the first product make them visible to wgmma
+    for (int w = tid; w < kStages * kOnesBytes / 4; w += kThreads) {
+      const unsigned dst = kv_tiles + (w / (kOnesBytes / 4)) * kStageBytes + kKBytes + kVBytes + (w % (kOnesBytes / 4)) * 4;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(0x38383838u) : "memory");
+    }
+  }
 
   // Q tile and the first kStages - 1 key blocks, each its own cp.async group (empty groups past the list)
   if (count > 0) {
@@ -429,9 +487,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   else                                                                                            \
     sm.step<false>(s, 0xFFFFu, list_scale[j], p, alpha);
 
-  float o[kHeadDim / 2];
+  float o[kPvCols / 2];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < kPvCols / 2; ++i) o[i] = 0.f;
 
   const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
 #if PARO_QK_AHEAD == 2
@@ -463,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   for (int i = 0; i < count; ++i) {
     const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
     // T = P V, into a zeroed accumulator
-    float pv[kHeadDim / 2];
+    float pv[kPvCols / 2];
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
@@ -485,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
     fence_registers(pv);
     // O = alpha O + T in fp32
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    for (int j = 0; j < kPvCols / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
     {
       const int refill = i + kStages - 1;  // into block i-1's stage
       if (refill < count) loader.load(kv_tiles + (refill % kStages) * kStageBytes, list_kb[refill]);
@@ -534,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
     int s[32];
     qk_product(s, q_desc_base, has_next ? next_stage : stage);
     // T = P V, into a zeroed accumulator
-    float pv[kHeadDim / 2];
+    float pv[kPvCols / 2];
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
@@ -550,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
     fence_registers(pv);
     // O = alpha O + T in fp32
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    for (int j = 0; j < kPvCols / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
     // the stage of block i-1 is free since the barrier above: fetch block i + kStages - 1 into it (here, where
     // few registers are live)
     {
@@ -569,16 +627,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   }
 #endif
 #undef PARO_STEP
-  float* l = sm.l;
   cp_async_wait<0>();
 
   // epilogue: row sums, normalization, V's per-channel scale, rows written at their original positions
   const int order = orders[h];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    float sum;
+    if (kRowSumMma) {
+      sum = o[kHeadDim / 2 + 2 * r];  // column D of the product (every thread of the row holds it)
+    } else {
+      sum = sm.l[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    }
     const int pos = qb * kBlockM + (half + wg) * 64 + warp * 16 + g + 8 * r;
     if (pos >= N) continue;
     // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
