@@ -41,25 +41,26 @@ WARPGROUPS = {64: 1, 128: 1}
 QK_AHEAD = {64: 2, 128: 1}
 
 
+# key blocks per softmax step (one row max, one rescale and one update of O per step): 2
+STEP_BLOCKS = {64: 2, 128: 2}
+
+
 def stages(head_dim: int) -> int:
-    """K/V stages: the blocks read by products in flight, plus two being copied (16 KB each at D=128, 8 KB
-    at D=64)."""
-    return 3 + QK_AHEAD[head_dim]
+    """K/V stages (one key block each): the steps read by products in flight and one being copied."""
+    return 3 * STEP_BLOCKS[head_dim]
 
 
 # the row sums of P from the P V product (8 rows of ones after V^T in every stage) instead of a per-score add
 ROWSUM_MMA = True
 
 
-def stage_bytes(head_dim: int) -> int:
-    """One K/V stage: K [64 x D], V^T [D x 64] and the rows of ones, rounded up to the tiles' 1 KB alignment."""
-    return -(-(2 * BLOCK_N * head_dim + (8 * BLOCK_N if ROWSUM_MMA else 0)) // 1024) * 1024
-
-
-def shared_bytes(head_dim: int, warpgroups: int, max_active: int) -> int:
-    """Dynamic shared memory of a launch: the Q tile, the K/V stages, 1 KB to align the swizzled tiles, and
-    the active list (an index and a K scale per entry)."""
-    return 64 * warpgroups * head_dim + stages(head_dim) * stage_bytes(head_dim) + 1024 + 8 * max_active
+def shared_bytes(variant: dict[str, int], max_active: int) -> int:
+    """Dynamic shared memory of a launch of a variant (`defines`): the Q tile, the K/V stages (K [64 x D], V^T
+    [D x 64] and the rows of ones, each stage rounded up to the tiles' 1 KB alignment), 1 KB to align the
+    first tile, and the active list (an index and a K scale per entry)."""
+    D, ones = variant["PARO_HEAD_DIM"], 8 * BLOCK_N * variant["PARO_ROWSUM_MMA"]
+    stage = -(-(2 * BLOCK_N * D + ones) // 1024) * 1024
+    return 64 * variant["PARO_WARPGROUPS"] * D + variant["PARO_STAGES"] * stage + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -93,9 +94,11 @@ def source() -> str:
 
 
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
+    warpgroups = warpgroups or WARPGROUPS[head_dim]
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
-            "PARO_QK_AHEAD": QK_AHEAD[head_dim], "PARO_ROWSUM_MMA": int(ROWSUM_MMA)}
+            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups, "PARO_MIN_CTAS": 3 - warpgroups,
+            "PARO_QK_AHEAD": QK_AHEAD[head_dim], "PARO_ROWSUM_MMA": int(ROWSUM_MMA),
+            "PARO_STEP_BLOCKS": STEP_BLOCKS[head_dim]}
 
 
 # every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
@@ -171,7 +174,7 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
     run.launch((nq * 2 // warpgroups, B * H, 1), (128 * warpgroups, 1, 1), args, stream,
-               shared_bytes(D, warpgroups, indices.shape[-1]))
+               shared_bytes(defines(D, out.dtype, warpgroups), indices.shape[-1]))
 
 
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",

@@ -41,6 +41,9 @@
 #ifndef PARO_ROWSUM_MMA
 #define PARO_ROWSUM_MMA 1
 #endif
+#ifndef PARO_STEP_BLOCKS
+#define PARO_STEP_BLOCKS 2
+#endif
 #ifndef PARO_MIN_CTAS
 #define PARO_MIN_CTAS (3 - PARO_WARPGROUPS)
 #endif
@@ -112,6 +115,12 @@ template <int n>
 __device__ __forceinline__ void fence_registers(float (&r)[n]) {
 #pragma unroll
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int m, int n>
+__device__ __forceinline__ void fence_registers(int (&r)[m][n]) {
+#pragma unroll
+  for (int i = 0; i < m; ++i) fence_registers(r[i]);
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -343,6 +352,87 @@ struct Softmax {
 
   // a key block's integer scores s (K scale block_scale, `kept`: keys_kept) -> P (as e4m3 A operands, P * 448) and the factor alpha that rescales
   // what came before. A block whose keys are all excluded (padding) leaves everything as it was.
+  // kSteps key blocks in one softmax step: one row max, one alpha and (in the caller) one update of O for all
+  // of them. Block h's integer scores s[h] (K scale block_scale[h], keys kept[h]) -> its P as e4m3 A operands
+  // p[h] (P * 448) and the factor alpha that rescales what came before. A block whose keys are all excluded
+  // (padding, or no block: the end of an odd list) gives P = 0 and leaves the running max as it was.
+  template <bool kMasked, int kSteps>
+  __device__ __forceinline__ void steps(int (&s)[kSteps][32], const unsigned (&kept)[kSteps],
+                                        const float (&block_scale)[kSteps], unsigned (&p)[kSteps][2][4],
+                                        float (&alpha)[2]) {
+    // the mask is one row for all queries: the same decision in every thread of the CTA
+    bool any[kSteps];
+    bool any_block = false;
+    float scale[kSteps];
+#pragma unroll
+    for (int h = 0; h < kSteps; ++h) {
+      unsigned a = kept[h];
+      if (kMasked) {
+        a |= __shfl_xor_sync(0xffffffffu, a, 1);
+        a |= __shfl_xor_sync(0xffffffffu, a, 2);
+      }
+      any[h] = a != 0;
+      any_block |= any[h];
+      scale[h] = score_scale * block_scale[h];
+    }
+    float f[kSteps][32];
+#pragma unroll
+    for (int h = 0; h < kSteps; ++h)
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        // f[h][4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
+        f[h][j] = score_with_offset(s[h][j]);
+        if (kMasked && !((kept[h] >> (2 * (j / 4) + (j & 1))) & 1u)) f[h][j] = -__int_as_float(0x7f800000);
+      }
+    float shift[kSteps][2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h) {
+        float mh = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mh = fmaxf(mh, fmaxf(f[h][4 * j + 2 * r], f[h][4 * j + 2 * r + 1]));
+        // scale > 0: the max commutes with it (each block has its own K scale)
+        mx = fmaxf(mx, (mh - kScoreOffset) * scale[h]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = any_block ? fmaxf(m[r], mx) : m[r];
+      alpha[r] = any_block ? exp2_approx(m[r] - m_new) : 1.f;
+      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h) shift[h][r] = m_new - kPLog2Scale + kScoreOffset * scale[h];
+      m[r] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < kSteps; ++h)
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int r = (j >> 1) & 1;
+        // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
+        f[h][j] = any[h] ? exp2_approx(fmaf(f[h][j], scale[h], -shift[h][r])) : 0.f;
+        if (!kRowSumMma) rowsum[r] += f[h][j];
+      }
+    if (!kRowSumMma) {
+      l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+      l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+    }
+    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
+    // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
+    // accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
+#pragma unroll
+    for (int h = 0; h < kSteps; ++h)
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
+          p[h][k][q] = pack_e4m3(f[h][base], f[h][base + 1]) | (pack_e4m3(f[h][base + 4], f[h][base + 5]) << 16);
+        }
+  }
+
   template <bool kMasked>
   __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
                                        float (&alpha)[2]) {
@@ -466,11 +556,30 @@ extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_atten
       cp_async_16(q_tile + swizzled<kHeadDim>(c * 16), q_src + c * 16);
     }
   }
+#if PARO_STEP_BLOCKS > 0
+  // kStep key blocks per softmax step; list entry e lives in stage e % kStages, a step's tiles are one
+  // cp.async group (the Q tile rides with step 0), and the stages hold kStepStages steps
+  constexpr int kStep = PARO_STEP_BLOCKS;
+  constexpr int kStepStages = kStages / kStep;
+  static_assert(kStages % kStep == 0 && kStepStages >= 3, "stages for the steps in flight and one being copied");
+  auto load_step = [&](int j) {
+#pragma unroll
+    for (int h = 0; h < kStep; ++h) {
+      const int e = j * kStep + h;
+      if (e < count) loader.load(kv_tiles + (e % kStages) * kStageBytes, list_kb[e]);
+    }
+  };
+  for (int j = 0; j < kStepStages - 1; ++j) {
+    load_step(j);
+    cp_async_commit();
+  }
+#else
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < count) loader.load(kv_tiles + s * kStageBytes, list_kb[s]);
     cp_async_commit();
   }
+#endif
 
   Softmax sm;
   sm.score_scale = count > 0 ? qk_scale * q_scale[(long long)bh * NQ + qb] : 0.f;
@@ -492,7 +601,114 @@ extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_atten
   for (int i = 0; i < kPvCols / 2; ++i) o[i] = 0.f;
 
   const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
-#if PARO_QK_AHEAD == 2
+#if PARO_STEP_BLOCKS > 0
+  // Software pipeline by one step, per warpgroup: while the tensor cores run step j's P V, the warpgroup
+  // computes step j+1's softmax (its Q K^T was issued with that P V). Step j's stages are read until its P V
+  // completes; those of step j-1 are refilled (with step j + kStepStages - 1) after the barrier that follows
+  // step j-1's P V in every thread. Descriptors are computed once and moved by byte offset / 16 (the address
+  // field cannot carry: shared addresses are below 256 KB). A missing block (the end of an odd list) reads
+  // the list's last block's tiles, with P = 0.
+  const int steps = (count + kStep - 1) / kStep;
+  const unsigned long long q_desc = smem_descriptor<kHeadDim>(q_desc_base);
+  const unsigned long long k_desc = smem_descriptor<kHeadDim>(kv_tiles);
+  const unsigned long long v_desc = smem_descriptor<kBlockN>(kv_tiles + kKBytes);
+  auto stage_offset = [&](int e) -> unsigned { return (min(e, count - 1) % kStages) * (kStageBytes / 16); };
+  auto qk_products = [&](int (&s)[kStep][32], int j) {
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kStep; ++h) {
+      const unsigned long long k = k_desc + stage_offset(j * kStep + h);
+      wgmma_m64n64k32_s8_ss<0>(s[h], q_desc, k);
+#pragma unroll
+      for (int c = 1; c < kHeadDim / 32; ++c) wgmma_m64n64k32_s8_ss<1>(s[h], q_desc + 2 * c, k + 2 * c);
+    }
+    wgmma_commit();
+  };
+  auto pv_products = [&](float (&pv)[kPvCols / 2], const unsigned (&p)[kStep][2][4], int j) {
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < kStep; ++h) {
+      const unsigned long long v = v_desc + stage_offset(j * kStep + h);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) wgmma_pv(pv, p[h][c], v + 2 * c, h > 0 || c > 0);
+    }
+    wgmma_commit();
+  };
+  // the softmax of step j, in its masked form only where a block can hold excluded keys (or is missing)
+  auto softmax_step = [&](int (&s)[kStep][32], int j, unsigned (&p)[kStep][2][4], float (&alpha)[2]) {
+    unsigned kept[kStep];
+    float block_scale[kStep];
+    bool masked = false;
+#pragma unroll
+    for (int h = 0; h < kStep; ++h) {
+      const int e = j * kStep + h;
+      masked |= e >= count || list_kb[e] >= first_masked;
+      block_scale[h] = list_scale[min(e, count - 1)];  // a missing block's: finite, > 0, and unused
+    }
+    if (masked) {
+#pragma unroll
+      for (int h = 0; h < kStep; ++h) {
+        const int e = j * kStep + h;
+        kept[h] = e < count ? keys_kept(list_kb[e], first_masked, t, N, mask_start, mask_b, stride_ms) : 0u;
+      }
+      sm.steps<true, kStep>(s, kept, block_scale, p, alpha);
+    } else {
+#pragma unroll
+      for (int h = 0; h < kStep; ++h) kept[h] = 0xFFFFu;
+      sm.steps<false, kStep>(s, kept, block_scale, p, alpha);
+    }
+  };
+  unsigned p[kStep][2][4];
+  float alpha[2];
+  if (count > 0) {
+    cp_async_wait<kStepStages - 2>();  // Q and step 0
+    fence_proxy_async();
+    __syncthreads();
+    int s[kStep][32];
+    qk_products(s, 0);
+    wgmma_wait<0>();
+    fence_registers(s);
+    softmax_step(s, 0, p, alpha);
+  }
+  for (int j = 0; j < steps; ++j) {
+    const bool has_next = j + 1 < steps;
+    if (has_next) {
+      // steps 0 .. j + kStepStages - 2 are committed: step j+1 has landed when at most kStepStages - 3 are pending
+      cp_async_wait<kStepStages - 3>();
+      fence_proxy_async();
+    }
+    __syncthreads();
+    // (the last step issues one Q K^T it does not use, on its own stages: the wgmma groups stay the same on
+    // every path, which keeps ptxas from serializing them)
+    int s[kStep][32];
+    qk_products(s, has_next ? j + 1 : j);
+    float pv[kPvCols / 2];  // T = P V, into a zeroed accumulator
+    pv_products(pv, p, j);
+    unsigned p_next[kStep][2][4];
+    float alpha_next[2];
+    wgmma_wait<1>();  // groups complete in order: step j+1's scores are ready, P V may still run
+    fence_registers(s);
+    if (has_next) softmax_step(s, j + 1, p_next, alpha_next);
+    wgmma_wait<0>();
+    fence_registers(pv);
+    // O = alpha O + T in fp32
+#pragma unroll
+    for (int c = 0; c < kPvCols / 2; ++c) o[c] = fmaf(o[c], alpha[(c >> 1) & 1], pv[c]);
+    // the stages of step j-1 are free since the barrier above (here, where few registers are live)
+    if (j + kStepStages - 1 < steps) load_step(j + kStepStages - 1);
+    cp_async_commit();
+    if (has_next) {
+#pragma unroll
+      for (int h = 0; h < kStep; ++h)
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) p[h][c][q] = p_next[h][c][q];
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
+  }
+#elif PARO_QK_AHEAD == 2
   // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
   // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
   // next copies. Block b's tiles are cp.async group b (the Q tile rides with block 0).
