@@ -6,7 +6,8 @@ FlashAttention-3 FP8's forward (kernel alone, `fa3-fwd`, when importable) beside
     ncu --kernel-name paro_attention_int8_fp8 --launch-skip 5 --launch-count 1 \\
         python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b --densities 1.0 --profile
 
-A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own). Each variant's
+A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own), or
+NAME@SOURCE.cu:KEY=VALUE,... to compile another source (an older kernel) with those defines. Each variant's
 output is compared with the default variant's (relative L2) so a faster variant that computes something else
 shows. Times: median of CUDA-event-timed launches, no L2 flush (the kernel reads K/V many times per call).
 """
@@ -32,13 +33,14 @@ from paroattn.kernels.workspace import stream_of, workspace  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, int]]:
+def parse_variant(text: str) -> tuple[str, str | None, dict[str, int]]:
     name, _, assignments = text.partition(":")
+    name, _, source = name.partition("@")
     defines = {}
     for item in filter(None, assignments.split(",")):
         key, value = item.split("=")
         defines[key.strip()] = int(value)
-    return name, defines
+    return name, Path(source).read_text() if source else None, defines
 
 
 def median_ms(fn, calls: int) -> float:
@@ -75,7 +77,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
-    family_defines = sm90.defines
+    family_defines, family_source = sm90.defines, sm90.source
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
@@ -94,8 +96,9 @@ def main() -> None:
                 bq=128, buffers=buffers)
             active_tiles = float(mask.sum()) * 128 * 64 * B
             baseline = None
-            for name, extra in variants:
+            for name, source, extra in variants:
                 sm90.defines = lambda d, dt, w=None, extra=extra: {**family_defines(d, dt, w), **extra}
+                sm90.source = (lambda source=source: source) if source else family_source
                 sm90.forget()
                 out = torch.empty_like(q)
 
@@ -118,7 +121,7 @@ def main() -> None:
                              "tops": tops, "rel_vs_first_variant": rel, "fa3_fp8_ms_dense": fa3})
                 print(f"{shape:16s} d={density:<4} {name:24s} {ms:8.3f} ms {tops:6.0f} TOPS rel {rel:.1e}"
                       + (f"  (FA3 FP8 dense {fa3:.3f} ms)" if fa3 else ""), flush=True)
-    sm90.defines = family_defines
+    sm90.defines, sm90.source = family_defines, family_source
     if args.out and rows:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "timing": "median of CUDA-event-timed launches, no L2 flush",

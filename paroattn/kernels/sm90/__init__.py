@@ -29,38 +29,27 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
 
-# consumer warpgroups per CTA (64 query rows each) by head dim: one (two CTAs share an SM and interleave
-# their tensor-core and softmax phases) or two (one CTA per SM, sharing each K/V tile between 128 rows)
+# consumer warpgroups per CTA (64 query rows each, each with its own K/V stages): one (two or three CTAs share
+# an SM) or two (one CTA per SM; the warpgroups take turns at issuing products)
 WARPGROUPS = {64: 1, 128: 1}
-
-
-# by head dim, how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this
-# block's P V) or 2 (the block after, issued under the update of O; attention.cu). H100, kernel alone, d = 1
-# and 0.2: 2 is 2-3% faster at 64 (CogVideoX-5B), 1 is 2-3% faster at 128 (Wan2.1-1.3B, FLUX.1-dev)
-# (benchmarks/results/sm90-kernel-steps-h100.json)
-QK_AHEAD = {64: 2, 128: 1}
-
-
-# key blocks per softmax step (one row max, one rescale and one update of O per step): 2
-STEP_BLOCKS = {64: 2, 128: 2}
-
-
-def stages(head_dim: int) -> int:
-    """K/V stages (one key block each): the steps read by products in flight and one being copied."""
-    return 3 * STEP_BLOCKS[head_dim]
-
-
+# key blocks per softmax step (one row max, one rescale and one update of O per step)
+STEP_BLOCKS = {64: 1, 128: 1}
 # the row sums of P from the P V product (8 rows of ones after V^T in every stage) instead of a per-score add
 ROWSUM_MMA = True
 
 
+def stages(head_dim: int) -> int:
+    """K/V stages (one key block each): the steps read by products in flight and one being copied."""
+    return 4 * STEP_BLOCKS[head_dim]
+
+
 def shared_bytes(variant: dict[str, int], max_active: int) -> int:
-    """Dynamic shared memory of a launch of a variant (`defines`): the Q tile, the K/V stages (K [64 x D], V^T
-    [D x 64] and the rows of ones, each stage rounded up to the tiles' 1 KB alignment), 1 KB to align the
-    first tile, and the active list (an index and a K scale per entry)."""
+    """Dynamic shared memory of a launch of a variant (`defines`): per warpgroup its Q tile and K/V stages (K
+    [64 x D], V^T [D x 64] and the rows of ones, each stage rounded up to the tiles' 1 KB alignment), 1 KB to
+    align the first tile, and the active list (an index and a K scale per entry)."""
     D, ones = variant["PARO_HEAD_DIM"], 8 * BLOCK_N * variant["PARO_ROWSUM_MMA"]
     stage = -(-(2 * BLOCK_N * D + ones) // 1024) * 1024
-    return 64 * variant["PARO_WARPGROUPS"] * D + variant["PARO_STAGES"] * stage + 1024 + 8 * max_active
+    return variant["PARO_WARPGROUPS"] * (64 * D + variant["PARO_STAGES"] * stage) + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -95,9 +84,8 @@ def source() -> str:
 
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     warpgroups = warpgroups or WARPGROUPS[head_dim]
-    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups, "PARO_MIN_CTAS": 3 - warpgroups,
-            "PARO_QK_AHEAD": QK_AHEAD[head_dim], "PARO_ROWSUM_MMA": int(ROWSUM_MMA),
+    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16), "PARO_STAGES": stages(head_dim),
+            "PARO_WARPGROUPS": warpgroups, "PARO_MIN_CTAS": 3 - warpgroups, "PARO_ROWSUM_MMA": int(ROWSUM_MMA),
             "PARO_STEP_BLOCKS": STEP_BLOCKS[head_dim]}
 
 
@@ -111,7 +99,7 @@ _KERNELS: dict[tuple, object] = {}
 def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, warpgroups or WARPGROUPS[head_dim], QK_AHEAD[head_dim], ROWSUM_MMA)
+    key = (head_dim, dtype, device.index, tuple(defines(head_dim, dtype, warpgroups).items()))
     loaded = _KERNELS.get(key)
     if loaded is not None:
         return loaded
@@ -155,7 +143,8 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
     when the kernel cannot be built (nothing is launched then)."""
     B, H, _, D = out.shape
     nq, nk = -(-N // BLOCK_M), -(-N // BLOCK_N)
-    warpgroups = warpgroups or WARPGROUPS[D]
+    variant = defines(D, out.dtype, warpgroups)
+    warpgroups = variant["PARO_WARPGROUPS"]
     run = kernel(D, out.dtype, out.device, warpgroups)
     for name, t in (("counts", counts), ("indices", indices), ("schedule", schedule), ("orders", orders)):
         if t.dtype != torch.int32 or not t.is_contiguous():
@@ -174,7 +163,7 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
     run.launch((nq * 2 // warpgroups, B * H, 1), (128 * warpgroups, 1, 1), args, stream,
-               shared_bytes(defines(D, out.dtype, warpgroups), indices.shape[-1]))
+               shared_bytes(variant, indices.shape[-1]))
 
 
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
