@@ -2,13 +2,13 @@
 FlashAttention-3 FP8's forward (kernel alone, `fa3-fwd`, when importable) beside it on the same shape.
 
     python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b,cogvideox-5b --densities 1.0,0.2 \\
-        --variant default: --variant no-rowsum-mma:PARO_ROWSUM_MMA=0 --out sm90-variants.json
+        --variant default: --variant five-stages:PARO_STAGES=5 --out sm90-variants.json
     ncu --kernel-name paro_attention_int8_fp8 --launch-skip 5 --launch-count 1 \\
         python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b --densities 1.0 --profile
 
 A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own), or
 NAME@SOURCE.cu:KEY=VALUE,... to compile another source (an older kernel) with those defines. Each variant's
-output is compared with the default variant's (relative L2) so a faster variant that computes something else
+output is compared with the first variant's (relative L2) so a faster variant that computes something else
 shows. Times: median of CUDA-event-timed launches, no L2 flush (the kernel reads K/V many times per call).
 """
 

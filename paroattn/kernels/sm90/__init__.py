@@ -29,27 +29,29 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
 
-# consumer warpgroups per CTA (64 query rows each, each with its own K/V stages): one (two or three CTAs share
-# an SM) or two (one CTA per SM; the warpgroups take turns at issuing products)
+# consumer warpgroups per CTA (64 query rows each) by head dim: one (two CTAs share an SM and interleave
+# their tensor-core and softmax phases) or two (one CTA per SM, sharing each K/V tile between 128 rows)
 WARPGROUPS = {64: 1, 128: 1}
-# key blocks per softmax step (one row max, one rescale and one update of O per step)
-STEP_BLOCKS = {64: 1, 128: 1}
-# the row sums of P from the P V product (8 rows of ones after V^T in every stage) instead of a per-score add
-ROWSUM_MMA = True
+
+
+# by head dim, how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this
+# block's P V) or 2 (the block after, issued under the update of O; attention.cu). H100, kernel alone, d = 1
+# and 0.2: 2 is 2-3% faster at 64 (CogVideoX-5B), 1 is 2-3% faster at 128 (Wan2.1-1.3B, FLUX.1-dev)
+# (benchmarks/results/sm90-kernel-steps-h100.json)
+QK_AHEAD = {64: 2, 128: 1}
 
 
 def stages(head_dim: int) -> int:
-    """K/V stages (one key block each): the steps read by products in flight and one being copied."""
-    return 4 * STEP_BLOCKS[head_dim]
+    """K/V stages: the blocks read by products in flight, plus two being copied (16 KB each at D=128, 8 KB
+    at D=64)."""
+    return 3 + QK_AHEAD[head_dim]
 
 
 def shared_bytes(variant: dict[str, int], max_active: int) -> int:
-    """Dynamic shared memory of a launch of a variant (`defines`): per warpgroup its Q tile and K/V stages (K
-    [64 x D], V^T [D x 64] and the rows of ones, each stage rounded up to the tiles' 1 KB alignment), 1 KB to
-    align the first tile, and the active list (an index and a K scale per entry)."""
-    D, ones = variant["PARO_HEAD_DIM"], 8 * BLOCK_N * variant["PARO_ROWSUM_MMA"]
-    stage = -(-(2 * BLOCK_N * D + ones) // 1024) * 1024
-    return variant["PARO_WARPGROUPS"] * (64 * D + variant["PARO_STAGES"] * stage) + 1024 + 8 * max_active
+    """Dynamic shared memory of a launch of a compiled variant (its `defines`): the Q tile, the K/V stages,
+    1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
+    D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
+    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -83,10 +85,9 @@ def source() -> str:
 
 
 def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
-    warpgroups = warpgroups or WARPGROUPS[head_dim]
-    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16), "PARO_STAGES": stages(head_dim),
-            "PARO_WARPGROUPS": warpgroups, "PARO_MIN_CTAS": 3 - warpgroups, "PARO_ROWSUM_MMA": int(ROWSUM_MMA),
-            "PARO_STEP_BLOCKS": STEP_BLOCKS[head_dim]}
+    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
+            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
+            "PARO_QK_AHEAD": QK_AHEAD[head_dim]}
 
 
 # every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check

@@ -32,17 +32,11 @@
 #ifndef PARO_WARPGROUPS
 #define PARO_WARPGROUPS 2
 #endif
+#ifndef PARO_QK_AHEAD
+#define PARO_QK_AHEAD 1
+#endif
 #ifndef PARO_STAGES
 #define PARO_STAGES 4
-#endif
-#ifndef PARO_ROWSUM_MMA
-#define PARO_ROWSUM_MMA 1
-#endif
-#ifndef PARO_STEP_BLOCKS
-#define PARO_STEP_BLOCKS 2
-#endif
-#ifndef PARO_MIN_CTAS
-#define PARO_MIN_CTAS (3 - PARO_WARPGROUPS)
 #endif
 
 namespace paro {
@@ -50,18 +44,16 @@ namespace paro {
 constexpr int kHeadDim = PARO_HEAD_DIM;
 constexpr int kBlockM = 128;  // query rows per block of the lists
 constexpr int kWarpgroups = PARO_WARPGROUPS;  // consumer warpgroups per CTA, 64 query rows each
+constexpr int kCtaRows = 64 * kWarpgroups;
 constexpr int kBlockN = 64;   // keys per block
 constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kStages = PARO_STAGES;
-// the row sums of P come out of the P V product: V^T gets 8 more rows of ones (1.0 in e4m3), so the product's
-// columns D .. D+7 are each row's sum of the e4m3 P it multiplies, with no per-score add in the softmax
-constexpr bool kRowSumMma = PARO_ROWSUM_MMA != 0;
-constexpr int kPvCols = kHeadDim + (kRowSumMma ? 8 : 0);  // columns of the P V product (and of O)
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
 constexpr float kQuantEps = 1e-8f;                  // reference.QUANT_EPS
 
 static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+static_assert(kStages >= 3 + PARO_QK_AHEAD, "a stage per block in flight");
 
 // Shared memory tiles are in the layouts wgmma's descriptors name: rows of `row_bytes` (64 or 128) 8-bit
 // elements along the reduction (K-major), 16-byte chunks XOR-swizzled by the row within each group of 8
@@ -110,12 +102,6 @@ template <int n>
 __device__ __forceinline__ void fence_registers(float (&r)[n]) {
 #pragma unroll
   for (int i = 0; i < n; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-template <int m, int n>
-__device__ __forceinline__ void fence_registers(int (&r)[m][n]) {
-#pragma unroll
-  for (int i = 0; i < m; ++i) fence_registers(r[i]);
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -213,47 +199,11 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-// D[64 x 72] (f32) (+)= A[64 x 32] * B[72 x 32]^T, e4m3, A in registers, B K-major in shared memory
-__device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const unsigned (&a)[4],
-                                                      unsigned long long desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-// D[64 x 136] (f32) (+)= A[64 x 32] * B[136 x 32]^T, e4m3, A in registers, B K-major in shared memory
-__device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs(float (&d)[68], const unsigned (&a)[4],
-                                                      unsigned long long desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
 template <int n>
 __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], unsigned long long desc_b,
                                          int accumulate) {
-  if constexpr (n == 68) {
-    wgmma_m64n136k32_e4m3_rs(d, a, desc_b, accumulate);
-  } else if constexpr (n == 64) {
+  if constexpr (n == 64) {
     wgmma_m64n128k32_e4m3_rs(d, a, desc_b, accumulate);
-  } else if constexpr (n == 36) {
-    wgmma_m64n72k32_e4m3_rs(d, a, desc_b, accumulate);
   } else {
     wgmma_m64n64k32_e4m3_rs(d, a, desc_b, accumulate);
   }
@@ -263,28 +213,24 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], 
 
 using namespace paro;
 
-// Shared memory: per warpgroup its Q tile [64 x D] and kStages x (K [64 x D], V^T [D x 64], 8 rows of ones),
-// then the active list (max_active block indices and as many K scales), read by both warpgroups.
-constexpr int kQBytes = 64 * kHeadDim;
+// Shared memory: Q [128 x D] (two 64-row warpgroup tiles), kStages x (K [64 x D], V^T [D x 64]), then the
+// active list (max_active block indices and as many K scales).
+constexpr int kQBytes = kCtaRows * kHeadDim;
 constexpr int kKBytes = kBlockN * kHeadDim;
 constexpr int kVBytes = kHeadDim * kBlockN;
-constexpr int kOnesBytes = kRowSumMma ? 8 * kBlockN : 0;  // the rows of ones after V^T
-// every stage starts on a 1024-byte boundary (the swizzled tiles' alignment)
-constexpr int kStageBytes = (kKBytes + kVBytes + kOnesBytes + 1023) / 1024 * 1024;
-constexpr int kWarpgroupBytes = kQBytes + kStages * kStageBytes;
+constexpr int kStageBytes = kKBytes + kVBytes;
 
 
-// cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage, 16 bytes per copy. Thread tid of
-// a warpgroup copies chunks tid + k * 128: 128 chunks span a whole number of 8-row swizzle periods in both
+// cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage, 16 bytes per copy. Thread tid
+// copies chunks tid + k * kThreads: kThreads chunks span a whole number of 8-row swizzle periods in both
 // tiles, so each thread's swizzled destinations and source offsets are fixed once, and a block adds a base.
 struct KVLoader {
-  static constexpr int kLoaderThreads = 128;  // a warpgroup loads its own stages
-  static constexpr int kKCopies = kKBytes / 16 / kLoaderThreads, kVCopies = kVBytes / 16 / kLoaderThreads;
-  static_assert(kKCopies * kLoaderThreads * 16 == kKBytes && kVCopies * kLoaderThreads * 16 == kVBytes, "whole copies");
-  static_assert((kLoaderThreads * 16) % (8 * kHeadDim) == 0 && (kLoaderThreads / (kBlockN / 16)) % 8 == 0, "swizzle periods");
+  static constexpr int kKCopies = kKBytes / 16 / kThreads, kVCopies = kVBytes / 16 / kThreads;
+  static_assert(kKCopies * kThreads * 16 == kKBytes && kVCopies * kThreads * 16 == kVBytes, "whole copies");
+  static_assert((kThreads * 16) % (8 * kHeadDim) == 0 && (kThreads / (kBlockN / 16)) % 8 == 0, "swizzle periods");
   const signed char* k_src;    // this thread's first chunk of K block 0
   const unsigned char* v_src;  // this thread's first chunk of V^T block 0
-  long long v_step;            // source distance between a thread's V chunks (rows kLoaderThreads / 4 apart)
+  long long v_step;            // source distance between a thread's V chunks (rows kThreads / 4 apart)
   unsigned k_dst, v_dst;       // offsets in a stage
 
   __device__ __forceinline__ KVLoader(const signed char* kq_bh, const unsigned char* vq_bh, int n_pad, int tid) {
@@ -292,19 +238,34 @@ struct KVLoader {
     k_dst = swizzled<kHeadDim>(tid * 16);
     const int r = tid / (kBlockN / 16), col = tid % (kBlockN / 16);
     v_src = vq_bh + (long long)r * n_pad + col * 16;
-    v_step = (long long)(kLoaderThreads / (kBlockN / 16)) * n_pad;
+    v_step = (long long)(kThreads / (kBlockN / 16)) * n_pad;
     v_dst = kKBytes + swizzled<kBlockN>(r * kBlockN + col * 16);
   }
 
   __device__ __forceinline__ void load(unsigned stage, int kb) const {
     const signed char* k = k_src + kb * kKBytes;
 #pragma unroll
-    for (int i = 0; i < kKCopies; ++i) cp_async_16(stage + k_dst + i * kLoaderThreads * 16, k + i * kLoaderThreads * 16);
+    for (int i = 0; i < kKCopies; ++i) cp_async_16(stage + k_dst + i * kThreads * 16, k + i * kThreads * 16);
     const unsigned char* v = v_src + kb * kBlockN;
 #pragma unroll
-    for (int i = 0; i < kVCopies; ++i) cp_async_16(stage + v_dst + i * kLoaderThreads * 16, v + i * v_step);
+    for (int i = 0; i < kVCopies; ++i) cp_async_16(stage + v_dst + i * kThreads * 16, v + i * v_step);
   }
 };
+
+// S = Q K^T for one warpgroup: D / 32 products over 32 channels each, issued and committed (not waited)
+__device__ __forceinline__ void qk_product(int (&s)[32], unsigned q_tile, unsigned k_tile) {
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kHeadDim / 32; ++k) {
+    if (k == 0) {
+      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q_tile), smem_descriptor<kHeadDim>(k_tile));
+    } else {
+      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q_tile + k * 32),
+                               smem_descriptor<kHeadDim>(k_tile + k * 32));
+    }
+  }
+  wgmma_commit();
+}
 
 // Bit 2j + e: whether column 8j + 2t + e of key block kb may be attended (a position < N, and outside the
 // padded keys of the suffix). Only blocks from first_masked on can hold others; the rest keep all 16.
@@ -332,116 +293,67 @@ struct Softmax {
   float l[2] = {0.f, 0.f};  // this thread's part of the row sums (of P * 448)
   float score_scale;        // sm_scale * log2(e) * Q's block scale
 
-  // kSteps key blocks in one softmax step: one row max, one alpha and (in the caller) one update of O for all
-  // of them. Block h's integer scores s[h] (K scale block_scale[h], keys kept[h]) -> its P as e4m3 A operands
-  // p[h] (P * 448) and the factor alpha that rescales what came before. A block whose keys are all excluded
-  // (padding, or no block: the end of an odd list) gives P = 0 and leaves the running max as it was.
-  template <bool kMasked, int kSteps>
-  __device__ __forceinline__ void steps(int (&s)[kSteps][32], const unsigned (&kept)[kSteps],
-                                        const float (&block_scale)[kSteps], unsigned (&p)[kSteps][2][4],
-                                        float (&alpha)[2]) {
+  // a key block's integer scores s (K scale block_scale, `kept`: keys_kept) -> P (as e4m3 A operands, P * 448) and the factor alpha that rescales
+  // what came before. A block whose keys are all excluded (padding) leaves everything as it was.
+  template <bool kMasked>
+  __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
+                                       float (&alpha)[2]) {
     // the mask is one row for all queries: the same decision in every thread of the CTA
-    bool any[kSteps];
-    bool any_block = false;
-    float scale[kSteps];
-#pragma unroll
-    for (int h = 0; h < kSteps; ++h) {
-      unsigned a = kept[h];
-      if (kMasked) {
-        a |= __shfl_xor_sync(0xffffffffu, a, 1);
-        a |= __shfl_xor_sync(0xffffffffu, a, 2);
-      }
-      any[h] = a != 0;
-      any_block |= any[h];
-      scale[h] = score_scale * block_scale[h];
+    unsigned any = kept;
+    if (kMasked) {
+      any |= __shfl_xor_sync(0xffffffffu, any, 1);
+      any |= __shfl_xor_sync(0xffffffffu, any, 2);
     }
-    float f[kSteps][32];
+    const float scale = score_scale * block_scale;
+
+    float f[32];
 #pragma unroll
-    for (int h = 0; h < kSteps; ++h)
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        // f[h][4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
-        f[h][j] = score_with_offset(s[h][j]);
-        if (kMasked && !((kept[h] >> (2 * (j / 4) + (j & 1))) & 1u)) f[h][j] = -__int_as_float(0x7f800000);
-      }
-    float shift[kSteps][2];
+    for (int j = 0; j < 32; ++j) {
+      // f[4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
+      f[j] = score_with_offset(s[j]);
+      if (kMasked && !((kept >> (2 * (j / 4) + (j & 1))) & 1u)) f[j] = -__int_as_float(0x7f800000);
+    }
+    float shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -__int_as_float(0x7f800000);
 #pragma unroll
-      for (int h = 0; h < kSteps; ++h) {
-        float mh = -__int_as_float(0x7f800000);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) mh = fmaxf(mh, fmaxf(f[h][4 * j + 2 * r], f[h][4 * j + 2 * r + 1]));
-        // scale > 0: the max commutes with it (each block has its own K scale)
-        mx = fmaxf(mx, (mh - kScoreOffset) * scale[h]);
-      }
+      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(f[4 * j + 2 * r], f[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = any_block ? fmaxf(m[r], mx) : m[r];
-      alpha[r] = any_block ? exp2_approx(m[r] - m_new) : 1.f;
+      // scale > 0: the max commutes with it
+      const float m_new = any ? fmaxf(m[r], (mx - kScoreOffset) * scale) : m[r];
+      alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
       // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
-#pragma unroll
-      for (int h = 0; h < kSteps; ++h) shift[h][r] = m_new - kPLog2Scale + kScoreOffset * scale[h];
+      shift[r] = m_new - kPLog2Scale + kScoreOffset * scale;
       m[r] = m_new;
     }
     float rowsum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int h = 0; h < kSteps; ++h)
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int r = (j >> 1) & 1;
-        // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
-        f[h][j] = any[h] ? exp2_approx(fmaf(f[h][j], scale[h], -shift[h][r])) : 0.f;
-        if (!kRowSumMma) rowsum[r] += f[h][j];
-      }
-    if (!kRowSumMma) {
-      l[0] = fmaf(l[0], alpha[0], rowsum[0]);
-      l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+    for (int j = 0; j < 32; ++j) {
+      const int r = (j >> 1) & 1;
+      // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
+      f[j] = any ? exp2_approx(fmaf(f[j], scale, -shift[r])) : 0.f;
+      rowsum[r] += f[j];
     }
+    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+
     // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
     // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
     // accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
 #pragma unroll
-    for (int h = 0; h < kSteps; ++h)
+    for (int k = 0; k < 2; ++k) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
-          p[h][k][q] = pack_e4m3(f[h][base], f[h][base + 1]) | (pack_e4m3(f[h][base + 4], f[h][base + 5]) << 16);
-        }
+      for (int q = 0; q < 4; ++q) {
+        const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
+        p[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
+      }
+    }
   }
 };
 
-// a barrier of one warpgroup's 128 threads (named barrier 1 + wg; immediates, so ptxas reserves only those)
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-  if (kWarpgroups == 1) {
-    __syncthreads();
-  } else if (wg == 0) {
-    asm volatile("bar.sync 1, 128;\n" ::: "memory");
-  } else {
-    asm volatile("bar.sync 2, 128;\n" ::: "memory");
-  }
-}
-// the two warpgroups' turns at issuing products: warpgroup w waits on barrier 3 + w until the other has
-// issued its own and arrived there (256 = 128 waiting + 128 arriving)
-__device__ __forceinline__ void wait_turn(int wg) {
-  if (wg == 0) {
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");
-  } else {
-    asm volatile("bar.sync 4, 256;\n" ::: "memory");
-  }
-}
-__device__ __forceinline__ void pass_turn(int wg) {
-  if (wg == 0) {
-    asm volatile("bar.arrive 4, 256;\n" ::: "memory");
-  } else {
-    asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_attention_int8_fp8(
+extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
     const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
     unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
@@ -451,20 +363,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_atten
     int N, int n_pad, int H, int NQ, int NK, int max_active, int prefix, int frames, int height, int width,
     int suffix_start, float qk_scale, int has_key_mask) {
   extern __shared__ unsigned char shared_raw[];
-  const int tid = threadIdx.x;
-  const int wg = tid / 128;             // warpgroup: query rows wg * 64 .. of the CTA's
-  const int wtid = tid % 128;           // thread in the warpgroup
-  const int warp = wtid / 32;           // rows warp * 16 .. of the warpgroup's 64
-  const int lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g and g + 8, columns 2t, 2t+1 of each 8
-
   const unsigned shared_base = (smem_address(shared_raw) + 1023u) & ~1023u;
-  const unsigned q_tile = shared_base + wg * kWarpgroupBytes;
-  const unsigned kv_tiles = q_tile + kQBytes;
+  const unsigned q_tile = shared_base;
+  const unsigned kv_tiles = shared_base + kQBytes;
   // the query block's active key blocks and their K scales, staged in shared memory: read from global memory
   // inside the loop they would put two dependent load latencies on every block's critical path
-  int* list_kb = reinterpret_cast<int*>(shared_raw + (shared_base + kWarpgroups * kWarpgroupBytes - smem_address(shared_raw)));
+  int* list_kb = reinterpret_cast<int*>(shared_raw + (kv_tiles + kStages * kStageBytes - smem_address(shared_raw)));
   float* list_scale = reinterpret_cast<float*>(list_kb + max_active);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;             // warpgroup: query rows wg * 64 ..
+  const int warp = (tid % 128) / 32;    // rows warp * 16 .. of the warpgroup's 64
+  const int lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g and g + 8, columns 2t, 2t+1 of each 8
 
   // with one warpgroup per CTA, two CTAs take the two halves of a query block
   const int rank = blockIdx.x / (2 / kWarpgroups);
@@ -485,40 +396,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_atten
 
   const signed char* kq_bh = kq + (long long)bh * n_pad * kHeadDim;
   const unsigned char* vq_bh = vq + (long long)bh * kHeadDim * n_pad;
-  const KVLoader loader(kq_bh, vq_bh, n_pad, wtid);
-  if (kRowSumMma) {
-    // the rows of ones after every stage's V^T (e4m3 1.0 = 0x38), written once: the copies never touch them;
-    // the fence and barrier before the first product make them visible to wgmma
-    constexpr int kWords = kRowSumMma ? kOnesBytes / 4 : 1;
-    for (int w = wtid; w < kStages * kWords; w += 128) {
-      const unsigned dst = kv_tiles + (w / kWords) * kStageBytes + kKBytes + kVBytes + (w % kWords) * 4;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(0x38383838u) : "memory");
-    }
-  }
+  const KVLoader loader(kq_bh, vq_bh, n_pad, tid);
 
-  // kStep key blocks per softmax step; list entry e lives in stage e % kStages, a step's tiles are one
-  // cp.async group (the Q tile rides with step 0), and the stages hold kStepStages steps
-  constexpr int kStep = PARO_STEP_BLOCKS;
-  constexpr int kStepStages = kStages / kStep;
-  static_assert(kStages % kStep == 0 && kStepStages >= 3, "stages for the steps in flight and one being copied");
-  const int steps = (count + kStep - 1) / kStep;
-  auto load_step = [&](int j) {
-#pragma unroll
-    for (int h = 0; h < kStep; ++h) {
-      const int e = j * kStep + h;
-      if (e < count) loader.load(kv_tiles + (e % kStages) * kStageBytes, list_kb[e]);
-    }
-  };
+  // Q tile and the first kStages - 1 key blocks, each its own cp.async group (empty groups past the list)
   if (count > 0) {
-    const signed char* q_src = qq + (((long long)bh * NQ + qb) * kBlockM + (half + wg) * 64) * kHeadDim;
+    const signed char* q_src = qq + (((long long)bh * NQ + qb) * kBlockM + half * 64) * kHeadDim;
 #pragma unroll
-    for (int i = 0; i < kQBytes / 16 / 128; ++i) {
-      const int c = wtid + i * 128;  // contiguous rows
+    for (int i = 0; i < kQBytes / 16 / kThreads; ++i) {
+      // contiguous rows; each warpgroup's 64 rows are a tile of their own, 1024-byte aligned
+      const int c = tid + i * kThreads;
       cp_async_16(q_tile + swizzled<kHeadDim>(c * 16), q_src + c * 16);
     }
   }
-  for (int j = 0; j < kStepStages - 1; ++j) {
-    load_step(j);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < count) loader.load(kv_tiles + s * kStageBytes, list_kb[s]);
     cp_async_commit();
   }
 
@@ -529,137 +421,164 @@ extern "C" __global__ void __launch_bounds__(kThreads, PARO_MIN_CTAS) paro_atten
   const int first_masked = has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK);
   const int mask_start = has_key_mask ? suffix_start : N;
   const unsigned char* mask_b = key_mask + b * stride_mb;
+  // the softmax of block j of the list, in its masked form only where the block can hold excluded keys
+#define PARO_STEP(j, p, alpha)                                                                    \
+  if (list_kb[j] >= first_masked)                                                                 \
+    sm.step<true>(s, keys_kept(list_kb[j], first_masked, t, N, mask_start, mask_b, stride_ms), list_scale[j], \
+                  p, alpha);                                                                      \
+  else                                                                                            \
+    sm.step<false>(s, 0xFFFFu, list_scale[j], p, alpha);
 
-  float o[kPvCols / 2];
+  float o[kHeadDim / 2];
 #pragma unroll
-  for (int i = 0; i < kPvCols / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
 
-  // Descriptors are computed once and moved by byte offset / 16 (the address field cannot carry: shared
-  // addresses are below 256 KB). A missing block (the end of an odd list) reads the list's last block's
-  // tiles, with P = 0.
-  const unsigned long long q_desc = smem_descriptor<kHeadDim>(q_tile);
-  const unsigned long long k_desc = smem_descriptor<kHeadDim>(kv_tiles);
-  const unsigned long long v_desc = smem_descriptor<kBlockN>(kv_tiles + kKBytes);
-  auto stage_offset = [&](int e) -> unsigned { return (min(e, count - 1) % kStages) * (kStageBytes / 16); };
-  auto qk_products = [&](int (&s)[kStep][32], int j) {  // S = Q K^T, issued and committed (not waited)
-    wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < kStep; ++h) {
-      const unsigned long long k = k_desc + stage_offset(j * kStep + h);
-      wgmma_m64n64k32_s8_ss<0>(s[h], q_desc, k);
-#pragma unroll
-      for (int c = 1; c < kHeadDim / 32; ++c) wgmma_m64n64k32_s8_ss<1>(s[h], q_desc + 2 * c, k + 2 * c);
-    }
-    wgmma_commit();
-  };
-  auto pv_products = [&](float (&pv)[kPvCols / 2], const unsigned (&p)[kStep][2][4], int j) {  // T = P V
-    wgmma_fence();
-#pragma unroll
-    for (int h = 0; h < kStep; ++h) {
-      const unsigned long long v = v_desc + stage_offset(j * kStep + h);
-#pragma unroll
-      for (int c = 0; c < 2; ++c) wgmma_pv(pv, p[h][c], v + 2 * c, h > 0 || c > 0);
-    }
-    wgmma_commit();
-  };
-  // the softmax of step j, in its masked form only where a block can hold excluded keys (or is missing)
-  auto softmax_step = [&](int (&s)[kStep][32], int j, unsigned (&p)[kStep][2][4], float (&alpha)[2]) {
-    unsigned kept[kStep];
-    float block_scale[kStep];
-    bool masked = false;
-#pragma unroll
-    for (int h = 0; h < kStep; ++h) {
-      const int e = j * kStep + h;
-      masked |= e >= count || list_kb[e] >= first_masked;
-      block_scale[h] = list_scale[min(e, count - 1)];  // a missing block's: finite, > 0, and unused
-    }
-    if (masked) {
-#pragma unroll
-      for (int h = 0; h < kStep; ++h) {
-        const int e = j * kStep + h;
-        kept[h] = e < count ? keys_kept(list_kb[e], first_masked, t, N, mask_start, mask_b, stride_ms) : 0u;
-      }
-      sm.steps<true, kStep>(s, kept, block_scale, p, alpha);
-    } else {
-#pragma unroll
-      for (int h = 0; h < kStep; ++h) kept[h] = 0xFFFFu;
-      sm.steps<false, kStep>(s, kept, block_scale, p, alpha);
-    }
-  };
-
-  // Software pipeline by one step, per warpgroup: while the tensor cores run step j's P V, the warpgroup
-  // computes step j+1's softmax (its Q K^T was issued with that P V). Step j's stages are read until its P V
-  // completes; those of step j-1 are refilled (with step j + kStepStages - 1) after the barrier that follows
-  // step j-1's P V in every thread of the warpgroup. With two warpgroups per CTA (each its own rows, stages
-  // and copies) they take turns at issuing products, so that one's softmax runs under the other's products.
-  unsigned p[kStep][2][4];
+  const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
+#if PARO_QK_AHEAD == 2
+  // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
+  // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
+  // next copies. Block b's tiles are cp.async group b (the Q tile rides with block 0).
+  unsigned p[2][4];
   float alpha[2];
+  int s[32];
   if (count > 0) {
-    cp_async_wait<kStepStages - 2>();  // Q and step 0
+    cp_async_wait<kStages - 2>();  // Q and block 0
     fence_proxy_async();
-    warpgroup_sync(wg);
-    int s[kStep][32];
-    qk_products(s, 0);
+    __syncthreads();
+    qk_product(s, q_desc_base, kv_tiles);
     wgmma_wait<0>();
     fence_registers(s);
-    softmax_step(s, 0, p, alpha);
-    if (kWarpgroups == 2 && wg == 1) pass_turn(wg);  // warpgroup 0 issues first
-  }
-  for (int j = 0; j < steps; ++j) {
-    const bool has_next = j + 1 < steps;
-    if (has_next) {
-      // steps 0 .. j + kStepStages - 2 are committed: step j+1 has landed when at most kStepStages - 3 are pending
-      cp_async_wait<kStepStages - 3>();
+    PARO_STEP(0, p, alpha);
+    if (count > 1) {
+      cp_async_wait<kStages - 3>();
       fence_proxy_async();
     }
-    warpgroup_sync(wg);
-    if (kWarpgroups == 2) wait_turn(wg);
-    // (the last step issues one Q K^T it does not use, on its own stages: the wgmma groups stay the same on
-    // every path, which keeps ptxas from serializing them)
-    int s[kStep][32];
-    qk_products(s, has_next ? j + 1 : j);
-    float pv[kPvCols / 2];  // into a zeroed accumulator
-    pv_products(pv, p, j);
-    // the other warpgroup's turn (warpgroup 1 has none to give after its last step: warpgroup 0 is done)
-    if (kWarpgroups == 2 && (wg == 0 || has_next)) pass_turn(wg);
-    unsigned p_next[kStep][2][4];
-    float alpha_next[2];
-    wgmma_wait<1>();  // groups complete in order: step j+1's scores are ready, P V may still run
-    fence_registers(s);
-    if (has_next) softmax_step(s, j + 1, p_next, alpha_next);
+    __syncthreads();
+    // (a list of one block issues one product it does not use, as the last blocks do below: the same wgmma
+    // groups on every path)
+    qk_product(s, q_desc_base, kv_tiles + (count > 1 ? kStageBytes : 0));
     wgmma_wait<0>();
+    fence_registers(s);
+  }
+  for (int i = 0; i < count; ++i) {
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+    // T = P V, into a zeroed accumulator
+    float pv[kHeadDim / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    wgmma_commit();
+    unsigned p_next[2][4];
+    float alpha_next[2];
+    if (i + 1 < count) {
+      PARO_STEP(i + 1, p_next, alpha_next);
+    }
+    // groups 0 .. i + kStages - 2 are committed: block i+2's has completed when at most kStages - 4 are pending
+    if (i + 2 < count) {
+      cp_async_wait<kStages - 4>();
+      fence_proxy_async();
+    }
+    // after this barrier every thread has also completed block i-1's P V: its stage may be refilled
+    __syncthreads();
+    qk_product(s, q_desc_base, i + 2 < count ? kv_tiles + ((i + 2) % kStages) * kStageBytes : stage);
+    wgmma_wait<1>();  // block i's P V (groups complete in order)
     fence_registers(pv);
     // O = alpha O + T in fp32
 #pragma unroll
-    for (int c = 0; c < kPvCols / 2; ++c) o[c] = fmaf(o[c], alpha[(c >> 1) & 1], pv[c]);
-    // the stages of step j-1 are free since the barrier above (here, where few registers are live)
-    if (j + kStepStages - 1 < steps) load_step(j + kStepStages - 1);
-    cp_async_commit();
-    if (has_next) {
+    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    {
+      const int refill = i + kStages - 1;  // into block i-1's stage
+      if (refill < count) loader.load(kv_tiles + (refill % kStages) * kStageBytes, list_kb[refill]);
+      cp_async_commit();
+    }
+    wgmma_wait<0>();  // block i+2's scores
+    fence_registers(s);
+    if (i + 1 < count) {
 #pragma unroll
-      for (int h = 0; h < kStep; ++h)
+      for (int k = 0; k < 2; ++k)
 #pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) p[h][c][q] = p_next[h][c][q];
+        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
       alpha[0] = alpha_next[0];
       alpha[1] = alpha_next[1];
     }
   }
+#else
+  // Software pipeline by one key block, per warpgroup: while the tensor cores run block i's P V, the
+  // warpgroup computes block i+1's softmax (its Q K^T was issued before). Block i's stage is read until its
+  // P V completes; the stage of block i-1 is refilled (with block i + kStages - 1) after the barrier that
+  // follows block i-1's P V in every thread.
+  unsigned p[2][4];
+  float alpha[2];
+  if (count > 0) {
+    cp_async_wait<kStages - 2>();  // Q and block 0
+    fence_proxy_async();
+    __syncthreads();
+    int s[32];
+    qk_product(s, q_desc_base, kv_tiles);
+    wgmma_wait<0>();
+    fence_registers(s);
+    PARO_STEP(0, p, alpha);
+  }
+  for (int i = 0; i < count; ++i) {
+    const bool has_next = i + 1 < count;
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+    const unsigned next_stage = kv_tiles + ((i + 1) % kStages) * kStageBytes;
+    if (has_next) {
+      // blocks 0 .. i + kStages - 2 are committed: block i+1 has landed when at most kStages - 3 are pending
+      cp_async_wait<kStages - 3>();
+      fence_proxy_async();
+    }
+    __syncthreads();
+    // (the last block issues one product it does not use, on its own stage: the wgmma groups stay the same
+    // on every path, which keeps ptxas from serializing them)
+    int s[32];
+    qk_product(s, q_desc_base, has_next ? next_stage : stage);
+    // T = P V, into a zeroed accumulator
+    float pv[kHeadDim / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    wgmma_commit();
+    unsigned p_next[2][4];
+    float alpha_next[2];
+    wgmma_wait<1>();  // groups complete in order: block i+1's scores are ready, P V may still run
+    fence_registers(s);
+    if (has_next) {
+      PARO_STEP(i + 1, p_next, alpha_next);
+    }
+    wgmma_wait<0>();
+    fence_registers(pv);
+    // O = alpha O + T in fp32
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    // the stage of block i-1 is free since the barrier above: fetch block i + kStages - 1 into it (here, where
+    // few registers are live)
+    {
+      const int refill = i + kStages - 1;
+      if (refill < count) loader.load(kv_tiles + (refill % kStages) * kStageBytes, list_kb[refill]);
+      cp_async_commit();
+    }
+    if (has_next) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
+  }
+#endif
+#undef PARO_STEP
+  float* l = sm.l;
   cp_async_wait<0>();
 
   // epilogue: row sums, normalization, V's per-channel scale, rows written at their original positions
   const int order = orders[h];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum;
-    if (kRowSumMma) {
-      sum = o[kHeadDim / 2 + 2 * r];  // column D of the product (every thread of the row holds it)
-    } else {
-      sum = sm.l[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    }
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int pos = qb * kBlockM + (half + wg) * 64 + warp * 16 + g + 8 * r;
     if (pos >= N) continue;
     // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
