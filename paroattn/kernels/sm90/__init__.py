@@ -49,10 +49,9 @@ def stages(head_dim: int) -> int:
 
 def shared_bytes(variant: dict[str, int], max_active: int) -> int:
     """Dynamic shared memory of a launch of a compiled variant (its `defines`): the Q tile, the K/V stages,
-    1 KB to align the swizzled tiles, the active list (an index and a K scale per entry) and two 8-byte stage
-    barriers per stage."""
-    D, warpgroups, stages_ = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"], variant["PARO_STAGES"]
-    return 64 * warpgroups * D + stages_ * 2 * BLOCK_N * D + 1024 + 8 * max_active + 16 * stages_
+    1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
+    D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
+    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
