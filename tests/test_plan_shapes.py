@@ -4,6 +4,8 @@ The oracle: heads with planted, asymmetric locality (a Gaussian in the offset al
 some), whose exact block masses on any grid come from `block_stats`. A plan calibrated at one size must,
 derived at another, keep nearly the mass that masks built from that size's exact statistics keep; a
 derivation that reads the wrong axis, flips the offsets, or takes another head's or bucket's profile must not.
+The offset weights must give back the profile they were fitted to, and each head's order on the new grid must
+be the one whose masses keep the most.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.config import CaptureConfig, SelectionConfig
 from paroattn.calibrate.driver import CapturedStats, plan_from_stats
 from paroattn.calibrate.selection import build_masks
-from paroattn.calibrate.shapes import ProfileAccumulator, ShapePlans, derive_plan, offset_mass
+from paroattn.calibrate.shapes import ProfileAccumulator, ShapePlans, derive_plan, offset_mass, offset_weights
 
 CALIBRATED = TokenLayout(0, 4, 6, 8)
 OTHERS = [TokenLayout(0, 4, 10, 12), TokenLayout(0, 6, 6, 8), TokenLayout(0, 3, 4, 6)]  # larger, more frames, smaller
@@ -78,7 +80,9 @@ def exact_masses(layout: TokenLayout, orders: torch.Tensor) -> list[torch.Tensor
     return out
 
 
-def kept_share(plan: Plan, masses: list[torch.Tensor]) -> float:
+def kept_share(plan: Plan, layout: TokenLayout) -> float:
+    """Share of the planted heads' exact mass on `layout` (in the plan's orders) inside the plan's masks."""
+    masses = exact_masses(layout, plan.orders[0])
     kept = [(m * plan.block_mask[b]).sum() / m.sum() for b, m in enumerate(masses)]
     return float(sum(kept) / len(kept))
 
@@ -87,13 +91,13 @@ def kept_share(plan: Plan, masses: list[torch.Tensor]) -> float:
 def test_derived_masks_keep_the_mass_of_masks_from_that_size(layout):
     plan = calibrated_plan(0.1)
     derived = derive_plan(plan, layout)
-    assert derived.layout == layout and torch.equal(derived.orders, plan.orders)
+    assert derived.layout == layout
     diagonal = 1 / derived.mask_blocks[1]  # the budget, unless the diagonal alone exceeds it (the smallest grid)
     assert plan.achieved_density() - 0.03 <= derived.achieved_density() <= max(plan.achieved_density(), diagonal) + 0.03
-    masses = exact_masses(layout, plan.orders[0])
+    masses = exact_masses(layout, derived.orders[0])
     oracle = [build_masks(m, float(plan.density[b].mean()), 0, BLOCK) for b, m in enumerate(masses)]
     best = float(sum((m * o).sum() / m.sum() for m, o in zip(masses, oracle)) / len(masses))
-    got = kept_share(derived, masses)
+    got = kept_share(derived, layout)
     assert got >= best - 0.01, (got, best)
 
 
@@ -114,14 +118,51 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", ["wrong axis", "transposed offsets", "wrong head", "wrong bucket"])
 def test_a_wrong_derivation_loses_mass_the_check_above_sees(monkeypatch, mutation, layout):
     plan = calibrated_plan(0.1)
-    masses = exact_masses(layout, plan.orders[0])
-    right = kept_share(derive_plan(plan, layout), masses)
+    right = kept_share(derive_plan(plan, layout), layout)
     if mutation == "wrong bucket":  # every bucket's masses from the first bucket's profiles
         plan.profiles = [p[[0, 0]] for p in plan.profiles]
     else:
         MUTATIONS[mutation](monkeypatch)
-    wrong = kept_share(derive_plan(plan, layout), masses)
+    wrong = kept_share(derive_plan(plan, layout), layout)
     assert wrong < right - 0.03, (mutation, wrong, right)
+
+
+def profile_of(weights: torch.Tensor) -> torch.Tensor:
+    """The mean mass per query at each offset of the row-normalized kernel of `weights` [2n-1], every query of
+    an axis of n positions counted once (what `offset_mass` measures of such a head)."""
+    n = (weights.shape[-1] + 1) // 2
+    offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1
+    kernel = weights.double()[offsets]
+    kernel = kernel / kernel.sum(-1, keepdim=True)
+    mass = torch.zeros(2 * n - 1, dtype=torch.float64).index_add_(0, offsets.flatten(), kernel.flatten())
+    return mass / (n - (torch.arange(2 * n - 1) - (n - 1)).abs())
+
+
+@pytest.mark.parametrize("n", [2, 5, 9])
+def test_offset_weights_give_back_the_weights_of_the_measured_profile(n):
+    # a local peak off the centre on a floor, as the heads above: border queries raise the measured mean at large
+    # offsets, so the profile is not the weights, and the fit must undo that
+    d = torch.arange(2 * n - 1, dtype=torch.float64) - (n - 1)
+    planted = 0.05 + torch.exp(-((d - 1) ** 2) / 2)
+    profile = profile_of(planted)
+    fitted = offset_weights(profile[None].float(), iterations=200)[0]
+    torch.testing.assert_close(fitted, planted / planted.max(), rtol=2e-3, atol=2e-4)
+    torch.testing.assert_close(profile_of(fitted), profile, rtol=2e-3, atol=2e-4)
+    if n > 2:
+        assert (profile / profile.max() - planted / planted.max()).abs().max() > 0.01  # the fit has work to do
+
+
+@pytest.mark.parametrize("layout", OTHERS[:2], ids=str)
+def test_each_head_takes_the_order_that_keeps_the_most_at_the_new_size(monkeypatch, layout):
+    """Orders are chosen again from the derived masses: with every head's calibrated order replaced by another
+    one, the derived plan still keeps what a plan calibrated at that size keeps; keeping the plan's orders loses."""
+    plan = calibrated_plan(0.1)
+    at_size = calibrated_plan(0.1, layout)  # orders and masks from that size's exact statistics
+    plan.orders = (plan.orders + 3) % 6
+    derived = derive_plan(plan, layout)
+    assert kept_share(derived, layout) >= kept_share(at_size, layout) - 0.01, (derived.orders, at_size.orders)
+    monkeypatch.setattr(shapes, "choose_orders", lambda weights, plan, *args, **kwargs: plan.orders.clone())
+    assert kept_share(derive_plan(plan, layout), layout) < kept_share(derived, layout) - 0.03
 
 
 def test_shape_plans_keep_calibrated_sizes_and_derive_others_once():

@@ -2,22 +2,26 @@
 grid, and the block masks it gives for any grid of the same model.
 
 The description: for each (timestep bucket, layer, head) and each grid axis (frames, rows, columns), the
-attention mass a query gives to keys at each offset along that axis (`AxisProfiles`, measured at
+attention mass a query gives to keys at each offset along that axis (`ProfileAccumulator`, measured at
 calibration from a sample of queries of the dense model). Video DiT heads are local along axes, with RoPE
-making a score a function of the offset, not of the position or the grid's size, so the offset profile
-is what carries over to another size. A head's attention is modelled as the product of its three axis
-kernels, each row-normalized on the new grid:
+making a score a function of the offset, not of the position or the grid's size, so the offset is what
+carries over to another size. A head's attention is modelled as the product of its three axis kernels,
+each row-normalized on the new grid:
 
-    P(i, j) = K_F[f_i, f_j] * K_H[y_i, y_j] * K_W[x_i, x_j],    K_a[u, v] = p_a(v - u) / sum_v' p_a(v' - u)
+    P(i, j) = K_F[f_i, f_j] * K_H[y_i, y_j] * K_W[x_i, x_j],    K_a[u, v] = w_a(v - u) / sum_v' w_a(v' - u)
 
-Offsets beyond the calibrated grid (a larger grid) take the profile's outermost value on that side (a
-flat tail). `block_masses` sums this P over every (query block, key block) of the head's order on the new
-layout exactly, through 2-D prefix sums of the axis kernels (a contiguous token range of an order is at
-most three boxes of the grid), and `derive_plan` builds masks from these masses with the calibration's own
-budget (`selection.build_masks`) at the calibrated plan's per-bucket density. `ShapePlans` is what a
-processor asks for the plan of a call's layout: the calibrated plan where the layout is one of its
-calibrated shapes, else one derived from the closest calibrated shape, once per layout (cached).
-How close derived plans come to plans calibrated at that size: QUALITY.md, One plan, many sizes.
+The offset weights w_a are fitted to the measured profile on the calibrated axis (`offset_weights`): a
+query near the border spreads its mass over fewer keys, which raises the mean mass at large offsets, and
+the fit takes that out. Offsets beyond the calibrated grid (a larger grid) take the outermost weight on
+that side (a flat tail). `block_masses` sums this P over every (query block, key block) of an order on
+the new layout exactly, through 2-D prefix sums of the axis kernels (a contiguous token range of an order
+is at most three boxes of the grid). `derive_plan` then decides as calibration does, from these masses
+instead of measured ones: each head's order (the one keeping the most mass at the bucket densities), and
+masks under one budget per bucket (`selection.build_masks`) at the calibrated plan's bucket densities.
+`ShapePlans` is what a processor asks for the plan of a call's layout: the calibrated plan where the
+layout is one of its calibrated shapes, else one derived from the closest calibrated shape, once per
+layout (cached). How close derived plans come to plans calibrated at that size: QUALITY.md, One plan,
+many sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from ..errors import PlanError
 from ..layout import ORDERS, TokenLayout
 from ..plan import Plan
-from .selection import build_masks
+from .selection import build_masks, kept_mass_fraction
 
 AXES = "FHW"
 PROFILE_OF_AXIS = {"F": 0, "H": 1, "W": 2}  # the profile (index into a plan's profiles) that describes each axis
@@ -88,7 +92,7 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
 
 
 class ProfileAccumulator:
-    """Sums of `offset_mass` per (bucket, layer) over captured steps; `finalize` gives `AxisProfiles`."""
+    """Sums of `offset_mass` per (bucket, layer) over captured steps; `finalize` gives the profiles."""
 
     def __init__(self, num_layers: int, num_buckets: int, layout: TokenLayout, num_heads: int):
         self.layout = layout
@@ -116,8 +120,30 @@ class ProfileAccumulator:
 
 # -- deriving: block masses of the product model on any layout ---------------------------------------------
 
+def offset_weights(profile: torch.Tensor, iterations: int = 50) -> torch.Tensor:
+    """profile [..., 2n-1] (`ProfileAccumulator.finalize`: mean mass per query at each offset, queries spread
+    evenly over an axis of n positions) -> offset weights w [..., 2n-1], the largest 1 (float64), whose
+    row-normalized kernel w(v - u) / sum_v' w(v' - u) on that axis gives the measured mass at every offset.
+    Iterative proportional fitting: each pass scales w(d) by measured / modelled mass at offset d."""
+    p = profile.double().clamp_min(0)
+    n = (p.shape[-1] + 1) // 2
+    offsets = torch.arange(n, device=p.device)[None, :] - torch.arange(n, device=p.device)[:, None] + n - 1
+    # total mass at each offset over the n queries, rescaled to the n that rows of a kernel hold (text keys
+    # took the rest of each query's mass)
+    target = p * (n - (torch.arange(2 * n - 1, device=p.device) - (n - 1)).abs())
+    target = target * n / target.sum(-1, keepdim=True).clamp_min(1e-300)
+    w = p / p.amax(-1, keepdim=True).clamp_min(1e-300)
+    for _ in range(iterations):
+        kernel = w[..., offsets]  # [..., u, v]
+        kernel = kernel / kernel.sum(-1, keepdim=True).clamp_min(1e-300)
+        modelled = torch.zeros_like(w).index_add_(-1, offsets.flatten(), kernel.flatten(-2))
+        w = torch.where(modelled > 0, w * target / modelled.clamp_min(1e-300), torch.zeros_like(w))
+        w = w / w.amax(-1, keepdim=True).clamp_min(1e-300)
+    return w
+
+
 def _extended(profile: torch.Tensor, n: int) -> torch.Tensor:
-    """profile [..., 2m-1] over offsets -(m-1)..m-1 -> [..., 2n-1] over -(n-1)..n-1: cut, or extended with
+    """weights [..., 2m-1] over offsets -(m-1)..m-1 -> [..., 2n-1] over -(n-1)..n-1: cut, or extended with
     the outermost value on each side."""
     m = (profile.shape[-1] + 1) // 2
     if n <= m:
@@ -127,10 +153,10 @@ def _extended(profile: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([left, profile, right], dim=-1)
 
 
-def axis_kernel_sums(profile: torch.Tensor, n: int) -> torch.Tensor:
-    """profile [..., 2m-1] -> D [..., n+1, n+1] float64: D[u, v] = sum over x < u, y < v of the row-normalized
-    kernel K[x, y] = p(y - x) / sum_y' p(y' - x) on an axis of n positions."""
-    p = _extended(profile.double().clamp_min(0), n)
+def axis_kernel_sums(weights: torch.Tensor, n: int) -> torch.Tensor:
+    """offset weights [..., 2m-1] -> D [..., n+1, n+1] float64: D[u, v] = sum over x < u, y < v of the
+    row-normalized kernel K[x, y] = w(y - x) / sum_y' w(y' - x) on an axis of n positions."""
+    p = _extended(weights.double().clamp_min(0), n)
     offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1  # [x, y] -> index of y - x
     kernel = p[..., offsets]  # [..., n, n]
     rows = kernel.sum(-1, keepdim=True)
@@ -161,10 +187,10 @@ def _corner_tables(D: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"PP": D, "PO": D[..., :, nxt] - D, "OP": up - D, "OO": up[..., :, nxt] - up - D[..., :, nxt] + D}
 
 
-def block_masses(profiles: list[torch.Tensor], order: int, layout: TokenLayout, block_size: tuple[int, int],
+def block_masses(weights: list[torch.Tensor], order: int, layout: TokenLayout, block_size: tuple[int, int],
                  device=None) -> torch.Tensor:
     """Attention mass of every (query block, key block) of one order on `layout` under the product model.
-    profiles: per axis F, H, W, [heads, 2m-1] (any m). Returns float32 [heads, nq, nk] over the whole sequence
+    weights: offset weights (`offset_weights`) per axis F, H, W, [heads, 2m-1] (any m). Returns float32 [heads, nq, nk] over the whole sequence
     (text blocks hold 0: plans keep them whatever their mass); each grid query's row sums to one."""
     bq, bk = block_size
     prefix, G = layout.prefix, layout.grid_tokens
@@ -179,7 +205,7 @@ def block_masses(profiles: list[torch.Tensor], order: int, layout: TokenLayout, 
 
     sa, sb, sc = coords(torch.arange(nq + 1, device=device) * bq)
     ta, tb, tc = coords(torch.arange(nk + 1, device=device) * bk)
-    A, B, C = (_corner_tables(axis_kernel_sums(profiles[PROFILE_OF_AXIS[axis]].to(device), n))
+    A, B, C = (_corner_tables(axis_kernel_sums(weights[PROFILE_OF_AXIS[axis]].to(device), n))
                for axis, n in zip(name, (na, nb, nc)))
 
     def pair(table: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [h, n+1, n+1] -> [h, S, T]
@@ -203,26 +229,54 @@ def block_masses(profiles: list[torch.Tensor], order: int, layout: TokenLayout, 
     return mass.clamp_min(0).float()
 
 
-def layer_block_masses(profiles: list[torch.Tensor], orders: torch.Tensor, layout: TokenLayout,
+def layer_block_masses(weights: list[torch.Tensor], orders: torch.Tensor, layout: TokenLayout,
                        block_size: tuple[int, int], device=None) -> torch.Tensor:
-    """profiles per axis [H, 2m-1] of one (bucket, layer), orders [H] -> [H, nq, nk] in each head's order."""
+    """Offset weights per axis [H, 2m-1] of one (bucket, layer), orders [H] -> [H, nq, nk] in each head's order."""
     H = orders.shape[0]
     nq, nk = -(-layout.seq_len // block_size[0]), -(-layout.seq_len // block_size[1])
     out = torch.empty(H, nq, nk, device=device)
     for order in orders.unique().tolist():
         heads = (orders == order).nonzero().flatten()
-        out[heads.to(out.device)] = block_masses([p[heads] for p in profiles], int(order), layout, block_size, device)
+        out[heads.to(out.device)] = block_masses([w[heads] for w in weights], int(order), layout, block_size, device)
     return out
 
 
+def choose_orders(weights: list[list[torch.Tensor]], plan: Plan, layout: TokenLayout, densities: list[float],
+                  device=None) -> torch.Tensor:
+    """Each head's order on `layout`, chosen as calibration chooses it (`StatsAccumulator.finalize`) from the
+    product model's masses: the distinct order of the layout whose best `densities[b]` share of blocks keeps the
+    most mass, averaged over the buckets weighted by their captured steps. weights[b][layer]: that (bucket,
+    layer)'s offset weights per axis. Layers dense in every bucket keep the plan's orders. int [L, H]."""
+    steps = [float(s) for s in plan.info.get("steps_per_bucket") or []]
+    if len(steps) != plan.num_buckets or sum(steps) <= 0:
+        steps = [1.0] * plan.num_buckets
+    candidates = layout.distinct_orders()
+    orders = plan.orders.clone()
+    for layer in range(plan.num_layers):
+        buckets = [b for b in range(plan.num_buckets) if not bool(plan.dense[b, layer]) and steps[b] > 0]
+        if not buckets:
+            continue
+        kept = torch.zeros(plan.num_heads, len(candidates), dtype=torch.float64)
+        for slot, order in enumerate(candidates):
+            for b in buckets:
+                mass = block_masses(weights[b][layer], order, layout, plan.block_size, device)
+                kept[:, slot] += steps[b] * kept_mass_fraction(mass, densities[b]).double().cpu()
+        orders[layer] = torch.tensor(candidates)[kept.argmax(-1)].to(orders.dtype)
+    return orders
+
+
 def derive_plan(plan: Plan, layout: TokenLayout, device=None) -> Plan:
-    """The plan for `layout` from a plan calibrated at another size of the same model: its orders, dense
-    flags, buckets and modes, and masks built from its axis profiles with the calibration's budget at each
-    bucket's calibrated density."""
+    """The plan for `layout` from a plan calibrated at another size of the same model: its dense flags, buckets
+    and modes; each head's order (`choose_orders`) and masks built from its axis profiles with the calibration's
+    budget at each bucket's calibrated density."""
     if plan.profiles is None:
         raise PlanError(f"the plan calibrated for {plan.layout} holds no axis profiles to derive other sizes from")
     start = time.perf_counter()
     B, L = plan.num_buckets, plan.num_layers
+    weights = [[[offset_weights(p[b, layer].to(device)) for p in plan.profiles] for layer in range(L)]
+               for b in range(B)]
+    densities = [float(plan.density[b].mean()) for b in range(B)]
+    orders = choose_orders(weights, plan, layout, densities, device)
     masks = []
     for b in range(B):
         dense_layers = [layer for layer in range(L) if bool(plan.dense[b, layer])]
@@ -230,19 +284,15 @@ def derive_plan(plan: Plan, layout: TokenLayout, device=None) -> Plan:
             nq, nk = -(-layout.seq_len // plan.block_size[0]), -(-layout.seq_len // plan.block_size[1])
             masks.append(torch.ones(L, plan.num_heads, nq, nk, dtype=torch.bool))
             continue
-        mass = torch.stack([
-            layer_block_masses([p[b, layer] for p in plan.profiles], plan.orders[layer].long(), layout,
-                               plan.block_size, device)
-            for layer in range(L)
-        ])
-        density = float(plan.density[b].mean())
-        masks.append(build_masks(mass, density, layout.prefix, plan.block_size, suffix=layout.suffix,
+        mass = torch.stack([layer_block_masses(weights[b][layer], orders[layer].long(), layout, plan.block_size,
+                                               device) for layer in range(L)])
+        masks.append(build_masks(mass, densities[b], layout.prefix, plan.block_size, suffix=layout.suffix,
                                  seq_len=layout.seq_len, dense_layers=dense_layers).cpu())
     info = {key: value for key, value in plan.info.items() if key not in ("stats_file", "kept_mass", "kept_mass_min")}
     info["derived_from"] = list(plan.layout.fields)
     info["derive_s"] = time.perf_counter() - start
-    return replace(plan, layout=layout, block_mask=torch.stack(masks), density=None, info=info, profiles=None,
-                   extra_shapes=[])
+    return replace(plan, layout=layout, orders=orders, block_mask=torch.stack(masks), density=None, info=info,
+                   profiles=None, extra_shapes=[])
 
 
 def shape_distance(a: TokenLayout, b: TokenLayout) -> float:
