@@ -2,9 +2,10 @@
 when a plan first meets it. Default shape: Wan2.1-14B at 720p (40 layers x 40 heads, 21x45x80 latent grid,
 128x64 blocks, 6 timestep buckets), random axis profiles and orders (the cost does not depend on their values).
 
-The block masses of the product model are computed per (bucket, layer) and the masks chosen under one budget per
-bucket, so the time is linear in buckets x layers: `--layers N` times N layers of one bucket (the masses and the
-budget over them) and scales that to the whole plan; `--layers 0` derives the whole plan (memory: a bucket's
+Each head's order is chosen from the product model's block masses under every distinct order of the layout, then
+the masses of the chosen orders are computed again and the masks chosen under one budget per bucket: all per
+(bucket, layer), so the time is linear in buckets x layers. `--layers N` times N layers of one bucket (the order
+choice, the masses and the budget over them) and scales that to the whole plan; `--layers 0` derives the whole plan (memory: a bucket's
 masses, layers x heads x nq x nk float32, 4.5 GB at this shape).
 
     python benchmarks/derive_shapes_cost.py --layers 2 --out benchmarks/results/derive-shapes-cost-wan14b-720p-cpu.json
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import Plan, TokenLayout
 from paroattn.calibrate.selection import build_masks
-from paroattn.calibrate.shapes import derive_plan, layer_block_masses
+from paroattn.calibrate.shapes import derive_plan, layer_block_masses, offset_weights, order_kept_mass
 
 
 def main(argv=None) -> int:
@@ -64,16 +65,21 @@ def main(argv=None) -> int:
         result.update(measured="whole plan", seconds=time.perf_counter() - start)
     else:
         start = time.perf_counter()
-        mass = torch.stack([layer_block_masses([p[0, layer] for p in profiles], orders[layer], layout, (bq, bk),
-                                               args.device) for layer in range(args.layers)])
+        weights = [[offset_weights(p[0, layer].to(args.device)) for p in profiles] for layer in range(args.layers)]
+        for layer in range(args.layers):
+            order_kept_mass(weights[layer], layout, (bq, bk), args.density, args.device)
+        orders_s = time.perf_counter() - start
+        start = time.perf_counter()
+        mass = torch.stack([layer_block_masses(weights[layer], orders[layer], layout, (bq, bk), args.device)
+                            for layer in range(args.layers)])
         masses_s = time.perf_counter() - start
         start = time.perf_counter()
         build_masks(mass, args.density, 0, (bq, bk))
         masks_s = time.perf_counter() - start
         scale = args.buckets * args.num_layers / args.layers
-        result.update(measured=f"{args.layers} layers of one bucket, scaled by {scale:g}", masses_s=masses_s,
-                      masks_s=masks_s, per_layer_s=(masses_s + masks_s) / args.layers,
-                      seconds=(masses_s + masks_s) * scale)
+        spent = orders_s + masses_s + masks_s
+        result.update(measured=f"{args.layers} layers of one bucket, scaled by {scale:g}", orders_s=orders_s,
+                      masses_s=masses_s, masks_s=masks_s, per_layer_s=spent / args.layers, seconds=spent * scale)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
 from paroattn.calibrate.driver import capture, plan_from_stats
-from paroattn.calibrate.shapes import derive_plan, layer_block_masses
+from paroattn.calibrate.shapes import derive_plan, layer_block_masses, offset_weights
 from paroattn.demo_model import demo
 from paroattn.demo_model.model import load_demo_pipeline
 
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         mass = acc.mass[(bucket, layer)].float()
         slots = torch.tensor([acc.candidate_orders.index(int(o)) for o in plan.orders[layer]])
         true = mass[torch.arange(len(slots)), slots]
-        pred = layer_block_masses([p[bucket, layer] for p in plan.profiles], plan.orders[layer].long(), stats.layout,
-                                  plan.block_size)
+        pred = layer_block_masses([offset_weights(p[bucket, layer]) for p in plan.profiles], plan.orders[layer].long(),
+                                  stats.layout, plan.block_size)
         corr = [float(torch.corrcoef(torch.stack([t.flatten(), q.flatten()]))[0, 1]) for t, q in zip(true, pred)]
         lines.append(f"bucket {bucket} layer {layer}: predicted vs measured block masses, correlation per head "
                      + ", ".join(f"{ORDERS[int(o)]} {c:.3f}" for o, c in zip(plan.orders[layer], corr)))

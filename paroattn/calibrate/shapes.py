@@ -241,6 +241,14 @@ def layer_block_masses(weights: list[torch.Tensor], orders: torch.Tensor, layout
     return out
 
 
+def order_kept_mass(weights: list[torch.Tensor], layout: TokenLayout, block_size: tuple[int, int], density: float,
+                    device=None) -> torch.Tensor:
+    """Offset weights per axis [H, 2m-1] of one (bucket, layer) -> float64 [H, O]: the share of each head's mass
+    that its best `density` share of blocks keeps under each distinct order of `layout` (`distinct_orders`)."""
+    return torch.stack([kept_mass_fraction(block_masses(weights, order, layout, block_size, device), density).double()
+                        .cpu() for order in layout.distinct_orders()], dim=-1)
+
+
 def choose_orders(weights: list[list[torch.Tensor]], plan: Plan, layout: TokenLayout, densities: list[float],
                   device=None) -> torch.Tensor:
     """Each head's order on `layout`, chosen as calibration chooses it (`StatsAccumulator.finalize`) from the
@@ -250,18 +258,14 @@ def choose_orders(weights: list[list[torch.Tensor]], plan: Plan, layout: TokenLa
     steps = [float(s) for s in plan.info.get("steps_per_bucket") or []]
     if len(steps) != plan.num_buckets or sum(steps) <= 0:
         steps = [1.0] * plan.num_buckets
-    candidates = layout.distinct_orders()
+    candidates = torch.tensor(layout.distinct_orders())
     orders = plan.orders.clone()
     for layer in range(plan.num_layers):
         buckets = [b for b in range(plan.num_buckets) if not bool(plan.dense[b, layer]) and steps[b] > 0]
-        if not buckets:
-            continue
-        kept = torch.zeros(plan.num_heads, len(candidates), dtype=torch.float64)
-        for slot, order in enumerate(candidates):
-            for b in buckets:
-                mass = block_masses(weights[b][layer], order, layout, plan.block_size, device)
-                kept[:, slot] += steps[b] * kept_mass_fraction(mass, densities[b]).double().cpu()
-        orders[layer] = torch.tensor(candidates)[kept.argmax(-1)].to(orders.dtype)
+        if buckets:
+            kept = sum(steps[b] * order_kept_mass(weights[b][layer], layout, plan.block_size, densities[b], device)
+                       for b in buckets)
+            orders[layer] = candidates[kept.argmax(-1)].to(orders.dtype)
     return orders
 
 
