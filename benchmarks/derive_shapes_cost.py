@@ -49,7 +49,8 @@ def main(argv=None) -> int:
                 for n in (frames, height, width)]
     orders = torch.randint(0, 6, (args.num_layers, args.num_heads), generator=g)
     threads = torch.get_num_threads()
-    result = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "machine": platform.machine(),
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "machine": platform.machine(),
               "torch_threads": threads, "layout": str(layout), "block_size": [bq, bk], "layers": args.num_layers,
               "heads": args.num_heads, "buckets": args.buckets, "density": args.density}
     if args.layers == 0:

@@ -4,13 +4,14 @@ vs plans calibrated at those sizes (calibrated orders and identity order), PSNR 
 For every size: a dense capture over the calibration prompts at that size (the "calibrated" and "identity"
 plans, `demo.study_config` / `demo.study_selection`), the dense videos of the evaluation prompts, and for
 each density the three plans' videos; the "derived" plan is the one calibrated at the base size, applied
-as is (the processor derives its masks for the size). A full-density plan is checked against dense at every
+as is (the processor derives its orders and masks for the size). A full-density plan is checked against dense at every
 size over `--full-steps` steps. Rows go to `--out` (JSON lines) as they are measured; `--markdown` turns such
 a file into the QUALITY.md section (written between its markers when `--quality-md` is given).
 
-    python scripts/demo_model_derived_shapes.py --out benchmarks/results/quality-demo-model-derived-shapes-cpu.jsonl
-    python scripts/demo_model_derived_shapes.py --markdown benchmarks/results/quality-demo-model-derived-shapes-cpu.jsonl \
-        --quality-md QUALITY.md
+    python scripts/demo_model_derived_shapes.py --device cuda --steps 20 --calibration-steps 20 --eval-prompts 8 \
+        --out benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-h200.jsonl
+    python scripts/demo_model_derived_shapes.py --quality-md QUALITY.md \
+        --markdown benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-h200.jsonl
 """
 
 from __future__ import annotations

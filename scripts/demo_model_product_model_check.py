@@ -1,9 +1,11 @@
-"""How well the product of per-axis offset profiles describes the demo model's heads at the size they were
-measured at: masks derived from a capture's own profiles vs masks from its exact block statistics (kept attention
-mass on those statistics), and the correlation of predicted with measured block masses per head. Separates the
-error of the description from that of carrying it to another size (QUALITY.md, One plan, many sizes).
+"""How well the product of per-axis offset profiles describes the demo model's heads: at one size, the attention
+mass (on that size's exact block statistics) kept by masks from those statistics, by masks derived from the size's
+own profiles, and, with `--base`, by masks derived from a plan calibrated at another size, and by an identity-order
+plan; and the correlation of predicted with measured block masses per head. Separates the error of the
+description from that of carrying it to another size (QUALITY.md, One plan, many sizes).
 
-    python scripts/demo_model_product_model_check.py --size 8x24x24 --out benchmarks/results/derived-shapes-product-model-check-demo-model-cpu.txt
+    python scripts/demo_model_product_model_check.py --size 8x24x24 --base 8x32x32 --calibration-steps 8 \
+        --out benchmarks/results/derived-shapes-product-model-check-demo-model-cpu.txt
 """
 
 from __future__ import annotations
@@ -36,24 +38,36 @@ def kept_mass(plan, acc) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="8x24x24", help="FRAMESxHEIGHTxWIDTH in pixels")
+    p.add_argument("--base", help="FRAMESxHEIGHTxWIDTH of a plan to derive from (calibrated the same way)")
     p.add_argument("--calibration-steps", type=int, default=1)
     p.add_argument("--densities", default="0.5,0.3")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    frames, height, width = (int(x) for x in args.size.split("x"))
     pipe = load_demo_pipeline(device="cpu", dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    size = {"num_frames": frames, "height": height, "width": width}
-    stats = capture(pipe, demo.CALIBRATION_PROMPTS, demo.study_config(args.calibration_steps, size=size))
+
+    def captured(text: str):
+        frames, height, width = (int(x) for x in text.split("x"))
+        config = demo.study_config(args.calibration_steps, size={"num_frames": frames, "height": height, "width": width})
+        return capture(pipe, demo.CALIBRATION_PROMPTS, config, order_sets={"identity": [ORDERS.index("FHW")]})
+
+    stats = captured(args.size)
+    base = captured(args.base) if args.base else None
     acc = stats.accumulators["all"]
     acc.flush()
     lines = [f"demo model at {args.size} ({stats.layout} tokens), CPU float32, {args.calibration_steps} calibration "
-             f"step(s) of the {len(demo.CALIBRATION_PROMPTS)} calibration prompts"]
+             f"step(s) of the {len(demo.CALIBRATION_PROMPTS)} calibration prompts; kept share of the attention mass "
+             "(mean over buckets, layers and heads of that size's exact statistics)"]
     for density in (float(d) for d in args.densities.split(",")):
         plan, _ = plan_from_stats(stats, demo.study_selection(density))
+        identity, _ = plan_from_stats(stats, demo.study_selection(density, order_set="identity"))
         own = derive_plan(plan, stats.layout)
-        lines.append(f"d={density:g}: kept mass, masks from the exact statistics {kept_mass(plan, acc):.4f}; "
-                     f"masks from the size's own axis profiles {kept_mass(own, acc):.4f}")
+        line = (f"d={density:g}: masks from the exact statistics {kept_mass(plan, acc):.4f}; derived from the size's "
+                f"own axis profiles {kept_mass(own, acc):.4f}")
+        if base is not None:
+            derived = derive_plan(plan_from_stats(base, demo.study_selection(density))[0], stats.layout)
+            line += f"; derived from the plan calibrated at {args.base} {kept_mass(derived, acc):.4f}"
+        lines.append(line + f"; identity order {kept_mass(identity, acc):.4f}")
     bucket, layer = next(iter(acc.mass))
     for layer in range(plan.num_layers):
         mass = acc.mass[(bucket, layer)].float()
