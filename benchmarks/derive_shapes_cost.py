@@ -5,10 +5,11 @@ when a plan first meets it. Default shape: Wan2.1-14B at 720p (40 layers x 40 he
 Each head's order is chosen from the product model's block masses under every distinct order of the layout, then
 the masses of the chosen orders are computed again and the masks chosen under one budget per bucket: all per
 (bucket, layer), so the time is linear in buckets x layers. `--layers N` times N layers of one bucket (the order
-choice, the masses and the budget over them) and scales that to the whole plan; `--layers 0` derives the whole plan (memory: a bucket's
-masses, layers x heads x nq x nk float32, 4.5 GB at this shape).
+choice, the masses and the budget over them) and scales that to the whole plan; `--layers 0` derives the whole
+plan (memory: a bucket's masses, layers x heads x nq x nk float32, 4.5 GB at this shape).
 
-    python benchmarks/derive_shapes_cost.py --layers 2 --out benchmarks/results/derive-shapes-cost-wan14b-720p-cpu.json
+    python benchmarks/derive_shapes_cost.py --device cuda --layers 4 \
+        --out benchmarks/results/derive-shapes-cost-wan14b-720p-4-layers-nvidia-h200.json
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
 
     def captured(text: str):
         frames, height, width = (int(x) for x in text.split("x"))
-        config = demo.study_config(args.calibration_steps, size={"num_frames": frames, "height": height, "width": width})
+        size = {"num_frames": frames, "height": height, "width": width}
+        config = demo.study_config(args.calibration_steps, size=size)
         return capture(pipe, demo.CALIBRATION_PROMPTS, config, order_sets={"identity": [ORDERS.index("FHW")]})
 
     stats = captured(args.size)

@@ -142,15 +142,15 @@ def offset_weights(profile: torch.Tensor, iterations: int = 50) -> torch.Tensor:
     return w
 
 
-def _extended(profile: torch.Tensor, n: int) -> torch.Tensor:
+def _extended(weights: torch.Tensor, n: int) -> torch.Tensor:
     """weights [..., 2m-1] over offsets -(m-1)..m-1 -> [..., 2n-1] over -(n-1)..n-1: cut, or extended with
     the outermost value on each side."""
-    m = (profile.shape[-1] + 1) // 2
+    m = (weights.shape[-1] + 1) // 2
     if n <= m:
-        return profile[..., m - n : m + n - 1]
-    left = profile[..., :1].expand(*profile.shape[:-1], n - m)
-    right = profile[..., -1:].expand(*profile.shape[:-1], n - m)
-    return torch.cat([left, profile, right], dim=-1)
+        return weights[..., m - n : m + n - 1]
+    left = weights[..., :1].expand(*weights.shape[:-1], n - m)
+    right = weights[..., -1:].expand(*weights.shape[:-1], n - m)
+    return torch.cat([left, weights, right], dim=-1)
 
 
 def axis_kernel_sums(weights: torch.Tensor, n: int) -> torch.Tensor:
@@ -190,8 +190,9 @@ def _corner_tables(D: torch.Tensor) -> dict[str, torch.Tensor]:
 def block_masses(weights: list[torch.Tensor], order: int, layout: TokenLayout, block_size: tuple[int, int],
                  device=None) -> torch.Tensor:
     """Attention mass of every (query block, key block) of one order on `layout` under the product model.
-    weights: offset weights (`offset_weights`) per axis F, H, W, [heads, 2m-1] (any m). Returns float32 [heads, nq, nk] over the whole sequence
-    (text blocks hold 0: plans keep them whatever their mass); each grid query's row sums to one."""
+    weights: offset weights (`offset_weights`) per axis F, H, W, [heads, 2m-1] (any m). Returns float32
+    [heads, nq, nk] over the whole sequence (text blocks hold 0: plans keep them whatever their mass); each grid
+    query's row sums to one."""
     bq, bk = block_size
     prefix, G = layout.prefix, layout.grid_tokens
     sizes = dict(zip(AXES, axis_sizes(layout)))
