@@ -6,12 +6,13 @@ plans, `demo.study_config` / `demo.study_selection`), the dense videos of the ev
 each density the three plans' videos; the "derived" plan is the one calibrated at the base size, applied
 as is (the processor derives its orders and masks for the size). A full-density plan is checked against dense at every
 size over `--full-steps` steps. Rows go to `--out` (JSON lines) as they are measured; `--markdown` turns such
-a file into the QUALITY.md section (written between its markers when `--quality-md` is given).
+files (runs at other seeds, pooled) into the QUALITY.md section (written between its markers with `--quality-md`).
 
     python scripts/demo_model_derived_shapes.py --device cuda --steps 20 --calibration-steps 20 --eval-prompts 8 \
         --out benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-h200.jsonl
     python scripts/demo_model_derived_shapes.py --quality-md QUALITY.md \
-        --markdown benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-h200.jsonl
+        --markdown benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-h200.jsonl \
+        benchmarks/results/quality-demo-model-derived-shapes-orders-per-size-seed1-h200.jsonl
 """
 
 from __future__ import annotations
