@@ -8,8 +8,8 @@ the masses of the chosen orders are computed again and the masks chosen under on
 choice, the masses and the budget over them) and scales that to the whole plan; `--layers 0` derives the whole
 plan (memory: a bucket's masses, layers x heads x nq x nk float32, 4.5 GB at this shape).
 
-    python benchmarks/derive_shapes_cost.py --device cuda --layers 4 \
-        --out benchmarks/results/derive-shapes-cost-wan14b-720p-4-layers-nvidia-h200.json
+    python benchmarks/derive_shapes_cost.py --device cuda --layers 0 \
+        --out benchmarks/results/derive-shapes-cost-wan14b-720p-nvidia-h200.json
 """
 
 from __future__ import annotations
