@@ -4,6 +4,9 @@ plans that do not fit."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -278,8 +281,13 @@ def test_a_plan_with_axis_profiles_runs_at_another_size(model, change, monkeypat
         torch.testing.assert_close(run(transformer, other), dense_other, rtol=1e-5, atol=1e-5)
     assert derived == [actual]
     with apply(transformer, make_plan(transformer, inputs, density=0.4, profiles=True), backend="torch") as handle:
-        sparse = run(transformer, other)
-        again = run(transformer, other)
+        with pytest.warns(UserWarning, match=f"not calibrated for a {re.escape(str(actual))} token grid.*derived "
+                                             f"from the {re.escape(str(call_layout(transformer, inputs)))} grid"):
+            sparse = run(transformer, other)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            again = run(transformer, other)
+        assert not [w for w in seen if "derived from" in str(w.message)]  # said once per size
         assert list(handle.processor.shapes.derived) == [actual]
         full = bool(handle.processor.shapes.derived[actual].block_mask.all())  # text and diagonal may be all
     assert derived == [actual, actual]  # once per plan and size: the second forward used the cached masks

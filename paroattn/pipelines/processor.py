@@ -186,9 +186,22 @@ class PAROProcessor(BoundProcessor):
         decision = decide(probe, *self.plan.block_size, self.plan.qk, self.plan.pv, self.backend, device=device)
         return isinstance(decision, Launch) and decision.backend != "torch"
 
+    def _plan_of_call(self, binding: Binding, device: torch.device) -> Plan:
+        """The plan of the forward's size (`head_plan_at`); says once per size when it had to be derived."""
+        layout = binding.inputs.layout if binding.inputs is not None else None
+        plan = self.head_plan_at(layout, device)
+        derived = self.shapes.derived.get(layout)
+        if derived is not None:
+            source = TokenLayout(*derived.info["derived_from"]) if "derived_from" in derived.info else "another size"
+            binding.warn_once(f"derived {layout}", (
+                f"paroattn: the plan was not calibrated for a {layout} token grid; its orders and masks there were "
+                f"derived from the {source} grid it was calibrated at ({derived.info.get('derive_s', 0.0):.1f} s, "
+                "once per size). A size used often is better calibrated into the plan (paro calibrate --sizes)"))
+        return plan
+
     def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
         # the masks of the forward's size: the plan's, another calibrated size's, or derived for it
-        plan = self.head_plan_at(binding.inputs.layout if binding.inputs is not None else None, device)
+        plan = self._plan_of_call(binding, device)
         if binding.masks is None or binding.masks.device != device or binding.masks.plan.layout != plan.layout:
             if binding.masks is not None:
                 binding.masks.close()
@@ -208,7 +221,7 @@ class PAROProcessor(BoundProcessor):
         one is traced, see `_prepare_stacked`): the stacked masks. Active-block lists are kept resident only
         when `resident` allows it."""
         device = torch.device(device)
-        plan = self.head_plan_at(binding.inputs.layout if binding.inputs is not None else None, device)
+        plan = self._plan_of_call(binding, device)
         key = str(device) if plan.layout == self.plan.layout else f"{device} {plan.layout}"
         store = binding.stacked_masks.get(key)
         if store is not None:
