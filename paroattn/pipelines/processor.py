@@ -187,12 +187,14 @@ class PAROProcessor(BoundProcessor):
         return isinstance(decision, Launch) and decision.backend != "torch"
 
     def _plan_of_call(self, binding: Binding, device: torch.device) -> Plan:
-        """The plan of the forward's size (`head_plan_at`); says once per size when it had to be derived."""
+        """The plan of the forward's size (`head_plan_at`); says once per grid size when it had to be derived."""
         layout = binding.inputs.layout if binding.inputs is not None else None
         plan = self.head_plan_at(layout, device)
         derived = self.shapes.derived.get(layout)
-        if derived is not None:
-            source = TokenLayout(*derived.info["derived_from"]) if "derived_from" in derived.info else "another size"
+        source = TokenLayout(*derived.info["derived_from"]) if derived is not None else None
+        # (a text length of its own, e.g. Qwen-Image's unpadded prompts, is derived silently: same grid)
+        if source is not None and (source.frames, source.height, source.width) != (layout.frames, layout.height,
+                                                                                    layout.width):
             binding.warn_once(f"derived {layout}", (
                 f"paroattn: the plan was not calibrated for a {layout} token grid; its orders and masks there were "
                 f"derived from the {source} grid it was calibrated at ({derived.info.get('derive_s', 0.0):.1f} s, "
