@@ -97,7 +97,7 @@ def main() -> None:
             active_tiles = float(mask.sum()) * 128 * 64 * B
             baseline = None
             for name, source, extra in variants:
-                sm90.defines = lambda d, dt, extra=extra: {**family_defines(d, dt), **extra}
+                sm90.defines = lambda d, dt, w=None, extra=extra: {**family_defines(d, dt, w), **extra}
                 sm90.source = (lambda source=source: source) if source else family_source
                 sm90.forget()
                 out = torch.empty_like(q)

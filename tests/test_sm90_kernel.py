@@ -27,13 +27,13 @@ BOUND = 4e-2
 # CPU: the source compiles for sm_90a, without register spills, in every variant the family runs.
 
 
-def _ptxas_report(head_dim: int, dtype: torch.dtype, tmp_path, qk_ahead: int | None = None) -> str:
+def _ptxas_report(head_dim: int, dtype: torch.dtype, warpgroups: int, tmp_path, qk_ahead: int | None = None) -> str:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not on PATH")
     src = tmp_path / "attention.cu"
     src.write_text(sm90.source())
-    defines = [f"-D{k}={v}" for k, v in sm90.defines(head_dim, dtype).items()]
+    defines = [f"-D{k}={v}" for k, v in sm90.defines(head_dim, dtype, warpgroups).items()]
     if qk_ahead is not None:  # the other schedule (its stages) than the head dim's default
         defines = [d for d in defines if not d.startswith(("-DPARO_QK_AHEAD", "-DPARO_STAGES"))]
         defines += [f"-DPARO_QK_AHEAD={qk_ahead}", f"-DPARO_STAGES={3 + qk_ahead}"]
@@ -46,16 +46,16 @@ def _ptxas_report(head_dim: int, dtype: torch.dtype, tmp_path, qk_ahead: int | N
 
 
 @pytest.mark.parametrize("qk_ahead", [None, "other"])
-@pytest.mark.parametrize("head_dim,dtype", sm90.VARIANTS)
-def test_every_variant_compiles_for_sm90a_without_spills(head_dim, dtype, qk_ahead, tmp_path):
+@pytest.mark.parametrize("head_dim,dtype,warpgroups", sm90.VARIANTS)
+def test_every_variant_compiles_for_sm90a_without_spills(head_dim, dtype, warpgroups, qk_ahead, tmp_path):
     if qk_ahead == "other":
         if dtype != torch.bfloat16:
             pytest.skip("the output dtype changes only the epilogue: one dtype per schedule")
         qk_ahead = 3 - sm90.QK_AHEAD[head_dim]
-    log = _ptxas_report(head_dim, dtype, tmp_path, qk_ahead)
+    log = _ptxas_report(head_dim, dtype, warpgroups, tmp_path, qk_ahead)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     registers = re.findall(r"Used (\d+) registers", log)
-    print(f"D={head_dim} {dtype}: registers {registers}, spills {spills}")
+    print(f"D={head_dim} {dtype} warpgroups={warpgroups}: registers {registers}, spills {spills}")
     assert spills and registers, f"no ptxas report in the log:\n{log[-2000:]}"
     assert all(s == ("0", "0") for s in spills), f"register spills (D={head_dim}, {dtype}):\n{log[-2000:]}"
     # ptxas serializes wgmma (and says so) when it cannot keep the accumulators in registers across them
@@ -111,8 +111,9 @@ def make_inputs(B, H, N, D, dtype, seq_major, seed):
     return [t.transpose(1, 2) if seq_major else t for t in qkv]
 
 
-def run_both(q, k, v, layout, orders, mask, qk="int8", suffix_mask=None):
-    out = sm90.attention(q, k, v, layout=layout, orders=orders, block_mask=mask, qk=qk, suffix_mask=suffix_mask)
+def run_both(q, k, v, layout, orders, mask, qk="int8", suffix_mask=None, warpgroups=None):
+    out = sm90.attention(q, k, v, layout=layout, orders=orders, block_mask=mask, qk=qk, suffix_mask=suffix_mask,
+                         warpgroups=warpgroups)
     ref = paro_attention_reference(q, k, v, layout, orders.cpu(), mask.cuda(), 128, 64, qk, "fp8",
                                    suffix_mask=suffix_mask)
     return out, ref
@@ -131,19 +132,20 @@ CASES = [
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("density", [1.0, 0.5, 0.2])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(case, density):
+def test_matches_reference(case, density, warpgroups):
     B, H, layout, D, dtype, seq_major = CASES[case]
     N = layout.seq_len
     q, k, v = make_inputs(B, H, N, D, dtype, seq_major, seed=case)
     orders = torch.tensor([0, 3, 5, 2][:H], dtype=torch.int32)  # mixed orders per head
     mask = random_mask(H, N, density, seed=case + int(10 * density))
-    out, ref = run_both(q, k, v, layout, orders, mask)
+    out, ref = run_both(q, k, v, layout, orders, mask, warpgroups=warpgroups)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
-    print(f"case {case} N={N} D={D} d={density}: rel err {err:.3e}")
+    print(f"case {case} N={N} D={D} d={density} warpgroups={warpgroups}: rel err {err:.3e}")
     assert err < BOUND
     # rows of query blocks with no active key block are exactly zero
     for h in range(H):
@@ -285,8 +287,9 @@ def test_compute_sanitizer_clean(tool):
             suffix = None
             if layout.suffix:
                 suffix = torch.rand(2, layout.suffix, device="cuda") < 0.5
-            sm90.attention(q, k, v, layout=layout, orders=torch.tensor([1, 4]), block_mask=mask,
-                           suffix_mask=suffix)
+            for warpgroups in (1, 2):
+                sm90.attention(q, k, v, layout=layout, orders=torch.tensor([1, 4]), block_mask=mask,
+                               suffix_mask=suffix, warpgroups=warpgroups)
             torch.cuda.synchronize()
         print("sanitized run done")
         """)

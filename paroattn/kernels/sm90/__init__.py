@@ -29,6 +29,10 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 
 
+# consumer warpgroups per CTA (64 query rows each) by head dim: one (two CTAs share an SM and interleave
+# their tensor-core and softmax phases) or two (one CTA per SM, sharing each K/V tile between 128 rows)
+WARPGROUPS = {64: 1, 128: 1}
+
 
 # by head dim, how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this
 # block's P V) or 2 (the block after, issued under the update of O; attention.cu). H100, kernel alone, d = 1
@@ -46,8 +50,8 @@ def stages(head_dim: int) -> int:
 def shared_bytes(variant: dict[str, int], max_active: int) -> int:
     """Dynamic shared memory of a launch of a compiled variant (its `defines`): the Q tile, the K/V stages,
     1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
-    D = variant["PARO_HEAD_DIM"]
-    return 64 * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + 8 * max_active
+    D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
+    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -80,30 +84,30 @@ def source() -> str:
     return resources.files(__package__).joinpath("attention.cu").read_text()
 
 
-def defines(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
     return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim),
+            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
             "PARO_QK_AHEAD": QK_AHEAD[head_dim]}
 
 
-# every variant `refusal` lets through (head dim, output dtype), for the compile check
-VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
+# every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
+VARIANTS = [(d, dtype, w) for d in HEAD_DIMS for dtype in OUT_DTYPES for w in (1, 2)]
 
 _FAILURES: dict[tuple, str] = {}
 _KERNELS: dict[tuple, object] = {}
 
 
-def kernel(head_dim: int, dtype: torch.dtype, device: torch.device):
+def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
     """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
     raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, tuple(defines(head_dim, dtype).items()))
+    key = (head_dim, dtype, device.index, tuple(defines(head_dim, dtype, warpgroups).items()))
     loaded = _KERNELS.get(key)
     if loaded is not None:
         return loaded
     if key in _FAILURES:
         raise KernelLoadError(_FAILURES[key])
     try:
-        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype))
+        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype, warpgroups))
         loaded = _KERNELS[key] = load(cubin, KERNEL_NAME, device, MAX_SHARED_BYTES)
         return loaded
     except KernelLoadError as error:
@@ -131,7 +135,8 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, *, N: int, prefix: int,
-           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None) -> None:
+           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None,
+           warpgroups: int | None = None) -> None:
     """Attention over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
     `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
     `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
@@ -139,8 +144,9 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
     when the kernel cannot be built (nothing is launched then)."""
     B, H, _, D = out.shape
     nq, nk = -(-N // BLOCK_M), -(-N // BLOCK_N)
-    variant = defines(D, out.dtype)
-    run = kernel(D, out.dtype, out.device)
+    variant = defines(D, out.dtype, warpgroups)
+    warpgroups = variant["PARO_WARPGROUPS"]
+    run = kernel(D, out.dtype, out.device, warpgroups)
     for name, t in (("counts", counts), ("indices", indices), ("schedule", schedule), ("orders", orders)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int32, got {t.dtype} with strides {t.stride()}")
@@ -157,12 +163,13 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
             c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    run.launch((nq * 2, B * H, 1), (128, 1, 1), args, stream,
+    run.launch((nq * 2 // warpgroups, B * H, 1), (128 * warpgroups, 1, 1), args, stream,
                shared_bytes(variant, indices.shape[-1]))
 
 
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
-              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None) -> torch.Tensor:
+              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None,
+              warpgroups: int | None = None) -> torch.Tensor:
     """The whole op on this family: the Triton K/V/Q prologue (into the stream's reused buffer set, as the
     Triton path), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
     Raises ValueError with `refusal`'s reason, or KernelLoadError."""
@@ -189,7 +196,8 @@ def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str 
     out = torch.empty_like(q)
     launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts, blocks.indices, blocks.schedule, N=N,
            prefix=layout.prefix, frames=layout.frames, height=layout.height, width=layout.width,
-           sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask)
+           sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask,
+           warpgroups=warpgroups)
     return out
 
 

@@ -1,13 +1,14 @@
 // Block-sparse PARO attention for sm_90a: INT8 QK and FP8 (e4m3) PV on wgmma, compiled at run time.
 //
-// A CTA (one warpgroup) computes 64 rows of a query block (the block lists' bq: two CTAs per block) of one
-// (batch, head) against its active 64-key blocks (bk), reading the
+// A CTA computes 64 rows (one warpgroup) or all 128 rows (two warpgroups sharing the K/V tiles) of a query
+// block (the block lists' bq) of one (batch, head) against its active 64-key blocks (bk), reading the
 // K/V (and Q) prologue's outputs (`triton_backend.prepare_kv`):
 //   QQ  int8 [B*H, NQ*128, D]   reordered queries, per query block scale QScale [B*H, NQ]
 //   KQ  int8 [B*H, N_PAD, D]    reordered keys minus K smoothing's mean, per key block scale KScale [B*H, NK]
 //   VQ  e4m3 [B*H, D, N_PAD]    reordered values, transposed, divided by their per-channel scale
 //                               VAmax / 448; inside every 16 keys in the order the PV operand reads (below)
-// All threads copy the K/V tiles into shared memory with cp.async, several blocks ahead. Per key block:
+// All threads copy the K/V tiles into shared memory with cp.async, several blocks ahead. Per key block and
+// warpgroup:
 //   S = Q K^T        wgmma m64n64k32 s32.s8.s8, Q and K from shared memory (both K-major)
 //   online softmax   in base 2: sm_scale * log2(e) and the Q/K scales are one multiplier per block, applied
 //                    inside exp2's argument; P carries the fp8 multiplier 448 (2^P_LOG2_SCALE)
@@ -19,16 +20,17 @@
 // definition of every value.
 //
 // Compile-time configuration (defines passed to the compiler): PARO_HEAD_DIM (64 or 128), PARO_OUT_BF16
-// (1: bf16 output, 0: fp16), PARO_QK_AHEAD (the schedule, 1 or 2, below) and PARO_STAGES (K/V stages, at
-// least 3 + PARO_QK_AHEAD). No headers: NVRTC compiles this file as is. Two CTAs share an SM (254 registers
-// at head dim 128) or three (168 at 64) and interleave their products and softmax; schedules that share K/V
-// tiles between warpgroups of one CTA measured slower (docs/notes/sm90-kernel.md).
+// (1: bf16 output, 0: fp16), PARO_WARPGROUPS (1 or 2 per CTA), PARO_QK_AHEAD (the schedule, 1 or 2, below)
+// and PARO_STAGES (K/V stages, at least 3 + PARO_QK_AHEAD). No headers: NVRTC compiles this file as is.
 
 #ifndef PARO_HEAD_DIM
 #define PARO_HEAD_DIM 128
 #endif
 #ifndef PARO_OUT_BF16
 #define PARO_OUT_BF16 1
+#endif
+#ifndef PARO_WARPGROUPS
+#define PARO_WARPGROUPS 2
 #endif
 #ifndef PARO_QK_AHEAD
 #define PARO_QK_AHEAD 1
@@ -41,9 +43,10 @@ namespace paro {
 
 constexpr int kHeadDim = PARO_HEAD_DIM;
 constexpr int kBlockM = 128;  // query rows per block of the lists
-constexpr int kCtaRows = 64;  // query rows per CTA: one warpgroup
+constexpr int kWarpgroups = PARO_WARPGROUPS;  // consumer warpgroups per CTA, 64 query rows each
+constexpr int kCtaRows = 64 * kWarpgroups;
 constexpr int kBlockN = 64;   // keys per block
-constexpr int kThreads = 128;
+constexpr int kThreads = 128 * kWarpgroups;
 constexpr int kStages = PARO_STAGES;
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
@@ -210,8 +213,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], 
 
 using namespace paro;
 
-// Shared memory: Q [64 x D], kStages x (K [64 x D], V^T [D x 64]), then the active list (max_active block
-// indices and as many K scales).
+// Shared memory: Q [128 x D] (two 64-row warpgroup tiles), kStages x (K [64 x D], V^T [D x 64]), then the
+// active list (max_active block indices and as many K scales).
 constexpr int kQBytes = kCtaRows * kHeadDim;
 constexpr int kKBytes = kBlockN * kHeadDim;
 constexpr int kVBytes = kHeadDim * kBlockN;
@@ -350,7 +353,7 @@ struct Softmax {
   }
 };
 
-extern "C" __global__ void __launch_bounds__(kThreads, 2) paro_attention_int8_fp8(
+extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
     const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
     unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
@@ -369,13 +372,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paro_attention_int8_fp
   float* list_scale = reinterpret_cast<float*>(list_kb + max_active);
 
   const int tid = threadIdx.x;
-  const int warp = tid / 32;            // rows warp * 16 .. of the CTA's 64
+  const int wg = tid / 128;             // warpgroup: query rows wg * 64 ..
+  const int warp = (tid % 128) / 32;    // rows warp * 16 .. of the warpgroup's 64
   const int lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g and g + 8, columns 2t, 2t+1 of each 8
 
-  // two CTAs take the two halves of a query block
-  const int rank = blockIdx.x / 2;
-  const int half = blockIdx.x % 2;
+  // with one warpgroup per CTA, two CTAs take the two halves of a query block
+  const int rank = blockIdx.x / (2 / kWarpgroups);
+  const int half = kWarpgroups == 1 ? blockIdx.x % 2 : 0;
   const int bh = blockIdx.y;
   const int b = bh / H, h = bh % H;
   const int qb = schedule[h * NQ + rank];
@@ -399,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paro_attention_int8_fp
     const signed char* q_src = qq + (((long long)bh * NQ + qb) * kBlockM + half * 64) * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kQBytes / 16 / kThreads; ++i) {
-      // contiguous rows
+      // contiguous rows; each warpgroup's 64 rows are a tile of their own, 1024-byte aligned
       const int c = tid + i * kThreads;
       cp_async_16(q_tile + swizzled<kHeadDim>(c * 16), q_src + c * 16);
     }
@@ -429,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paro_attention_int8_fp
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
 
-  const unsigned q_desc_base = q_tile;
+  const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
 #if PARO_QK_AHEAD == 2
   // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
   // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
@@ -575,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 2) paro_attention_int8_fp
     float sum = l[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int pos = qb * kBlockM + half * 64 + warp * 16 + g + 8 * r;
+    const int pos = qb * kBlockM + (half + wg) * 64 + warp * 16 + g + 8 * r;
     if (pos >= N) continue;
     // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
     const float inv = sum == 0.f ? 0.f : 1.f / sum;
