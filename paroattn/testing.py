@@ -12,6 +12,8 @@ models use `block_size=16`), and a 2-step pipeline run takes about a second on o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 FAMILIES = ("cogvideox", "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux", "hunyuan_video", "skyreels_v2",
@@ -577,3 +579,15 @@ def tiny_call_kwargs(family: str) -> dict:
                 "num_inference_steps": 2, "guidance_scale": 6.0, "output_type": "pt",
                 "prompt_template": {"template": "{}", "crop_start": 0}}
     raise ValueError(f"unknown tiny pipeline {family!r}")
+
+
+@contextmanager
+def lone_processor(transformer, processor):
+    """`transformer.set_attn_processor(processor)` on every attention module for the block, then the
+    processors it had before, restored."""
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(processor)
+    try:
+        yield processor
+    finally:
+        transformer.set_attn_processor(originals)

@@ -28,6 +28,7 @@ from paroattn.testing import (
     HUNYUAN15_TEXT,
     QWEN_TEXT,
     TINY_BLOCK,
+    lone_processor,
     tiny_call_kwargs,
     tiny_forward_inputs,
     tiny_pipeline,
@@ -125,12 +126,8 @@ def test_lone_processor_on_every_module_equals_the_models_own_attention(model):
     from paroattn.pipelines import PAROProcessor
 
     _, transformer, inputs, reference, layout = model
-    originals = dict(transformer.attn_processors)
-    transformer.set_attn_processor(PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch"))
-    try:
+    with lone_processor(transformer, PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch")):
         out = run(transformer, inputs)
-    finally:
-        transformer.set_attn_processor(originals)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 
@@ -310,18 +307,25 @@ def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     assert torch.isfinite(sparse).all() and (sparse - reference).abs().max() > 1e-4
 
 
+def cli_calibrate(tmp_path, family: str, prompt: str, options: list) -> tuple[CliRunner, object]:
+    """The tiny `family` pipeline saved under tmp_path/model and `paro calibrate` run on it with one prompt (2
+    buckets, d = 0.5, the tiny block) and `options`, into tmp_path/plan.safetensors: the runner and the result."""
+    tiny_pipeline(family).save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(prompt + "\n")
+    runner = CliRunner()
+    result = runner.invoke(app, [str(a) for a in [
+        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
+        "--num-prompts", 1, "--stat-every", 1, "--buckets", 2, "--density", 0.5, "--block-size", TINY_BLOCK,
+        *options]])
+    return runner, result
+
+
 @pytest.mark.parametrize("family,size,layers", [("wan_vace", (64, 64, 9), 4), ("skyreels_v2", (64, 64, 9), 2),
                                                  ("ltx", (128, 128, 17), 2)])
 def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, layers):
-    tiny_pipeline(family).save_pretrained(tmp_path / "model")
-    runner = CliRunner()
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox in the snow\n")
     size = ["--height", size[0], "--width", size[1], "--frames", size[2]]
-    result = runner.invoke(app, [str(a) for a in [
-        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
-        "--num-prompts", 1, "--steps", 2, "--stat-every", 1, "--buckets", 2, "--density", 0.5,
-        "--block-size", TINY_BLOCK, "--device", "cpu", *size]])
+    runner, result = cli_calibrate(tmp_path, family, "a red fox in the snow", ["--steps", 2, "--device", "cpu", *size])
     assert result.exit_code == 0, result.output
     plan = Plan.load(tmp_path / "plan.safetensors")
     assert plan.layout == TokenLayout(0, 3, 4, 4) and plan.num_layers == layers
@@ -335,14 +339,8 @@ def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, lay
 def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
     """FLUX.2 [klein] pads the prompt to max_sequence_length (512 by default): calibration at the default, and
     generation with the plan's text length (which `paro generate` passes)."""
-    tiny_pipeline("flux2").save_pretrained(tmp_path / "model")
-    runner = CliRunner()
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox in the snow\n")
     size = ["--height", 96, "--width", 96, "--steps", 2, "--device", "cpu"]
-    result = runner.invoke(app, [str(a) for a in [
-        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
-        "--num-prompts", 1, "--stat-every", 1, "--buckets", 2, "--density", 0.5, "--block-size", TINY_BLOCK, *size]])
+    runner, result = cli_calibrate(tmp_path, "flux2", "a red fox in the snow", size)
     assert result.exit_code == 0, result.output
     assert Plan.load(tmp_path / "plan.safetensors").layout == TokenLayout(512, 1, 6, 6)
     result = runner.invoke(app, [str(a) for a in [
@@ -355,14 +353,8 @@ def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
 def test_cli_qwen_image_plan_serves_prompts_of_other_token_counts(tmp_path):
     """Qwen-Image does not pad prompts: a prompt of another token count is another layout, whose masks the plan
     derives from its axis profiles as for another size."""
-    tiny_pipeline("qwen_image").save_pretrained(tmp_path / "model")
-    runner = CliRunner()
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox\n")
     size = ["--height", 96, "--width", 96, "--steps", 2, "--device", "cpu"]
-    result = runner.invoke(app, [str(a) for a in [
-        "calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--prompts", prompts,
-        "--num-prompts", 1, "--stat-every", 1, "--buckets", 2, "--density", 0.5, "--block-size", TINY_BLOCK, *size]])
+    runner, result = cli_calibrate(tmp_path, "qwen_image", "a red fox", size)
     assert result.exit_code == 0, result.output
     assert Plan.load(tmp_path / "plan.safetensors").layout == QWEN_PIPELINE_LAYOUT
 

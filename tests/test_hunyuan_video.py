@@ -27,6 +27,7 @@ from paroattn.testing import (
     HUNYUAN_TEXT,
     HUNYUAN_VALID_TEXT,
     TINY_BLOCK,
+    lone_processor,
     tiny_call_kwargs,
     tiny_forward_inputs,
     tiny_pipeline,
@@ -89,12 +90,8 @@ def test_lone_processor_hands_the_refiner_to_its_own_processor(model):
     from paroattn.pipelines import PAROProcessor
 
     transformer, inputs, reference, layout = model
-    originals = dict(transformer.attn_processors)
-    transformer.set_attn_processor(PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch"))
-    try:
+    with lone_processor(transformer, PAROProcessor(make_plan(transformer, layout, orders="random"), backend="torch")):
         out = run(transformer, inputs)
-    finally:
-        transformer.set_attn_processor(originals)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
 

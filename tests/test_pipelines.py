@@ -20,7 +20,7 @@ from paroattn.pipelines import (
     self_attention_layers,
 )
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
+from paroattn.testing import TINY_BLOCK, lone_processor, tiny_forward_inputs, tiny_transformer
 
 FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "flux"]
 
@@ -157,13 +157,9 @@ def test_lone_processor_finds_its_layers_and_matches_apply(model):
     plan = make_plan(transformer, inputs, density=0.4, orders="random")
     with apply(transformer, plan, backend="torch"):
         expected = run(transformer, inputs)
-    originals = dict(transformer.attn_processors)
-    transformer.set_attn_processor(PAROProcessor(plan, backend="torch"))
-    try:
+    with lone_processor(transformer, PAROProcessor(plan, backend="torch")):
         first = run(transformer, inputs)  # binds inside this forward, reading the transformer's frame
         second = run(transformer, inputs)  # through the forward pre-hook
-    finally:
-        transformer.set_attn_processor(originals)
     assert torch.equal(first, expected)
     assert torch.equal(second, expected)
     assert torch.equal(run(transformer, inputs), reference)
