@@ -51,7 +51,8 @@ def shared_bytes(variant: dict[str, int], max_active: int) -> int:
     """Dynamic shared memory of a launch of a compiled variant (its `defines`): the Q tile, the K/V stages,
     1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
     D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
-    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + 8 * max_active
+    barriers = 256 if variant.get("PARO_PRODUCER") else 0
+    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + barriers + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -163,7 +164,8 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
             c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    run.launch((nq * 2 // warpgroups, B * H, 1), (128 * warpgroups, 1, 1), args, stream,
+    threads = 128 * (warpgroups + variant.get("PARO_PRODUCER", 0))
+    run.launch((nq * 2 // warpgroups, B * H, 1), (threads, 1, 1), args, stream,
                shared_bytes(variant, indices.shape[-1]))
 
 

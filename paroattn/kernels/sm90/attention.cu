@@ -38,6 +38,15 @@
 #ifndef PARO_STAGES
 #define PARO_STAGES 4
 #endif
+#ifndef PARO_PRODUCER
+#define PARO_PRODUCER 0
+#endif
+#ifndef PARO_PINGPONG
+#define PARO_PINGPONG 0
+#endif
+#ifndef PARO_PRODUCER_REGS
+#define PARO_PRODUCER_REGS 24
+#endif
 
 namespace paro {
 
@@ -46,7 +55,9 @@ constexpr int kBlockM = 128;  // query rows per block of the lists
 constexpr int kWarpgroups = PARO_WARPGROUPS;  // consumer warpgroups per CTA, 64 query rows each
 constexpr int kCtaRows = 64 * kWarpgroups;
 constexpr int kBlockN = 64;   // keys per block
-constexpr int kThreads = 128 * kWarpgroups;
+constexpr int kThreads = 128 * (kWarpgroups + PARO_PRODUCER);
+// threads that copy K/V tiles: a producer warpgroup, or every thread of the CTA
+constexpr int kLoaderThreads = PARO_PRODUCER ? 128 : kThreads;
 constexpr int kStages = PARO_STAGES;
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
@@ -92,6 +103,32 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int n>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(n) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// an arrival on `bar` once every cp.async this thread has issued so far has landed
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 template <int n>
 __device__ __forceinline__ void fence_registers(int (&r)[n]) {
@@ -225,12 +262,12 @@ constexpr int kStageBytes = kKBytes + kVBytes;
 // copies chunks tid + k * kThreads: kThreads chunks span a whole number of 8-row swizzle periods in both
 // tiles, so each thread's swizzled destinations and source offsets are fixed once, and a block adds a base.
 struct KVLoader {
-  static constexpr int kKCopies = kKBytes / 16 / kThreads, kVCopies = kVBytes / 16 / kThreads;
-  static_assert(kKCopies * kThreads * 16 == kKBytes && kVCopies * kThreads * 16 == kVBytes, "whole copies");
-  static_assert((kThreads * 16) % (8 * kHeadDim) == 0 && (kThreads / (kBlockN / 16)) % 8 == 0, "swizzle periods");
+  static constexpr int kKCopies = kKBytes / 16 / kLoaderThreads, kVCopies = kVBytes / 16 / kLoaderThreads;
+  static_assert(kKCopies * kLoaderThreads * 16 == kKBytes && kVCopies * kLoaderThreads * 16 == kVBytes, "whole copies");
+  static_assert((kLoaderThreads * 16) % (8 * kHeadDim) == 0 && (kLoaderThreads / (kBlockN / 16)) % 8 == 0, "swizzle periods");
   const signed char* k_src;    // this thread's first chunk of K block 0
   const unsigned char* v_src;  // this thread's first chunk of V^T block 0
-  long long v_step;            // source distance between a thread's V chunks (rows kThreads / 4 apart)
+  long long v_step;            // source distance between a thread's V chunks (rows kLoaderThreads / 4 apart)
   unsigned k_dst, v_dst;       // offsets in a stage
 
   __device__ __forceinline__ KVLoader(const signed char* kq_bh, const unsigned char* vq_bh, int n_pad, int tid) {
@@ -238,17 +275,17 @@ struct KVLoader {
     k_dst = swizzled<kHeadDim>(tid * 16);
     const int r = tid / (kBlockN / 16), col = tid % (kBlockN / 16);
     v_src = vq_bh + (long long)r * n_pad + col * 16;
-    v_step = (long long)(kThreads / (kBlockN / 16)) * n_pad;
+    v_step = (long long)(kLoaderThreads / (kBlockN / 16)) * n_pad;
     v_dst = kKBytes + swizzled<kBlockN>(r * kBlockN + col * 16);
   }
 
   __device__ __forceinline__ void load(unsigned stage, int kb) const {
     const signed char* k = k_src + kb * kKBytes;
 #pragma unroll
-    for (int i = 0; i < kKCopies; ++i) cp_async_16(stage + k_dst + i * kThreads * 16, k + i * kThreads * 16);
+    for (int i = 0; i < kKCopies; ++i) cp_async_16(stage + k_dst + i * kLoaderThreads * 16, k + i * kLoaderThreads * 16);
     const unsigned char* v = v_src + kb * kBlockN;
 #pragma unroll
-    for (int i = 0; i < kVCopies; ++i) cp_async_16(stage + v_dst + i * kThreads * 16, v + i * v_step);
+    for (int i = 0; i < kVCopies; ++i) cp_async_16(stage + v_dst + i * kLoaderThreads * 16, v + i * v_step);
   }
 };
 
@@ -353,6 +390,7 @@ struct Softmax {
   }
 };
 
+#if !PARO_PRODUCER
 extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
     const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
@@ -603,3 +641,191 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
     }
   }
 }
+#else
+// Warp-specialized: warpgroup 0 copies Q and the K/V tiles (cp.async, each stage handed over by mbarriers:
+// `full` when its tiles landed, `empty` when every consumer warp finished reading it), warpgroups 1 ..
+// kWarpgroups compute 64 query rows each, sharing every K/V stage. setmaxnreg moves the producer's registers
+// to the consumers. With PARO_PINGPONG the consumers take turns at issuing their products (named barriers
+// 1 and 2), so one's softmax runs under the other's tensor-core work.
+constexpr int kConsumerRegs = PARO_PRODUCER_REGS == 24 ? 240 : 232;
+constexpr int kBarrierBytes = 256;
+static_assert(16 * kStages + 8 <= kBarrierBytes, "barriers");
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp8(
+    const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
+    const float* __restrict__ k_scale, const unsigned char* __restrict__ vq, const float* __restrict__ v_amax,
+    unsigned short* __restrict__ out, const int* __restrict__ orders, const int* __restrict__ counts,
+    const int* __restrict__ indices, const int* __restrict__ schedule, const unsigned char* __restrict__ key_mask,
+    long long stride_ob, long long stride_oh, long long stride_on, long long stride_od,
+    long long stride_mb, long long stride_ms,
+    int N, int n_pad, int H, int NQ, int NK, int max_active, int prefix, int frames, int height, int width,
+    int suffix_start, float qk_scale, int has_key_mask) {
+  extern __shared__ unsigned char shared_raw[];
+  const unsigned shared_base = (smem_address(shared_raw) + 1023u) & ~1023u;
+  const unsigned q_tile = shared_base;
+  const unsigned kv_tiles = shared_base + kQBytes;
+  const unsigned full_bar = kv_tiles + kStages * kStageBytes;  // kStages barriers, then kStages `empty`, Q's
+  const unsigned empty_bar = full_bar + 8 * kStages;
+  const unsigned q_bar = empty_bar + 8 * kStages;
+  int* list_kb = reinterpret_cast<int*>(shared_raw + (full_bar + kBarrierBytes - smem_address(shared_raw)));
+  float* list_scale = reinterpret_cast<float*>(list_kb + max_active);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int bh = blockIdx.y;
+  const int b = bh / H, h = bh % H;
+  const int qb = schedule[h * NQ + blockIdx.x];
+  const int row = h * NQ + qb;
+  const int count = counts[row];
+  const int* active = indices + (long long)row * max_active;
+  for (int j = tid; j < count; j += kThreads) {
+    const int kb = active[j];
+    list_kb[j] = kb;
+    list_scale[j] = k_scale[(long long)bh * NK + kb];
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, 128);
+      mbar_init(empty_bar + 8 * s, 4 * kWarpgroups);
+    }
+    mbar_init(q_bar, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PARO_PRODUCER_REGS));
+    if (count > 0) {
+      const signed char* q_src = qq + ((long long)bh * NQ + qb) * kBlockM * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kQBytes / 16 / 128; ++i) {
+        const int c = tid + i * 128;
+        cp_async_16(q_tile + swizzled<kHeadDim>(c * 16), q_src + c * 16);
+      }
+      mbar_arrive_cp_async(q_bar);
+      const KVLoader loader(kq + (long long)bh * n_pad * kHeadDim, vq + (long long)bh * kHeadDim * n_pad, n_pad,
+                            tid);
+      for (int i = 0; i < count; ++i) {
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(empty_bar + 8 * s, ((i / kStages) + 1) & 1);
+        loader.load(kv_tiles + s * kStageBytes, list_kb[i]);
+        mbar_arrive_cp_async(full_bar + 8 * s);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+
+  const int c = wg - 1;                // consumer: query rows c * 64 ..
+  const int warp = (tid % 128) / 32;   // rows warp * 16 .. of the consumer's 64
+  const int lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  Softmax sm;
+  sm.score_scale = count > 0 ? qk_scale * q_scale[(long long)bh * NQ + qb] : 0.f;
+  const int first_masked = has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK);
+  const int mask_start = has_key_mask ? suffix_start : N;
+  const unsigned char* mask_b = key_mask + b * stride_mb;
+#define PARO_STEP(j, p, alpha)                                                                    \
+  if (list_kb[j] >= first_masked)                                                                 \
+    sm.step<true>(s, keys_kept(list_kb[j], first_masked, t, N, mask_start, mask_b, stride_ms), list_scale[j], \
+                  p, alpha);                                                                      \
+  else                                                                                            \
+    sm.step<false>(s, 0xFFFFu, list_scale[j], p, alpha);
+
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  const unsigned q_desc_base = q_tile + c * 64 * kHeadDim;
+  unsigned p[2][4];
+  float alpha[2];
+#if PARO_PINGPONG
+  if (c == 1 && count > 0) named_arrive(1, 256);  // consumer 0 issues first
+#endif
+  if (count > 0) {
+    mbar_wait(q_bar, 0);
+    mbar_wait(full_bar, 0);
+    fence_proxy_async();
+    int s[32];
+    qk_product(s, q_desc_base, kv_tiles);
+    wgmma_wait<0>();
+    fence_registers(s);
+    PARO_STEP(0, p, alpha);
+  }
+  for (int i = 0; i < count; ++i) {
+    const bool has_next = i + 1 < count;
+    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
+    const unsigned next_stage = kv_tiles + ((i + 1) % kStages) * kStageBytes;
+    if (has_next) {
+      mbar_wait(full_bar + 8 * ((i + 1) % kStages), ((i + 1) / kStages) & 1);
+      fence_proxy_async();
+    }
+#if PARO_PINGPONG
+    named_sync(1 + c, 256);
+#endif
+    int s[32];
+    qk_product(s, q_desc_base, has_next ? next_stage : stage);
+    float pv[kHeadDim / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    wgmma_commit();
+#if PARO_PINGPONG
+    named_arrive(2 - c, 256);
+#endif
+    unsigned p_next[2][4];
+    float alpha_next[2];
+    wgmma_wait<1>();
+    fence_registers(s);
+    if (has_next) {
+      PARO_STEP(i + 1, p_next, alpha_next);
+    }
+    wgmma_wait<0>();
+    fence_registers(pv);
+    if (lane == 0) mbar_arrive(empty_bar + 8 * (i % kStages));  // this warp's last read of block i's stage
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+    if (has_next) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
+  }
+#if PARO_PINGPONG
+  if (c == 0 && count > 0) named_sync(1, 256);  // consumer 1's last turn signal
+#endif
+#undef PARO_STEP
+
+  const int order = orders[h];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = sm.l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int pos = qb * kBlockM + c * 64 + warp * 16 + g + 8 * r;
+    if (pos >= N) continue;
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    const long long orig = reordered_to_original(pos, order, prefix, frames, height, width);
+    unsigned short* dst = out + b * stride_ob + h * stride_oh + orig * stride_on;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int ch = 8 * j + 2 * t;
+      const float v0 = max_nan(v_amax[(long long)bh * kHeadDim + ch], kQuantEps) / 448.f;
+      const float v1 = max_nan(v_amax[(long long)bh * kHeadDim + ch + 1], kQuantEps) / 448.f;
+      float x0 = o[4 * j + 2 * r] * inv * v0, x1 = o[4 * j + 2 * r + 1] * inv * v1;
+      if (sum == 0.f) x0 = x1 = 0.f;
+      const unsigned packed = pack_out(x0, x1);
+      if (stride_od == 1) {
+        *reinterpret_cast<unsigned*>(dst + ch) = packed;
+      } else {
+        dst[ch * stride_od] = (unsigned short)(packed & 0xFFFFu);
+        dst[(ch + 1) * stride_od] = (unsigned short)(packed >> 16);
+      }
+    }
+  }
+}
+#endif
