@@ -41,6 +41,15 @@
 #ifndef PARO_PRODUCER
 #define PARO_PRODUCER 0
 #endif
+#ifndef PARO_STEP_BLOCKS
+#define PARO_STEP_BLOCKS 1  // warp-specialized kernel: key blocks per softmax step
+#endif
+#ifndef PARO_Q_REGS
+#define PARO_Q_REGS 0  // 1: Q as the register A operand of Q K^T (0: from shared memory)
+#endif
+#ifndef PARO_ABLATE
+#define PARO_ABLATE 0  // measurement only: 1 drops the softmax arithmetic, 2 the tensor-core products
+#endif
 #ifndef PARO_PINGPONG
 #define PARO_PINGPONG 0
 #endif
@@ -206,6 +215,19 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int (&d)[32], unsigned lon
       : "l"(desc_a), "l"(desc_b), "n"(kAccumulate));
 }
 
+// D[64 x 64] (s32) (+)= A[64 x 32] * B[64 x 32]^T, int8, A in registers, B K-major in shared memory
+template <int kAccumulate>
+__device__ __forceinline__ void wgmma_m64n64k32_s8_rs(int (&d)[32], const unsigned (&a)[4],
+                                                    unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, %37;\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate));
+}
+
 // D[64 x 64] (f32) (+)= A[64 x 32] * B[64 x 32]^T, e4m3, A in registers, B K-major in shared memory
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const unsigned (&a)[4],
                                                       unsigned long long desc_b, int accumulate) {
@@ -239,6 +261,11 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
 template <int n>
 __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], unsigned long long desc_b,
                                          int accumulate) {
+#if PARO_ABLATE == 2
+#pragma unroll
+  for (int j = 0; j < n; ++j) d[j] = accumulate ? d[j] + __int_as_float(a[j % 4]) : __int_as_float(a[j % 4]);
+  return;
+#endif
   if constexpr (n == 64) {
     wgmma_m64n128k32_e4m3_rs(d, a, desc_b, accumulate);
   } else {
@@ -289,17 +316,54 @@ struct KVLoader {
   }
 };
 
+#if PARO_Q_REGS
+// Q as wgmma's register A operand: per 32 channels c, rows g and g + 8 of the warp's 16, channels 32c + 4t ..
+// + 3 and 32c + 16 + 4t .. + 3 (four int8 per register). Read once per CTA from the prologue's rows.
+struct QOperand {
+  unsigned r[kHeadDim / 32][4];
+  __device__ __forceinline__ QOperand(const signed char* warp_rows, int g, int t) {
+#pragma unroll
+    for (int c = 0; c < kHeadDim / 32; ++c)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        r[c][q] = *reinterpret_cast<const unsigned*>(warp_rows + (g + 8 * (q % 2)) * kHeadDim + 32 * c + 16 * (q / 2) +
+                                                     4 * t);
+  }
+};
+#else
+struct QOperand {
+  unsigned tile;  // the warpgroup's 64-row Q tile in shared memory
+};
+#endif
+
 // S = Q K^T for one warpgroup: D / 32 products over 32 channels each, issued and committed (not waited)
-__device__ __forceinline__ void qk_product(int (&s)[32], unsigned q_tile, unsigned k_tile) {
+__device__ __forceinline__ void qk_product(int (&s)[32], const QOperand& q, unsigned k_tile) {
+#if PARO_ABLATE == 2
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const unsigned a = k_tile + ((threadIdx.x % 128) * 16 + j * 2048) % kKBytes;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(s[4 * j]), "=r"(s[4 * j + 1]), "=r"(s[4 * j + 2]), "=r"(s[4 * j + 3]) : "r"(a));
+  }
+  return;
+#endif
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kHeadDim / 32; ++k) {
+#if PARO_Q_REGS
     if (k == 0) {
-      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q_tile), smem_descriptor<kHeadDim>(k_tile));
+      wgmma_m64n64k32_s8_rs<0>(s, q.r[0], smem_descriptor<kHeadDim>(k_tile));
     } else {
-      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q_tile + k * 32),
+      wgmma_m64n64k32_s8_rs<1>(s, q.r[k], smem_descriptor<kHeadDim>(k_tile + k * 32));
+    }
+#else
+    if (k == 0) {
+      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q.tile), smem_descriptor<kHeadDim>(k_tile));
+    } else {
+      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q.tile + k * 32),
                                smem_descriptor<kHeadDim>(k_tile + k * 32));
     }
+#endif
   }
   wgmma_commit();
 }
@@ -335,6 +399,15 @@ struct Softmax {
   template <bool kMasked>
   __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
                                        float (&alpha)[2]) {
+#if PARO_ABLATE == 1
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) p[k][q] = (unsigned)s[8 * (2 * k + q / 2) + 2 * (q % 2)] & 0x38383838u;
+    alpha[0] = alpha[1] = 1.f;
+    l[0] = l[1] = 1.f;
+    return;
+#endif
     // the mask is one row for all queries: the same decision in every thread of the CTA
     unsigned any = kept;
     if (kMasked) {
@@ -387,6 +460,71 @@ struct Softmax {
         p[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
       }
     }
+  }
+
+  // kB key blocks in one step: one running max, one rescale of what came before (alpha) for all of them.
+  // Blocks may have different K scales; kept[b] as `step`'s (0: a block past the list, it attends nothing).
+  template <int kB, bool kMasked>
+  __device__ __forceinline__ void steps(int (&s)[kB][32], const unsigned (&kept)[kB], const float (&block_scale)[kB],
+                                        unsigned (&p)[kB][2][4], float (&alpha)[2]) {
+    unsigned any = 0;
+#pragma unroll
+    for (int b = 0; b < kB; ++b) any |= kept[b];
+    if (kMasked) {
+      any |= __shfl_xor_sync(0xffffffffu, any, 1);
+      any |= __shfl_xor_sync(0xffffffffu, any, 2);
+    }
+    float scale[kB];
+    float f[kB][32];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      scale[b] = score_scale * block_scale[b];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        f[b][j] = score_with_offset(s[b][j]);
+        if (kMasked && !((kept[b] >> (2 * (j / 4) + (j & 1))) & 1u)) f[b][j] = -__int_as_float(0x7f800000);
+      }
+    }
+    float shift[kB][2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        float mb = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mb = fmaxf(mb, fmaxf(f[b][4 * j + 2 * r], f[b][4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, (mb - kScoreOffset) * scale[b]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = any ? fmaxf(m[r], mx) : m[r];
+      alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
+#pragma unroll
+      for (int b = 0; b < kB; ++b) shift[b][r] = m_new - kPLog2Scale + kScoreOffset * scale[b];
+      m[r] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int r = (j >> 1) & 1;
+        f[b][j] = any ? exp2_approx(fmaf(f[b][j], scale[b], -shift[b][r])) : 0.f;
+        rowsum[r] += f[b][j];
+      }
+    }
+    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
+    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);
+          p[b][k][q] = pack_e4m3(f[b][base], f[b][base + 1]) | (pack_e4m3(f[b][base + 4], f[b][base + 5]) << 16);
+        }
   }
 };
 
@@ -471,7 +609,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
 
-  const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
+#if PARO_Q_REGS
+  const QOperand q_desc_base(qq + (((long long)bh * NQ + qb) * kBlockM + (half + wg) * 64 + warp * 16) * kHeadDim, g, t);
+#else
+  const QOperand q_desc_base{q_tile + wg * 64 * kHeadDim};
+#endif
 #if PARO_QK_AHEAD == 2
   // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
   // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
@@ -727,70 +869,115 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const int first_masked = has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK);
   const int mask_start = has_key_mask ? suffix_start : N;
   const unsigned char* mask_b = key_mask + b * stride_mb;
-#define PARO_STEP(j, p, alpha)                                                                    \
-  if (list_kb[j] >= first_masked)                                                                 \
-    sm.step<true>(s, keys_kept(list_kb[j], first_masked, t, N, mask_start, mask_b, stride_ms), list_scale[j], \
-                  p, alpha);                                                                      \
-  else                                                                                            \
-    sm.step<false>(s, 0xFFFFu, list_scale[j], p, alpha);
+  constexpr int kStep = PARO_STEP_BLOCKS;
+  // block b of step j is entry kStep * j + b of the list; an entry past the list attends nothing and reads
+  // the step's first stage (finite values, P = 0)
+  auto stage_of = [&](int e) { return kv_tiles + (unsigned)(e % kStages) * kStageBytes; };
+  auto wait_step = [&](int j) {
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) {
+      const int e = kStep * j + b;
+      if (e < count) mbar_wait(full_bar + 8 * (e % kStages), (e / kStages) & 1);
+    }
+    fence_proxy_async();
+  };
+  auto softmax_step = [&](int j, int (&s)[kStep][32], unsigned (&pj)[kStep][2][4], float (&aj)[2]) {
+    bool masked = false;
+    float scale[kStep];
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) {
+      const int e = kStep * j + b;
+      scale[b] = e < count ? list_scale[e] : 1.f;
+      masked |= e >= count || list_kb[e] >= first_masked;
+    }
+    if (masked) {
+      unsigned kept[kStep];
+#pragma unroll
+      for (int b = 0; b < kStep; ++b) {
+        const int e = kStep * j + b;
+        kept[b] = e < count ? keys_kept(list_kb[e], first_masked, t, N, mask_start, mask_b, stride_ms) : 0u;
+      }
+      sm.steps<kStep, true>(s, kept, scale, pj, aj);
+    } else {
+      unsigned kept[kStep];
+#pragma unroll
+      for (int b = 0; b < kStep; ++b) kept[b] = 0xFFFFu;
+      sm.steps<kStep, false>(s, kept, scale, pj, aj);
+    }
+  };
 
   float o[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  const unsigned q_desc_base = q_tile + c * 64 * kHeadDim;
-  unsigned p[2][4];
+#if PARO_Q_REGS
+  const QOperand q_op(qq + (((long long)bh * NQ + qb) * kBlockM + c * 64 + warp * 16) * kHeadDim, g, t);
+#else
+  const QOperand q_op{q_tile + c * 64 * kHeadDim};
+#endif
+  const int steps = (count + kStep - 1) / kStep;
+  unsigned p[kStep][2][4];
   float alpha[2];
 #if PARO_PINGPONG
   if (c == 1 && count > 0) named_arrive(1, 256);  // consumer 0 issues first
 #endif
   if (count > 0) {
     mbar_wait(q_bar, 0);
-    mbar_wait(full_bar, 0);
-    fence_proxy_async();
-    int s[32];
-    qk_product(s, q_desc_base, kv_tiles);
+    wait_step(0);
+    int s[kStep][32];
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) qk_product(s[b], q_op, stage_of(b < count ? b : 0));
     wgmma_wait<0>();
-    fence_registers(s);
-    PARO_STEP(0, p, alpha);
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) fence_registers(s[b]);
+    softmax_step(0, s, p, alpha);
   }
-  for (int i = 0; i < count; ++i) {
-    const bool has_next = i + 1 < count;
-    const unsigned stage = kv_tiles + (i % kStages) * kStageBytes;
-    const unsigned next_stage = kv_tiles + ((i + 1) % kStages) * kStageBytes;
-    if (has_next) {
-      mbar_wait(full_bar + 8 * ((i + 1) % kStages), ((i + 1) / kStages) & 1);
-      fence_proxy_async();
-    }
+  for (int j = 0; j < steps; ++j) {
+    const bool has_next = j + 1 < steps;
+    const int first = kStep * j;
+    if (has_next) wait_step(j + 1);
 #if PARO_PINGPONG
     named_sync(1 + c, 256);
 #endif
-    int s[32];
-    qk_product(s, q_desc_base, has_next ? next_stage : stage);
+    int s[kStep][32];
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) {
+      const int e = first + kStep + b;
+      qk_product(s[b], q_op, stage_of(has_next && e < count ? e : first));
+    }
     float pv[kHeadDim / 2];
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[k], smem_descriptor<kBlockN>(stage + kKBytes + k * 32), k > 0);
+    for (int b = 0; b < kStep; ++b) {
+      const unsigned v_tile = stage_of(first + b < count ? first + b : first) + kKBytes;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[b][k], smem_descriptor<kBlockN>(v_tile + k * 32), (b | k) > 0);
+    }
     wgmma_commit();
 #if PARO_PINGPONG
     named_arrive(2 - c, 256);
 #endif
-    unsigned p_next[2][4];
+    unsigned p_next[kStep][2][4];
     float alpha_next[2];
     wgmma_wait<1>();
-    fence_registers(s);
-    if (has_next) {
-      PARO_STEP(i + 1, p_next, alpha_next);
-    }
+#pragma unroll
+    for (int b = 0; b < kStep; ++b) fence_registers(s[b]);
+    if (has_next) softmax_step(j + 1, s, p_next, alpha_next);
     wgmma_wait<0>();
     fence_registers(pv);
-    if (lane == 0) mbar_arrive(empty_bar + 8 * (i % kStages));  // this warp's last read of block i's stage
+    if (lane == 0) {
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 2; ++j) o[j] = fmaf(o[j], alpha[(j >> 1) & 1], pv[j]);
+      for (int b = 0; b < kStep; ++b)
+        if (first + b < count) mbar_arrive(empty_bar + 8 * ((first + b) % kStages));
+    }
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], pv[i]);
     if (has_next) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k)
+      for (int b = 0; b < kStep; ++b)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) p[k][q] = p_next[k][q];
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) p[b][k][q] = p_next[b][k][q];
       alpha[0] = alpha_next[0];
       alpha[1] = alpha_next[1];
     }
@@ -798,7 +985,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
 #if PARO_PINGPONG
   if (c == 0 && count > 0) named_sync(1, 256);  // consumer 1's last turn signal
 #endif
-#undef PARO_STEP
 
   const int order = orders[h];
 #pragma unroll
