@@ -44,6 +44,9 @@
 #ifndef PARO_STEP_BLOCKS
 #define PARO_STEP_BLOCKS 1  // warp-specialized kernel: key blocks per softmax step
 #endif
+#ifndef PARO_PV_INTO_O
+#define PARO_PV_INTO_O 0  // warp-specialized kernel: 1 accumulates P V into O on the tensor cores (no fp32 add)
+#endif
 #ifndef PARO_Q_REGS
 #define PARO_Q_REGS 0  // 1: Q as the register A operand of Q K^T (0: from shared memory)
 #endif
@@ -944,13 +947,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
       const int e = first + kStep + b;
       qk_product(s[b], q_op, stage_of(has_next && e < count ? e : first));
     }
+#if PARO_PV_INTO_O
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+    float (&pv)[kHeadDim / 2] = o;
+#else
     float pv[kHeadDim / 2];
+#endif
     wgmma_fence();
 #pragma unroll
     for (int b = 0; b < kStep; ++b) {
       const unsigned v_tile = stage_of(first + b < count ? first + b : first) + kKBytes;
 #pragma unroll
-      for (int k = 0; k < 2; ++k) wgmma_pv(pv, p[b][k], smem_descriptor<kBlockN>(v_tile + k * 32), (b | k) > 0);
+      for (int k = 0; k < 2; ++k)
+        wgmma_pv(pv, p[b][k], smem_descriptor<kBlockN>(v_tile + k * 32), PARO_PV_INTO_O || (b | k) > 0);
     }
     wgmma_commit();
 #if PARO_PINGPONG
@@ -969,8 +979,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
       for (int b = 0; b < kStep; ++b)
         if (first + b < count) mbar_arrive(empty_bar + 8 * ((first + b) % kStages));
     }
+#if !PARO_PV_INTO_O
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], pv[i]);
+#endif
     if (has_next) {
 #pragma unroll
       for (int b = 0; b < kStep; ++b)
