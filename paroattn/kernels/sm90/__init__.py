@@ -52,8 +52,7 @@ def shared_bytes(variant: dict[str, int], max_active: int) -> int:
     1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
     D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
     barriers = 256 if variant.get("PARO_PRODUCER") else 0
-    return (64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + barriers + 8 * max_active
-            + variant.get("PARO_SHARED_PAD", 0))
+    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + barriers + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block

@@ -21,7 +21,9 @@
 //
 // Compile-time configuration (defines passed to the compiler): PARO_HEAD_DIM (64 or 128), PARO_OUT_BF16
 // (1: bf16 output, 0: fp16), PARO_WARPGROUPS (1 or 2 per CTA), PARO_QK_AHEAD (the schedule, 1 or 2, below)
-// and PARO_STAGES (K/V stages, at least 3 + PARO_QK_AHEAD). No headers: NVRTC compiles this file as is.
+// and PARO_STAGES (K/V stages, at least 3 + PARO_QK_AHEAD). PARO_PRODUCER=1 compiles the warp-specialized
+// kernel at the end of this file instead (a producer warpgroup, PARO_WARPGROUPS=2 consumers; PARO_PINGPONG,
+// PARO_STEP_BLOCKS, PARO_PV_INTO_O, PARO_PRODUCER_REGS there). No headers: NVRTC compiles this file as is.
 
 #ifndef PARO_HEAD_DIM
 #define PARO_HEAD_DIM 128
@@ -41,23 +43,18 @@
 #ifndef PARO_PRODUCER
 #define PARO_PRODUCER 0
 #endif
+// the warp-specialized kernel's options
 #ifndef PARO_STEP_BLOCKS
-#define PARO_STEP_BLOCKS 1  // warp-specialized kernel: key blocks per softmax step
+#define PARO_STEP_BLOCKS 1  // key blocks per softmax step
 #endif
 #ifndef PARO_PV_INTO_O
-#define PARO_PV_INTO_O 0  // warp-specialized kernel: 1 accumulates P V into O on the tensor cores (no fp32 add)
-#endif
-#ifndef PARO_Q_REGS
-#define PARO_Q_REGS 0  // 1: Q as the register A operand of Q K^T (0: from shared memory)
-#endif
-#ifndef PARO_ABLATE
-#define PARO_ABLATE 0  // measurement only: 1 drops the softmax arithmetic, 2 the tensor-core products
+#define PARO_PV_INTO_O 0  // 1: P V accumulates into O on the tensor cores (no fp32 addition, fewer registers)
 #endif
 #ifndef PARO_PINGPONG
-#define PARO_PINGPONG 0
+#define PARO_PINGPONG 0  // 1: the two consumers take turns at issuing their products
 #endif
 #ifndef PARO_PRODUCER_REGS
-#define PARO_PRODUCER_REGS 24
+#define PARO_PRODUCER_REGS 24  // the producer's registers after setmaxnreg (24 or 40)
 #endif
 
 namespace paro {
@@ -218,19 +215,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int (&d)[32], unsigned lon
       : "l"(desc_a), "l"(desc_b), "n"(kAccumulate));
 }
 
-// D[64 x 64] (s32) (+)= A[64 x 32] * B[64 x 32]^T, int8, A in registers, B K-major in shared memory
-template <int kAccumulate>
-__device__ __forceinline__ void wgmma_m64n64k32_s8_rs(int (&d)[32], const unsigned (&a)[4],
-                                                    unsigned long long desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, %37;\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
-        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
-        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
-        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kAccumulate));
-}
-
 // D[64 x 64] (f32) (+)= A[64 x 32] * B[64 x 32]^T, e4m3, A in registers, B K-major in shared memory
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const unsigned (&a)[4],
                                                       unsigned long long desc_b, int accumulate) {
@@ -264,11 +248,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
 template <int n>
 __device__ __forceinline__ void wgmma_pv(float (&d)[n], const unsigned (&a)[4], unsigned long long desc_b,
                                          int accumulate) {
-#if PARO_ABLATE == 2
-#pragma unroll
-  for (int j = 0; j < n; ++j) d[j] = accumulate ? d[j] + __int_as_float(a[j % 4]) : __int_as_float(a[j % 4]);
-  return;
-#endif
   if constexpr (n == 64) {
     wgmma_m64n128k32_e4m3_rs(d, a, desc_b, accumulate);
   } else {
@@ -289,7 +268,7 @@ constexpr int kStageBytes = kKBytes + kVBytes;
 
 
 // cp.async of key block kb's K [64 x D] and V^T [D x 64] tiles into one stage, 16 bytes per copy. Thread tid
-// copies chunks tid + k * kThreads: kThreads chunks span a whole number of 8-row swizzle periods in both
+// copies chunks tid + k * kLoaderThreads: kLoaderThreads chunks span a whole number of 8-row swizzle periods in both
 // tiles, so each thread's swizzled destinations and source offsets are fixed once, and a block adds a base.
 struct KVLoader {
   static constexpr int kKCopies = kKBytes / 16 / kLoaderThreads, kVCopies = kVBytes / 16 / kLoaderThreads;
@@ -319,54 +298,18 @@ struct KVLoader {
   }
 };
 
-#if PARO_Q_REGS
-// Q as wgmma's register A operand: per 32 channels c, rows g and g + 8 of the warp's 16, channels 32c + 4t ..
-// + 3 and 32c + 16 + 4t .. + 3 (four int8 per register). Read once per CTA from the prologue's rows.
-struct QOperand {
-  unsigned r[kHeadDim / 32][4];
-  __device__ __forceinline__ QOperand(const signed char* warp_rows, int g, int t) {
-#pragma unroll
-    for (int c = 0; c < kHeadDim / 32; ++c)
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        r[c][q] = *reinterpret_cast<const unsigned*>(warp_rows + (g + 8 * (q % 2)) * kHeadDim + 32 * c + 16 * (q / 2) +
-                                                     4 * t);
-  }
-};
-#else
-struct QOperand {
-  unsigned tile;  // the warpgroup's 64-row Q tile in shared memory
-};
-#endif
-
-// S = Q K^T for one warpgroup: D / 32 products over 32 channels each, issued and committed (not waited)
-__device__ __forceinline__ void qk_product(int (&s)[32], const QOperand& q, unsigned k_tile) {
-#if PARO_ABLATE == 2
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const unsigned a = k_tile + ((threadIdx.x % 128) * 16 + j * 2048) % kKBytes;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(s[4 * j]), "=r"(s[4 * j + 1]), "=r"(s[4 * j + 2]), "=r"(s[4 * j + 3]) : "r"(a));
-  }
-  return;
-#endif
+// S = Q K^T for one warpgroup (its 64-row Q tile q_tile): D / 32 products over 32 channels each, issued and
+// committed (not waited)
+__device__ __forceinline__ void qk_product(int (&s)[32], unsigned q_tile, unsigned k_tile) {
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < kHeadDim / 32; ++k) {
-#if PARO_Q_REGS
     if (k == 0) {
-      wgmma_m64n64k32_s8_rs<0>(s, q.r[0], smem_descriptor<kHeadDim>(k_tile));
+      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q_tile), smem_descriptor<kHeadDim>(k_tile));
     } else {
-      wgmma_m64n64k32_s8_rs<1>(s, q.r[k], smem_descriptor<kHeadDim>(k_tile + k * 32));
-    }
-#else
-    if (k == 0) {
-      wgmma_m64n64k32_s8_ss<0>(s, smem_descriptor<kHeadDim>(q.tile), smem_descriptor<kHeadDim>(k_tile));
-    } else {
-      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q.tile + k * 32),
+      wgmma_m64n64k32_s8_ss<1>(s, smem_descriptor<kHeadDim>(q_tile + k * 32),
                                smem_descriptor<kHeadDim>(k_tile + k * 32));
     }
-#endif
   }
   wgmma_commit();
 }
@@ -402,15 +345,6 @@ struct Softmax {
   template <bool kMasked>
   __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
                                        float (&alpha)[2]) {
-#if PARO_ABLATE == 1
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) p[k][q] = (unsigned)s[8 * (2 * k + q / 2) + 2 * (q % 2)] & 0x38383838u;
-    alpha[0] = alpha[1] = 1.f;
-    l[0] = l[1] = 1.f;
-    return;
-#endif
     // the mask is one row for all queries: the same decision in every thread of the CTA
     unsigned any = kept;
     if (kMasked) {
@@ -612,11 +546,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
 
-#if PARO_Q_REGS
-  const QOperand q_desc_base(qq + (((long long)bh * NQ + qb) * kBlockM + (half + wg) * 64 + warp * 16) * kHeadDim, g, t);
-#else
-  const QOperand q_desc_base{q_tile + wg * 64 * kHeadDim};
-#endif
+  const unsigned q_desc_base = q_tile + wg * 64 * kHeadDim;
 #if PARO_QK_AHEAD == 2
   // Software pipeline, per warpgroup, all products of an iteration waited within it: block i's P V runs
   // under block i+1's softmax (whose scores are ready), and block i+2's Q K^T under the update of O and the
@@ -873,13 +803,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const int mask_start = has_key_mask ? suffix_start : N;
   const unsigned char* mask_b = key_mask + b * stride_mb;
   constexpr int kStep = PARO_STEP_BLOCKS;
-  // block b of step j is entry kStep * j + b of the list; an entry past the list attends nothing and reads
+  // block x of step j is entry kStep * j + x of the list; an entry past the list attends nothing and reads
   // the step's first stage (finite values, P = 0)
   auto stage_of = [&](int e) { return kv_tiles + (unsigned)(e % kStages) * kStageBytes; };
   auto wait_step = [&](int j) {
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) {
-      const int e = kStep * j + b;
+    for (int x = 0; x < kStep; ++x) {
+      const int e = kStep * j + x;
       if (e < count) mbar_wait(full_bar + 8 * (e % kStages), (e / kStages) & 1);
     }
     fence_proxy_async();
@@ -888,23 +818,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
     bool masked = false;
     float scale[kStep];
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) {
-      const int e = kStep * j + b;
-      scale[b] = e < count ? list_scale[e] : 1.f;
+    for (int x = 0; x < kStep; ++x) {
+      const int e = kStep * j + x;
+      scale[x] = e < count ? list_scale[e] : 1.f;
       masked |= e >= count || list_kb[e] >= first_masked;
     }
     if (masked) {
       unsigned kept[kStep];
 #pragma unroll
-      for (int b = 0; b < kStep; ++b) {
-        const int e = kStep * j + b;
-        kept[b] = e < count ? keys_kept(list_kb[e], first_masked, t, N, mask_start, mask_b, stride_ms) : 0u;
+      for (int x = 0; x < kStep; ++x) {
+        const int e = kStep * j + x;
+        kept[x] = e < count ? keys_kept(list_kb[e], first_masked, t, N, mask_start, mask_b, stride_ms) : 0u;
       }
       sm.steps<kStep, true>(s, kept, scale, pj, aj);
     } else {
       unsigned kept[kStep];
 #pragma unroll
-      for (int b = 0; b < kStep; ++b) kept[b] = 0xFFFFu;
+      for (int x = 0; x < kStep; ++x) kept[x] = 0xFFFFu;
       sm.steps<kStep, false>(s, kept, scale, pj, aj);
     }
   };
@@ -912,11 +842,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   float o[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-#if PARO_Q_REGS
-  const QOperand q_op(qq + (((long long)bh * NQ + qb) * kBlockM + c * 64 + warp * 16) * kHeadDim, g, t);
-#else
-  const QOperand q_op{q_tile + c * 64 * kHeadDim};
-#endif
+  const unsigned q_op = q_tile + c * 64 * kHeadDim;
   const int steps = (count + kStep - 1) / kStep;
   unsigned p[kStep][2][4];
   float alpha[2];
@@ -928,10 +854,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
     wait_step(0);
     int s[kStep][32];
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) qk_product(s[b], q_op, stage_of(b < count ? b : 0));
+    for (int x = 0; x < kStep; ++x) qk_product(s[x], q_op, stage_of(x < count ? x : 0));
     wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) fence_registers(s[b]);
+    for (int x = 0; x < kStep; ++x) fence_registers(s[x]);
     softmax_step(0, s, p, alpha);
   }
   for (int j = 0; j < steps; ++j) {
@@ -943,9 +869,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
 #endif
     int s[kStep][32];
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) {
-      const int e = first + kStep + b;
-      qk_product(s[b], q_op, stage_of(has_next && e < count ? e : first));
+    for (int x = 0; x < kStep; ++x) {
+      const int e = first + kStep + x;
+      qk_product(s[x], q_op, stage_of(has_next && e < count ? e : first));
     }
 #if PARO_PV_INTO_O
 #pragma unroll
@@ -956,11 +882,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
 #endif
     wgmma_fence();
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) {
-      const unsigned v_tile = stage_of(first + b < count ? first + b : first) + kKBytes;
+    for (int x = 0; x < kStep; ++x) {
+      const unsigned v_tile = stage_of(first + x < count ? first + x : first) + kKBytes;
 #pragma unroll
       for (int k = 0; k < 2; ++k)
-        wgmma_pv(pv, p[b][k], smem_descriptor<kBlockN>(v_tile + k * 32), PARO_PV_INTO_O || (b | k) > 0);
+        wgmma_pv(pv, p[x][k], smem_descriptor<kBlockN>(v_tile + k * 32), PARO_PV_INTO_O || (x | k) > 0);
     }
     wgmma_commit();
 #if PARO_PINGPONG
@@ -970,14 +896,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
     float alpha_next[2];
     wgmma_wait<1>();
 #pragma unroll
-    for (int b = 0; b < kStep; ++b) fence_registers(s[b]);
+    for (int x = 0; x < kStep; ++x) fence_registers(s[x]);
     if (has_next) softmax_step(j + 1, s, p_next, alpha_next);
     wgmma_wait<0>();
     fence_registers(pv);
     if (lane == 0) {
 #pragma unroll
-      for (int b = 0; b < kStep; ++b)
-        if (first + b < count) mbar_arrive(empty_bar + 8 * ((first + b) % kStages));
+      for (int x = 0; x < kStep; ++x)
+        if (first + x < count) mbar_arrive(empty_bar + 8 * ((first + x) % kStages));
     }
 #if !PARO_PV_INTO_O
 #pragma unroll
@@ -985,11 +911,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
 #endif
     if (has_next) {
 #pragma unroll
-      for (int b = 0; b < kStep; ++b)
+      for (int x = 0; x < kStep; ++x)
 #pragma unroll
         for (int k = 0; k < 2; ++k)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) p[b][k][q] = p_next[b][k][q];
+          for (int q = 0; q < 4; ++q) p[x][k][q] = p_next[x][k][q];
       alpha[0] = alpha_next[0];
       alpha[1] = alpha_next[1];
     }
