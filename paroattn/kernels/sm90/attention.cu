@@ -465,6 +465,42 @@ struct Softmax {
   }
 };
 
+// The epilogue of one warp's 16 rows (this thread's: g and g + 8), the first at reordered position first_row:
+// row sums, normalization, V's per-channel scale, each row written at its original position
+__device__ __forceinline__ void store_rows(const float (&o)[kHeadDim / 2], const float (&l)[2], int first_row, int N,
+                                           int order, int prefix, int frames, int height, int width,
+                                           unsigned short* out_bh, long long stride_on, long long stride_od,
+                                           const float* v_amax_bh, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int pos = first_row + g + 8 * r;
+    if (pos >= N) continue;
+    // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    const long long orig = reordered_to_original(pos, order, prefix, frames, height, width);
+    unsigned short* dst = out_bh + orig * stride_on;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int c = 8 * j + 2 * t;
+      // a NaN in channel c of V makes its scale NaN: channel c of every row that read anything is NaN
+      const float v0 = max_nan(v_amax_bh[c], kQuantEps) / 448.f;
+      const float v1 = max_nan(v_amax_bh[c + 1], kQuantEps) / 448.f;
+      float x0 = o[4 * j + 2 * r] * inv * v0, x1 = o[4 * j + 2 * r + 1] * inv * v1;
+      if (sum == 0.f) x0 = x1 = 0.f;
+      const unsigned packed = pack_out(x0, x1);
+      if (stride_od == 1) {
+        *reinterpret_cast<unsigned*>(dst + c) = packed;
+      } else {
+        dst[c * stride_od] = (unsigned short)(packed & 0xFFFFu);
+        dst[(c + 1) * stride_od] = (unsigned short)(packed >> 16);
+      }
+    }
+  }
+}
+
 #if !PARO_PRODUCER
 extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_attention_int8_fp8(
     const signed char* __restrict__ qq, const float* __restrict__ q_scale, const signed char* __restrict__ kq,
@@ -682,39 +718,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   }
 #endif
 #undef PARO_STEP
-  float* l = sm.l;
   cp_async_wait<0>();
 
-  // epilogue: row sums, normalization, V's per-channel scale, rows written at their original positions
-  const int order = orders[h];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int pos = qb * kBlockM + (half + wg) * 64 + warp * 16 + g + 8 * r;
-    if (pos >= N) continue;
-    // a row with no active block has sum 0 and writes zeros; a NaN sum (a NaN scale) stays NaN
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    const long long orig = reordered_to_original(pos, order, prefix, frames, height, width);
-    unsigned short* dst = out + b * stride_ob + h * stride_oh + orig * stride_on;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int c = 8 * j + 2 * t;
-      // a NaN in channel c of V makes its scale NaN: channel c of every row that read anything is NaN
-      const float v0 = max_nan(v_amax[(long long)bh * kHeadDim + c], kQuantEps) / 448.f;
-      const float v1 = max_nan(v_amax[(long long)bh * kHeadDim + c + 1], kQuantEps) / 448.f;
-      float x0 = o[4 * j + 2 * r] * inv * v0, x1 = o[4 * j + 2 * r + 1] * inv * v1;
-      if (sum == 0.f) x0 = x1 = 0.f;
-      const unsigned packed = pack_out(x0, x1);
-      if (stride_od == 1) {
-        *reinterpret_cast<unsigned*>(dst + c) = packed;
-      } else {
-        dst[c * stride_od] = (unsigned short)(packed & 0xFFFFu);
-        dst[(c + 1) * stride_od] = (unsigned short)(packed >> 16);
-      }
-    }
-  }
+  store_rows(o, sm.l, qb * kBlockM + (half + wg) * 64 + warp * 16, N, orders[h], prefix, frames, height, width,
+             out + b * stride_ob + h * stride_oh, stride_on, stride_od, v_amax + (long long)bh * kHeadDim, g, t);
 }
 #else
 // Warp-specialized: warpgroup 0 copies Q and the K/V tiles (cp.async, each stage handed over by mbarriers:
@@ -924,32 +931,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   if (c == 0 && count > 0) named_sync(1, 256);  // consumer 1's last turn signal
 #endif
 
-  const int order = orders[h];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = sm.l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int pos = qb * kBlockM + c * 64 + warp * 16 + g + 8 * r;
-    if (pos >= N) continue;
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-    const long long orig = reordered_to_original(pos, order, prefix, frames, height, width);
-    unsigned short* dst = out + b * stride_ob + h * stride_oh + orig * stride_on;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int ch = 8 * j + 2 * t;
-      const float v0 = max_nan(v_amax[(long long)bh * kHeadDim + ch], kQuantEps) / 448.f;
-      const float v1 = max_nan(v_amax[(long long)bh * kHeadDim + ch + 1], kQuantEps) / 448.f;
-      float x0 = o[4 * j + 2 * r] * inv * v0, x1 = o[4 * j + 2 * r + 1] * inv * v1;
-      if (sum == 0.f) x0 = x1 = 0.f;
-      const unsigned packed = pack_out(x0, x1);
-      if (stride_od == 1) {
-        *reinterpret_cast<unsigned*>(dst + ch) = packed;
-      } else {
-        dst[ch * stride_od] = (unsigned short)(packed & 0xFFFFu);
-        dst[(ch + 1) * stride_od] = (unsigned short)(packed >> 16);
-      }
-    }
-  }
+  store_rows(o, sm.l, qb * kBlockM + c * 64 + warp * 16, N, orders[h], prefix, frames, height, width,
+             out + b * stride_ob + h * stride_oh, stride_on, stride_od, v_amax + (long long)bh * kHeadDim, g, t);
 }
 #endif
