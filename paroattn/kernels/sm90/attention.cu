@@ -340,70 +340,25 @@ struct Softmax {
   float l[2] = {0.f, 0.f};  // this thread's part of the row sums (of P * 448)
   float score_scale;        // sm_scale * log2(e) * Q's block scale
 
-  // a key block's integer scores s (K scale block_scale, `kept`: keys_kept) -> P (as e4m3 A operands, P * 448) and the factor alpha that rescales
-  // what came before. A block whose keys are all excluded (padding) leaves everything as it was.
+  // a key block's integer scores s (K scale block_scale, `kept`: keys_kept) -> P (as e4m3 A operands, P * 448)
+  // and the factor alpha that rescales what came before: `steps` for one block
   template <bool kMasked>
   __device__ __forceinline__ void step(int (&s)[32], unsigned kept, float block_scale, unsigned (&p)[2][4],
                                        float (&alpha)[2]) {
-    // the mask is one row for all queries: the same decision in every thread of the CTA
-    unsigned any = kept;
-    if (kMasked) {
-      any |= __shfl_xor_sync(0xffffffffu, any, 1);
-      any |= __shfl_xor_sync(0xffffffffu, any, 2);
-    }
-    const float scale = score_scale * block_scale;
-
-    float f[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      // f[4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
-      f[j] = score_with_offset(s[j]);
-      if (kMasked && !((kept >> (2 * (j / 4) + (j & 1))) & 1u)) f[j] = -__int_as_float(0x7f800000);
-    }
-    float shift[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -__int_as_float(0x7f800000);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(f[4 * j + 2 * r], f[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // scale > 0: the max commutes with it
-      const float m_new = any ? fmaxf(m[r], (mx - kScoreOffset) * scale) : m[r];
-      alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
-      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
-      shift[r] = m_new - kPLog2Scale + kScoreOffset * scale;
-      m[r] = m_new;
-    }
-    float rowsum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int r = (j >> 1) & 1;
-      // excluded keys: exp2(-inf) = 0; a block with no key to attend adds nothing (its shift may be -inf)
-      f[j] = any ? exp2_approx(fmaf(f[j], scale, -shift[r])) : 0.f;
-      rowsum[r] += f[j];
-    }
-    l[0] = fmaf(l[0], alpha[0], rowsum[0]);
-    l[1] = fmaf(l[1], alpha[1], rowsum[1]);
-
-    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
-    // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
-    // accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
-        p[k][q] = pack_e4m3(f[base], f[base + 1]) | (pack_e4m3(f[base + 4], f[base + 5]) << 16);
-      }
-    }
+    const unsigned kept1[1] = {kept};
+    const float scale1[1] = {block_scale};
+    steps<1, kMasked>(reinterpret_cast<int(&)[1][32]>(s), kept1, scale1, reinterpret_cast<unsigned(&)[1][2][4]>(p),
+                      alpha);
   }
 
-  // kB key blocks in one step: one running max, one rescale of what came before (alpha) for all of them.
-  // Blocks may have different K scales; kept[b] as `step`'s (0: a block past the list, it attends nothing).
+  // kB key blocks in one step: their integer scores s[b] (K scale block_scale[b], keys kept[b]: keys_kept; 0
+  // for a block past the list) -> their P as e4m3 A operands p[b] (P * 448), with one running max and one factor
+  // alpha that rescales what came before. A step whose keys are all excluded (padding) leaves everything as it
+  // was.
   template <int kB, bool kMasked>
   __device__ __forceinline__ void steps(int (&s)[kB][32], const unsigned (&kept)[kB], const float (&block_scale)[kB],
                                         unsigned (&p)[kB][2][4], float (&alpha)[2]) {
+    // the mask is one row for all queries: the same decision in every thread of the CTA
     unsigned any = 0;
 #pragma unroll
     for (int b = 0; b < kB; ++b) any |= kept[b];
@@ -418,6 +373,7 @@ struct Softmax {
       scale[b] = score_scale * block_scale[b];
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
+        // f[b][4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
         f[b][j] = score_with_offset(s[b][j]);
         if (kMasked && !((kept[b] >> (2 * (j / 4) + (j & 1))) & 1u)) f[b][j] = -__int_as_float(0x7f800000);
       }
@@ -431,12 +387,14 @@ struct Softmax {
         float mb = -__int_as_float(0x7f800000);
 #pragma unroll
         for (int j = 0; j < 8; ++j) mb = fmaxf(mb, fmaxf(f[b][4 * j + 2 * r], f[b][4 * j + 2 * r + 1]));
+        // scale > 0: the max commutes with it (each block has its own K scale)
         mx = fmaxf(mx, (mb - kScoreOffset) * scale[b]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = any ? fmaxf(m[r], mx) : m[r];
       alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
+      // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
 #pragma unroll
       for (int b = 0; b < kB; ++b) shift[b][r] = m_new - kPLog2Scale + kScoreOffset * scale[b];
       m[r] = m_new;
@@ -447,23 +405,38 @@ struct Softmax {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int r = (j >> 1) & 1;
+        // excluded keys: exp2(-inf) = 0; a step with no key to attend adds nothing (its shift may be -inf)
         f[b][j] = any ? exp2_approx(fmaf(f[b][j], scale[b], -shift[b][r])) : 0.f;
         rowsum[r] += f[b][j];
       }
     }
     l[0] = fmaf(l[0], alpha[0], rowsum[0]);
     l[1] = fmaf(l[1], alpha[1], rowsum[1]);
+
+    // P as the e4m3 A operand: register q of 32-key slice k holds keys 4t..4t+3 of its 16 (the row g + 8 for
+    // odd q, the second 16 for q >= 2). V's keys are stored in the order that makes those positions the
+    // accumulator's columns {2t, 2t+1, 2t+8, 2t+9} of the same 16: P needs no shuffle.
 #pragma unroll
     for (int b = 0; b < kB; ++b)
 #pragma unroll
       for (int k = 0; k < 2; ++k)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);
+          const int base = 8 * (2 * k + q / 2) + 2 * (q % 2);  // f index of column 2t of this 16, row g (+8)
           p[b][k][q] = pack_e4m3(f[b][base], f[b][base + 1]) | (pack_e4m3(f[b][base + 4], f[b][base + 5]) << 16);
         }
   }
 };
+
+// The query block's active key blocks and their K scales (`k_scale_bh`: this head's), into shared memory
+__device__ __forceinline__ void stage_list(const int* active, const float* k_scale_bh, int count, int* list_kb,
+                                           float* list_scale) {
+  for (int j = threadIdx.x; j < count; j += kThreads) {
+    const int kb = active[j];
+    list_kb[j] = kb;
+    list_scale[j] = k_scale_bh[kb];
+  }
+}
 
 // The epilogue of one warp's 16 rows (this thread's: g and g + 8), the first at reordered position first_row:
 // row sums, normalization, V's per-channel scale, each row written at its original position
@@ -536,11 +509,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 3 - kWarpgroups) paro_att
   const int count = counts[row];
   const int* active = indices + (long long)row * max_active;
 
-  for (int j = tid; j < count; j += kThreads) {
-    const int kb = active[j];
-    list_kb[j] = kb;
-    list_scale[j] = k_scale[(long long)bh * NK + kb];
-  }
+  stage_list(active, k_scale + (long long)bh * NK, count, list_kb, list_scale);
   __syncthreads();
 
   const signed char* kq_bh = kq + (long long)bh * n_pad * kHeadDim;
@@ -760,11 +729,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) paro_attention_int8_fp
   const int row = h * NQ + qb;
   const int count = counts[row];
   const int* active = indices + (long long)row * max_active;
-  for (int j = tid; j < count; j += kThreads) {
-    const int kb = active[j];
-    list_kb[j] = kb;
-    list_scale[j] = k_scale[(long long)bh * NK + kb];
-  }
+  stage_list(active, k_scale + (long long)bh * NK, count, list_kb, list_scale);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 128);
