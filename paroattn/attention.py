@@ -1,7 +1,8 @@
 """`paro_attention`: the one functional op that processors, calibration checks and benchmarks call.
 Its contract is the function's docstring; `kernels/reference.py` is its definition in torch, and every
 kernel must agree with it. Which kernel runs a call is decided in one place, `kernels.dispatch.resolve`
-(`decide` below asks it); `kernels.op.run` executes the decision.
+(`decide` below asks it, eager or traced, through the device's runtime); `kernels.op.run` executes the
+decision.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .errors import PAROInputError
 from .kernels.block_lists import ActiveBlocks
 from .kernels.dispatch import BACKENDS, Launch, Refusal
 from .kernels.reference import paro_attention_reference
-from .kernels.runtime import CHECKED_ARGUMENTS, runtime_of
+from .kernels.runtime import PROCESS, runtime_of
 from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape
 from .modes import modes_problem
@@ -31,14 +32,15 @@ def _warn_while_traced(message: str) -> bool:
 @torch._dynamo.assume_constant_result
 def _traced_decision(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
                      key_mask: bool, unit_stride: bool, backend: str) -> str:
-    """The decision of a call being traced by torch.compile, made eagerly while it is traced (dynamo cannot
-    trace the dispatcher, and a memo filled while tracing would recompile the next call), as a string
-    dynamo keeps as a constant: "" when a kernel runs it, else "!" and the reason it does not (if any)."""
+    """`Runtime.decide` of a call being traced by torch.compile, made eagerly while it is traced (dynamo cannot
+    trace the dispatcher, and a memo filled while tracing would recompile the next call), as a string dynamo
+    keeps as a constant: the decided launch (`Launch.encode`) where a kernel runs it, else "!" and the reason
+    it does not (if any)."""
     decision = runtime_of(torch.device(device)).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
                                                        backend)
     if isinstance(decision, Refusal):
         return "!" + decision.reason
-    return "" if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
+    return decision.encode() if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
 
 
 # head dims and block sizes a traced call's decision sees as themselves; others as -1, which every kernel refuses
@@ -102,11 +104,18 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
 
 def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
            rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
-    """Which kernel runs a call of `paro_attention` with q (on `device`, by default q's) through
-    `kernels.dispatch.resolve`: processors, calibration and benchmarks ask this, never the kernels' modules."""
-    unit_stride = rotary or q.stride(-1) == 1  # the RoPE pass writes contiguous copies; out is strided like q
-    runtime = runtime_of(q.device if device is None else torch.device(device))
-    return runtime.decide(q.shape[-1], q.dtype, bq, bk, qk, pv, key_mask, unit_stride, backend)
+    """Which kernel runs a call of `paro_attention` with q (eager or traced by torch.compile) on `device` (by
+    default q's), through that device's `kernels.runtime.Runtime.decide`: the op, processors and benchmarks ask
+    this, never the kernels' modules (a meta q on a given device asks about that device's calls)."""
+    device = q.device if device is None else torch.device(device)
+    # the RoPE pass writes contiguous copies; a new out is strided like q
+    if torch.compiler.is_compiling():
+        traced = _traced_decision(str(device), _plain(q.shape[-1], _TRACED_SIZES), q.dtype,
+                                  _plain(bq, _TRACED_SIZES), _plain(bk, _TRACED_SIZES), qk, pv, key_mask,
+                                  rotary or _plain(q.stride(-1), (1,)) == 1, backend)
+        return Refusal(traced[1:]) if traced.startswith("!") else Launch.decode(traced)
+    return runtime_of(device).decide(q.shape[-1], q.dtype, bq, bk, qk, pv, key_mask, rotary or q.stride(-1) == 1,
+                                     backend)
 
 
 def _check_arguments(qk, pv, backend, block_size) -> None:
@@ -160,10 +169,11 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
              and (type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
                                               and type(block_size[0]) is int and type(block_size[1]) is int)))
     static = (qk, pv, backend, block_size) if exact and not torch.compiler.is_compiling() else None
-    if static is None or static not in CHECKED_ARGUMENTS:
+    checked = PROCESS.checked_arguments
+    if static is None or static not in checked:
         _check_arguments(qk, pv, backend, block_size)
-        if static is not None and len(CHECKED_ARGUMENTS) < 256:
-            CHECKED_ARGUMENTS.add(static)
+        if static is not None and len(checked) < 256:
+            checked.add(static)
     if not isinstance(layout, TokenLayout):
         raise PAROInputError(f"layout must be a paroattn.TokenLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -323,31 +333,20 @@ def paro_attention(
     """
     check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask, sm_scale)
     bq, bk = block_sizes(block_size)
-    decision = None
     if backend != "torch":
-        if torch.compiler.is_compiling():
-            # whether a kernel runs it; which one (strides decide Gluon or Triton, and may be symbolic here)
-            # the custom op decides when it runs
-            traced = _traced_decision(str(q.device), _plain(q.shape[-1], _TRACED_SIZES), q.dtype,
-                                      _plain(bq, _TRACED_SIZES), _plain(bk, _TRACED_SIZES), qk, pv,
-                                      suffix_mask is not None, True, backend)
-            runs_kernel, reason = not traced, traced[1:]
-        else:
-            decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
-            reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
-            runs_kernel = isinstance(decision, Launch) and decision.backend != "torch"
-            if runs_kernel and decision.warning:  # a kernel asked for could not run (once per call site)
+        decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
+        if isinstance(decision, Launch) and decision.backend != "torch":
+            if decision.warning:  # a kernel asked for could not run (once per call site)
                 warn(decision.warning, stacklevel=2)
-        if not runs_kernel and backend in ("triton", "cuda"):
-            raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
-        if not runs_kernel and reason:  # "auto": correct but slow, say so (once per call site)
-            warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
-        if runs_kernel:
             from .kernels import op  # defining the kernels takes seconds: imported on first use
 
             return op.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
-                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision,
-                          backend=backend)
+                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision)
+        reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
+        if backend in ("triton", "cuda"):
+            raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
+        if reason:  # "auto": correct but slow, say so (once per call site)
+            warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
     return paro_attention_reference(

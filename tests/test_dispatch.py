@@ -109,18 +109,18 @@ def test_pins_replace_the_entry_are_validated_and_drop_kept_decisions():
         before = kept.decide(*key[:1], torch.bfloat16, *key[1:], False, True, "triton")
         assert before.config == dispatch.TABLE[key] and kept.decisions
         pinned = dispatch.KernelConfig(8, 2)
-        dispatch.set_kernel_config(*key, pinned)
+        runtime.set_kernel_config(*key, pinned)
         try:
             assert not kept.decisions  # decided again after a pin
             assert kept.decide(*key[:1], torch.bfloat16, *key[1:], False, True, "triton").config == pinned
-            assert dispatch.kernel_config(*key) == pinned
+            assert runtime.kernel_config(*key) == pinned
         finally:
-            dispatch.set_kernel_config(*key, None)
+            runtime.set_kernel_config(*key, None)
         assert resolve(call(D=64, bq=64, bk=64, qk="int8", pv="fp8")).config == dispatch.TABLE[key]
     finally:
         del runtime._RUNTIMES[torch.device("cpu", 99)]
     with pytest.raises(ValueError, match="warp_specialized"):
-        dispatch.set_kernel_config(128, 128, 64, "int8", "fp8", dispatch.KernelConfig(4, 3, warp_specialized=True))
+        runtime.set_kernel_config(128, 128, 64, "int8", "fp8", dispatch.KernelConfig(4, 3, warp_specialized=True))
 
 
 def test_launch_describes_what_ran():
@@ -196,8 +196,8 @@ def test_cuda_backend_falls_back_to_triton_with_the_reason(sm90_builds, tested_t
 
 
 def test_a_failed_build_falls_back_to_triton_with_its_reason(sm90_builds):
-    sm90_builds["failure"] = "the sm90 CUDA kernel could not be built: nvrtcCompileProgram failed (made up)"
-    launch = resolve(call(H100, qk="int8", pv="fp8"), "cuda")
+    failure = "the sm90 CUDA kernel could not be built: nvrtcCompileProgram failed (made up)"
+    launch = resolve(call(H100, qk="int8", pv="fp8", cuda_build_problem=failure), "cuda")
     assert launch.kernel == TRITON and "nvrtcCompileProgram failed" in launch.warning
     assert isinstance(resolve(call(dispatch.HOST, qk="int8", pv="fp8"), "cuda"), Refusal)  # no GPU at all
 
@@ -207,6 +207,27 @@ def test_auto_prefers_the_cuda_kernels_only_where_measured_faster(sm90_builds, m
     assert resolve(call(H100, qk="int8", pv="fp8")).kernel == TRITON  # none measured faster yet
     monkeypatch.setattr(dispatch, "CUDA_PREFERRED", {key})
     assert resolve(call(H100, qk="int8", pv="fp8")).kernel == dispatch.CUDA
-    sm90_builds["failure"] = "the sm90 CUDA kernel could not be built: no libnvrtc (made up)"
-    fallback = resolve(call(H100, qk="int8", pv="fp8"))
+    failure = "the sm90 CUDA kernel could not be built: no libnvrtc (made up)"
+    fallback = resolve(call(H100, qk="int8", pv="fp8", cuda_build_problem=failure))
     assert fallback.kernel == TRITON and "no libnvrtc" in fallback.warning
+
+
+@pytest.mark.parametrize("backend,key,builds", [
+    ("cuda", (128, 128, 64, "int8", "fp8"), True),  # asked for
+    ("auto", (128, 128, 64, "int8", "fp8"), False),  # not measured faster there: never built
+    ("triton", (128, 128, 64, "int8", "fp8"), False),
+    ("cuda", (128, 128, 64, "bf16", "bf16"), False),  # a call the family does not take: nothing to build
+])
+def test_the_runtime_builds_the_cuda_kernel_only_where_it_may_run(monkeypatch, backend, key, builds):
+    """Deciding a call builds the sm90 kernel as an explicit step of the runtime, only where the decision may
+    pick it; `resolve` itself only reads the outcome from the call."""
+    from paroattn.kernels import sm90
+
+    built = []
+    monkeypatch.setattr(sm90, "load_failure", lambda head_dim, dtype, device: built.append((head_dim, dtype)))
+    device_runtime = runtime.Runtime(torch.device("cuda", 0))
+    device_runtime._gpu = H100
+    D, bq, bk, qk, pv = key
+    decision = device_runtime.decide(D, torch.bfloat16, bq, bk, qk, pv, False, True, backend)
+    assert built == ([(D, torch.bfloat16)] if builds else [])
+    assert decision.kernel == (dispatch.CUDA if builds else TRITON)

@@ -12,11 +12,14 @@ import torch
 
 pytest.importorskip("triton")
 
+import kernel_calls  # noqa: E402
+
 from paroattn import TokenLayout, paro_attention  # noqa: E402
+from paroattn.attention import decide  # noqa: E402
 from paroattn.kernels import launcher as launcher_module  # noqa: E402
 from paroattn.kernels import op, runtime, triton_backend, workspace  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
-from paroattn.kernels.runtime import runtime_of  # noqa: E402
+from paroattn.kernels.runtime import PROCESS, runtime_of  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 
@@ -129,12 +132,12 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     args = (orders, mask.counts, mask.indices, mask.schedule, *GRID, BLOCK, BLOCK, qk, pv,
             1 / math.sqrt(D))
     first, second = make_inputs(1, H, LAYOUT.seq_len, D, seed=7), make_inputs(1, H, LAYOUT.seq_len, D, seed=8)
-    out_first = triton_backend.launch(*first, *args)
+    out_first = kernel_calls.launch(*first, *args)
     assert len(workspaces()) == 1
     buffers = next(iter(workspaces().values()))
-    out_second = triton_backend.launch(*second, *args)
+    out_second = kernel_calls.launch(*second, *args)
     assert next(iter(workspaces().values())) is buffers  # reused, not reallocated
-    again = triton_backend.launch(*first, *args)
+    again = kernel_calls.launch(*first, *args)
     assert torch.equal(again, out_first)
     assert not torch.equal(out_second, out_first)
     # the reused set holds what a fresh set (as while a CUDA graph is captured) gets from this call
@@ -175,8 +178,6 @@ def test_direct_launches_equal_full_launches(qk, pv, D, bq):
     """After a key's first launch the kernels run without Triton's binding; the results are the full
     launch's bit for bit, also when an input's address is no longer 16-byte aligned (a new key) and
     with the RoPE pass (a third kernel)."""
-    from paroattn.kernels import hopper_attention, rotary
-
     layout = TokenLayout(7, 2, 10, 12)
     H, N = 3, layout.seq_len
     n_q, n_k = -(-N // bq), -(-N // 64)
@@ -188,20 +189,16 @@ def test_direct_launches_equal_full_launches(qk, pv, D, bq):
     angles = torch.rand(N - 7, D, device="cuda", generator=g)
     kwargs = dict(layout=layout, orders=orders, block_mask=blocks, block_size=(bq, 64), qk=qk, pv=pv,
                   backend="triton")
-    launchers = (triton_backend._PROLOGUE, triton_backend._ATTENTION, rotary._LAUNCHER, hopper_attention._LAUNCHER)
-
     def full(*inputs, **extra):
-        for launcher in launchers:
-            if launcher is not None:
-                launcher.clear()
+        PROCESS.launches.clear()
         return paro_attention(*inputs, **kwargs, **extra)
 
     for rope in (None, (angles.cos(), angles.sin())):
         extra = {"rotary": rope} if rope is not None else {}
         expected = full(q, k, v, **extra)
-        before = launch_counts(launchers)
+        before = launch_counts()
         assert torch.equal(paro_attention(q, k, v, **kwargs, **extra), expected)
-        after = launch_counts(launchers)
+        after = launch_counts()
         assert after[0] > before[0]
         if RAW_LAUNCHES:  # every direct launch went through the C function
             assert after[1] - before[1] == after[0] - before[0]
@@ -214,10 +211,10 @@ def test_direct_launches_equal_full_launches(qk, pv, D, bq):
         assert torch.equal(paro_attention(shifted, k, v, **kwargs, **extra), expected)
 
 
-def launch_counts(launchers) -> tuple[int, int]:
-    """Direct launches and, of those, launches through the C function, summed over `launchers`."""
-    present = [launcher for launcher in launchers if launcher is not None]
-    return sum(launcher.direct_launches for launcher in present), sum(launcher.raw_launches for launcher in present)
+def launch_counts() -> tuple[int, int]:
+    """Direct launches and, of those, launches through the C function, summed over the process's launchers."""
+    launchers = PROCESS.launches.launchers()
+    return sum(each.direct_launches for each in launchers), sum(each.raw_launches for each in launchers)
 
 
 # the triton whose C launch function the launcher calls itself (`launcher._raw_launch`)
@@ -232,8 +229,6 @@ def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
     after the runtime's workspaces are cleared makes a new one; the old ones are held, so their memory is not reused),
     then calls alternating between them with other inputs must each read their own set's K and V (an
     encoding kept for another set's descriptor would read that set's). Each equals a full launch."""
-    from paroattn.kernels import hopper_attention, rotary
-
     layout = TokenLayout(5, 2, 8, 12)
     H, N = 2, layout.seq_len
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -242,12 +237,9 @@ def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
     blocks = ActiveBlocks.from_mask(random_mask(H, -(-N // 128), -(-N // 64), 4)).to("cuda")
     kwargs = dict(layout=layout, orders=torch.tensor([3, 1], dtype=torch.int32, device="cuda"), block_mask=blocks,
                   block_size=(128, 64), qk=qk, pv=pv, backend="triton")
-    launchers = (triton_backend._PROLOGUE, triton_backend._ATTENTION, rotary._LAUNCHER, hopper_attention._LAUNCHER)
     expected = []
     for q, k, v in inputs:
-        for launcher in launchers:
-            if launcher is not None:
-                launcher.clear()
+        PROCESS.launches.clear()
         expected.append(paro_attention(q, k, v, **kwargs))
     sets = []
     for i in range(3):
@@ -255,12 +247,12 @@ def test_direct_launches_read_each_buffer_sets_own_descriptors(qk, pv, D):
         assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
         sets.append(dict(workspaces()))
     assert len({id(buffers.kq) for workspace in sets for buffers in workspace.values()}) == 3
-    before = launch_counts(launchers)
+    before = launch_counts()
     for which, i in ((0, 3), (2, 1), (1, 0), (0, 2), (2, 3)):
         workspaces().clear()
         workspaces().update(sets[which])
         assert torch.equal(paro_attention(*inputs[i], **kwargs), expected[i])
-    after = launch_counts(launchers)
+    after = launch_counts()
     assert after[0] - before[0] >= 5 * 2
     if RAW_LAUNCHES:
         assert after[1] - before[1] == after[0] - before[0]
@@ -276,7 +268,7 @@ def test_replayed_calls_equal_full_launches(qk, pv, D):
     mask, the softmax scale), in their tensors only (other q, k, v, orders, lists, tables, masks), or
     whose recording call passed one tensor as q, k and v, each equal a full launch of the same call,
     replayed (second pass) as recorded (first pass)."""
-    from paroattn.kernels import hopper_attention, launcher, rotary
+    from paroattn.kernels import launcher
 
     layout = TokenLayout(5, 2, 8, 12, suffix=9)
     H, N = 3, layout.seq_len
@@ -313,12 +305,9 @@ def test_replayed_calls_equal_full_launches(qk, pv, D):
         (qkv(False), dict(orders=orders([4, 2, 0]), block_mask=lists(6), sm_scale=0.07)),
     ]
     common = dict(layout=layout, block_size=(128, 64), qk=qk, pv=pv, backend="triton")
-    launchers = (triton_backend._PROLOGUE, triton_backend._ATTENTION, rotary._LAUNCHER, hopper_attention._LAUNCHER)
     expected = []
     for inputs, kwargs in calls:
-        for each in launchers:
-            if each is not None:
-                each.clear()
+        PROCESS.launches.clear()
         workspaces().clear()
         expected.append(paro_attention(*inputs, **common, **kwargs))
     replays = []
@@ -385,9 +374,9 @@ def test_the_custom_op_keeps_no_buffer_set():
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=15)
     args = (q, k, v, torch.tensor([2, 4], dtype=torch.int32, device=DEVICE), blocks.counts, blocks.indices,
             blocks.schedule, *GRID, BLOCK, BLOCK, "int8", "bf16", 1 / math.sqrt(D))
-    through_op = op.block_sparse_attention(*args)
+    through_op = op.block_sparse_attention(*args, decide(q, BLOCK, BLOCK, "int8", "bf16", "triton").encode())
     assert not workspaces()
-    assert torch.equal(through_op, triton_backend.launch(*args))
+    assert torch.equal(through_op, kernel_calls.launch(*args))
     assert len(workspaces()) == 1
 
 

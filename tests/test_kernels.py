@@ -24,10 +24,12 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import kernel_calls  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from paroattn import PAROInputError, TokenLayout, paro_attention  # noqa: E402
-from paroattn.kernels import dispatch, op, triton_backend  # noqa: E402
+from paroattn.attention import decide  # noqa: E402
+from paroattn.kernels import dispatch, op, runtime, triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
@@ -257,7 +259,7 @@ def test_zero_active_rows_write_zeros_and_every_element_is_written():
     orders = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
     for qk, pv in (("bf16", "bf16"), ("int4", "fp8")):
         out = torch.full_like(q, float("nan"))  # poisoned
-        triton_backend.launch(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix,
+        kernel_calls.launch(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix,
                               layout.frames, layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, qk, pv,
                               1 / math.sqrt(D), out=out)
         ref = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=mask, block_size=SMALL_BLOCK,
@@ -304,7 +306,8 @@ def test_custom_op_schema_and_fake_tensor():
     blocks = ActiveBlocks.from_mask(torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)).to(DEVICE)
     orders = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     args = (q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix, layout.frames,
-            layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", 0.125)
+            layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", 0.125,
+            decide(q, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", "triton").encode())
     torch.library.opcheck(op.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
     rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
     torch.library.opcheck(op.block_sparse_attention, args + rotary,
@@ -345,11 +348,11 @@ def test_kernel_config_variants_match_reference(qk, pv, flags):
     mask[2, 0] = False
     mask[2, 0, 0] = True  # a row with one unmasked block
     key = (64, SMALL_BLOCK, SMALL_BLOCK, qk, pv)
-    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, **flags))
+    runtime.set_kernel_config(*key, dispatch.KernelConfig(4, 2, **flags))
     try:
         out, ref = both(q, k, v, LAYOUT, torch.tensor([3, 0, 4]), mask, SMALL_BLOCK, qk, pv)
     finally:
-        dispatch.set_kernel_config(*key, None)
+        runtime.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
@@ -375,11 +378,11 @@ def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk, layout):
     mask[2, 0] = False
     mask[2, 0, -1] = True
     key = (D, bq, bk, qk, pv)
-    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
+    runtime.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
         out, ref = both(q, k, v, layout, torch.tensor([4, 0, 2]), mask, (bq, bk), qk, pv)
     finally:
-        dispatch.set_kernel_config(*key, None)
+        runtime.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
@@ -388,7 +391,7 @@ def test_query_tiles_by_descriptor_are_refused_where_the_prologue_cannot_write_t
     for bq, bk, config in [(64, 128, dispatch.KernelConfig(4, 2, tma=True, q_tma=True)),
                            (128, 128, dispatch.KernelConfig(4, 2, q_tma=True))]:
         with pytest.raises(ValueError, match="q_tma=True"):
-            dispatch.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
+            runtime.set_kernel_config(64, bq, bk, "bf16", "bf16", config)
 
 
 @pytest.mark.parametrize("qk,pv,D,layout,stages,dtype", [
@@ -411,12 +414,12 @@ def test_warp_specialized_kernel_matches_reference(qk, pv, D, layout, stages, dt
     mask[1, 1] = False
     mask[1, 1, 2] = True
     key = (D, 128, 64, qk, pv)
-    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, stages, tma=True, q_tma=True,
+    runtime.set_kernel_config(*key, dispatch.KernelConfig(4, stages, tma=True, q_tma=True,
                                                                        warp_specialized=True))
     try:
         out, ref = both(q, k, v, layout, torch.tensor([3, 0, 5]), mask, (128, 64), qk, pv)
     finally:
-        dispatch.set_kernel_config(*key, None)
+        runtime.set_kernel_config(*key, None)
     assert rel_err(out, ref) <= (max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv])
 
 
@@ -426,7 +429,7 @@ def test_warp_specialized_kernel_is_refused_outside_its_tiles_and_modes():
                            (128, 64, "int8", "int8"), (128, 64, "bf16", "fp8"), (128, 64, "int8", "fp8"),
                            (128, 64, "int4", "fp8"), (64, 64, "int8", "fp8")]:
         with pytest.raises(ValueError, match="warp_specialized=True"):
-            dispatch.set_kernel_config(128, bq, bk, qk, pv, ws)
+            runtime.set_kernel_config(128, bq, bk, qk, pv, ws)
 
 
 def test_warp_specialized_launch_binds_every_kernel_argument(monkeypatch):

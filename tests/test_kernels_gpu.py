@@ -16,12 +16,13 @@ import subprocess
 import sys
 import textwrap
 
+import kernel_calls
 import pytest
 import torch
 
 from paroattn import TokenLayout, paro_attention
 from paroattn.attention import decide
-from paroattn.kernels import dispatch, triton_backend
+from paroattn.kernels import dispatch, runtime
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.kernels.runtime import runtime_of
 from paroattn.masks import synthetic_block_mask
@@ -71,7 +72,7 @@ def test_real_shapes_match_reference(name, density):
     modes = MODES if density == 0.5 else [("bf16", "bf16"), ("int8", "fp8")]
     for qk, pv in modes:
         out = torch.full_like(q, float("nan"))  # poisoned
-        triton_backend.launch(q, k, v, runtime_of(q.device).device_orders(orders), blocks.counts,
+        kernel_calls.launch(q, k, v, runtime_of(q.device).device_orders(orders), blocks.counts,
                               blocks.indices, blocks.schedule, layout.prefix, layout.frames, layout.height,
                               layout.width, 64, 64, qk, pv, 1 / math.sqrt(D), out=out)
         assert not torch.isnan(out).any(), f"{name} {qk}/{pv}: unwritten or NaN output"
@@ -151,14 +152,14 @@ def test_warp_specialized_kernel_at_real_shapes(name, density):
     kwargs = dict(layout=layout, orders=orders, block_size=(128, 64), qk=qk, pv=pv)
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
     key = (D, 128, 64, qk, pv)
-    dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
+    runtime.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True))
     try:
         plain = paro_attention(q, k, v, block_mask=blocks, backend="triton", **kwargs)
-        dispatch.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True,
+        runtime.set_kernel_config(*key, dispatch.KernelConfig(4, 2, tma=True, q_tma=True,
                                                                            warp_specialized=True))
         out = paro_attention(q, k, v, block_mask=blocks, backend="triton", **kwargs)
     finally:
-        dispatch.set_kernel_config(*key, None)
+        runtime.set_kernel_config(*key, None)
     assert torch.isfinite(out).all()
     err = rel_err(out, plain)
     print(f"{name} d={density} {qk}/{pv} warp-specialized vs triton: rel err {err:.2e}")
@@ -188,13 +189,13 @@ def test_descriptor_loads_match_pointer_loads(name, block):
     for qk, pv in [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")]:
         kwargs = dict(layout=layout, orders=orders, block_mask=blocks, block_size=block, qk=qk, pv=pv, backend="triton")
         key = (D, block, block, qk, pv)
-        plain = dispatch.kernel_config(*key)
+        plain = runtime.kernel_config(*key)
         expected = paro_attention(q, k, v, **kwargs)
-        dispatch.set_kernel_config(*key, dispatch.KernelConfig(plain.num_warps, plain.num_stages, tma=True))
+        runtime.set_kernel_config(*key, dispatch.KernelConfig(plain.num_warps, plain.num_stages, tma=True))
         try:
             out = paro_attention(q, k, v, **kwargs)
         finally:
-            dispatch.set_kernel_config(*key, None)
+            runtime.set_kernel_config(*key, None)
         err = rel_err(out, expected)
         print(f"{name} block {block} {qk}/{pv} tma vs pointer loads: rel err {err:.2e}")
         assert err <= 1e-3

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import kernel_calls
 import pytest
 import torch
 from test_kernels import (
@@ -25,8 +26,10 @@ from test_kernels import (
 )
 
 from paroattn import TokenLayout, paro_attention
-from paroattn.kernels import triton_backend
+from paroattn.attention import decide
 from paroattn.kernels.block_lists import ActiveBlocks
+from paroattn.kernels.block_sparse_attention import _attention_kernel
+from paroattn.kernels.runtime import PROCESS
 
 MODES = [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8")]
 
@@ -152,16 +155,17 @@ def test_one_launch_keys_masks_of_other_strides_apart():
     reference = [paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, block_size=SMALL_BLOCK,
                                 backend="torch", suffix_mask=m) for m in (view, None)]
     suffix_strided = view.t().contiguous().t()  # the same values, strides (1, B)
-    direct = triton_backend._ATTENTION.direct_launches
+    direct = PROCESS.launcher(_attention_kernel).direct_launches
     for mask, want in ((view.contiguous(), reference[0]), (suffix_strided, reference[0]), (view, reference[0]),
                        (None, reference[1])):
         for _ in range(2):
-            got = triton_backend.launch(*args, key_mask=mask)
+            got = kernel_calls.launch(*args, key_mask=mask)
             assert rel_err(got, want) <= BOUND["bf16"]
     if DEVICE == "cuda":  # the interpreter always launches in full
-        assert triton_backend._ATTENTION.direct_launches - direct >= 4
+        assert PROCESS.launcher(_attention_kernel).direct_launches - direct >= 4
     # the custom op that torch.compile records takes the mask too
-    through_op = torch.ops.paroattn.block_sparse_attention(*args, None, None, view)
+    launch_code = decide(q, SMALL_BLOCK, SMALL_BLOCK, "bf16", "bf16", "triton", key_mask=True).encode()
+    through_op = torch.ops.paroattn.block_sparse_attention(*args, launch_code, None, None, view)
     assert rel_err(through_op, reference[0]) <= BOUND["bf16"]
 
 

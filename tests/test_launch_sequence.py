@@ -12,7 +12,9 @@ import torch
 pytest.importorskip("triton")
 
 from paroattn.kernels import launcher  # noqa: E402
-from paroattn.kernels.launcher import LaunchSequence, Recording  # noqa: E402
+from paroattn.kernels.launcher import LaunchSequence, LaunchState  # noqa: E402
+
+STATE = LaunchState()  # the launchers' shared state (the process keeps one: `runtime.PROCESS.launches`)
 
 
 class FakeEntry:
@@ -49,7 +51,7 @@ def record(calls, slots, owned_tensor, extra=()):
     """Two launches: one of (q, the owned buffer, 5, 0.5), one of (out, k, *extra)."""
     q, k, out = slots
     entry, fake = FakeEntry(calls), FakeLauncher()
-    with Recording() as records:
+    with STATE.recording() as records:
         records.append((fake, entry, (3, 2), (q, owned_tensor, 5, 0.5)))
         records.append((fake, entry, (4,), (out, k, *extra)))
     return records, fake
@@ -60,7 +62,7 @@ def test_replay_puts_the_new_calls_tensors_in_place_and_keeps_the_rest(current):
     buffer = torch.zeros(4)
     first = (torch.zeros(2), torch.zeros(3), torch.zeros(5))
     records, fake = record(calls, first, buffer)
-    sequence = LaunchSequence.build(records, first, owned={buffer.data_ptr()})
+    sequence = LaunchSequence.build(STATE, records, first, owned={buffer.data_ptr()})
     assert sequence is not None
     second = (torch.zeros(2), torch.zeros(3), torch.zeros(5))
     assert sequence.replay(second)
@@ -76,15 +78,15 @@ def test_a_temporary_or_one_tensor_in_two_slots_is_not_recorded(current):
     buffer = torch.zeros(4)
     slots = (torch.zeros(2), torch.zeros(3), torch.zeros(5))
     records, _ = record(calls, slots, buffer, extra=(torch.zeros(1),))  # neither a slot nor owned
-    assert LaunchSequence.build(records, slots, owned={buffer.data_ptr()}) is None
+    assert LaunchSequence.build(STATE, records, slots, owned={buffer.data_ptr()}) is None
     records, _ = record(calls, slots, buffer)
-    assert LaunchSequence.build(records, slots, owned=set()) is None  # the buffer is not the caller's
+    assert LaunchSequence.build(STATE, records, slots, owned=set()) is None  # the buffer is not the caller's
     shared = torch.zeros(2)
     records, _ = record(calls, (shared, shared, torch.zeros(5)), buffer)
-    assert LaunchSequence.build(records, (shared, shared, torch.zeros(5)), owned={buffer.data_ptr()}) is None
-    with Recording() as records:
+    assert LaunchSequence.build(STATE, records, (shared, shared, torch.zeros(5)), owned={buffer.data_ptr()}) is None
+    with STATE.recording() as records:
         records.append(None)  # a full launch
-    assert LaunchSequence.build(records, slots, owned=set()) is None
+    assert LaunchSequence.build(STATE, records, slots, owned=set()) is None
 
 
 def test_stale_sequences_launch_nothing(current, monkeypatch):
@@ -92,7 +94,7 @@ def test_stale_sequences_launch_nothing(current, monkeypatch):
     buffer = torch.zeros(4)
     slots = (torch.zeros(2), torch.zeros(3), torch.zeros(5))
     records, _ = record(calls, slots, buffer)
-    sequence = LaunchSequence.build(records, slots, owned={buffer.data_ptr()})
+    sequence = LaunchSequence.build(STATE, records, slots, owned={buffer.data_ptr()})
     current["device"] = 1
     assert not sequence.replay(slots)  # another current device
     current["device"] = 0
@@ -100,16 +102,16 @@ def test_stale_sequences_launch_nothing(current, monkeypatch):
         patch.setattr(launcher.knobs.runtime, "launch_enter_hook", lambda metadata: None)
         assert not sequence.replay(slots)  # a profiler hook wants launch metadata
     assert sequence.replay(slots)
-    launcher.invalidate_sequences()  # e.g. a pinned kernel config or a launcher cleared
+    STATE.invalidate_sequences()  # e.g. a launcher cleared
     assert not sequence.replay(slots)
     assert len(calls) == 2  # the one replay
 
 
 def test_recordings_are_per_thread():
-    seen = []
-    with Recording() as records:
-        thread = threading.Thread(target=lambda: seen.append(launcher._recording()))
+    with STATE.recording() as records:
+        thread = threading.Thread(target=lambda: STATE.record("from another thread"))
         thread.start()
         thread.join()
-        assert launcher._recording() is records
-    assert seen == [None] and launcher._recording() is None
+        STATE.record("this thread's")
+    STATE.record("outside the recording")
+    assert records == ["this thread's"]

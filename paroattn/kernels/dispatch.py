@@ -2,8 +2,10 @@
 
     decision = resolve(call, backend)      # a Launch (what runs, with which tiles) or a Refusal (why nothing can)
 
-`paro_attention` asks once per eager call (memoized per device by `runtime.Runtime`) and once per trace;
-the launch code only executes what it returns, and `paro bench` reports it.
+`paro_attention` asks once per eager call (memoized per device by `runtime.Runtime.decide`, the one place
+that builds a `Call`) and once per trace; the launch code only executes what it returns (`LaunchPlan`), and
+`paro bench` reports it. Nothing here keeps state or compiles anything: a pinned config and the outcome of
+building the CUDA kernel are facts of the `Call` that the runtime fills in.
 
 A `Call` holds the static facts of one op call that decide its kernel: the device (`GPU`, one record of
 what it can do), q's head dim and dtype, the mask's blocks, the precision modes, whether padded suffix keys
@@ -20,13 +22,15 @@ a backend in order of preference and returns the first that accepts, with the re
 Within the Triton family the tiles come from one table keyed by (head dim, bq, bk, qk, pv), measured on
 sm_90 with `benchmarks/attention.py --sweep` (docs/notes/kernels-and-tiles.md); other GPUs run the sm_90 entry's
 warps and stages with the variants they lack (TMA loads) turned off, and the Launch says so. Pins
-(`set_kernel_config`) replace an entry for sweeps and tests.
+(`runtime.set_kernel_config`) replace an entry for sweeps and tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +90,16 @@ class Call:
     pv: str
     key_mask: bool = False  # padded suffix keys are masked (HunyuanVideo's text)
     unit_stride: bool = True  # q as the kernel reads it (RoPE writes contiguous copies) and out: stride 1 along D
+    pinned: KernelConfig | None = None  # the Triton config pinned for this key (`runtime.set_kernel_config`)
+    # why the sm90 CUDA kernel of this head dim and dtype could not be built or loaded on this GPU; None where
+    # it was, or where nothing asked (the runtime builds it, as an explicit step, before it decides a call
+    # that may run it: `Runtime.decide`)
+    cuda_build_problem: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        """The Triton tile table's key of this call."""
+        return (self.head_dim, self.bq, self.bk, self.qk, self.pv)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,26 @@ class Launch:
         """Why the reference runs a call that asked for "auto" (None when a kernel runs it)."""
         return self.passed_over[-1] if self.kernel == TORCH and self.passed_over else None
 
+    def encode(self) -> str:
+        """The kernel and tiles as one string (what runs, not why): the custom op takes the decided launch as
+        an argument, and a torch.library op takes strings, not objects. `decode` reverses it."""
+        if self.config is None:
+            return f"{self.kernel}|{int(self.kv_tma)}{int(self.q_tma)}"
+        c = self.config
+        flags = "".join(str(int(x)) for x in (c.tma, c.overlap_qk, c.q_tma, c.warp_specialized, self.kv_tma, self.q_tma))
+        return f"{self.kernel}|{c.num_warps}|{c.num_stages}|{flags}"
+
+    @staticmethod
+    @cache
+    def decode(text: str) -> Launch:
+        kernel, *fields = text.split("|")
+        if len(fields) == 1:
+            return Launch(kernel, None, kv_tma=fields[0][0] == "1", q_tma=fields[0][1] == "1")
+        warps, stages, flags = fields
+        tma, overlap_qk, q_tma, warp_specialized, kv_tma, launch_q_tma = (flag == "1" for flag in flags)
+        return Launch(kernel, KernelConfig(int(warps), int(stages), tma, overlap_qk, q_tma, warp_specialized),
+                      kv_tma=kv_tma, q_tma=launch_q_tma)
+
     def describe(self) -> str:
         """One line for benchmarks and logs: the kernel, its config, and what it passed over."""
         parts = [self.kernel]
@@ -138,6 +172,30 @@ class Launch:
         if self.passed_over:
             parts.append("passed over: " + "; ".join(self.passed_over))
         return ", ".join(parts)
+
+
+class LaunchPlan(NamedTuple):
+    """Everything one call's launches depend on besides the addresses of its tensors: the decided kernel
+    (`launch`, with its config), the geometry, modes and dtype, the strides of q, k, v and out, the RoPE tables'
+    and the key mask's shapes and strides, and the active-block lists' width and dtypes. Built once per eager
+    call (`triton_backend.launch`) and once per call of the compiled graph's custom op; every cache of the
+    launches derives its key from it (the buffer set, each launcher's compiled kernel, the recorded launch
+    sequence), so what was kept for one kernel or config is never used for another. A tuple: it is hashed on
+    every eager call."""
+
+    launch: Launch
+    shape: torch.Size  # q's [B, H, N, D]
+    dtype: torch.dtype
+    grid: tuple[int, int, int, int]  # the layout's (prefix, frames, height, width)
+    bq: int
+    bk: int
+    qk: str
+    pv: str
+    sm_scale: float
+    strides: tuple  # q's, k's, v's and out's
+    rotary: tuple | None  # (cos shape, cos strides, sin strides)
+    key_mask: tuple | None  # its strides
+    lists: tuple  # (entries per list, counts, indices, schedule and orders dtypes)
 
 
 @dataclass(frozen=True)
@@ -194,13 +252,9 @@ del _T, _O, _TQ
 DEFAULT_CONFIG = KernelConfig(4, 3)
 TUNED_ON = "sm90"  # the GPU the table was measured on
 
-_PINNED: dict[tuple, KernelConfig] = {}
-
-
-def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> KernelConfig:
-    """The pinned or tabled config of one key (before a GPU turns off what it lacks)."""
-    key = (head_dim, bq, bk, qk, pv)
-    return _PINNED.get(key) or TABLE.get(key, DEFAULT_CONFIG)
+def kernel_config(call: Call) -> KernelConfig:
+    """The pinned or tabled config of a call (before its GPU turns off what it lacks)."""
+    return call.pinned or TABLE.get(call.key, DEFAULT_CONFIG)
 
 
 def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv: str = "bf16") -> str | None:
@@ -216,20 +270,6 @@ def config_problem(config: KernelConfig, bq: int, bk: int, qk: str = "bf16", pv:
         return (f"KernelConfig(q_tma=True) needs tma=True and query blocks at least as large as key blocks; "
                 f"got {config} for blocks ({bq}, {bk})")
     return None
-
-
-def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str, config: KernelConfig | None) -> None:
-    """Pin (or with None, forget) the config of one key on every GPU; sweeps and tests use this."""
-    from .runtime import forget_decisions
-
-    key = (head_dim, bq, bk, qk, pv)
-    if config is not None and (problem := config_problem(config, bq, bk, qk, pv)):
-        raise ValueError(problem)
-    if config is None:
-        _PINNED.pop(key, None)
-    else:
-        _PINNED[key] = config
-    forget_decisions()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +302,7 @@ def _half_precision(call: Call) -> str | None:
 
 
 def _table_prefers_warp_specialized(call: Call) -> bool:
-    return kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv).warp_specialized
+    return kernel_config(call).warp_specialized
 
 
 def _gluon_tested(call: Call) -> str | None:
@@ -301,11 +341,8 @@ def _sm90_kernel_takes(call: Call) -> str | None:
                         call.key_mask, call.gpu.capability)
 
 
-def _sm90_kernel_loads(call: Call) -> str | None:
-    # compiled with NVRTC (or read from the disk cache) the first time a call key is decided on a device
-    from . import sm90
-
-    return sm90.load_failure(call.head_dim, call.dtype, torch.device("cuda", call.gpu.index))
+def _sm90_kernel_built(call: Call) -> str | None:
+    return call.cuda_build_problem
 
 
 # keys where the CUDA kernels are measured faster than the Triton kernel on sm_90, which "auto" then prefers:
@@ -314,7 +351,7 @@ CUDA_PREFERRED: set[tuple] = set()
 
 
 def _cuda_preferred(call: Call) -> bool:
-    return (call.head_dim, call.bq, call.bk, call.qk, call.pv) in CUDA_PREFERRED
+    return call.key in CUDA_PREFERRED
 
 
 @dataclass(frozen=True)
@@ -335,7 +372,7 @@ class KernelFamily:
 
 
 def _triton_tiles(call: Call) -> Launch:
-    config = kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv)
+    config = kernel_config(call)
     passed_over = ()
     tma, q_tma = config.tma, config.q_tma
     if (tma or q_tma) and not call.gpu.tma:
@@ -348,11 +385,11 @@ _TRITON_NEEDS = (_on_triton_device, _head_dim_64_or_128, _tiled_blocks, _half_pr
 TRITON_FAMILY = KernelFamily(TRITON, _TRITON_NEEDS, _triton_tiles)
 GLUON_FAMILY = KernelFamily(
     GLUON, (*_TRITON_NEEDS, _gluon_tested, _has_wgmma, _no_key_mask, _unit_stride),
-    lambda call: Launch(GLUON, kernel_config(call.head_dim, call.bq, call.bk, call.qk, call.pv)),
+    lambda call: Launch(GLUON, kernel_config(call)),
     preferred=_table_prefers_warp_specialized,
 )
 CUDA_FAMILY = KernelFamily(
-    CUDA, (_on_triton_device, _sm90_kernel_takes, _sm90_kernel_loads),
+    CUDA, (_on_triton_device, _sm90_kernel_takes, _sm90_kernel_built),
     lambda call: Launch(CUDA, q_tma=True),  # reads the reordered int8 Q with per-block scales the prologue writes
     preferred=_cuda_preferred, asked_by="cuda", warns=True,
 )
@@ -366,6 +403,17 @@ FAMILIES: dict[str, tuple[KernelFamily, ...]] = {
     "cuda": (CUDA_FAMILY, GLUON_FAMILY, TRITON_FAMILY),
     "auto": (CUDA_FAMILY, GLUON_FAMILY, TRITON_FAMILY, TORCH_FAMILY),
 }
+
+
+def asks_for_cuda_build(call: Call, backend: str) -> bool:
+    """Whether deciding `call` for `backend` may run the sm90 CUDA kernel, so the runtime builds (or loads)
+    it first and passes how that went as `Call.cuda_build_problem`: where the backend names the CUDA family,
+    or "auto" prefers it, and the call is one it takes."""
+    if CUDA_FAMILY not in FAMILIES[backend] or (backend == "auto" and not call.gpu.cuda):
+        return False
+    if backend != CUDA_FAMILY.asked_by and not CUDA_FAMILY.preferred(call):
+        return False
+    return _on_triton_device(call) is None and _sm90_kernel_takes(call) is None
 
 
 def resolve(call: Call, backend: str = "auto") -> Launch | Refusal:

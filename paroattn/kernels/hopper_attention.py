@@ -255,16 +255,14 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GLUON_DTYPES[dtype]))
 
 
-_LAUNCHER = CachedLauncher(_warp_specialized_kernel) if gluon is not None else None
-
-
 def launch(q, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, nk,
            prefix, frames, height, width, qk_scale, stages: int = 3, consumer_regs: int = 240,
-           kv_descriptors=None, key=None):
+           kv_descriptors=None, launcher: CachedLauncher | None = None, key=None):
     """Run the kernel on the prologue's reordered K and V; the consumers gather their query rows from the
     caller's `q` [B, H, N, D] and write the caller's `out` of the same shape. q and out have unit stride
     along D (`dispatch`'s Gluon family refuses other calls). `kv_descriptors`: `descriptors(kq, vq)` built earlier (the caller keeps
-    them with the buffers); `key`: the launch's `launcher.CachedLauncher` key, None for a full launch."""
+    them with the buffers); `launcher`: the process's `CachedLauncher` of the kernel and `key` the launch's key
+there; None for a full launch."""
     k_desc, v_desc = kv_descriptors or descriptors(kq, vq)
     # 4 + 4 + 1 warps are allocated as three warpgroups: maxnreg x 12 warps x 32 fits the SM's 64K
     # registers (one program per SM), and setmaxnreg gives the consumers `consumer_regs` each and the
@@ -274,8 +272,8 @@ def launch(q, kq, vq, out, orders, counts, indices, schedule, N, n_pad, H, nq, n
     args = (k_desc, v_desc, q, out, orders, counts, indices, schedule, *q.stride()[:3], *out.stride()[:3],
             N, n_pad, H, nq, nk, indices.shape[-1], prefix, frames, height, width, qk_scale)
     constexprs = dict(STAGES=stages, CONSUMER_REGS=consumer_regs)
-    if key is None:
+    if launcher is None:
         _warp_specialized_kernel[grid](*args, **constexprs, num_warps=4, maxnreg=168)
     else:
-        _LAUNCHER(key, grid, args, constexprs, num_warps=4, maxnreg=168)
+        launcher(key, grid, args, constexprs, num_warps=4, maxnreg=168)
     return out

@@ -132,16 +132,45 @@ class _Entry:
         return values
 
 
-# bumped by whatever makes recorded launches stale: a launcher cleared or its direct path turned off, a
-# kernel config pinned (`dispatch.set_kernel_config`)
-_GENERATION = 0
-_RECORDINGS = threading.local()  # per thread: launches of another thread's calls must not enter a recording
+class LaunchState:
+    """What the launchers of one process share (kept by `runtime.PROCESS`): the generation that recorded
+    sequences must match to replay (bumped by whatever makes them stale: a launcher cleared or its direct path
+    turned off), the recording in scope per thread (launches of another thread's calls must not enter it), and
+    the launcher of each kernel."""
 
+    def __init__(self):
+        self.generation = 0
+        self._recordings = threading.local()
+        self._launchers: dict = {}
 
-def invalidate_sequences() -> None:
-    """Every `LaunchSequence` recorded so far declines to replay from now on."""
-    global _GENERATION
-    _GENERATION += 1
+    def launcher(self, kernel) -> CachedLauncher:
+        """The one `CachedLauncher` of `kernel` in this process."""
+        launcher = self._launchers.get(kernel)
+        if launcher is None:
+            launcher = self._launchers[kernel] = CachedLauncher(kernel, self)
+        return launcher
+
+    def launchers(self) -> list[CachedLauncher]:
+        return list(self._launchers.values())
+
+    def invalidate_sequences(self) -> None:
+        """Every `LaunchSequence` recorded so far declines to replay from now on."""
+        self.generation += 1
+
+    def clear(self) -> None:
+        """`CachedLauncher.clear` of every launcher."""
+        for launcher in self._launchers.values():
+            launcher.clear()
+
+    def recording(self) -> Recording:
+        """`with state.recording() as records:` collects the launches made in its scope as (launcher, entry,
+        grid, arguments); None for a launch no sequence can replay (a full launch, or no C function)."""
+        return Recording(self._recordings)
+
+    def record(self, launch) -> None:
+        """Add `launch` (launcher, entry, grid, arguments; None: not replayable) to the recording in scope."""
+        if (records := getattr(self._recordings, "records", None)) is not None:
+            records.append(launch)
 
 
 def _launch_hooks() -> tuple:
@@ -157,26 +186,16 @@ def _launch_hooks() -> tuple:
 
 
 class Recording:
-    """`with Recording() as records:` collects the launches made in its scope as (launcher, entry, grid,
-    arguments); None for a launch no sequence can replay (a full launch, or no C function)."""
+    def __init__(self, recordings: threading.local):
+        self._recordings = recordings
 
     def __enter__(self) -> list:
-        self.outer, self.records = _recording(), []
-        _RECORDINGS.records = self.records
+        self.outer, self.records = getattr(self._recordings, "records", None), []
+        self._recordings.records = self.records
         return self.records
 
     def __exit__(self, *exc) -> None:
-        _RECORDINGS.records = self.outer
-
-
-def _recording() -> list | None:
-    return getattr(_RECORDINGS, "records", None)
-
-
-def _record(launch) -> None:
-    """Add `launch` (launcher, entry, grid, arguments; None: not replayable) to the recording in scope, if any."""
-    if (records := _recording()) is not None:
-        records.append(launch)
+        self._recordings.records = self.outer
 
 
 class LaunchSequence:
@@ -189,13 +208,14 @@ class LaunchSequence:
 
     replayed_calls = 0  # over all sequences (tests check replays happen)
 
-    def __init__(self, device: int, launches: list):
+    def __init__(self, state: LaunchState, device: int, launches: list):
+        self.state = state
         self.device = device
-        self.generation = _GENERATION
+        self.generation = state.generation
         self.launches = launches  # (launcher, C function, grid, head, template, [(position, slot)])
 
     @classmethod
-    def build(cls, records: list, slots: tuple, owned: set[int]) -> LaunchSequence | None:
+    def build(cls, state: LaunchState, records: list, slots: tuple, owned: set[int]) -> LaunchSequence | None:
         """The sequence of `records`, or None where one of its launches cannot be replayed."""
         if not records or any(record is None for record in records):
             return None
@@ -221,13 +241,13 @@ class LaunchSequence:
                     template.append(value)
             launches.append((launcher, entry.launch, tuple(grid) + (1,) * (3 - len(grid)), entry.head, template,
                              places))
-        return cls(driver.active.get_current_device(), launches)
+        return cls(state, driver.active.get_current_device(), launches)
 
     def replay(self, slots: tuple, stream: int | None = None) -> bool:
         """Launch the recorded kernels with `slots` in their places, on `stream` (the current device's
         current stream, which the caller may know already); False (nothing launched) where the sequence is
         stale: another current device, a launcher cleared, a profiler hook."""
-        if self.generation != _GENERATION or any(hook is not None for hook in _launch_hooks()):
+        if self.generation != self.state.generation or any(hook is not None for hook in _launch_hooks()):
             return False  # a hook takes launch metadata, which a replay does not build
         device = driver.active.get_current_device()
         if device != self.device:
@@ -245,25 +265,16 @@ class LaunchSequence:
         return True
 
 
-_LAUNCHERS: weakref.WeakSet = weakref.WeakSet()
-
-
-def clear_launchers() -> None:
-    """`CachedLauncher.clear` of every launcher."""
-    for launcher in list(_LAUNCHERS):
-        launcher.clear()
-
-
 class CachedLauncher:
     """`launcher(key, grid, args, constexprs, **options)` runs `kernel[grid](*args, **constexprs, **options)`;
     `constexprs` in the kernel's parameter order after `args`. Only the first launch of a key binds and
     specializes; `key=None` always takes the full path, as does the Triton interpreter. A key's arguments
     keep their kinds: a tensor where the first launch had one, a descriptor where it had one."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, state: LaunchState):
         self.kernel = kernel
+        self.state = state
         self._compiled: dict = {}
-        _LAUNCHERS.add(self)
         self.direct_launches = 0  # launches that skipped the binding (tests check the cache is used)
         self.raw_launches = 0  # of those, launches through the C function (tests check it is taken)
         self._direct = True  # cleared if this triton's launcher does not take the call (the full path always works)
@@ -287,12 +298,12 @@ class CachedLauncher:
                                      *entry.arguments(all_args))
                         self.direct_launches += 1
                         self.raw_launches += 1
-                        _record((self, entry, grid, all_args))
+                        self.state.record((self, entry, grid, all_args))
                         return
                     except TypeError:  # it parses every argument before it launches anything
                         self._raw = False
-                        invalidate_sequences()
-                _record(None)
+                        self.state.invalidate_sequences()
+                self.state.record(None)
                 try:
                     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
                                  metadata, enter, leave, *all_args)
@@ -303,7 +314,7 @@ class CachedLauncher:
                     self.clear()
                     self.kernel[grid](*args, **constexprs, **options)
                     return
-            _record(None)
+            self.state.record(None)
             compiled = self.kernel[grid](*args, **constexprs, **options)
             names = getattr(self.kernel, "arg_names", None)
             # the direct call passes every parameter by position: only where the constexprs came in the
@@ -312,10 +323,10 @@ class CachedLauncher:
                     and names is not None and list(names) == [*names[:len(args)], *constexprs]):
                 self._compiled[key] = _Entry(compiled, (*args, *constexprs.values()))
             return
-        _record(None)
+        self.state.record(None)
         self.kernel[grid](*args, **constexprs, **options)
 
     def clear(self) -> None:
         """Forget the compiled kernels: each key's next launch is a full one (and no sequence replays)."""
         self._compiled.clear()
-        invalidate_sequences()
+        self.state.invalidate_sequences()

@@ -27,22 +27,22 @@ def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
-    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-    backend: str = "triton",
+    launch_code: str, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens, the backend asked for, whose
-    kernel is decided when the op runs). One opaque node for
-    torch.compile; its output has q's shape, dtype and strides. Its buffers are allocated per call: with
-    mode="reduce-overhead", the CUDA-graph trees run the op's warm-up calls in their graphs' memory pool
-    and reuse that memory, where a kept buffer set would live."""
-    return launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                  cos, sin, key_mask, reuse_buffers=False, backend=backend)
+    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens) with the kernel decided while
+    the graph was traced (`dispatch.Launch.encode`). One opaque node for torch.compile; its output has q's
+    shape, dtype and strides. Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph
+    trees run the op's warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer
+    set would live."""
+    return launch(runtime_of(q.device), Launch.decode(launch_code), q, k, v, orders, counts, indices, schedule,
+                  prefix, frames, height, width, bq, bk, qk, pv, sm_scale, cos, sin, key_mask, reuse_buffers=False)
 
 
 @block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
-                                 bq, bk, qk, pv, sm_scale, cos=None, sin=None, key_mask=None, backend="triton"):
+                                 bq, bk, qk, pv, sm_scale, launch_code, cos=None, sin=None, key_mask=None):
     return torch.empty_like(q)
 
 
@@ -61,11 +61,10 @@ def run(
     sm_scale: float | None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     suffix_mask: torch.Tensor | None,
-    decision: Launch | None = None,
-    backend: str = "triton",
+    decision: Launch,
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`: a call checked against the op contract, run by the kernels of
-    `decision` (eager calls pass the one they resolved; traced ones resolve `backend` inside the custom op)."""
+    `decision` (eagerly, or through the custom op while torch.compile traces)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise PAROInputError(
             "the triton backend is inference-only (no backward): q, k or v requires grad. Run under "
@@ -80,11 +79,11 @@ def run(
             block_mask.to(q.device), sync=False)
         orders = orders.to(device=q.device, dtype=torch.int32).contiguous()
         return block_sparse_attention(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, *geometry,
-                                      *rotary, suffix_mask, backend)
+                                      decision.encode(), *rotary, suffix_mask)
     runtime = runtime_of(q.device)
     blocks = block_mask if isinstance(block_mask, ActiveBlocks) else runtime.lists_of(block_mask)
     if blocks.counts.device != q.device:
         blocks = blocks.to(q.device)
     # eager: the custom op's function without its dispatch
-    return launch(q, k, v, runtime.device_orders(orders), blocks.counts, blocks.indices, blocks.schedule, *geometry,
-                  *rotary, suffix_mask, decision=decision)
+    return launch(runtime, decision, q, k, v, runtime.device_orders(orders), blocks.counts, blocks.indices,
+                  blocks.schedule, *geometry, *rotary, suffix_mask)

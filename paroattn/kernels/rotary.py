@@ -83,14 +83,12 @@ def heads_per_program(blocks: int, batch: int, heads: int) -> int:
     return best
 
 
-_LAUNCHER = CachedLauncher(_rotate_kernel)
-
-
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None):
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, launcher: CachedLauncher | None = None):
     """q, k [B, H, N, D] (any strides) with RoPE on their last S tokens (cos, sin: float32 [S, D]), as
     new contiguous tensors (or written into `out`, two contiguous [B, H, N, D] tensors of q's dtype):
-    `reference.apply_rotary` of each."""
+    `reference.apply_rotary` of each. `launcher`: the process's `CachedLauncher` of the kernel (the runtime's);
+    None launches it in full."""
     B, H, N, D = q.shape
     if out is None:
         q_out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
@@ -101,8 +99,12 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     cos, sin = cos.contiguous(), sin.contiguous()
     blocks = -(-N // _BLOCK_N)
     per_program = heads_per_program(blocks, B, H)
-    key = (q.shape, q.dtype, q.stride(), k.stride(), cos.shape[0], aligned(q, k, cos, sin, q_out, k_out))
-    _LAUNCHER(key, (blocks, B * (H // per_program)),
-              (q, k, cos, sin, q_out, k_out, *q.stride(), *k.stride(), N, H, N - cos.shape[0]),
-              dict(HEAD_DIM=D, BLOCK_N=_BLOCK_N, HEADS_PER_PROGRAM=per_program), num_warps=_NUM_WARPS)
+    grid = (blocks, B * (H // per_program))
+    args = (q, k, cos, sin, q_out, k_out, *q.stride(), *k.stride(), N, H, N - cos.shape[0])
+    constexprs = dict(HEAD_DIM=D, BLOCK_N=_BLOCK_N, HEADS_PER_PROGRAM=per_program)
+    if launcher is None:
+        _rotate_kernel[grid](*args, **constexprs, num_warps=_NUM_WARPS)
+    else:
+        key = (q.shape, q.dtype, q.stride(), k.stride(), cos.shape[0], aligned(q, k, cos, sin, q_out, k_out))
+        launcher(key, grid, args, constexprs, num_warps=_NUM_WARPS)
     return q_out, k_out

@@ -1,34 +1,59 @@
-"""What the op keeps between calls on one device: one `Runtime` per device owns every cache, and
-`clear()` empties them all.
+"""Every piece of state the op keeps between calls, in one place: one `Runtime` per device, and `PROCESS`
+for what does not depend on the device. `clear()` empties them all. No other module keeps a mutable cache.
 
-- decisions: `dispatch.resolve` per call key, so an eager call decides its kernel with one dict lookup;
-- workspaces: the buffer sets the kernels write and read back, reused per (stream, shape, modes)
-  (`triton_backend.workspace`): allocating them and building their descriptors would cost more host time
-  than the rest of a call;
+Per device (`runtime_of(device)`):
+- decisions: `dispatch.resolve` per call key (`decide`, the one place that builds a `dispatch.Call`), so an
+  eager call decides its kernel with one dict lookup; where a call may run the sm90 CUDA kernel, deciding it
+  builds (or loads) that kernel first, as an explicit step whose outcome is a fact of the `Call`;
+- workspaces: the buffer sets the kernels write and read back, reused per stream and `LaunchPlan`
+  (`workspace`): allocating them and building their descriptors would cost more host time than the rest of
+  a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
-- orders: device copies of host `orders` tensors;
-and, for the whole process, the combinations of the op's non-tensor arguments checked already.
+- orders: device copies of host `orders` tensors.
 
-The kernels' launchers keep their compiled launch records themselves (`launcher.CachedLauncher`), as the
-sm_90a CUDA family keeps its loaded modules; `clear()` drops those too, and `forget_decisions()` (a pinned config) makes recorded launches stale.
+Per process (`PROCESS`): the combinations of the op's non-tensor arguments checked already, the pinned
+Triton configs (`set_kernel_config`), the launchers of the Triton kernels and what they share
+(`launcher.LaunchState`), and the processors bound to transformers (`pipelines.binding`).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
 from . import dispatch
 from .block_lists import ActiveBlocks
-
-# combinations of the op's arguments that are not tensors (modes, backend, block size) checked already: the
-# same few repeat on every call (process-wide: they do not depend on the device)
-CHECKED_ARGUMENTS: set[tuple] = set()
+from .launcher import LaunchState
+from .workspace import Buffers, allocate
 
 WORKSPACES = 4  # buffer sets kept per device; the oldest goes beyond, its memory back to torch's allocator
 MASK_LISTS = 64  # bool masks whose lists are kept per device
+SEQUENCES = 16  # recorded launch sequences per buffer set (one per distinct call into it, e.g. strides)
+
+
+class Process:
+    """The state of the op that does not depend on a device."""
+
+    def __init__(self):
+        # combinations of the op's arguments that are not tensors (modes, backend, block size) checked already
+        self.checked_arguments: set[tuple] = set()
+        self.pins: dict[tuple, dispatch.KernelConfig] = {}  # (head_dim, bq, bk, qk, pv) -> pinned config
+        self.launches = LaunchState()
+        # processors bound to transformers, by token (traced code finds its binding from a constant)
+        self.bindings: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.tokens = itertools.count()
+
+    def launcher(self, kernel):
+        """The process's `launcher.CachedLauncher` of a Triton or Gluon kernel."""
+        return self.launches.launcher(kernel)
+
+
+PROCESS = Process()
 
 
 class Runtime:
@@ -39,6 +64,7 @@ class Runtime:
         self.workspaces: OrderedDict = OrderedDict()
         self.mask_lists: OrderedDict[tuple, tuple[torch.Tensor, int, ActiveBlocks]] = OrderedDict()
         self.orders: dict[tuple, torch.Tensor] = {}
+        self.last_launch: dispatch.LaunchPlan | None = None  # what the latest kernel call here ran (tests read it)
 
     @property
     def gpu(self) -> dispatch.GPU:
@@ -48,13 +74,49 @@ class Runtime:
 
     def decide(self, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str, key_mask: bool,
                unit_stride: bool, backend: str) -> dispatch.Launch | dispatch.Refusal:
-        """`dispatch.resolve` of this call on this device, decided once per key."""
+        """`dispatch.resolve` of this call on this device, decided once per key. The one place that builds a
+        `dispatch.Call`: with the pinned config of its key, and, where the call may run the sm90 CUDA kernel,
+        with how building that kernel went (built here first: NVRTC, or the disk cache, then loaded)."""
         key = (head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride, backend)
         decision = self.decisions.get(key)
         if decision is None:
-            call = dispatch.Call(self.gpu, head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride)
+            call = dispatch.Call(self.gpu, head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
+                                 pinned=PROCESS.pins.get((head_dim, bq, bk, qk, pv)))
+            if dispatch.asks_for_cuda_build(call, backend):
+                call = replace(call, cuda_build_problem=self.build_cuda_kernel(head_dim, dtype))
             decision = self.decisions[key] = dispatch.resolve(call, backend)
         return decision
+
+    def build_cuda_kernel(self, head_dim: int, dtype: torch.dtype) -> str | None:
+        """Build (or read from the disk cache) and load the sm90 CUDA kernel of a head dim and dtype on this
+        device; None when it is ready, else why it is not."""
+        from . import sm90
+
+        return sm90.load_failure(head_dim, dtype, self.device)
+
+    def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
+        """The reused buffer set of `stream` (`workspace.stream_of`) for calls of `plan`'s kernel and shape (a
+        fresh set while a graph is captured: stream None). Calls on one stream run in order, so a call's
+        prologue writes the buffers only after the previous call's kernels read them; a call on another
+        stream gets its own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
+        B, H, N, D = plan.shape
+        launch = plan.launch
+        rotary = plan.rotary is not None
+        if stream is None:
+            return allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv, launch.q_tma,
+                            rotary)
+        key = (stream, launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
+        kept = self.workspaces
+        buffers = kept.get(key)
+        if buffers is None:
+            buffers = kept[key] = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
+                                           launch.q_tma, rotary)
+            buffers.sequences = {}
+            while len(kept) > WORKSPACES:
+                kept.popitem(last=False)
+        elif len(kept) > 1:
+            kept.move_to_end(key)
+        return buffers
 
     def lists_of(self, mask: torch.Tensor) -> ActiveBlocks:
         """`ActiveBlocks` of a bool block mask on this device, built there without a host sync, or the kept
@@ -100,6 +162,7 @@ class Runtime:
 
     def clear(self) -> None:
         self._gpu = None
+        self.last_launch = None
         self.decisions.clear()
         self.workspaces.clear()
         self.mask_lists.clear()
@@ -119,22 +182,34 @@ def runtime_of(device: torch.device) -> Runtime:
     return runtime
 
 
-def forget_decisions() -> None:
-    """Decide every call again (a kernel config was pinned); launches recorded under the old ones go stale."""
-    from .launcher import invalidate_sequences
-
+def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str,
+                      config: dispatch.KernelConfig | None) -> None:
+    """Pin (or with None, forget) the Triton config of one key on every GPU; sweeps and tests use this. Calls
+    decide again; what was kept for the old config stays with it (its buffer sets and recorded launches are
+    keyed by the `LaunchPlan`, which holds the config)."""
+    key = (head_dim, bq, bk, qk, pv)
+    if config is not None and (problem := dispatch.config_problem(config, bq, bk, qk, pv)):
+        raise ValueError(problem)
+    if config is None:
+        PROCESS.pins.pop(key, None)
+    else:
+        PROCESS.pins[key] = config
     for runtime in _RUNTIMES.values():
         runtime.decisions.clear()
-    invalidate_sequences()
+
+
+def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> dispatch.KernelConfig:
+    """The Triton config of one key: pinned, or the table's (before a GPU turns off what it lacks)."""
+    key = (head_dim, bq, bk, qk, pv)
+    return PROCESS.pins.get(key) or dispatch.TABLE.get(key, dispatch.DEFAULT_CONFIG)
 
 
 def clear() -> None:
-    """Empty every device's runtime and the kernels' launch records."""
+    """Empty every device's runtime and the process's caches (pins and bound processors stay: they are
+    settings, not caches)."""
     for runtime in _RUNTIMES.values():
         runtime.clear()
-    CHECKED_ARGUMENTS.clear()
-    from .launcher import clear_launchers
-
-    clear_launchers()
+    PROCESS.checked_arguments.clear()
+    PROCESS.launches.clear()
     if (sm90 := sys.modules.get(f"{__package__}.sm90")) is not None:  # its loaded modules and build failures
         sm90.forget()

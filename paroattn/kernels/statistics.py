@@ -118,24 +118,22 @@ class Statistics:
         self.aligned = aligned(self.k_mean, self.v_amax, self.k_partial, self.v_partial, self.arrivals)
 
 
-_LAUNCHER = CachedLauncher(_statistics_kernel)
-
-
 def compute(k: torch.Tensor, v: torch.Tensor, out: Statistics, mean_stride: int, k_mean: bool, v_amax: bool,
-            key=None) -> None:
+            launcher: CachedLauncher | None = None, key=None) -> None:
     """K's mean over every `mean_stride`-th token (with `k_mean`) and V's per-channel max |V| (with `v_amax`)
-    of k, v [B, H, N, D] (any strides) into `out`. `key`: the launch's `CachedLauncher` key (None: a full
-    launch), which must hold k's and v's shape, dtype, strides and alignment, the mean's stride, and
+    of k, v [B, H, N, D] (any strides) into `out`. `launcher`: the process's `CachedLauncher` of the kernel
+    (None: a full launch), `key` the launch's key there, which must hold k's and v's shape, dtype, strides and alignment, the mean's stride, and
     `out.split` and `out.aligned`."""
     B, H, N, D = k.shape
     if not (k_mean or v_amax) or k.numel() == 0:
         return
     split = out.split
     samples = -(-N // mean_stride)
-    _LAUNCHER(
-        key, (split, B * H),
-        (k, v, out.k_mean, out.v_amax, out.k_partial, out.v_partial, out.arrivals, *k.stride(), *v.stride(),
-         N, H, split, out.rows, mean_stride, samples, -(-samples // split)),
-        dict(HEAD_DIM=D, BLOCK=out.block, K_MEAN=k_mean, V_AMAX=v_amax),
-        num_warps=4,
-    )
+    grid = (split, B * H)
+    args = (k, v, out.k_mean, out.v_amax, out.k_partial, out.v_partial, out.arrivals, *k.stride(), *v.stride(),
+            N, H, split, out.rows, mean_stride, samples, -(-samples // split))
+    constexprs = dict(HEAD_DIM=D, BLOCK=out.block, K_MEAN=k_mean, V_AMAX=v_amax)
+    if launcher is None:
+        _statistics_kernel[grid](*args, **constexprs, num_warps=4)
+    else:
+        launcher(key, grid, args, constexprs, num_warps=4)

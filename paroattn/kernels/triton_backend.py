@@ -1,13 +1,15 @@
 """The launches of the kernels: what `dispatch.resolve` decided, executed.
 
-`launch` runs the RoPE pass (`rotary.py`), the statistics and the K/V prologue (`prepare_kv`), all Triton,
-then the attention kernel the decision names: `block_sparse_attention.py`'s Triton kernel with the
-decision's tiles and loads, `hopper_attention.py`'s warp-specialized Gluon kernel, or the sm_90a CUDA
-kernel of `sm90/` (compiled at run time with NVRTC). Their definition is
-`reference.py`. The launches reuse one buffer set per stream and shape (`workspace.workspace`), skip
-Triton's per-call argument binding after a key's first launch (`launcher.CachedLauncher`), and replay a
-recorded sequence of launches for calls like an earlier one (`launcher.LaunchSequence`); the host time
-this saves: docs/notes/host-overhead.md.
+`launch` builds the call's `dispatch.LaunchPlan` (the decided kernel and config with the call's geometry,
+modes and strides) and runs the RoPE pass (`rotary.py`), the statistics and the K/V prologue
+(`prepare_kv`), all Triton, then the attention kernel the plan names: `block_sparse_attention.py`'s Triton
+kernel with the decision's tiles and loads, `hopper_attention.py`'s warp-specialized Gluon kernel, or the
+sm_90a CUDA kernel of `sm90/` (compiled at run time with NVRTC). Their definition is `reference.py`. The
+launches reuse one buffer set per stream and plan (`runtime.Runtime.workspace`), skip Triton's per-call
+argument binding after a key's first launch (`launcher.CachedLauncher`, keyed by the plan), and replay the
+launches recorded for the same plan into the same buffers (`launcher.LaunchSequence`); the host time this
+saves: docs/notes/host-overhead.md. A recording or a compiled entry is only ever used for the plan it was
+made for, so one kernel's or config's launches are never replayed for another.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..errors import PAROInputError
 from . import hopper_attention, statistics
 from .block_sparse_attention import (
     P_LOG2_SCALES,
@@ -28,12 +29,13 @@ from .block_sparse_attention import (
     _attention_kernel,
     _kv_prologue_kernel,
 )
-from .dispatch import CUDA, GLUON, Launch, Refusal
-from .launcher import CachedLauncher, LaunchSequence, Recording, _record, aligned
+from .dispatch import CUDA, GLUON, Launch, LaunchPlan
+from .launcher import LaunchSequence, aligned
 from .reference import key_mean_stride
-from .rotary import rotate_qk
-from .runtime import runtime_of
-from .workspace import SEQUENCES, Buffers, allocate, stream_of, workspace
+from .rotary import _rotate_kernel, rotate_qk
+from .runtime import PROCESS, SEQUENCES, Runtime
+from .statistics import _statistics_kernel
+from .workspace import Buffers, allocate, stream_of
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
 PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}
@@ -42,10 +44,6 @@ LOG2E = 1.4426950408889634
 
 # ---------------------------------------------------------------------------------------------
 # The launches.
-
-
-_PROLOGUE = CachedLauncher(_kv_prologue_kernel)
-_ATTENTION = CachedLauncher(_attention_kernel)
 
 
 def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, bq=None, buffers=None, key=None,
@@ -67,13 +65,13 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
     k_mean = v_amax = placeholder = buffers.placeholder
     if stats is not None:
         statistics.compute(k, v, stats, key_mean_stride(N, height, width), qk != "bf16", pv != "bf16",
-                           None if key is None else (key, stats.split, stats.aligned))
+                           PROCESS.launcher(_statistics_kernel), None if key is None else (key, stats.split, stats.aligned))
         k_mean = stats.k_mean if qk != "bf16" else placeholder
         v_amax = stats.v_amax if pv != "bf16" else placeholder
     nq = -(-N // bq) if q is not None else 0
     q_src = q if q is not None else k
     mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (placeholder, (0, 0))
-    _PROLOGUE(
+    PROCESS.launcher(_kv_prologue_kernel)(
         key, (nk, B * H),
         (k, v, k_mean, v_amax, buffers.kq, buffers.k_scale, buffers.vq, q_src, buffers.qq, buffers.q_scale, mask_arg,
          *k.stride(), *v.stride(), *q_src.stride(), *mask_strides, orders, N, n_pad, H, nq, prefix, frames, height,
@@ -83,25 +81,6 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
         num_warps=4,  # 8 warps were slower (docs/notes/prologue.md)
     )
     return buffers.kq, buffers.k_scale, buffers.vq, v_amax, buffers.qq, buffers.q_scale
-
-
-def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, *, key_mask: bool, rotary: bool,
-           out: torch.Tensor | None = None, backend: str = "triton") -> Launch | Refusal:
-    """`dispatch.resolve` of a call of the kernels on q's device (memoized there)."""
-    out_unit = out is None or out.stride(-1) == 1  # a new out is strided like q
-    unit_stride = (rotary or q.stride(-1) == 1) and out_unit  # the RoPE pass writes contiguous copies
-    return runtime_of(q.device).decide(q.shape[-1], q.dtype, bq, bk, qk, pv, key_mask, unit_stride, backend)
-
-
-def decided_launch(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, *, key_mask: bool, rotary: bool,
-                   out: torch.Tensor | None = None, backend: str = "triton") -> Launch:
-    """The kernels' `Launch` of a call, or PAROInputError with the reason none runs it."""
-    decision = decide(q, bq, bk, qk, pv, key_mask=key_mask, rotary=rotary, out=out, backend=backend)
-    if isinstance(decision, Launch) and decision.backend == "torch":  # "auto" off the kernels: not here
-        decision = decide(q, bq, bk, qk, pv, key_mask=key_mask, rotary=rotary, out=out)
-    if isinstance(decision, Refusal):
-        raise PAROInputError(f"{decision.reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
-    return decision
 
 
 def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
@@ -116,87 +95,77 @@ def _descriptors(kq: torch.Tensor, vq: torch.Tensor, bk: int, D: int, pv: str):
 
 
 def launch(
-    q, k, v, orders, counts, indices, schedule,
+    runtime: Runtime, decision: Launch, q, k, v, orders, counts, indices, schedule,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, reuse_buffers: bool = True, decision: Launch | None = None,
-    backend: str = "triton",
+    out: torch.Tensor | None = None, reuse_buffers: bool = True,
 ) -> torch.Tensor:
-    """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and
-    the attention kernel of `decision` (by default the one `decided_launch` gives). Inputs are checked
-    already. `key_mask`: bool [B, suffix] (any strides), False at the padded keys of the tokens after the
-    grid (the op's `suffix_mask`). `out` (tests poison it) defaults to a new tensor shaped and strided like
-    q. `reuse_buffers`: the stream's buffer set (`workspace`), else new ones."""
-    B, H, N, D = q.shape
-    if decision is None:
-        decision = decided_launch(q, bq, bk, qk, pv, key_mask=key_mask is not None, rotary=cos is not None, out=out,
-                                  backend=backend)
+    """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and the
+    attention kernel of `decision` on `runtime`'s device. Inputs are checked already. `key_mask`: bool
+    [B, suffix] (any strides), False at the padded keys of the tokens after the grid (the op's `suffix_mask`).
+    `out` (tests poison it) defaults to a new tensor shaped and strided like q. `reuse_buffers`: the stream's
+    buffer set of this plan (`Runtime.workspace`), else new ones."""
     if out is None:
         out = torch.empty_like(q)
+    plan = LaunchPlan(
+        decision, q.shape, q.dtype, (prefix, frames, height, width), bq, bk, qk, pv, sm_scale,
+        (q.stride(), k.stride(), v.stride(), out.stride()),
+        None if cos is None else (cos.shape, cos.stride(), sin.stride()),
+        None if key_mask is None else key_mask.stride(),
+        (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype),
+    )
+    runtime.last_launch = plan
     if out.numel() == 0:
         return out
-    q_tma = decision.q_tma
-    if reuse_buffers:
-        stream = stream_of(q.device)
-        buffers = workspace(q, bq, bk, qk, pv, q_tma, cos is not None, stream)
-    else:
-        buffers = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, q_tma, cos is not None)
-    arguments = (q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-                 cos, sin, key_mask, out)
+    arguments = (q, k, v, orders, counts, indices, schedule, cos, sin, key_mask, out)
+    stream = stream_of(q.device) if reuse_buffers else None
+    buffers = runtime.workspace(plan, stream)
     if buffers.sequences is None:
-        _launch(arguments, buffers, decision)
+        _launch(plan, arguments, buffers)
         return out
-    # calls into a kept buffer set replay the launches of the first call like them (`launcher.LaunchSequence`):
-    # the key holds what the launches depend on besides the addresses of the call's own tensors (`slots`)
-    slots = (q, k, v, out, orders, counts, indices, schedule, cos, sin, key_mask)
-    call = (*_launch_keys(arguments), sm_scale, None if cos is None else (cos.shape, cos.stride(), sin.stride()),
-            None if key_mask is None else key_mask.stride(), out.stride(),
-            aligned(*(t for t in slots if t is not None)))
-    sequence = buffers.sequences.get(call)
-    if sequence is not None and sequence.replay(slots, stream):
+    # calls of one plan into a kept buffer set replay the launches of the first one (`launcher.LaunchSequence`):
+    # the plan holds what the launches depend on besides the addresses of the call's own tensors (`arguments`)
+    # and whether each address is 16-byte aligned (what Triton specializes on)
+    key = (plan, aligned(*(t for t in arguments if t is not None)))
+    sequence = buffers.sequences.get(key)
+    if sequence is not None and sequence.replay(arguments, stream):
         return out
-    with Recording() as records:
-        _launch(arguments, buffers, decision)
+    with PROCESS.launches.recording() as records:
+        _launch(plan, arguments, buffers)
     if len(buffers.sequences) >= SEQUENCES:
         buffers.sequences.clear()
     # the kernels ran on the current device, the buffers live on q's: a replay launches on q's device's
     # stream (`stream`), so only where the two are one device
     same_device = q.device.type == "cuda" and torch.cuda.current_device() == q.device.index
-    buffers.sequences[call] = LaunchSequence.build(records, slots, buffers.addresses()) if same_device else None
+    buffers.sequences[key] = (LaunchSequence.build(PROCESS.launches, records, arguments, buffers.addresses())
+                              if same_device else None)
     return out
 
 
-def _launch_keys(arguments: tuple) -> tuple:
-    """(geometry, lists, q's, k's and v's strides) of `launch`'s arguments: what its launches vary in
-    besides the buffers' shape (the `CachedLauncher` keys are built from them)."""
-    q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv = arguments[:15]
-    geometry = (q.shape, q.dtype, prefix, frames, height, width, bq, bk, qk, pv)
-    lists = (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype)
-    return geometry, lists, q.stride(), k.stride(), v.stride()
-
-
-def _launch(arguments: tuple, buffers: Buffers, decision: Launch) -> None:
-    """`launch`'s kernels on its arguments, each through its `CachedLauncher`."""
-    (q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
-     cos, sin, key_mask, out) = arguments
-    geometry, lists = _launch_keys(arguments)[:2]
-    B, H, N, D = q.shape
+def _launch(plan: LaunchPlan, arguments: tuple, buffers: Buffers) -> None:
+    """`launch`'s kernels on its arguments, each through the process's `CachedLauncher` of its kernel, keyed by
+    the plan and the alignment of the tensors it reads."""
+    q, k, v, orders, counts, indices, schedule, cos, sin, key_mask, out = arguments
+    decision = plan.launch
+    B, H, N, D = plan.shape
+    prefix, frames, height, width = plan.grid
+    bq, bk, qk, pv, sm_scale = plan.bq, plan.bk, plan.qk, plan.pv, plan.sm_scale
     nq, nk = -(-N // bq), -(-N // bk)
     config = decision.config
     q_tma = decision.q_tma
     if cos is not None:
-        q, k = rotate_qk(q, k, cos, sin, out=buffers.rotated)
-    prologue_key = (geometry, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
-    key = (geometry, lists, q.stride(), out.stride(), aligned(q, out, orders, counts, indices, schedule))
-    if key_mask is not None:  # its strides and alignment (HAS_KEY_MASK, a constexpr, is in the keys already)
-        prologue_key = (*prologue_key, key_mask.stride(), aligned(key_mask))
-        key = (*key, key_mask.stride(), aligned(key_mask))
+        q, k = rotate_qk(q, k, cos, sin, out=buffers.rotated, launcher=PROCESS.launcher(_rotate_kernel))
+    prologue_key = (plan, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
+    key = (plan, q.stride(), aligned(q, out, orders, counts, indices, schedule))
+    if key_mask is not None:
+        prologue_key = (*prologue_key, aligned(key_mask))
+        key = (*key, aligned(key_mask))
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
                                                       q if q_tma else None, bq, buffers, prologue_key, key_mask)
     if decision.kernel == CUDA:
         from . import sm90
 
-        _record(None)  # launched outside the Triton launchers: a recorded sequence could not replay it
+        PROCESS.launches.record(None)  # launched outside the Triton launchers: a recorded sequence could not replay it
         sm90.launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=N, prefix=prefix,
                     frames=frames, height=height, width=width, sm_scale=sm_scale, key_mask=key_mask)
         return
@@ -206,7 +175,8 @@ def _launch(arguments: tuple, buffers: Buffers, decision: Launch) -> None:
             descriptors = buffers.descriptors["gluon"] = hopper_attention.descriptors(kq, vq)
         hopper_attention.launch(q, kq, vq, out, orders, counts, indices, schedule, N, nk * bk, H, nq, nk,
                                 prefix, frames, height, width, sm_scale * LOG2E, stages=config.num_stages,
-                                kv_descriptors=descriptors, key=key)
+                                kv_descriptors=descriptors,
+                                launcher=PROCESS.launcher(hopper_attention._warp_specialized_kernel), key=key)
         return
     k_desc, v_desc, q_desc = kq, vq, qq
     if decision.kv_tma or q_tma:
@@ -218,7 +188,7 @@ def _launch(arguments: tuple, buffers: Buffers, decision: Launch) -> None:
         k_desc, v_desc, q_desc = descriptors
     suffix_start = prefix + frames * height * width
     mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (kq, (0, 0))  # kq: unread
-    _ATTENTION(
+    PROCESS.launcher(_attention_kernel)(
         key, (nq, B * H),
         (q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule, mask_arg,
          *q.stride(), *out.stride(), *mask_strides,
@@ -228,5 +198,3 @@ def _launch(arguments: tuple, buffers: Buffers, decision: Launch) -> None:
              Q_TMA=q_tma, HAS_KEY_MASK=key_mask is not None),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-

@@ -1,5 +1,5 @@
-"""The buffers one call of the kernels writes and reads back (`Buffers`), and their reuse across eager
-calls (`workspace`, kept in the device's `runtime.Runtime`)."""
+"""The buffers one call of the kernels writes and reads back (`Buffers`); their reuse across eager calls is
+the device runtime's (`runtime.Runtime.workspace`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .runtime import WORKSPACES, runtime_of
 from .statistics import Statistics
 
 
@@ -68,9 +67,6 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
     return Buffers(kq, k_scale, vq, qq, q_scale, placeholder, rotated, stats)
 
 
-SEQUENCES = 16  # recorded launch sequences per buffer set (one per distinct call into it, e.g. strides)
-
-
 def stream_of(device: torch.device) -> int | None:
     """The current stream's handle on a CUDA device (None: capturing a graph, no reuse); 0 elsewhere."""
     if device.type != "cuda":
@@ -80,25 +76,3 @@ def stream_of(device: torch.device) -> int | None:
     from triton.runtime import driver
 
     return driver.active.get_current_stream(device.index)
-
-
-def workspace(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, write_q: bool, rotary: bool,
-              stream: int | None) -> Buffers:
-    """The reused buffer set of `stream` (`stream_of(q.device)`) and this call's shape, kept in q's device's
-    runtime (a fresh set while a graph is captured). Calls on one stream run in order, so a call's prologue
-    writes the buffers only after the previous call's kernels read them; a call on another stream gets its
-    own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
-    B, H, N, D = q.shape
-    if stream is None:
-        return allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q, rotary)
-    kept = runtime_of(q.device).workspaces
-    key = (stream, q.shape, q.dtype, bq, bk, qk, pv, write_q, rotary)
-    buffers = kept.get(key)
-    if buffers is None:
-        buffers = kept[key] = allocate(B, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q, rotary)
-        buffers.sequences = {}
-        while len(kept) > WORKSPACES:
-            kept.popitem(last=False)
-    elif len(kept) > 1:
-        kept.move_to_end(key)
-    return buffers

@@ -12,22 +12,18 @@ read from the transformer's frame; later forwards go through the pre-hook.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import weakref
 
 import torch
 
 from ..attention import warn
+from ..kernels.runtime import PROCESS
 from .base import CallInputs, FamilyAdapter, SelfAttentionCall
 from .context_parallel import context_parallel_config
 from .prefetch import MaskStore, StackedMasks
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
-
-# bindings by token, for the functions a traced forward calls with constants only (`processor._prepare_stacked`)
-BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_TOKENS = itertools.count()
 
 
 class Binding:
@@ -48,8 +44,10 @@ class Binding:
         self.masks: MaskStore | None = None
         # for traced forwards: by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80")
         self.stacked_masks: dict[str, StackedMasks] = {}
-        self.token = next(_TOKENS)
-        BINDINGS[self.token] = self
+        # the process keeps bindings by token for the functions a traced forward calls with constants only
+        # (`processor._prepare_stacked`)
+        self.token = next(PROCESS.tokens)
+        PROCESS.bindings[self.token] = self
         self.warned: set[str] = set()
         self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.tracker = ForwardTracker(transformer, family, on_call=self._on_call)

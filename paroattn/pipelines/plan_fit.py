@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import PlanError
+from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan, model_fingerprint
 from .base import CallInputs, PixelScale
-from .binding import BINDINGS, Binding
+from .binding import Binding
 
 ON_MISMATCH = ("error", "dense")
 OR_DENSE = " (or pass on_mismatch='dense' to run the model's own attention)"
@@ -71,7 +72,7 @@ def traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: st
     """`layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted eagerly while
     the graph is traced (dynamo cannot trace formatting the layouts); a mismatch under on_mismatch="error"
     raises its PlanError here."""
-    binding = BINDINGS[token]
+    binding = PROCESS.bindings[token]
     inputs = CallInputs(0.0, None if shape is None else TokenLayout(*shape), problem)
     message = binding.processor.layout_problem(binding, inputs)
     if message is not None and binding.processor.on_mismatch == "error":

@@ -28,11 +28,12 @@ import torch
 from ..attention import BACKENDS, Launch, decide, paro_attention
 from ..calibrate.shapes import ShapePlans
 from ..errors import PlanError
+from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
 from . import plan_fit
 from .base import CallInputs, PixelScale
-from .binding import BINDINGS, Binding, BoundProcessor
+from .binding import Binding, BoundProcessor
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
 
@@ -43,7 +44,7 @@ def _prepare_stacked(token: int, device: str) -> str:
     its key in `binding.stacked_masks`. Called from a forward traced by torch.compile: dynamo runs it eagerly
     while tracing (its result is a constant), so the store's tensors exist before the graph reads them and
     enter it as inputs (not as ops that would rebuild them every call)."""
-    binding = BINDINGS[token]
+    binding = PROCESS.bindings[token]
     return binding.processor.prepare_traced(binding, torch.device(device)).key
 
 
