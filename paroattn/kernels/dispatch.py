@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -151,7 +150,6 @@ class Launch:
         return f"{self.kernel}|{c.num_warps}|{c.num_stages}|{flags}"
 
     @staticmethod
-    @cache
     def decode(text: str) -> Launch:
         kernel, *fields = text.split("|")
         if len(fields) == 1:

@@ -18,7 +18,7 @@ from ..errors import PAROInputError
 from ..layout import TokenLayout
 from .block_lists import ActiveBlocks
 from .dispatch import Launch
-from .runtime import runtime_of
+from .runtime import PROCESS, runtime_of
 from .triton_backend import launch
 
 
@@ -36,7 +36,7 @@ def block_sparse_attention(
     shape, dtype and strides. Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph
     trees run the op's warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer
     set would live."""
-    return launch(runtime_of(q.device), Launch.decode(launch_code), q, k, v, orders, counts, indices, schedule,
+    return launch(runtime_of(q.device), PROCESS.launch_of(launch_code), q, k, v, orders, counts, indices, schedule,
                   prefix, frames, height, width, bq, bk, qk, pv, sm_scale, cos, sin, key_mask, reuse_buffers=False)
 
 

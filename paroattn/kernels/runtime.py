@@ -47,6 +47,14 @@ class Process:
         # processors bound to transformers, by token (traced code finds its binding from a constant)
         self.bindings: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.tokens = itertools.count()
+        self._decoded: dict[str, dispatch.Launch] = {}
+
+    def launch_of(self, code: str) -> dispatch.Launch:
+        """`dispatch.Launch.decode(code)`, decoded once per process (the custom op gets the code on every call)."""
+        launch = self._decoded.get(code)
+        if launch is None:
+            launch = self._decoded[code] = dispatch.Launch.decode(code)
+        return launch
 
     def launcher(self, kernel):
         """The process's `launcher.CachedLauncher` of a Triton or Gluon kernel."""
