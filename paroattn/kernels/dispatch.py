@@ -189,11 +189,18 @@ class LaunchPlan(NamedTuple):
     bk: int
     qk: str
     pv: str
-    sm_scale: float
     strides: tuple  # q's, k's, v's and out's
     rotary: tuple | None  # (cos shape, cos strides, sin strides)
     key_mask: tuple | None  # its strides
     lists: tuple  # (entries per list, counts, indices, schedule and orders dtypes)
+    sm_scale: float  # last: `kernel_key` leaves it out
+
+    @property
+    def kernel_key(self) -> tuple:
+        """What the kernels' compiled entries depend on (`launcher.CachedLauncher`): the plan less the softmax
+        scale, a float the kernels take as a value, not a specialization (a recorded sequence holds it, so
+        sequences are keyed by the whole plan)."""
+        return self[:-1]
 
 
 @dataclass(frozen=True)

@@ -108,11 +108,12 @@ def launch(
     if out is None:
         out = torch.empty_like(q)
     plan = LaunchPlan(
-        decision, q.shape, q.dtype, (prefix, frames, height, width), bq, bk, qk, pv, sm_scale,
+        decision, q.shape, q.dtype, (prefix, frames, height, width), bq, bk, qk, pv,
         (q.stride(), k.stride(), v.stride(), out.stride()),
         None if cos is None else (cos.shape, cos.stride(), sin.stride()),
         None if key_mask is None else key_mask.stride(),
         (indices.shape[-1], counts.dtype, indices.dtype, schedule.dtype, orders.dtype),
+        sm_scale,
     )
     runtime.last_launch = plan
     if out.numel() == 0:
@@ -155,8 +156,9 @@ def _launch(plan: LaunchPlan, arguments: tuple, buffers: Buffers) -> None:
     q_tma = decision.q_tma
     if cos is not None:
         q, k = rotate_qk(q, k, cos, sin, out=buffers.rotated, launcher=PROCESS.launcher(_rotate_kernel))
-    prologue_key = (plan, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
-    key = (plan, q.stride(), aligned(q, out, orders, counts, indices, schedule))
+    kernel_key = plan.kernel_key
+    prologue_key = (kernel_key, k.stride(), v.stride(), q.stride(), aligned(k, v, q, orders))
+    key = (kernel_key, q.stride(), aligned(q, out, orders, counts, indices, schedule))
     if key_mask is not None:
         prologue_key = (*prologue_key, aligned(key_mask))
         key = (*key, aligned(key_mask))

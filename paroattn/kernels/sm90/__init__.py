@@ -172,13 +172,12 @@ def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, s
 def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
               sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None,
               warpgroups: int | None = None) -> torch.Tensor:
-    """The whole op on this family: the Triton K/V/Q prologue (into the stream's reused buffer set, as the
-    Triton path), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
+    """The whole op on this family: the Triton K/V/Q prologue (into new buffers), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
     Raises ValueError with `refusal`'s reason, or KernelLoadError."""
     from ..block_lists import ActiveBlocks
     from ..runtime import runtime_of
     from ..triton_backend import prepare_kv
-    from ..workspace import stream_of, workspace
+    from ..workspace import allocate
 
     B, H, N, D = q.shape
     arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
@@ -191,7 +190,7 @@ def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str 
     else:
         blocks = runtime.lists_of(block_mask)
     orders = runtime.device_orders(orders)
-    buffers = workspace(q, BLOCK_M, BLOCK_N, qk, pv, True, False, stream_of(q.device))
+    buffers = allocate(B, H, N, D, q.dtype, q.device, BLOCK_M, BLOCK_N, qk, pv, True)
     kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
         k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, BLOCK_N, qk, pv, q=q, bq=BLOCK_M,
         buffers=buffers, key_mask=suffix_mask)
