@@ -28,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paroattn import TokenLayout  # noqa: E402
 from paroattn.calibrate.block_stats import block_stats  # noqa: E402
-from paroattn.calibrate.selection import (  # noqa: E402
+from paroattn.calibrate.synthetic import planted_qk  # noqa: E402
+from paroattn.kernels.reference import paro_attention_reference  # noqa: E402
+from paroattn.selection import (  # noqa: E402
     block_entries,
     build_masks,
     incoherence,
@@ -36,8 +38,6 @@ from paroattn.calibrate.selection import (  # noqa: E402
     order_scores,
     sparse_fraction,
 )
-from paroattn.calibrate.synthetic import planted_qk  # noqa: E402
-from paroattn.kernels.reference import paro_attention_reference  # noqa: E402
 
 LAYOUTS = [TokenLayout(0, 4, 8, 12), TokenLayout(16, 6, 6, 10), TokenLayout(0, 8, 10, 6), TokenLayout(16, 3, 12, 12)]
 METRIC_CHOICES = {

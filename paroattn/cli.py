@@ -163,7 +163,6 @@ def calibrate(
         read_prompts,
         save_expert_calibrations,
     )
-    from .calibrate.selection import METRICS
     from .modes import PV_MODES, QK_MODES, modes_problem
     from .pipelines import family_of, pipeline_experts, resolve_transformer
     from .pipelines.generate import (
@@ -178,6 +177,7 @@ def calibrate(
     )
     from .pipelines.registry import SUPPORTED
     from .plan import bucket_edges_problem
+    from .selection import METRICS
     from .summary import describe_plan
 
     # every option, the model folder, the prompts file and the output path are checked before anything loads
@@ -249,8 +249,8 @@ def calibrate(
     if frames is not None and not family.is_video:
         _fail(f"--frames is for video models; {type(transformer).__name__} makes images: leave --frames out")
     if layers_to_keep_dense or layers_for_figures:  # the first point the layer count is known; before any capture
-        from .calibrate.selection import dense_layer_indices
         from .pipelines import self_attention_layers
+        from .selection import dense_layer_indices
 
         num_layers = len(self_attention_layers(transformer))
         try:

@@ -1,5 +1,6 @@
-"""Imports run one way: foundations <- kernels <- op <- plan <- pipelines / calibrate <- demo model
-and demo <- CLI and benchmarks. A module may import its own layer or lower ones, never a higher one (function-level
+"""Imports run one way: foundations <- kernels <- op <- plan (and the masks it derives for other sizes) <-
+pipelines <- calibration <- demo model and demo <- CLI and benchmarks, and no modules import each other in a
+loop. A module may import its own layer or lower ones, never a higher one (function-level
 imports included: a lazy import is still a dependency)."""
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ LAYERS = [
     ("paroattn.errors", "paroattn.layout", "paroattn.masks", "paroattn.modes"),
     ("paroattn.kernels",),
     ("paroattn.attention",),
-    ("paroattn.plan",),
-    ("paroattn.pipelines", "paroattn.calibrate", "paroattn.summary", "paroattn.testing"),
+    ("paroattn.plan", "paroattn.selection", "paroattn.shapes"),
+    ("paroattn.pipelines", "paroattn.summary", "paroattn.testing"),
+    ("paroattn.calibrate",),
     ("paroattn.demo_model",),
     ("paroattn.cli", "paroattn.bench", "paroattn.__init__"),
 ]
@@ -93,9 +95,10 @@ def test_the_checker_sees_an_upward_import():
 
 
 # what the layers above the op may use of the kernels: data structures and calibration's own statistics
-# kernel; which attention kernel runs a call is the op's decision (`paroattn.attention.decide`), never theirs
+# kernel; which attention kernel runs a call is the op's decision (`paroattn.attention.decide`), never theirs.
+# The process's state (`runtime.PROCESS`) keeps the processors' bindings too
 KERNEL_MODULES_ABOVE_THE_OP = {"paroattn.kernels", "paroattn.kernels.block_lists", "paroattn.kernels.index_math",
-                               "paroattn.kernels.dispatch.block_stats_backend"}
+                               "paroattn.kernels.dispatch.block_stats_backend", "paroattn.kernels.runtime.PROCESS"}
 
 
 def test_processors_and_calibration_ask_the_op_not_the_kernels():
@@ -110,3 +113,53 @@ def test_processors_and_calibration_ask_the_op_not_the_kernels():
                     if not names & KERNEL_MODULES_ABOVE_THE_OP:
                         reaching.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {sorted(names)}")
     assert not reaching, "modules above the op reaching into the kernels:\n" + "\n".join(reaching)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (function-level imports included)."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        targets = {target for _, target in imported_modules(path.read_text(), name, path.name == "__init__.py")}
+        graph[name] = {t for t in targets if t.startswith("paroattn") and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_loop():
+    assert not cycles(import_graph()), cycles(import_graph())
+
+
+def test_the_loop_checker_sees_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]

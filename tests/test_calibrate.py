@@ -10,9 +10,9 @@ from paroattn import Plan, TokenLayout
 from paroattn.calibrate.accumulate import StatsAccumulator
 from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
-from paroattn.calibrate.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
 from paroattn.layout import reorder_index
+from paroattn.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
 
 # the Triton statistics kernel runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

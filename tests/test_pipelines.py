@@ -259,7 +259,7 @@ def test_call_at_another_size(model, change):
 def test_a_plan_with_axis_profiles_runs_at_another_size(model, change, monkeypatch):
     """A plan that holds axis profiles derives its masks for another size, once: a full-density one equals the
     model's own attention there, a sparse one runs its own masks."""
-    import paroattn.calibrate.shapes as shapes
+    import paroattn.shapes as shapes
 
     name, transformer, inputs, reference = model
     if change == "frames" and name == "flux":

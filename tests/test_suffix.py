@@ -151,7 +151,7 @@ def test_suffix_mask_is_checked():
 
 
 def test_calibrated_masks_keep_every_block_that_holds_suffix_text():
-    from paroattn.calibrate.selection import build_masks, forced_blocks
+    from paroattn.selection import build_masks, forced_blocks
 
     layout = TokenLayout(0, 2, 3, 4, suffix=21)  # 45 tokens: text from token 24, in blocks 1 and 2
     n = -(-layout.seq_len // BLOCK)

@@ -14,10 +14,10 @@ torch reference in `block_stats_reference.py`), averaging over prompts and steps
 (`figures.py`). `synthetic.py` plants locality in q, k for tests and the metric study.
 """
 
+from ..selection import METRICS, build_masks, order_scores
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .config import CaptureConfig, ConfigError, SelectionConfig
-from .selection import METRICS, build_masks, order_scores
 
 __all__ = [
     "METRICS",

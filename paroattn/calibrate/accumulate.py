@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .selection import (
+from ..selection import (
     block_entries,
     bucket_densities,
     build_masks,

@@ -24,10 +24,10 @@ import torch
 
 from ..layout import ORDERS, TokenLayout
 from ..plan import Plan, bucket_index, expert_plan_path, model_fingerprint
+from ..shapes import ProfileAccumulator, offset_mass
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .config import CaptureConfig, SelectionConfig
-from .shapes import ProfileAccumulator, offset_mass
 
 STATS_SUFFIX = ".stats.safetensors"
 

@@ -40,7 +40,7 @@ def plan_problems(plan: Plan, binding: Binding) -> list[str]:
 
 def layout_problem(plan: Plan, binding: Binding, inputs: CallInputs, scale: PixelScale, shapes=None) -> str | None:
     """Why `plan` does not fit the tokens of this call (None when it does), with the command that fixes it.
-    `shapes` (`calibrate.shapes.ShapePlans` of the plan): the plan fits every size it was calibrated at or can
+    `shapes` (`shapes.ShapePlans` of the plan): the plan fits every size it was calibrated at or can
     derive masks for; otherwise the message ends with why it cannot."""
     plan_layout = plan.layout
     family, transformer = binding.family, binding.transformer

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 
 from ..attention import BACKENDS, Launch, decide, paro_attention
-from ..calibrate.shapes import ShapePlans
 from ..errors import PlanError
 from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
+from ..shapes import ShapePlans
 from . import plan_fit
 from .base import CallInputs, PixelScale
 from .binding import Binding, BoundProcessor

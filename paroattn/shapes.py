@@ -32,9 +32,9 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import PlanError
-from ..layout import ORDERS, TokenLayout
-from ..plan import Plan
+from .errors import PlanError
+from .layout import ORDERS, TokenLayout
+from .plan import Plan
 from .selection import build_masks, kept_mass_fraction
 
 AXES = "FHW"
