@@ -37,7 +37,7 @@ from paroattn import Plan, TokenLayout, paro_attention
 from paroattn.kernels import reference
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.pipelines import PAROProcessor, apply, family_of, self_attention_layers
-from paroattn.pipelines.prefetch import StackedMasks
+from paroattn.pipelines.prefetch import MaskStore
 from paroattn.plan import bucket_index, bucket_tensor, default_bucket_edges, model_fingerprint
 from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
@@ -341,13 +341,13 @@ def test_bucket_tensor_is_bucket_index_on_the_device():
 
 
 def test_stacked_lists_are_the_plans_masks():
-    """`StackedMasks(lists=True)`: one list width for the whole plan, and every (bucket, layer) picked with an
-    int or a device tensor is `ActiveBlocks.from_mask`'s lists of the plan's mask (padding aside)."""
+    """`MaskStore(lists=True)`, resident: one list width for the whole plan, and every (bucket, layer) picked
+    with an int or a device tensor is `ActiveBlocks.from_mask`'s lists of the plan's mask (padding aside)."""
     layout = TokenLayout(5, 3, 6, 7)
     plan = Plan.synthetic(layout=layout, num_layers=3, num_heads=2, density=0.3, orders="random", num_buckets=3,
                           block_size=TINY_BLOCK)
     plan.dense[1, 2] = True
-    store = StackedMasks(plan, "cpu", lists=True)
+    store = MaskStore(plan, "cpu", lists=True)
     assert store.indices.shape[-1] == int(plan.block_mask.sum(dim=-1).max())
     assert store.layer_dense == (False, False, None)
     for b in range(plan.num_buckets):
@@ -384,7 +384,8 @@ def test_triton_backend_compiles_once_with_resident_lists():
     calls = [on_device(c) for c in forward_calls(transformer, [980.0, 700.0, 150.0])]
     with apply(transformer, plan, backend="triton", resident=True) as handle:
         counter, outputs = run_compiled_and_eager(transformer, calls)
-        assert handle.binding.stacked_masks[str(calls[0]["hidden_states"].device)].lists
+        store = handle.binding.masks[str(calls[0]["hidden_states"].device)]
+        assert store.lists and store.traced
     for got, want in outputs:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert counter.frame_count == 1

@@ -99,11 +99,11 @@ def _ulysses_family(family: str, rank: int) -> dict:
         processor = handle.processor
         found["heads"] = processor._ulysses.heads
         found["head_orders"] = processor.head_plan.orders.clone()
-        found["mask_heads"] = {tuple(handle.binding.masks.get(b, 0).shape) for b in range(plan.num_buckets)}
-        from paroattn.pipelines.prefetch import MaskStore
+        store = handle.binding.masks[handle.binding.eager_masks]
+        found["mask_heads"] = {tuple(store.get(b, 0).shape) for b in range(plan.num_buckets)}
+        from paroattn.pipelines.prefetch import list_bytes
 
-        found["list_bytes"] = (MaskStore(processor.head_plan, "cpu", lists=True).host_bytes,
-                               MaskStore(plan, "cpu", lists=True).host_bytes)
+        found["list_bytes"] = (list_bytes(processor.head_plan), list_bytes(plan))
     with apply(transformer, plan, backend="torch", fuse_rope=False):  # the model's own RoPE before the exchange
         found["unfused_rope"] = [run(transformer, inputs) for inputs in calls]
 

@@ -104,9 +104,9 @@ class PAROHandle:
         return self._originals is not None or any(h.active for h in self.experts.values() if h is not self)
 
     def stats(self) -> dict:
-        """Mask memory and prefetch counters (after at least one forward on the device); `traced_bytes`:
-        per device, the masks that forwards traced by torch.compile read (`StackedMasks`). An expert pair
-        reports each expert's under its name."""
+        """Mask memory and prefetch counters of the store the latest eager forward read (after at least one
+        forward on the device); `traced_bytes`: per device, the masks that forwards traced by torch.compile read
+        (summed over the sizes met). An expert pair reports each expert's under its name."""
         if len(self.experts) > 1:
             return {name: handle._own_stats() for name, handle in self.experts.items()}
         return self._own_stats()
@@ -114,12 +114,13 @@ class PAROHandle:
     def _own_stats(self) -> dict:
         if self.binding is None:
             return {}
-        stats = self.binding.masks.stats() if self.binding.masks is not None else {}
-        if self.binding.stacked_masks:
+        masks = self.binding.masks
+        stats = masks[self.binding.eager_masks].stats() if self.binding.eager_masks in masks else {}
+        traced = [(key.split()[0], store.nbytes) for key, store in masks.items() if store.traced]
+        if traced:
             stats["traced_bytes"] = {}
-            for key, store in self.binding.stacked_masks.items():  # summed over the sizes met on each device
-                device = key.split()[0]
-                stats["traced_bytes"][device] = stats["traced_bytes"].get(device, 0) + store.nbytes
+            for device, size in traced:
+                stats["traced_bytes"][device] = stats["traced_bytes"].get(device, 0) + size
         return stats
 
     def remove(self) -> None:

@@ -21,7 +21,7 @@ from ..attention import warn
 from ..kernels.runtime import PROCESS
 from .base import CallInputs, FamilyAdapter, SelfAttentionCall
 from .context_parallel import context_parallel_config
-from .prefetch import MaskStore, StackedMasks
+from .prefetch import MaskStore
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
 
@@ -41,11 +41,13 @@ class Binding:
         self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
         self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
         self.call_problem: str | None = None
-        self.masks: MaskStore | None = None
-        # for traced forwards: by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80")
-        self.stacked_masks: dict[str, StackedMasks] = {}
+        # by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80"); `eager_masks` is
+        # the key of the store the current eager forward reads (one at a time: eager forwards drop the others
+        # unless a traced graph reads them)
+        self.masks: dict[str, MaskStore] = {}
+        self.eager_masks: str | None = None
         # the process keeps bindings by token for the functions a traced forward calls with constants only
-        # (`processor._prepare_stacked`)
+        # (`processor._prepare_masks`)
         self.token = next(PROCESS.tokens)
         PROCESS.bindings[self.token] = self
         self.warned: set[str] = set()
@@ -96,10 +98,10 @@ class Binding:
 
     def drop_masks(self) -> None:
         """Forget the masks and orders built for devices (the processor's plan of heads changed)."""
-        if self.masks is not None:
-            self.masks.close()
-            self.masks = None
-        self.stacked_masks = {}
+        for store in self.masks.values():
+            store.close()
+        self.masks = {}
+        self.eager_masks = None
 
     def close(self) -> None:
         self.tracker.remove()

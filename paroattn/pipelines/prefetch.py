@@ -1,26 +1,28 @@
-"""Block masks on their way to the attention kernel: built once, kept on the host, copied ahead of use.
+"""Block masks on their way to the attention kernel: one store per plan and device, read the same way by
+eager forwards and by forwards traced by torch.compile.
 
-`MaskStore` turns a plan's masks into `ActiveBlocks` (per head and query block, the list of key
-blocks to visit) once per (bucket, layer) and keeps them in pinned CPU memory. On a CUDA device it
-either copies everything to the GPU once (`resident`, when it is small) or streams: a side CUDA
-stream copies the lists of the next sparse layer into one of a few fixed GPU slots while the
-current layer computes. Events order the two streams both ways:
-- `ready[slot]`, recorded on the side stream after a copy: the compute stream waits on it before
-  the kernel that reads the slot;
-- `released[slot]`, recorded on the compute stream at the next `get` (after the kernel that read
-  the slot was enqueued): the side stream waits on it before overwriting the slot.
-GPU memory for masks is `slots` x the largest layer, whatever the number of layers, buckets or steps.
+`MaskStore` holds a plan's orders, dense flags and masks of every (bucket, layer) for one device:
+- bool masks [buckets, L, H, nq, nk] (`lists=False`: the torch reference takes them), or
+- active-block lists (`lists=True`: the kernels), resident on the device stacked with one list width for the
+  whole plan (counts and schedule int32 [buckets, L, H, nq], indices int32 [buckets, L, H, nq, W], W the
+  longest list of the plan, so a kernel's list width is the same for every layer and bucket; padding
+  entries are 0 and never read; each list is `ActiveBlocks.from_mask`'s), or, for plans too large to keep
+  (`resident`), streamed per layer.
 
-For `backend="torch"` (CPU, tests) the op takes the bool masks; they are sliced from the plan as is.
+`orders[layer]`, `dense_flag(bucket, layer)` and `get(bucket, layer)` are the whole interface. The bucket is
+a Python int in eager forwards (views built once per (bucket, layer), no tensor work per call) or a 0-dim
+device tensor in traced ones (indexing only, nothing read on the host, one graph for every step). On CUDA the
+resident tensors are marked static addresses, so CUDA graphs (`mode="reduce-overhead"`) read them in place.
 
-Both give a layer's device `orders[layer]`, `dense_flag(bucket, layer)` and `get(bucket, layer)`, so a
-call of the processor has one path whichever store serves it.
-
-`StackedMasks` is what a forward traced by torch.compile reads instead: every (bucket, layer) resident on
-the device in one stacked tensor per kind, so that the bucket, a device tensor computed from the timestep,
-selects a layer's mask by indexing (no host read, no branch per bucket, one graph for every step). Streaming
-cannot be traced (it keys slots and events on a bucket known on the host), so plans too large to keep
-resident are refused there.
+Streaming is an eager strategy of the same store: the lists stay in pinned host memory, and a side CUDA
+stream copies the next sparse layer's into one of a few fixed GPU slots while the current layer computes.
+Events order the two streams both ways:
+- `ready[slot]`, recorded on the side stream after a copy: the compute stream waits on it before the
+  kernel that reads the slot;
+- `released[slot]`, recorded on the compute stream at the next `get` (after the kernel that read the slot
+  was enqueued): the side stream waits on it before overwriting the slot.
+GPU memory for masks is then `slots` x the largest layer, whatever the number of layers, buckets or steps.
+It keys slots and events on a bucket known on the host, so it cannot be traced.
 """
 
 from __future__ import annotations
@@ -30,8 +32,18 @@ import torch
 from ..kernels.block_lists import ActiveBlocks
 from ..plan import Plan
 
-# below this many bytes of active-block lists for the whole plan, `resident="auto"` keeps all on the GPU
+# below this many bytes of stacked active-block lists, `resident="auto"` keeps the whole plan on the GPU
 RESIDENT_LIMIT_BYTES = 64 << 20
+
+
+def list_bytes(plan: Plan) -> int:
+    """Bytes of `plan`'s stacked active-block lists (counts, schedule, indices)."""
+    buckets, layers, heads, nq, _ = plan.block_mask.shape
+    return buckets * layers * heads * nq * (_list_width(plan) + 2) * 4
+
+
+def _list_width(plan: Plan) -> int:
+    return max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
 
 
 class MaskStore:
@@ -53,30 +65,53 @@ class MaskStore:
         self.device = torch.device(device)
         self.lists = lists
         self.orders = plan.orders.to(device=self.device, dtype=torch.int32)  # [L, H]
-        self._dense_flags = tuple(tuple(bool(x) for x in row) for row in plan.dense.tolist())
-        self.hits = 0
-        self.misses = 0
-        self.copies = 0
+        self.dense = plan.dense.to(self.device)
+        self.dense_flags = tuple(tuple(bool(x) for x in row) for row in plan.dense.tolist())
+        # per layer: True when dense in every bucket, False in none, None when it depends on the bucket
+        self.layer_dense = tuple(flags[0] if len(set(flags)) == 1 else None for flags in zip(*self.dense_flags))
+        self.num_key_blocks = plan.block_mask.shape[-1]
+        self.hits = self.misses = self.copies = 0
+        self.traced = False  # a graph traced by torch.compile reads this store's tensors (it must stay)
+        self._views: dict[tuple[int, int], torch.Tensor | ActiveBlocks] = {}
         self._sparse_layers = [
-            [layer for layer in range(plan.num_layers) if not bool(plan.dense[b, layer])] for b in range(plan.num_buckets)
+            [layer for layer in range(plan.num_layers) if not self.dense_flags[b][layer]] for b in range(plan.num_buckets)
         ]
-        self._device_masks: dict[tuple[int, int], torch.Tensor] = {}
         self.host: dict[tuple[int, int], ActiveBlocks] = {}
-        self.resident = True
-        self.streaming = False
-        if not lists:
-            return
-        self._build_host_lists()
         on_cuda = self.device.type == "cuda"
-        total = self.host_bytes
-        self.resident = (not on_cuda) or resident is True or (resident == "auto" and total <= resident_limit_bytes)
-        if self.resident:
-            self._gpu = {key: blocks.to(self.device) for key, blocks in self.host.items()}
-        else:
-            self.streaming = True
+        self.streaming = lists and on_cuda and (
+            resident is False or (resident == "auto" and list_bytes(plan) > resident_limit_bytes))
+        tensors = [self.orders, self.dense]
+        if not lists:
+            self.mask = plan.block_mask if self.device.type == "cpu" else plan.block_mask.to(self.device)
+            tensors.append(self.mask)
+        elif self.streaming:
+            self._build_host_lists()
             self._init_slots(slots)
+        else:
+            self.counts, self.indices, self.schedule = self._stack_lists(plan)
+            tensors += [self.counts, self.indices, self.schedule]
+        if on_cuda:
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)
+
+    @property
+    def resident(self) -> bool:
+        return not self.streaming
 
     # -- building ----------------------------------------------------------------------------
+    def _stack_lists(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buckets, layers, heads, nq, _ = plan.block_mask.shape
+        counts = torch.zeros(buckets, layers, heads, nq, dtype=torch.int32, device=self.device)
+        schedule = torch.zeros_like(counts)
+        indices = torch.zeros(buckets, layers, heads, nq, _list_width(plan), dtype=torch.int32, device=self.device)
+        for b in range(buckets):
+            for layer in range(layers):
+                blocks = ActiveBlocks.from_mask(plan.block_mask[b, layer].to(self.device))
+                counts[b, layer] = blocks.counts
+                schedule[b, layer] = blocks.schedule
+                indices[b, layer, ..., : blocks.indices.shape[-1]] = blocks.indices
+        return counts, indices, schedule
+
     def _build_host_lists(self) -> None:
         pin = self.device.type == "cuda"
         build_on = self.device if pin else torch.device("cpu")
@@ -102,18 +137,25 @@ class MaskStore:
     # -- sizes -------------------------------------------------------------------------------
     @property
     def host_bytes(self) -> int:
+        """Bytes of lists kept in pinned host memory (streaming stores)."""
         return sum(blocks.nbytes for blocks in self.host.values())
 
     @property
-    def gpu_bytes(self) -> int:
-        """Bytes of mask data held on the device by this store."""
+    def nbytes(self) -> int:
+        """Bytes of mask data on the store's device (the slots, for a streaming store)."""
+        tensors = [self.orders, self.dense]
         if not self.lists:
-            return sum(m.numel() for m in self._device_masks.values()) if self.device.type == "cuda" else 0
-        if self.device.type != "cuda":
-            return 0
-        if self.resident:
-            return sum(blocks.nbytes for blocks in self._gpu.values())
-        return sum(t.numel() * 4 for t in self._counts + self._indices + self._schedule)
+            tensors.append(self.mask)
+        elif self.streaming:
+            tensors += self._counts + self._indices + self._schedule
+        else:
+            tensors += [self.counts, self.indices, self.schedule]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes of mask data held on the GPU by this store."""
+        return self.nbytes if self.device.type == "cuda" else 0
 
     def stats(self) -> dict:
         return {
@@ -127,6 +169,46 @@ class MaskStore:
         }
 
     # -- use ---------------------------------------------------------------------------------
+    def dense_flag(self, bucket: torch.Tensor | int, layer: int) -> bool | None:
+        """Whether the plan runs the model's own attention for (bucket, layer), known on the host: for a
+        bucket on the device, None when the flag depends on it (then `is_dense` picks on the device)."""
+        return self.layer_dense[layer] if isinstance(bucket, torch.Tensor) else self.dense_flags[bucket][layer]
+
+    def is_dense(self, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
+        """0-dim bool tensor: whether the plan runs the model's own attention for (bucket, layer)."""
+        return self._pick(self.dense, bucket, layer)
+
+    def begin(self, bucket: int) -> None:
+        """An eager forward starts in `bucket`: a streaming store starts copying its first sparse layer."""
+        if self.streaming and self._sparse_layers[bucket]:
+            key = (bucket, self._sparse_layers[bucket][0])
+            if self._slot_of(key) is None:
+                self._issue(key)
+
+    def get(self, bucket: torch.Tensor | int, layer: int):
+        """The mask of (bucket, layer) on the device, ready for use on the current stream: a bool [H, nq, nk]
+        tensor, or ActiveBlocks."""
+        if self.streaming:
+            return self._get_streamed(bucket, layer)
+        if isinstance(bucket, torch.Tensor):
+            return self._select(bucket, layer)
+        view = self._views.get((bucket, layer))
+        if view is None:
+            view = self._views[(bucket, layer)] = self._select(bucket, layer)
+        return view
+
+    def _select(self, bucket: torch.Tensor | int, layer: int):
+        if not self.lists:
+            return self._pick(self.mask, bucket, layer)
+        return ActiveBlocks(self._pick(self.counts, bucket, layer), self._pick(self.indices, bucket, layer),
+                            self.num_key_blocks, self._pick(self.schedule, bucket, layer))
+
+    @staticmethod
+    def _pick(t: torch.Tensor, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
+        if isinstance(bucket, int):
+            return t[bucket, layer]
+        return t[:, layer].index_select(0, bucket.reshape(1)).squeeze(0)
+
     def next_layer(self, bucket: int, layer: int) -> int | None:
         layers = self._sparse_layers[bucket]
         if not layers:
@@ -135,29 +217,6 @@ class MaskStore:
             if candidate > layer:
                 return candidate
         return layers[0]  # the next forward most likely stays in this bucket
-
-    def dense_flag(self, bucket: int, layer: int) -> bool:
-        """Whether the plan runs the model's own attention for (bucket, layer)."""
-        return self._dense_flags[bucket][layer]
-
-    def begin(self, bucket: int) -> None:
-        """A forward starts in `bucket`: start copying its first sparse layer."""
-        if self.streaming and self._sparse_layers[bucket]:
-            key = (bucket, self._sparse_layers[bucket][0])
-            if self._slot_of(key) is None:
-                self._issue(key)
-
-    def get(self, bucket: int, layer: int):
-        """The mask of (bucket, layer) on the device, ready for use on the current stream."""
-        if not self.lists:
-            key = (bucket, layer)
-            if key not in self._device_masks:
-                mask = self.plan.block_mask[bucket, layer]
-                self._device_masks[key] = mask if self.device.type == "cpu" else mask.to(self.device)
-            return self._device_masks[key]
-        if self.resident:
-            return self._gpu[(bucket, layer)]
-        return self._get_streamed(bucket, layer)
 
     def _slot_of(self, key) -> int | None:
         for slot, held in enumerate(self._slot_key):
@@ -214,102 +273,7 @@ class MaskStore:
 
     def close(self) -> None:
         """Drop device copies (the host lists stay for a later run)."""
-        self._device_masks.clear()
-        if self.lists and self.resident:
-            self._gpu = {}
+        self._views.clear()
         if self.streaming:
             self._side.synchronize()
             self._counts = self._indices = self._schedule = []
-
-
-class StackedMasks:
-    """A plan's orders, dense flags and masks of every (bucket, layer) resident on one device, stacked:
-    - `orders` int32 [L, H];
-    - `dense` bool [buckets, L] (the plan's `dense`), with `dense_flags` (its values as Python bools) and
-      `layer_dense` (per layer: True when dense in every bucket, False in none, None when it depends on
-      the bucket), read when the graph is traced;
-    - bool masks [buckets, L, H, nq, nk] (`lists=False`, the torch backend; on the CPU the plan's own
-      tensor), or active-block lists (`lists=True`, the Triton kernels): counts and schedule
-      int32 [buckets, L, H, nq], indices int32 [buckets, L, H, nq, W] with one width W, the longest list
-      of the plan, so the kernel's list width (`indices.shape[-1]`) is the same for every layer and
-      bucket. Padding entries are 0 and never read; each list is `ActiveBlocks.from_mask`'s.
-    `get(bucket, layer)` indexes them with a bucket that is a device tensor or an int: views and
-    index_select only, nothing read on the host. On CUDA the tensors are marked static addresses, so CUDA
-    graphs (`mode="reduce-overhead"`) read them in place instead of copying them at every replay."""
-
-    def __init__(self, plan: Plan, device: torch.device | str, *, lists: bool):
-        self.device = torch.device(device)
-        self.lists = lists
-        self.orders = plan.orders.to(device=self.device, dtype=torch.int32)
-        dense = plan.dense.clone()
-        self.dense = dense.to(self.device)
-        self.dense_flags = tuple(tuple(bool(x) for x in row) for row in dense.tolist())
-        self.layer_dense = tuple(
-            flags[0] if len(set(flags)) == 1 else None for flags in zip(*self.dense_flags)
-        )
-        self.num_key_blocks = plan.block_mask.shape[-1]
-        if lists:
-            self.counts, self.indices, self.schedule = self._stack_lists(plan)
-            tensors = [self.orders, self.dense, self.counts, self.indices, self.schedule]
-        else:
-            self.mask = plan.block_mask if self.device.type == "cpu" else plan.block_mask.to(self.device)
-            tensors = [self.orders, self.dense, self.mask]
-        if self.device.type == "cuda":
-            for t in tensors:
-                torch._dynamo.mark_static_address(t)
-
-    def _stack_lists(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        buckets, layers, heads, nq, _ = plan.block_mask.shape
-        width = max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
-        counts = torch.zeros(buckets, layers, heads, nq, dtype=torch.int32, device=self.device)
-        schedule = torch.zeros_like(counts)
-        indices = torch.zeros(buckets, layers, heads, nq, width, dtype=torch.int32, device=self.device)
-        for b in range(buckets):
-            for layer in range(layers):
-                blocks = ActiveBlocks.from_mask(plan.block_mask[b, layer].to(self.device))
-                counts[b, layer] = blocks.counts
-                schedule[b, layer] = blocks.schedule
-                indices[b, layer, ..., : blocks.indices.shape[-1]] = blocks.indices
-        return counts, indices, schedule
-
-    @staticmethod
-    def list_bytes(plan: Plan) -> int:
-        """Bytes of the stacked active-block lists of `plan` (counts, schedule, indices)."""
-        buckets, layers, heads, nq, _ = plan.block_mask.shape
-        width = max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
-        return buckets * layers * heads * nq * (width + 2) * 4
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.orders, self.dense] + (
-            [self.counts, self.indices, self.schedule] if self.lists else [self.mask])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    @staticmethod
-    def _pick(t: torch.Tensor, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
-        if isinstance(bucket, int):
-            return t[bucket, layer]
-        return t[:, layer].index_select(0, bucket.reshape(1)).squeeze(0)
-
-    def get(self, bucket: torch.Tensor | int, layer: int):
-        """The mask of (bucket, layer): a bool [H, nq, nk] tensor, or ActiveBlocks."""
-        if not self.lists:
-            return self._pick(self.mask, bucket, layer)
-        return ActiveBlocks(
-            self._pick(self.counts, bucket, layer),
-            self._pick(self.indices, bucket, layer),
-            self.num_key_blocks,
-            self._pick(self.schedule, bucket, layer),
-        )
-
-    def begin(self, bucket) -> None:
-        """Nothing to prefetch: every mask is resident."""
-
-    def dense_flag(self, bucket: torch.Tensor | int, layer: int) -> bool | None:
-        """Whether the plan runs the model's own attention for (bucket, layer), known on the host: for a
-        bucket on the device, None when the flag depends on it (then `is_dense` picks on the device)."""
-        return self.layer_dense[layer] if isinstance(bucket, torch.Tensor) else self.dense_flags[bucket][layer]
-
-    def is_dense(self, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
-        """0-dim bool tensor: whether the plan runs the model's own attention for (bucket, layer)."""
-        return self._pick(self.dense, bucket, layer)

@@ -8,14 +8,15 @@ would make a second graph); nothing either does reads a tensor on the host:
 - the bucket is a 0-dim device tensor computed in the graph from the timestep tensor (`Plan.bucket_tensor`),
   not a Python int: one graph serves every step and bucket (eager forwards read the timestep on the host
   once per forward);
-- each layer's orders and mask are indexed out of `StackedMasks` (every bucket and layer resident on the
-  device) with that tensor and the layer's static index; the store is built eagerly while the graph is
-  traced (`_prepare_stacked`, which dynamo calls as a constant function), before anything reads it;
+- each layer's orders and mask are indexed out of the forward's `MaskStore` (every bucket and layer resident
+  on the device) with that tensor and the layer's static index, the same lookup as eager forwards with a
+  host bucket; the store is built eagerly while the graph is traced (`_prepare_masks`, which dynamo calls
+  as a constant function), before anything reads it;
 - a layer whose plan `dense` flag is the same in every bucket branches on the host (static); one whose flag
   depends on the bucket computes both the model's attention and PARO and keeps one with `torch.where`
   (twice the attention work for such layers, and only when traced; calibration never makes such plans);
-- the side-stream mask streaming of eager runs is not traced: a plan too large to keep resident is refused
-  with a message (pass resident=True, or run eagerly).
+- the side-stream mask streaming of eager runs (a strategy of the same store) is not traced: a plan too
+  large to keep resident is refused with a message (pass resident=True, or run eagerly).
 A lone processor must be bound before it is traced (`paroattn.apply`, `processor.bind(transformer)`, or
 one eager forward): the frame walk cannot be traced. Flux's image grid is taken from the plan when the
 token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a host read.
@@ -35,17 +36,17 @@ from . import plan_fit
 from .base import CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
-from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, StackedMasks
+from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
 
 
 @torch._dynamo.assume_constant_result
-def _prepare_stacked(token: int, device: str) -> str:
-    """Build binding `token`'s `StackedMasks` for `device` and the forward's size unless it exists, and return
-    its key in `binding.stacked_masks`. Called from a forward traced by torch.compile: dynamo runs it eagerly
-    while tracing (its result is a constant), so the store's tensors exist before the graph reads them and
-    enter it as inputs (not as ops that would rebuild them every call)."""
+def _prepare_masks(token: int, device: str) -> str:
+    """Build binding `token`'s `MaskStore` for `device` and the forward's size unless it exists, and return its
+    key in `binding.masks`. Called from a forward traced by torch.compile: dynamo runs it eagerly while
+    tracing (its result is a constant), so the store's tensors exist before the graph reads them and enter it
+    as inputs (not as ops that would rebuild them every call)."""
     binding = PROCESS.bindings[token]
-    return binding.processor.prepare_traced(binding, torch.device(device)).key
+    return binding.processor.masks_key(binding, torch.device(device), traced=True)
 
 
 class PAROProcessor(BoundProcessor):
@@ -174,8 +175,8 @@ class PAROProcessor(BoundProcessor):
                 "layout " + binding.call_problem,
                 binding.call_problem + "; running the model's own attention (on_mismatch='dense')",
             )
-        if not traced and binding.masks is not None:
-            binding.masks.begin(binding.bucket)
+        if not traced and (store := binding.masks.get(binding.eager_masks)) is not None:
+            store.begin(binding.bucket)
 
     # -- the call ----------------------------------------------------------------------------
     def uses_block_lists(self, binding: Binding, device: torch.device) -> bool:
@@ -202,48 +203,52 @@ class PAROProcessor(BoundProcessor):
                 "once per size). A size used often is better calibrated into the plan (paro calibrate --sizes)"))
         return plan
 
-    def _masks(self, binding: Binding, device: torch.device) -> MaskStore:
-        # the masks of the forward's size: the plan's, another calibrated size's, or derived for it
-        plan = self._plan_of_call(binding, device)
-        if binding.masks is None or binding.masks.device != device or binding.masks.plan.layout != plan.layout:
-            if binding.masks is not None:
-                binding.masks.close()
-            binding.masks = MaskStore(
-                plan, device, lists=self.uses_block_lists(binding, device),
-                resident=self.resident, slots=self.prefetch_slots,
-            )
-            binding.masks.begin(binding.bucket)
-        return binding.masks
-
-    def prepare(self, binding: Binding, device) -> MaskStore:
-        """Build the masks of every (bucket, layer) for `device` now instead of on the first call."""
-        return self._masks(binding, torch.device(device))
-
-    def prepare_traced(self, binding: Binding, device) -> StackedMasks:
-        """Build what forwards traced by torch.compile read on `device` now (otherwise done while the first
-        one is traced, see `_prepare_stacked`): the stacked masks. Active-block lists are kept resident only
-        when `resident` allows it."""
-        device = torch.device(device)
+    def masks_key(self, binding: Binding, device: torch.device, traced: bool = False) -> str:
+        """The key in `binding.masks` of the store the forward's calls read on `device`, built unless it exists:
+        the masks of the forward's size (the plan's, another calibrated size's, or derived for it). Eager
+        forwards keep one store at a time (a size change drops the previous one unless a traced graph reads
+        it); a traced forward needs every mask resident and refuses a plan too large for that."""
         plan = self._plan_of_call(binding, device)
         key = str(device) if plan.layout == self.plan.layout else f"{device} {plan.layout}"
-        store = binding.stacked_masks.get(key)
-        if store is not None:
-            return store
-        lists = self.uses_block_lists(binding, device)
-        if lists:
-            size = StackedMasks.list_bytes(plan)
-            if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
-                why = ("resident=False asks for it" if self.resident is False else
-                       f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
-                       f"{RESIDENT_LIMIT_BYTES >> 20} MiB that resident='auto' keeps on the GPU")
-                raise RuntimeError(
-                    f"PARO streams this plan's masks per layer on a side CUDA stream ({why}), which torch.compile "
-                    "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
-                    f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
-                )
-        store = binding.stacked_masks[key] = StackedMasks(plan, device, lists=lists)
-        store.key = key
-        return store
+        store = binding.masks.get(key)
+        if store is None:
+            lists = self.uses_block_lists(binding, device)
+            if traced and lists:
+                self._check_resident(plan)
+            store = binding.masks[key] = MaskStore(plan, device, lists=lists, resident=True if traced else self.resident,
+                                                   slots=self.prefetch_slots)
+            store.traced = traced
+            if not traced:
+                store.begin(binding.bucket)
+        elif traced and store.streaming:
+            self._check_resident(plan)  # raises: built by an eager forward that streams
+        store.traced = store.traced or traced
+        if not traced and binding.eager_masks != key:
+            stale = binding.masks.get(binding.eager_masks)
+            if stale is not None and not stale.traced:
+                stale.close()
+                del binding.masks[binding.eager_masks]
+            binding.eager_masks = key
+        return key
+
+    def _check_resident(self, plan: Plan) -> None:
+        """Refuse, with what to do, a plan whose masks `resident` would stream: streaming cannot be traced."""
+        size = list_bytes(plan)
+        if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
+            why = ("resident=False asks for it" if self.resident is False else
+                   f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
+                   f"{RESIDENT_LIMIT_BYTES >> 20} MiB that resident='auto' keeps on the GPU")
+            raise RuntimeError(
+                f"PARO streams this plan's masks per layer on a side CUDA stream ({why}), which torch.compile "
+                "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
+                f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
+            )
+
+    def prepare(self, binding: Binding, device, traced: bool = False) -> MaskStore:
+        """Build the masks of every (bucket, layer) for `device` now instead of on the first call (`traced`:
+        for forwards traced by torch.compile, which need them resident)."""
+        device = torch.device(device)
+        return binding.masks[self.masks_key(binding, device, traced)]
 
     def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
         """The bucket of the forward being traced: a 0-dim device tensor computed from the timestep tensor by
@@ -266,10 +271,10 @@ class PAROProcessor(BoundProcessor):
         # the store of the forward's size
         plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
         if torch.compiler.is_compiling():
-            masks = binding.stacked_masks[_prepare_stacked(binding.token, str(call.q.device))]
+            masks = binding.masks[_prepare_masks(binding.token, str(call.q.device))]
             bucket = self._traced_bucket(binding)
         else:
-            masks, bucket = self._masks(binding, call.q.device), binding.bucket
+            masks, bucket = binding.masks[self.masks_key(binding, call.q.device)], binding.bucket
         # a Python bool; None only when traced and the flag depends on a bucket known on the device alone
         dense = masks.dense_flag(bucket, layer)
         if dense is True:
