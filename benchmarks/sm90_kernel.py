@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paroattn.bench import SHAPES  # noqa: E402
 from paroattn.kernels import sm90  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
+from paroattn.kernels.runtime import allocate  # noqa: E402
 from paroattn.kernels.triton_backend import prepare_kv  # noqa: E402
-from paroattn.kernels.workspace import stream_of, workspace  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main() -> None:
         for density in map(float, args.densities.split(",")):
             mask = synthetic_block_mask(H, nq, nk, density, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
-            buffers = workspace(q, 128, 64, "int8", "fp8", True, False, stream_of(q.device))
+            buffers = allocate(*q.shape, q.dtype, q.device, 128, 64, "int8", "fp8", True)
             kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
                 k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, 64, "int8", "fp8", q=q,
                 bq=128, buffers=buffers)

@@ -17,7 +17,7 @@ from .errors import PAROInputError
 from .kernels.block_lists import ActiveBlocks
 from .kernels.dispatch import BACKENDS, Launch, Refusal
 from .kernels.reference import paro_attention_reference
-from .kernels.runtime import PROCESS, runtime_of
+from .kernels.runtime import PROCESS, decide_launch
 from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape
 from .modes import modes_problem
@@ -27,34 +27,6 @@ from .modes import modes_problem
 def _warn_while_traced(message: str) -> bool:
     warnings.warn(message, stacklevel=1)
     return True
-
-
-@torch._dynamo.assume_constant_result
-def _traced_decision(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
-                     key_mask: bool, unit_stride: bool, backend: str) -> str:
-    """`Runtime.decide` of a call being traced by torch.compile, made eagerly while it is traced (dynamo cannot
-    trace the dispatcher, and a memo filled while tracing would recompile the next call), as a string dynamo
-    keeps as a constant: the decided launch (`Launch.encode`) where a kernel runs it, else "!" and the reason
-    it does not (if any)."""
-    decision = runtime_of(torch.device(device)).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
-                                                       backend)
-    if isinstance(decision, Refusal):
-        return "!" + decision.reason
-    return decision.encode() if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
-
-
-# head dims and block sizes a traced call's decision sees as themselves; others as -1, which every kernel refuses
-_TRACED_SIZES = (16, 32, 48, 64, 80, 96, 128, 256)
-
-
-def _plain(size, known: tuple[int, ...]) -> int:
-    """`size` as a Python int while torch.compile traces, where a size that changed between compiles is
-    symbolic and cannot enter a constant function: compared with the values in `known` (each comparison a
-    guard, so a new value recompiles), -1 where it is none of them."""
-    for value in known:  # (no isinstance(size, int) shortcut: dynamo answers True for a symbolic int too)
-        if size == value:
-            return value
-    return -1
 
 
 def warn(message: str, stacklevel: int = 2) -> None:
@@ -104,18 +76,11 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
 
 def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
            rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
-    """Which kernel runs a call of `paro_attention` with q (eager or traced by torch.compile) on `device` (by
-    default q's), through that device's `kernels.runtime.Runtime.decide`: the op, processors and benchmarks ask
-    this, never the kernels' modules (a meta q on a given device asks about that device's calls)."""
-    device = q.device if device is None else torch.device(device)
-    # the RoPE pass writes contiguous copies; a new out is strided like q
-    if torch.compiler.is_compiling():
-        traced = _traced_decision(str(device), _plain(q.shape[-1], _TRACED_SIZES), q.dtype,
-                                  _plain(bq, _TRACED_SIZES), _plain(bk, _TRACED_SIZES), qk, pv, key_mask,
-                                  rotary or _plain(q.stride(-1), (1,)) == 1, backend)
-        return Refusal(traced[1:]) if traced.startswith("!") else Launch.decode(traced)
-    return runtime_of(device).decide(q.shape[-1], q.dtype, bq, bk, qk, pv, key_mask, rotary or q.stride(-1) == 1,
-                                     backend)
+    """Which kernel runs a call of `paro_attention` with q on `device` (by default q's), eager or traced by
+    torch.compile (`kernels.runtime.decide_launch`): the op, processors and benchmarks ask this, never the kernels'
+    modules (a meta q on a given device asks about that device's calls)."""
+    return decide_launch(q.device if device is None else torch.device(device), q.shape[-1], q.dtype, bq, bk, qk, pv,
+                       key_mask, rotary, q.stride(-1), backend)
 
 
 def _check_arguments(qk, pv, backend, block_size) -> None:

@@ -17,7 +17,7 @@ import kernel_calls  # noqa: E402
 from paroattn import TokenLayout, paro_attention  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
 from paroattn.kernels import launcher as launcher_module  # noqa: E402
-from paroattn.kernels import op, runtime, triton_backend, workspace  # noqa: E402
+from paroattn.kernels import op, runtime, triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.kernels.runtime import PROCESS, runtime_of  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
@@ -142,7 +142,7 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     assert not torch.equal(out_second, out_first)
     # the reused set holds what a fresh set (as while a CUDA graph is captured) gets from this call
     B, _, N, _ = first[0].shape
-    fresh = workspace.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
+    fresh = runtime.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
     triton_backend.prepare_kv(*first[1:], orders, *GRID, BLOCK, qk, pv, buffers=fresh)
     for name in ("kq", "k_scale", "vq"):
         assert torch.equal(getattr(fresh, name), getattr(buffers, name)), name

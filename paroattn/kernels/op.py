@@ -81,9 +81,7 @@ def run(
         return block_sparse_attention(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, *geometry,
                                       decision.encode(), *rotary, suffix_mask)
     runtime = runtime_of(q.device)
-    blocks = block_mask if isinstance(block_mask, ActiveBlocks) else runtime.lists_of(block_mask)
-    if blocks.counts.device != q.device:
-        blocks = blocks.to(q.device)
+    orders, blocks = runtime.kernel_inputs(orders, block_mask)
     # eager: the custom op's function without its dispatch
-    return launch(runtime, decision, q, k, v, runtime.device_orders(orders), blocks.counts, blocks.indices,
-                  blocks.schedule, *geometry, *rotary, suffix_mask)
+    return launch(runtime, decision, q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, *geometry,
+                  *rotary, suffix_mask)

@@ -5,8 +5,8 @@ Per device (`runtime_of(device)`):
 - decisions: `dispatch.resolve` per call key (`decide`, the one place that builds a `dispatch.Call`), so an
   eager call decides its kernel with one dict lookup; where a call may run the sm90 CUDA kernel, deciding it
   builds (or loads) that kernel first, as an explicit step whose outcome is a fact of the `Call`;
-- workspaces: the buffer sets the kernels write and read back, reused per stream and `LaunchPlan`
-  (`workspace`): allocating them and building their descriptors would cost more host time than the rest of
+- workspaces: the buffer sets the kernels write and read back (`Buffers`), reused per stream and
+  `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than the rest of
   a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
 - orders: device copies of host `orders` tensors.
@@ -22,18 +22,86 @@ import itertools
 import sys
 import weakref
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from . import dispatch
 from .block_lists import ActiveBlocks
 from .launcher import LaunchState
-from .workspace import Buffers, allocate
+from .statistics import Statistics
 
 WORKSPACES = 4  # buffer sets kept per device; the oldest goes beyond, its memory back to torch's allocator
 MASK_LISTS = 64  # bool masks whose lists are kept per device
 SEQUENCES = 16  # recorded launch sequences per buffer set (one per distinct call into it, e.g. strides)
+
+
+@dataclass
+class Buffers:
+    """What a call writes and then reads back: the statistics of the quantized modes, the prologue's
+    reordered (quantized) K, V and Q with their scales, the RoPE pass's rotated q and k, and the
+    descriptors the attention kernels read them by. `placeholder` (1 element) where the modes do not use a
+    part, and for pointer arguments a mode does not read: one per set, as the set's memory is (a placeholder
+    kept across calls, made in a CUDA-graph pool, would outlive what the graph trees account for)."""
+
+    kq: torch.Tensor
+    k_scale: torch.Tensor
+    vq: torch.Tensor
+    qq: torch.Tensor
+    q_scale: torch.Tensor
+    placeholder: torch.Tensor
+    rotated: tuple[torch.Tensor, torch.Tensor] | None = None
+    statistics: Statistics | None = None
+    descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
+    # the launches of earlier calls into this set, by what they depend on (`launch`); None: a set of one
+    # call (a graph capture, the custom op), which records nothing
+    sequences: dict | None = None
+
+    def addresses(self) -> set[int]:
+        """Where this set's buffers (its placeholder included) live."""
+        tensors = [self.kq, self.k_scale, self.vq, self.qq, self.q_scale, self.placeholder, *(self.rotated or ())]
+        if self.statistics is not None:
+            stats = self.statistics
+            tensors += [stats.k_mean, stats.v_amax, stats.k_partial, stats.v_partial, stats.arrivals]
+        return {t.data_ptr() for t in tensors}
+
+
+def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
+             write_q: bool, rotary: bool = False) -> Buffers:
+    nk, nq = -(-N // bk), -(-N // bq)
+    n_pad = nk * bk
+    placeholder = torch.zeros(1, dtype=torch.float32, device=device)
+    k_scale = qq = q_scale = placeholder
+    if qk != "bf16":
+        kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
+        k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
+    else:
+        kq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
+    if pv != "bf16":
+        vq = torch.empty(B * H, D, n_pad, dtype=torch.float8_e4m3fn if pv == "fp8" else torch.int8, device=device)
+    else:
+        vq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
+    if write_q:
+        qq = torch.empty(B * H, nq * bq, D, dtype=dtype if qk == "bf16" else torch.int8, device=device)
+        if qk != "bf16":
+            q_scale = torch.empty(B * H, nq, dtype=torch.float32, device=device)
+    rotated = None
+    if rotary:
+        q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
+        rotated = (q_rot, torch.empty_like(q_rot))
+    stats = Statistics(B, H, N, D, device) if qk != "bf16" or pv != "bf16" else None
+    return Buffers(kq, k_scale, vq, qq, q_scale, placeholder, rotated, stats)
+
+
+def stream_of(device: torch.device) -> int | None:
+    """The current stream's handle on a CUDA device (None: capturing a graph, no reuse); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device.index)
 
 
 class Process:
@@ -103,7 +171,7 @@ class Runtime:
         return sm90.load_failure(head_dim, dtype, self.device)
 
     def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
-        """The reused buffer set of `stream` (`workspace.stream_of`) for calls of `plan`'s kernel and shape (a
+        """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape (a
         fresh set while a graph is captured: stream None). Calls on one stream run in order, so a call's
         prologue writes the buffers only after the previous call's kernels read them; a call on another
         stream gets its own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
@@ -125,6 +193,16 @@ class Runtime:
         elif len(kept) > 1:
             kept.move_to_end(key)
         return buffers
+
+    def kernel_inputs(self, orders: torch.Tensor, block_mask: torch.Tensor | ActiveBlocks
+                      ) -> tuple[torch.Tensor, ActiveBlocks]:
+        """A checked call's `orders` and mask as the kernels take them on this device: contiguous int32 orders
+        (`device_orders`) and active-block lists (prebuilt ones moved here if they are elsewhere, or the kept
+        lists of a bool mask: `lists_of`)."""
+        blocks = block_mask if isinstance(block_mask, ActiveBlocks) else self.lists_of(block_mask)
+        if blocks.counts.device != self.device:
+            blocks = blocks.to(self.device)
+        return self.device_orders(orders), blocks
 
     def lists_of(self, mask: torch.Tensor) -> ActiveBlocks:
         """`ActiveBlocks` of a bool block mask on this device, built there without a host sync, or the kept
@@ -188,6 +266,48 @@ def runtime_of(device: torch.device) -> Runtime:
             return runtime_of(torch.device("cuda", torch.cuda.current_device()))
         runtime = _RUNTIMES[device] = Runtime(device)
     return runtime
+
+
+def decide_launch(device: torch.device, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
+           key_mask: bool, rotary: bool, stride: int, backend: str) -> dispatch.Launch | dispatch.Refusal:
+    """The decision for a call on `device` of q with this head dim, dtype and stride along D: the device
+    runtime's (`Runtime.decide`), eagerly; while torch.compile traces the call, the same made eagerly and kept
+    in the graph as a constant (`_decided_while_traced`). q and out have unit stride along D where the RoPE
+    pass writes contiguous copies or q has it (a new out is strided like q)."""
+    if torch.compiler.is_compiling():
+        code = _decided_while_traced(str(device), _plain(head_dim, _TRACED_SIZES), dtype, _plain(bq, _TRACED_SIZES),
+                                     _plain(bk, _TRACED_SIZES), qk, pv, key_mask, rotary or _plain(stride, (1,)) == 1,
+                                     backend)
+        return dispatch.Refusal(code[1:]) if code.startswith("!") else dispatch.Launch.decode(code)
+    return runtime_of(device).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, rotary or stride == 1, backend)
+
+
+@torch._dynamo.assume_constant_result
+def _decided_while_traced(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
+                          key_mask: bool, unit_stride: bool, backend: str) -> str:
+    """`Runtime.decide` of a call being traced, made eagerly while it is traced (dynamo cannot trace the
+    dispatcher, and a memo filled while tracing would recompile the next call), as a string dynamo keeps as a
+    constant: the decided launch (`Launch.encode`) where a kernel runs it, else "!" and the reason it does not
+    (if any)."""
+    decision = runtime_of(torch.device(device)).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
+                                                       backend)
+    if isinstance(decision, dispatch.Refusal):
+        return "!" + decision.reason
+    return decision.encode() if decision.backend != "torch" else "!" + (decision.fallback_reason or "")
+
+
+# head dims and block sizes a traced call's decision sees as themselves; others as -1, which every kernel refuses
+_TRACED_SIZES = (16, 32, 48, 64, 80, 96, 128, 256)
+
+
+def _plain(size, known: tuple[int, ...]) -> int:
+    """`size` as a Python int while torch.compile traces, where a size that changed between compiles is
+    symbolic and cannot enter a constant function: compared with the values in `known` (each comparison a
+    guard, so a new value recompiles), -1 where it is none of them."""
+    for value in known:  # (no isinstance(size, int) shortcut: dynamo answers True for a symbolic int too)
+        if size == value:
+            return value
+    return -1
 
 
 def set_kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str,

@@ -33,9 +33,8 @@ from .dispatch import CUDA, GLUON, Launch, LaunchPlan
 from .launcher import LaunchSequence, aligned
 from .reference import key_mean_stride
 from .rotary import _rotate_kernel, rotate_qk
-from .runtime import PROCESS, SEQUENCES, Runtime
+from .runtime import PROCESS, SEQUENCES, Buffers, Runtime, allocate, stream_of
 from .statistics import _statistics_kernel
-from .workspace import Buffers, allocate, stream_of
 
 QK_CODES = {"bf16": QK_FP, "int8": QK_INT8, "int4": QK_INT4}
 PV_CODES = {"bf16": PV_FP, "fp8": PV_FP8, "int8": PV_INT8}

@@ -70,11 +70,12 @@ def layout_problem(plan: Plan, binding: Binding, inputs: CallInputs, scale: Pixe
 @torch._dynamo.assume_constant_result
 def traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: str | None) -> str | None:
     """`layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted eagerly while
-    the graph is traced (dynamo cannot trace formatting the layouts); a mismatch under on_mismatch="error"
+    the graph is traced (dynamo calls this as a constant function); a mismatch under on_mismatch="error"
     raises its PlanError here."""
     binding = PROCESS.bindings[token]
     inputs = CallInputs(0.0, None if shape is None else TokenLayout(*shape), problem)
-    message = binding.processor.layout_problem(binding, inputs)
+    processor = binding.processor
+    message = layout_problem(processor.plan, binding, inputs, processor.scale(binding), processor.shapes)
     if message is not None and binding.processor.on_mismatch == "error":
         raise PlanError(message + OR_DENSE)
     return message

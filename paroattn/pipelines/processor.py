@@ -148,7 +148,11 @@ class PAROProcessor(BoundProcessor):
         return True
 
     def layout_problem(self, binding: Binding, inputs: CallInputs) -> str | None:
-        """Why the plan does not fit this call's tokens (None when it does)."""
+        """Why the plan does not fit this call's tokens (None when it does), in eager and traced forwards alike
+        (while traced, the message is formatted eagerly: dynamo cannot trace formatting the layouts)."""
+        if torch.compiler.is_compiling():
+            shape = None if inputs.layout is None else inputs.layout.fields
+            return plan_fit.traced_layout_problem(binding.token, shape, inputs.problem)
         return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding), self.shapes)
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
@@ -160,14 +164,7 @@ class PAROProcessor(BoundProcessor):
             binding.bucket = None
         else:
             binding.bucket = self.plan.bucket_of(inputs.timestep_1000())
-        if binding.static_problem:
-            binding.call_problem = None
-        elif traced:  # the messages are formatted eagerly (dynamo cannot trace formatting the layouts)
-            layout = inputs.layout
-            shape = None if layout is None else layout.fields
-            binding.call_problem = plan_fit.traced_layout_problem(binding.token, shape, inputs.problem)
-        else:
-            binding.call_problem = self.layout_problem(binding, inputs)
+        binding.call_problem = None if binding.static_problem else self.layout_problem(binding, inputs)
         if binding.call_problem is not None:
             if self.on_mismatch == "error":
                 raise PlanError(binding.call_problem + plan_fit.OR_DENSE)

@@ -175,9 +175,8 @@ def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str 
     """The whole op on this family: the Triton K/V/Q prologue (into new buffers), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
     Raises ValueError with `refusal`'s reason, or KernelLoadError."""
     from ..block_lists import ActiveBlocks
-    from ..runtime import runtime_of
+    from ..runtime import allocate, runtime_of
     from ..triton_backend import prepare_kv
-    from ..workspace import allocate
 
     B, H, N, D = q.shape
     arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
