@@ -141,6 +141,38 @@ def _nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes that the driver encodes and a kernel takes by value (`__grid_constant__`).
+    ctypes aligns a structure to 8 bytes at most, the driver wants 64: the map is encoded into an aligned spot of
+    a larger buffer and copied here, and a launch copies it again from here into the kernel's parameters."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle by span in bytes
+
+
+def encode_tensor_map(address: int, rows: int, row_bytes: int, row_stride: int, box_rows: int, box_bytes: int,
+                      swizzle: int) -> TensorMap:
+    """The tensor map of a 2-D byte array at device `address` (`rows` rows of `row_bytes` bytes, `row_stride`
+    bytes apart) whose copies move boxes of `box_rows` x `box_bytes` into shared memory swizzled over `swizzle`
+    bytes (0, 32, 64 or 128) with `cuTensorMapEncodeTiled`; raises KernelLoadError."""
+    lib = driver()
+    if not hasattr(lib, "cuTensorMapEncodeTiled"):
+        raise KernelLoadError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver or newer)")
+    buffer = ctypes.create_string_buffer(128 + 64)
+    aligned = (ctypes.addressof(buffer) + 63) & ~63
+    dims = (ctypes.c_uint64 * 2)(row_bytes, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride)
+    box = (ctypes.c_uint32 * 2)(box_bytes, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    uint8, no_interleave, no_l2_promotion, no_oob_fill = 0, 0, 0, 0
+    _check_cuda(lib.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned), uint8, ctypes.c_uint32(2), ctypes.c_void_p(address), dims, strides, box, unit,
+        no_interleave, _SWIZZLE[swizzle], no_l2_promotion, no_oob_fill), "cuTensorMapEncodeTiled")
+    return TensorMap.from_buffer_copy(ctypes.string_at(aligned, 128))
+
+
 @dataclass
 class Kernel:
     """One loaded `extern "C"` kernel of a cubin, in the current context of the device it was loaded on."""
@@ -152,7 +184,7 @@ class Kernel:
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream: int,
                shared_bytes: int) -> None:
         """`args`: ctypes values in the kernel's parameter order (c_void_p pointers, c_int, c_longlong,
-        c_float)."""
+        c_float, TensorMap)."""
         if shared_bytes > self.max_shared_bytes:
             raise KernelLoadError(f"a launch needs {shared_bytes} bytes of shared memory, the kernel was loaded with "
                                   f"{self.max_shared_bytes}")
