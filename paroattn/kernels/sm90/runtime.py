@@ -150,13 +150,15 @@ class TensorMap(ctypes.Structure):
 
 
 _SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle by span in bytes
+_L2_PROMOTION = {0: 0, 64: 1, 128: 2, 256: 3}  # CUtensorMapL2promotion by bytes
 
 
 def encode_tensor_map(address: int, rows: int, row_bytes: int, row_stride: int, box_rows: int, box_bytes: int,
-                      swizzle: int) -> TensorMap:
+                      swizzle: int, l2_promotion: int = 0) -> TensorMap:
     """The tensor map of a 2-D byte array at device `address` (`rows` rows of `row_bytes` bytes, `row_stride`
     bytes apart) whose copies move boxes of `box_rows` x `box_bytes` into shared memory swizzled over `swizzle`
-    bytes (0, 32, 64 or 128) with `cuTensorMapEncodeTiled`; raises KernelLoadError."""
+    bytes (0, 32, 64 or 128), their L2 fetches promoted to `l2_promotion` bytes (0: none, 64, 128, 256), with
+    `cuTensorMapEncodeTiled`; raises KernelLoadError."""
     lib = driver()
     if not hasattr(lib, "cuTensorMapEncodeTiled"):
         raise KernelLoadError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver or newer)")
@@ -166,10 +168,10 @@ def encode_tensor_map(address: int, rows: int, row_bytes: int, row_stride: int, 
     strides = (ctypes.c_uint64 * 1)(row_stride)
     box = (ctypes.c_uint32 * 2)(box_bytes, box_rows)
     unit = (ctypes.c_uint32 * 2)(1, 1)
-    uint8, no_interleave, no_l2_promotion, no_oob_fill = 0, 0, 0, 0
+    uint8, no_interleave, no_oob_fill = 0, 0, 0
     _check_cuda(lib.cuTensorMapEncodeTiled(
         ctypes.c_void_p(aligned), uint8, ctypes.c_uint32(2), ctypes.c_void_p(address), dims, strides, box, unit,
-        no_interleave, _SWIZZLE[swizzle], no_l2_promotion, no_oob_fill), "cuTensorMapEncodeTiled")
+        no_interleave, _SWIZZLE[swizzle], _L2_PROMOTION[l2_promotion], no_oob_fill), "cuTensorMapEncodeTiled")
     return TensorMap.from_buffer_copy(ctypes.string_at(aligned, 128))
 
 
