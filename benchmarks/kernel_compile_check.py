@@ -108,9 +108,10 @@ def _check_gluon_kernel(sass: bool) -> int:
 SM90_MAX_LOOP_INSTRUCTIONS = 300  # per thread per 64 keys in the unmasked key loop
 
 
-def _cuobjdump() -> str:
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one Triton ships, else None."""
     bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return shutil.which("cuobjdump") or str(bundled)
+    return shutil.which("cuobjdump") or (str(bundled) if bundled.is_file() else None)
 
 
 def key_loop_instructions(sass: str) -> tuple[int, int]:
@@ -144,7 +145,10 @@ def sm90_compile(head_dim: int, out_bf16: bool, workdir: Path) -> dict:
         raise RuntimeError(f"sm_90a compile failed (D={head_dim}):\n{log[-4000:]}")
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
-    sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, timeout=300).stdout
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("no cuobjdump (on PATH or in Triton's wheel) to read the SASS with")
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=300).stdout
     loop, keys = key_loop_instructions(sass)
     return {"registers": max(registers), "spill_bytes": sum(spills), "serialized_wgmma": "serializ" in log.lower(),
             "loop_instructions_per_64_keys": loop * 64 / keys, "log": log}

@@ -42,9 +42,9 @@ def _compile_check():
 
 @pytest.mark.parametrize("head_dim,dtype", sm90.VARIANTS)
 def test_every_variant_compiles_for_sm90a_within_its_register_and_instruction_budgets(head_dim, dtype, tmp_path):
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not on PATH")
     check = _compile_check()
+    if shutil.which("nvcc") is None or check.cuobjdump() is None:
+        pytest.skip("nvcc or cuobjdump not found")
     report = check.sm90_compile(head_dim, dtype == torch.bfloat16, tmp_path)
     print(f"D={head_dim} {dtype}: {report['registers']} registers, {report['spill_bytes']} spill bytes, "
           f"{report['loop_instructions_per_64_keys']} instructions per 64 keys")
@@ -88,6 +88,14 @@ def test_refusals_name_the_reason(change, expected):
     assert sm90.refusal(**{**call, "qk": "int4"}) is None
     reason = sm90.refusal(**{**call, **change})
     assert reason is not None and expected in reason
+
+
+def test_tensor_maps_refuse_buffers_tma_cannot_read():
+    """Checked before any driver call: contiguous 8-bit buffers at 16-byte aligned addresses."""
+    kq = torch.zeros(2, 128, 64, dtype=torch.int8)
+    for bad in (kq.transpose(1, 2), kq.to(torch.bfloat16), kq.flatten()[1:].view(1, 1, -1)):
+        with pytest.raises(ValueError, match="contiguous 8-bit"):
+            sm90.tensor_maps(kq, bad, kq)
 
 
 # ---------------------------------------------------------------------------------------------
