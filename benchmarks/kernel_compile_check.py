@@ -4,12 +4,16 @@
     python benchmarks/kernel_compile_check.py --sass     # + matrix/copy/spill instruction counts
     python benchmarks/kernel_compile_check.py --block 128 --block-k 64 --match q_tma=True   # 128 x 64 tiles, Q by TMA
     python benchmarks/kernel_compile_check.py --gluon [--sass]   # the warp-specialized Gluon kernel (hopper_attention)
+    python benchmarks/kernel_compile_check.py --sm90     # the sm_90a CUDA kernel (kernels/sm90) with nvcc
 
 Catches front-end and lowering errors before device time is spent (the interpreter does not: it runs
 the Python, not the compiler), and shows whether the products use wgmma (HGMMA / IGMMA / QGMMA),
 whether loads are pipelined (LDGSTS) and whether registers spill (STL / LDL). Pointer and stride
 arguments are specialized the way a real launch specializes them (16-byte divisibility, unit
 innermost strides); without that, Triton neither vectorizes nor pipelines the loads.
+`--sm90` compiles every variant of the CUDA kernel with the nvcc on PATH (`-Xptxas -v`) and checks no register
+spills, the register ceiling of its CTAs per SM, and the instructions per thread per 64 keys of its unmasked
+key loop (SASS through cuobjdump, which Triton ships).
 Needs the `ptxas` that Triton ships (or one on PATH). The GPU results in benchmarks/results/ were
 taken with triton 3.6: install that version (`pip install --target DIR triton==3.6.0`,
 PYTHONPATH=DIR) to check what ran there; newer releases accept some code 3.6 rejects.
@@ -20,12 +24,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -99,6 +105,78 @@ def _check_gluon_kernel(sass: bool) -> int:
     return failures
 
 
+SM90_MAX_LOOP_INSTRUCTIONS = 300  # per thread per 64 keys in the unmasked key loop
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one Triton ships, else None."""
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return shutil.which("cuobjdump") or (str(bundled) if bundled.is_file() else None)
+
+
+def key_loop_instructions(sass: str) -> tuple[int, int]:
+    """(instructions, keys per iteration) of the sm90 kernel's unmasked key loop in `cuobjdump -sass` text: the
+    loop (a backward branch and its target) that issues Q K^T over two key blocks (IGMMA.64x128) and reads
+    nothing from global memory (the masked loop reads the key mask)."""
+    instructions = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in instructions:
+        branch = re.search(r"\bBRA(?:\.\S+)*\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for a, t in instructions if int(branch.group(1), 16) <= a <= address]
+            if any("IGMMA.64x128" in t for t in body) and not any(re.search(r"\bLDG\b", t) for t in body):
+                loops.append(len(body))
+    if not loops:
+        raise ValueError("no unmasked key loop (IGMMA.64x128x32 without LDG inside a backward branch) in the SASS")
+    return min(loops), 128
+
+
+def sm90_compile(head_dim: int, out_bf16: bool, workdir: Path) -> dict:
+    """nvcc's report on one variant of kernels/sm90/attention.cu: registers, spill bytes, and SASS instructions per
+    thread per 64 keys of the unmasked key loop."""
+    source = Path(__file__).resolve().parents[1] / "paroattn" / "kernels" / "sm90" / "attention.cu"
+    cubin = workdir / f"sm90-d{head_dim}-{int(out_bf16)}.cubin"
+    result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17",
+                             "--use_fast_math", "-Xptxas", "-v", f"-DPARO_HEAD_DIM={head_dim}",
+                             f"-DPARO_OUT_BF16={int(out_bf16)}", "-o", str(cubin), str(source)],
+                            capture_output=True, text=True, timeout=600)
+    log = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise RuntimeError(f"sm_90a compile failed (D={head_dim}):\n{log[-4000:]}")
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("no cuobjdump (on PATH or in Triton's wheel) to read the SASS with")
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=300).stdout
+    loop, keys = key_loop_instructions(sass)
+    return {"registers": max(registers), "spill_bytes": sum(spills), "serialized_wgmma": "serializ" in log.lower(),
+            "loop_instructions_per_64_keys": loop * 64 / keys, "log": log}
+
+
+def _check_sm90() -> int:
+    import tempfile
+
+    from paroattn.kernels import sm90
+
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for head_dim, dtype in sm90.VARIANTS:
+            report = sm90_compile(head_dim, dtype == torch.bfloat16, Path(tmp))
+            ceiling = sm90.REGISTER_CEILING[head_dim]
+            problems = [text for bad, text in (
+                (report["spill_bytes"], f"{report['spill_bytes']} bytes of spills"),
+                (report["registers"] > ceiling, f"{report['registers']} registers, over {ceiling}"),
+                (report["serialized_wgmma"], "ptxas serialized the wgmma pipeline"),
+                (report["loop_instructions_per_64_keys"] > SM90_MAX_LOOP_INSTRUCTIONS,
+                 f"over {SM90_MAX_LOOP_INSTRUCTIONS} instructions per 64 keys")) if bad]
+            failures += bool(problems)
+            print(f"sm90 D={head_dim} {dtype}: {report['registers']} registers, {report['spill_bytes']} spill bytes, "
+                  f"{report['loop_instructions_per_64_keys']:.1f} SASS instructions per thread per 64 keys"
+                  + (f"  FAILED: {'; '.join(problems)}" if problems else ""))
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="print instruction counts of each attention variant")
@@ -108,7 +186,12 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--match", default="", help="only variants whose label holds all these words, e.g. 'q_tma=True D=128'")
     parser.add_argument("--gluon", action="store_true", help="check the warp-specialized Gluon kernel instead")
+    parser.add_argument("--sm90", action="store_true", help="check the sm_90a CUDA kernel (nvcc) instead")
     args = parser.parse_args()
+    if args.sm90:
+        failures = _check_sm90()
+        print(f"sm90 CUDA kernel: {failures} variants failed")
+        return 1 if failures else 0
     if args.gluon:
         failures = _check_gluon_kernel(args.sass)
         print(f"triton {triton.__version__}: gluon kernel, {failures} failed")

@@ -1,24 +1,36 @@
-"""The sm_90a CUDA kernel alone (its prologue outside the timing) in variants of its compile-time defines, with
-FlashAttention-3 FP8's forward (kernel alone, `fa3-fwd`, when importable) beside it on the same shape.
+"""The sm_90a CUDA kernel alone (its prologue outside the timing) beside its dense peers on the same shape:
+cuDNN SDPA (bf16), FlashAttention-3 FP8's forward (`fa3-fwd`, when importable) and SageAttention2's sm90 kernel
+(INT8 QK, FP8 PV with fp32 two-level accumulation; built from a checkout of its source with `--sageattention`).
+The peers are their kernels alone on inputs already quantized and laid out as they want them, dense.
 
     python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b,cogvideox-5b --densities 1.0,0.2 \\
-        --variant default: --variant five-stages:PARO_STAGES=5 --out sm90-variants.json
-    ncu --kernel-name paro_attention_int8_fp8 --launch-skip 5 --launch-count 1 \\
-        python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b --densities 1.0 --profile
+        --sageattention SageAttention/ --out sm90.json
+    python benchmarks/sm90_kernel.py --variant default: --variant other@old_attention.cu: ...
+    python benchmarks/sm90_kernel.py --compare paroattn.kernels.sm90_before ...
+    ncu --kernel-name regex:"paro_attention|qk_int8_sv_f8" --launch-skip 5 --launch-count 2 \\
+        python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b --densities 1.0 --sageattention ... --profile
 
 A variant is NAME:KEY=VALUE,KEY=VALUE (defines of attention.cu that replace the family's own), or
-NAME@SOURCE.cu:KEY=VALUE,... to compile another source (an older kernel) with those defines. Each variant's
-output is compared with the first variant's (relative L2) so a faster variant that computes something else
-shows. Times: median of CUDA-event-timed launches, no L2 flush (the kernel reads K/V many times per call).
+NAME@SOURCE.cu:KEY=VALUE,... to compile another source with the family's launch. `--compare PACKAGE` times
+another implementation of the family's `launch` (e.g. an earlier version of `paroattn.kernels.sm90` copied
+under another name) on the same buffers. Each output is compared with the first variant's (relative L2), so a
+faster variant that computes something else shows. Times: median of CUDA-event-timed launches, no L2 flush
+(the kernels read K/V many times per call). TOPS: 4 * active query-key pairs * D over the time.
+
+SageAttention2 is built with torch.utils.cpp_extension from its csrc/qattn/pybind_sm90.cpp and
+qk_int_sv_f8_cuda_sm90.cu (nvcc, ninja, about 95 s), linked with -lcuda (a libcuda.so link to the driver's
+libcuda.so.1 is made in the build folder); it is timed, never shipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,6 +69,17 @@ def median_ms(fn, calls: int) -> float:
     return statistics.median(times)
 
 
+def cudnn_ms(q, k, v, calls: int) -> float | None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), calls)
+    except RuntimeError as error:
+        print(f"cuDNN SDPA: {error}")
+        return None
+
+
 def fa3_fp8_ms(q, k, v, calls: int) -> float | None:
     try:
         from fa3_fwd_interface import flash_attn_func
@@ -67,18 +90,59 @@ def fa3_fp8_ms(q, k, v, calls: int) -> float | None:
     return median_ms(lambda: flash_attn_func(qf, kf, vf, q_descale=ones, k_descale=ones, v_descale=ones), calls)
 
 
+def build_sageattention(checkout: Path):
+    """SageAttention2's sm90 extension compiled from `checkout` (a clone of thu-ml/SageAttention)."""
+    import ctypes
+    import os
+
+    from torch.utils import cpp_extension
+
+    build = Path(tempfile.gettempdir()) / "sage-sm90-build"  # a second call loads what the first built
+    build.mkdir(exist_ok=True)
+    if not (build / "libcuda.so").exists():  # -lcuda wants libcuda.so: the driver's library, wherever it is
+        ctypes.CDLL("libcuda.so.1")
+        driver = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                      if "libcuda.so" in line)
+        os.symlink(driver, build / "libcuda.so")
+    csrc = checkout / "csrc" / "qattn"
+    return cpp_extension.load(
+        name="_qattn_sm90", sources=[str(csrc / "pybind_sm90.cpp"), str(csrc / "qk_int_sv_f8_cuda_sm90.cu")],
+        extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
+                           "-U__CUDA_NO_HALF_CONVERSIONS__", "-gencode", "arch=compute_90a,code=sm_90a"],
+        extra_ldflags=[f"-L{build}", "-lcuda"], build_directory=str(build), verbose=False)
+
+
+def sage2_ms(module, B, H, N, D, calls: int, generator) -> float:
+    """SageAttention2's `qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf` alone, [B, H, N, D] layout, per-thread
+    Q/K scales, on random int8 Q/K and e4m3 V (its key axis padded to 128), dense."""
+    q = torch.randint(-100, 100, (B, H, N, D), dtype=torch.int8, device="cuda", generator=generator)
+    k = torch.randint(-100, 100, (B, H, N, D), dtype=torch.int8, device="cuda", generator=generator)
+    n_pad = -(-N // 128) * 128
+    v = torch.randn(B, H, D, n_pad, device="cuda", generator=generator).to(torch.float8_e4m3fn)
+    q_scale = torch.full((B, H, -(-N // 64) * 32), 1e-3, device="cuda")
+    k_scale = torch.full((B, H, -(-N // 128) * 4), 1e-3, device="cuda")
+    v_scale = torch.ones(B, H, D, device="cuda")
+    o = torch.empty(B, H, N, D, dtype=torch.bfloat16, device="cuda")
+    per_thread, hnd = 3, 1
+    return median_ms(lambda: module.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q, k, v, o, q_scale, k_scale, v_scale, hnd, 0, per_thread, 1 / math.sqrt(D), 0), calls)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="wan2.1-1.3b,cogvideox-5b")
     p.add_argument("--densities", default="1.0,0.2")
     p.add_argument("--variant", action="append", default=None, help="NAME:KEY=VALUE,... (repeatable)")
+    p.add_argument("--compare", action="append", default=[], help="a package with the family's launch (repeatable)")
+    p.add_argument("--sageattention", type=Path, help="a SageAttention checkout: build and time its sm90 kernel")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--profile", action="store_true", help="a few launches of each variant, untimed (for ncu)")
+    p.add_argument("--profile", action="store_true", help="a few launches of each kernel, untimed (for ncu)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     family_defines, family_source = sm90.defines, sm90.source
-    rows = []
+    sage = build_sageattention(args.sageattention) if args.sageattention else None
+    rows, peers = [], {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
         B, H, layout, D = SHAPES[shape]
@@ -86,7 +150,18 @@ def main() -> None:
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
         nq, nk = -(-N // 128), -(-N // 64)
-        fa3 = None if args.profile else fa3_fp8_ms(q, k, v, args.calls)
+        dense_pairs = 4.0 * B * H * N * N * D
+        if args.profile:
+            if sage is not None:
+                for _ in range(4):
+                    sage2_ms(sage, B, H, N, D, 1, g)
+        else:
+            found = {"cudnn_bf16_ms": cudnn_ms(q, k, v, args.calls), "fa3_fp8_ms": fa3_fp8_ms(q, k, v, args.calls),
+                     "sage2_ms": sage2_ms(sage, B, H, N, D, args.calls, g) if sage is not None else None}
+            found.update({name.replace("_ms", "_tops"): dense_pairs / (ms * 1e-3) / 1e12
+                          for name, ms in list(found.items()) if ms})
+            peers[shape] = found
+            print(f"{shape:16s} dense peers: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items() if v), flush=True)
         for density in map(float, args.densities.split(",")):
             mask = synthetic_block_mask(H, nq, nk, density, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
@@ -96,16 +171,22 @@ def main() -> None:
                 bq=128, buffers=buffers)
             active_tiles = float(mask.sum()) * 128 * 64 * B
             baseline = None
-            for name, source, extra in variants:
-                sm90.defines = lambda d, dt, w=None, extra=extra: {**family_defines(d, dt, w), **extra}
-                sm90.source = (lambda source=source: source) if source else family_source
-                sm90.forget()
+            runs = [(name, source, extra, sm90) for name, source, extra in variants]
+            runs += [(package, None, {}, importlib.import_module(package)) for package in args.compare]
+            for name, source, extra, family in runs:
+                # the family's own launch takes its built kernel and tensor maps first; an earlier package's
+                # (`--compare`) builds and keeps its own
+                head = ()
+                if family is sm90:
+                    sm90.defines = lambda d, dt, extra=extra: {**family_defines(d, dt), **extra}
+                    sm90.source = (lambda source=source: source) if source else family_source
+                    head = (sm90.build(D, q.dtype, q.device), sm90.tensor_maps(qq, kq, vq))
                 out = torch.empty_like(q)
 
-                def call(out=out):
-                    sm90.launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts, blocks.indices,
-                                blocks.schedule, N=N, prefix=layout.prefix, frames=layout.frames,
-                                height=layout.height, width=layout.width, sm_scale=1 / math.sqrt(D))
+                def call(out=out, family=family, head=head):
+                    family.launch(*head, qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts,
+                                  blocks.indices, blocks.schedule, N=N, prefix=layout.prefix, frames=layout.frames,
+                                  height=layout.height, width=layout.width, sm_scale=1 / math.sqrt(D))
 
                 if args.profile:
                     for _ in range(8):
@@ -116,16 +197,20 @@ def main() -> None:
                 baseline = out.float() if baseline is None else baseline
                 rel = float((out.float() - baseline).norm() / baseline.norm())
                 tops = 4 * active_tiles * D / (ms * 1e-3) / 1e12
-                rows.append({"shape": shape, "density": density, "mask_density": float(mask.float().mean()),
-                             "variant": name, "defines": {**family_defines(D, q.dtype), **extra}, "ms": ms,
-                             "tops": tops, "rel_vs_first_variant": rel, "fa3_fp8_ms_dense": fa3})
+                row = {"shape": shape, "density": density, "mask_density": float(mask.float().mean()), "variant": name,
+                       "defines": {**family_defines(D, q.dtype), **extra} if family is sm90 else None,
+                       "ms": ms,
+                       "tops": tops, "rel_vs_first_variant": rel, "finite": bool(torch.isfinite(out).all())}
+                if peers.get(shape, {}).get("cudnn_bf16_ms"):
+                    row["speedup_vs_cudnn"] = peers[shape]["cudnn_bf16_ms"] / ms
+                rows.append(row)
                 print(f"{shape:16s} d={density:<4} {name:24s} {ms:8.3f} ms {tops:6.0f} TOPS rel {rel:.1e}"
-                      + (f"  (FA3 FP8 dense {fa3:.3f} ms)" if fa3 else ""), flush=True)
+                      + (f" {row['speedup_vs_cudnn']:.2f}x cuDNN" if "speedup_vs_cudnn" in row else ""), flush=True)
     sm90.defines, sm90.source = family_defines, family_source
     if args.out and rows:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "timing": "median of CUDA-event-timed launches, no L2 flush",
-                                        "rows": rows}, indent=1))
+                                        "peers_dense": peers, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

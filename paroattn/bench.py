@@ -468,7 +468,7 @@ def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, densi
         return float((paro(q, k, v).float() - triton_out).norm() / triton_out.norm())
 
     ms, err = _try(lambda: timer(paro, sets, warmup, rep))
-    row = record(method, density, ms, err, mask_density=actual, kernel=SM90_KERNEL, warpgroups=sm90.WARPGROUPS[D])
+    row = record(method, density, ms, err, mask_density=actual, kernel=SM90_KERNEL)
     row["rel_err_vs_triton"], _ = _try(error_vs_triton)
     if sdpa_ms and ms:
         row["speedup_vs_sdpa"] = sdpa_ms / ms

@@ -1,10 +1,11 @@
-"""Calling the kernels' launch directly, as the op does after deciding: tests that check the launch layer
-(buffer reuse, direct launches, the custom op) use this instead of going through `paro_attention`."""
+"""Calling the kernels' launch directly, as the op does after deciding (tests that check the launch layer: buffer
+reuse, direct launches, the custom op), and the op on the sm90 CUDA kernel, checked to have run there."""
 
 from __future__ import annotations
 
+from paroattn import paro_attention
 from paroattn.attention import decide
-from paroattn.kernels import triton_backend
+from paroattn.kernels import dispatch, triton_backend
 from paroattn.kernels.runtime import runtime_of
 
 
@@ -15,3 +16,13 @@ def launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, w
     return triton_backend.launch(runtime_of(q.device), decision, q, k, v, orders, counts, indices, schedule, prefix,
                                  frames, height, width, bq, bk, qk, pv, sm_scale, cos, sin, key_mask, out=out,
                                  reuse_buffers=reuse_buffers)
+
+
+def sm90_attention(q, k, v, *, layout, orders, block_mask, qk="int8", pv="fp8", sm_scale=None, suffix_mask=None):
+    """The op on the sm90 CUDA kernel (backend="cuda", 128 x 64 blocks): its result, or AssertionError where the
+    call ran another kernel (a refusal or a failed build falls back to Triton with a warning)."""
+    out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=block_mask, block_size=(128, 64), qk=qk,
+                         pv=pv, sm_scale=sm_scale, suffix_mask=suffix_mask, backend="cuda")
+    ran = runtime_of(q.device).last_launch
+    assert ran is not None and ran.launch.kernel == dispatch.CUDA, f"ran {ran and ran.launch.describe()}, not CUDA"
+    return out

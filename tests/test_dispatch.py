@@ -42,7 +42,7 @@ def test_hopper_runs_the_table_entry(tested_triton):
     gluon = resolve(call())
     assert gluon.kernel == (GLUON if hopper_attention.gluon is not None else TRITON)
     assert gluon.config == dispatch.TABLE[(128, 128, 64, "bf16", "bf16")]
-    triton_q = resolve(call(D=64, qk="int8", pv="fp8"))
+    triton_q = resolve(call(D=64, qk="int8", pv="fp8"), "triton")  # ("auto" prefers the CUDA kernels there)
     assert (triton_q.kernel, triton_q.kv_tma, triton_q.q_tma, triton_q.passed_over) == (TRITON, True, True, ())
     assert resolve(call(D=64, bq=32, bk=32)).config == dispatch.DEFAULT_CONFIG
 
@@ -168,17 +168,7 @@ def test_runtime_keeps_one_decision_per_key_and_clear_empties_every_cache():
 H100 = dispatch.GPU("sm90", cuda=True, triton=True, tma=True, wgmma=True, index=0, capability=(9, 0))
 
 
-@pytest.fixture
-def sm90_builds(monkeypatch):
-    """The sm_90a kernels 'compile' without a GPU: what a build failure looks like is set per test."""
-    from paroattn.kernels import sm90
-
-    state = {"failure": None}
-    monkeypatch.setattr(sm90, "load_failure", lambda head_dim, dtype, device: state["failure"])
-    return state
-
-
-def test_cuda_backend_runs_the_sm90_kernels_where_they_take_the_call(sm90_builds):
+def test_cuda_backend_runs_the_sm90_kernels_where_they_take_the_call():
     launch = resolve(call(H100, qk="int8", pv="fp8"), "cuda")
     assert launch.kernel == dispatch.CUDA and launch.q_tma and launch.backend == "cuda" and launch.warning is None
     key_masked = resolve(call(H100, D=64, qk="int4", pv="fp8", key_mask=True), "cuda")
@@ -190,21 +180,22 @@ def test_cuda_backend_runs_the_sm90_kernels_where_they_take_the_call(sm90_builds
     (H100, dict(qk="int8", pv="fp8", bq=64), "128 x 64 blocks"),
     (AMPERE, dict(qk="int8", pv="fp8"), "sm_90 GPU"),
 ])
-def test_cuda_backend_falls_back_to_triton_with_the_reason(sm90_builds, tested_triton, gpu, facts, match):
+def test_cuda_backend_falls_back_to_triton_with_the_reason(tested_triton, gpu, facts, match):
     launch = resolve(call(gpu, **facts), "cuda")
     assert launch.kernel in (TRITON, GLUON) and match in launch.warning, launch
 
 
-def test_a_failed_build_falls_back_to_triton_with_its_reason(sm90_builds):
+def test_a_failed_build_falls_back_to_triton_with_its_reason():
     failure = "the sm90 CUDA kernel could not be built: nvrtcCompileProgram failed (made up)"
     launch = resolve(call(H100, qk="int8", pv="fp8", cuda_build_problem=failure), "cuda")
     assert launch.kernel == TRITON and "nvrtcCompileProgram failed" in launch.warning
     assert isinstance(resolve(call(dispatch.HOST, qk="int8", pv="fp8"), "cuda"), Refusal)  # no GPU at all
 
 
-def test_auto_prefers_the_cuda_kernels_only_where_measured_faster(sm90_builds, monkeypatch):
+def test_auto_prefers_the_cuda_kernels_only_where_measured_faster(monkeypatch):
     key = (128, 128, 64, "int8", "fp8")
-    assert resolve(call(H100, qk="int8", pv="fp8")).kernel == TRITON  # none measured faster yet
+    monkeypatch.setattr(dispatch, "CUDA_PREFERRED", set())
+    assert resolve(call(H100, qk="int8", pv="fp8")).kernel == TRITON  # a key not measured faster
     monkeypatch.setattr(dispatch, "CUDA_PREFERRED", {key})
     assert resolve(call(H100, qk="int8", pv="fp8")).kernel == dispatch.CUDA
     failure = "the sm90 CUDA kernel could not be built: no libnvrtc (made up)"
@@ -212,22 +203,30 @@ def test_auto_prefers_the_cuda_kernels_only_where_measured_faster(sm90_builds, m
     assert fallback.kernel == TRITON and "no libnvrtc" in fallback.warning
 
 
-@pytest.mark.parametrize("backend,key,builds", [
-    ("cuda", (128, 128, 64, "int8", "fp8"), True),  # asked for
-    ("auto", (128, 128, 64, "int8", "fp8"), False),  # not measured faster there: never built
-    ("triton", (128, 128, 64, "int8", "fp8"), False),
-    ("cuda", (128, 128, 64, "bf16", "bf16"), False),  # a call the family does not take: nothing to build
+INT8_FP8 = (128, 128, 64, "int8", "fp8")
+
+
+@pytest.mark.parametrize("backend,key,preferred,builds", [
+    ("cuda", INT8_FP8, False, True),  # asked for
+    ("auto", INT8_FP8, True, True),  # measured faster there
+    ("auto", INT8_FP8, False, False),  # not measured faster: never built
+    ("triton", INT8_FP8, True, False),
+    ("cuda", (128, 128, 64, "bf16", "bf16"), False, False),  # a call the family does not take: nothing to build
 ])
-def test_the_runtime_builds_the_cuda_kernel_only_where_it_may_run(monkeypatch, backend, key, builds):
-    """Deciding a call builds the sm90 kernel as an explicit step of the runtime, only where the decision may
-    pick it; `resolve` itself only reads the outcome from the call."""
+def test_the_runtime_builds_the_cuda_kernel_only_where_it_may_run(monkeypatch, backend, key, preferred, builds):
+    """Deciding a call builds the sm90 kernel as an explicit step of the runtime, once, only where the decision
+    may pick it; `resolve` itself only reads the outcome from the call."""
     from paroattn.kernels import sm90
 
     built = []
-    monkeypatch.setattr(sm90, "load_failure", lambda head_dim, dtype, device: built.append((head_dim, dtype)))
+    monkeypatch.setattr(sm90, "build", lambda head_dim, dtype, device: built.append((head_dim, dtype)) or "kernel")
+    monkeypatch.setattr(dispatch, "CUDA_PREFERRED", {INT8_FP8} if preferred else set())
     device_runtime = runtime.Runtime(torch.device("cuda", 0))
     device_runtime._gpu = H100
     D, bq, bk, qk, pv = key
     decision = device_runtime.decide(D, torch.bfloat16, bq, bk, qk, pv, False, True, backend)
+    device_runtime.decide(D, torch.bfloat16, bq, bk, qk, pv, True, True, backend)  # another key, same kernel
     assert built == ([(D, torch.bfloat16)] if builds else [])
     assert decision.kernel == (dispatch.CUDA if builds else TRITON)
+    if builds:
+        assert device_runtime.cuda_kernel(D, torch.bfloat16) == "kernel"

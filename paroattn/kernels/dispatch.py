@@ -351,8 +351,10 @@ def _sm90_kernel_built(call: Call) -> str | None:
 
 
 # keys where the CUDA kernels are measured faster than the Triton kernel on sm_90, which "auto" then prefers:
-# none yet (slower on every model shape, benchmarks/results/attention-sm90-cuda-fa3-nvidia-h100-bq128-bk64.json)
-CUDA_PREFERRED: set[tuple] = set()
+# int8 QK + fp8 PV at both head dims, whole op calls at CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev,
+# d = 1 and 0.2, H100 (benchmarks/results/attention-int8fp8-sm90-cuda-vs-triton-fa3-nvidia-h100-bq128-bk64.json
+# and ...-wan2.1-14b-720p-d0.2-nvidia-h100.json). int4 QK is not measured.
+CUDA_PREFERRED: set[tuple] = {(64, 128, 64, "int8", "fp8"), (128, 128, 64, "int8", "fp8")}
 
 
 def _cuda_preferred(call: Call) -> bool:

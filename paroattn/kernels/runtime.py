@@ -9,7 +9,8 @@ Per device (`runtime_of(device)`):
   `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than the rest of
   a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
-- orders: device copies of host `orders` tensors.
+- orders: device copies of host `orders` tensors;
+- the sm90 CUDA kernels built and loaded on the device (`cuda_kernel`), or why they could not be.
 
 Per process (`PROCESS`): the combinations of the op's non-tensor arguments checked already, the pinned
 Triton configs (`set_kernel_config`), the launchers of the Triton kernels and what they share
@@ -19,7 +20,6 @@ Triton configs (`set_kernel_config`), the launchers of the Triton kernels and wh
 from __future__ import annotations
 
 import itertools
-import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -141,6 +141,9 @@ class Runtime:
         self.mask_lists: OrderedDict[tuple, tuple[torch.Tensor, int, ActiveBlocks]] = OrderedDict()
         self.orders: dict[tuple, torch.Tensor] = {}
         self.last_launch: dispatch.LaunchPlan | None = None  # what the latest kernel call here ran (tests read it)
+        # the sm90 CUDA kernel of each (head dim, dtype) built and loaded here, and why others could not be
+        self.cuda_kernels: dict[tuple[int, torch.dtype], object] = {}
+        self.cuda_failures: dict[tuple[int, torch.dtype], str] = {}
 
     @property
     def gpu(self) -> dispatch.GPU:
@@ -165,10 +168,25 @@ class Runtime:
 
     def build_cuda_kernel(self, head_dim: int, dtype: torch.dtype) -> str | None:
         """Build (or read from the disk cache) and load the sm90 CUDA kernel of a head dim and dtype on this
-        device; None when it is ready, else why it is not."""
+        device, once; None when it is ready, else why it is not."""
         from . import sm90
 
-        return sm90.load_failure(head_dim, dtype, self.device)
+        key = (head_dim, dtype)
+        if key not in self.cuda_kernels and key not in self.cuda_failures:
+            try:
+                self.cuda_kernels[key] = sm90.build(head_dim, dtype, self.device)
+            except sm90.KernelLoadError as error:
+                self.cuda_failures[key] = f"the sm90 CUDA kernel could not be built: {error}"
+        return self.cuda_failures.get(key)
+
+    def cuda_kernel(self, head_dim: int, dtype: torch.dtype):
+        """The loaded sm90 CUDA kernel of a head dim and dtype (built first if no decision asked for it yet);
+        raises KernelLoadError with why it could not be built."""
+        if (problem := self.build_cuda_kernel(head_dim, dtype)) is not None:
+            from .sm90 import KernelLoadError
+
+            raise KernelLoadError(problem)
+        return self.cuda_kernels[(head_dim, dtype)]
 
     def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
         """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape (a
@@ -249,6 +267,8 @@ class Runtime:
     def clear(self) -> None:
         self._gpu = None
         self.last_launch = None
+        self.cuda_kernels.clear()
+        self.cuda_failures.clear()
         self.decisions.clear()
         self.workspaces.clear()
         self.mask_lists.clear()
@@ -339,5 +359,3 @@ def clear() -> None:
         runtime.clear()
     PROCESS.checked_arguments.clear()
     PROCESS.launches.clear()
-    if (sm90 := sys.modules.get(f"{__package__}.sm90")) is not None:  # its loaded modules and build failures
-        sm90.forget()

@@ -121,7 +121,7 @@ def launch(
     stream = stream_of(q.device) if reuse_buffers else None
     buffers = runtime.workspace(plan, stream)
     if buffers.sequences is None:
-        _launch(plan, arguments, buffers)
+        _launch(runtime, plan, arguments, buffers)
         return out
     # calls of one plan into a kept buffer set replay the launches of the first one (`launcher.LaunchSequence`):
     # the plan holds what the launches depend on besides the addresses of the call's own tensors (`arguments`)
@@ -131,7 +131,7 @@ def launch(
     if sequence is not None and sequence.replay(arguments, stream):
         return out
     with PROCESS.launches.recording() as records:
-        _launch(plan, arguments, buffers)
+        _launch(runtime, plan, arguments, buffers)
     if len(buffers.sequences) >= SEQUENCES:
         buffers.sequences.clear()
     # the kernels ran on the current device, the buffers live on q's: a replay launches on q's device's
@@ -142,7 +142,7 @@ def launch(
     return out
 
 
-def _launch(plan: LaunchPlan, arguments: tuple, buffers: Buffers) -> None:
+def _launch(runtime: Runtime, plan: LaunchPlan, arguments: tuple, buffers: Buffers) -> None:
     """`launch`'s kernels on its arguments, each through the process's `CachedLauncher` of its kernel, keyed by
     the plan and the alignment of the tensors it reads."""
     q, k, v, orders, counts, indices, schedule, cos, sin, key_mask, out = arguments
@@ -167,8 +167,12 @@ def _launch(plan: LaunchPlan, arguments: tuple, buffers: Buffers) -> None:
         from . import sm90
 
         PROCESS.launches.record(None)  # launched outside the Triton launchers: a recorded sequence could not replay it
-        sm90.launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=N, prefix=prefix,
-                    frames=frames, height=height, width=width, sm_scale=sm_scale, key_mask=key_mask)
+        maps = buffers.descriptors.get("cuda")
+        if maps is None:
+            maps = buffers.descriptors["cuda"] = sm90.tensor_maps(qq, kq, vq)
+        sm90.launch(runtime.cuda_kernel(D, plan.dtype), maps, qq, q_scale, kq, k_scale, vq, v_amax, out, orders,
+                    counts, indices, schedule, N=N, prefix=prefix, frames=frames, height=height, width=width,
+                    sm_scale=sm_scale, key_mask=key_mask)
         return
     if decision.kernel == GLUON:
         descriptors = buffers.descriptors.get("gluon")

@@ -2,57 +2,39 @@
 compiled at first use with NVRTC (`runtime.py`) and launched on the Triton K/V prologue's outputs.
 
     reason = refusal(q.shape, q.dtype, D, bq, bk, qk, pv, key_mask is not None, arch)  # None: it runs
-    reason = load_failure(D, q.dtype, q.device)     # None: compiled (or cached) and loaded
-    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=..., ...)
+    kernel = build(D, q.dtype, q.device)     # compiled (or read from the disk cache) and loaded; KernelLoadError
+    maps = tensor_maps(qq, kq, vq)           # once per buffer set
+    launch(kernel, maps, qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=..., ...)
 
-`attention(...)` runs the whole call (prologue + kernel), for tests and benchmarks. What it computes is
-`reference.paro_attention_reference`'s definition; the kernel reads the same prologue buffers as the
-Triton kernel with `KernelConfig.q_tma` (reordered int8 Q with per-block scales).
+The device's runtime keeps what `build` returns (`kernels.runtime.Runtime.cuda_kernel`): nothing here keeps
+state. What it computes is `reference.paro_attention_reference`'s definition; the kernel reads the same
+prologue buffers as the Triton kernel with `KernelConfig.q_tma` (reordered int8 Q with per-block scales).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 from functools import cache
 from importlib import resources
 
 import torch
 
-from .runtime import KernelLoadError, compile_cubin, load
+from .runtime import KernelLoadError, TensorMap, compile_cubin, encode_tensor_map, load
 
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128)
 BLOCK_M, BLOCK_N = 128, 64
+TILE_M = 64  # query rows per CTA: two CTAs per 128-row block of the lists
 KERNEL_NAME = "paro_attention_int8_fp8"
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
+BARRIER_BYTES = 48  # attention.cu's kBarrierBytes: three mbarriers and the CTA's indices
 
 
-# consumer warpgroups per CTA (64 query rows each) by head dim: one (two CTAs share an SM and interleave
-# their tensor-core and softmax phases) or two (one CTA per SM, sharing each K/V tile between 128 rows)
-WARPGROUPS = {64: 1, 128: 1}
-
-
-# by head dim, how far ahead of the softmax the Q K^T product runs: 1 (the next block's, issued with this
-# block's P V) or 2 (the block after, issued under the update of O; attention.cu). H100, kernel alone, d = 1
-# and 0.2: 2 is 2-3% faster at 64 (CogVideoX-5B), 1 is 2-3% faster at 128 (Wan2.1-1.3B, FLUX.1-dev)
-# (benchmarks/results/sm90-kernel-steps-h100.json)
-QK_AHEAD = {64: 2, 128: 1}
-
-
-def stages(head_dim: int) -> int:
-    """K/V stages: the blocks read by products in flight, plus two being copied (16 KB each at D=128, 8 KB
-    at D=64)."""
-    return 3 + QK_AHEAD[head_dim]
-
-
-def shared_bytes(variant: dict[str, int], max_active: int) -> int:
-    """Dynamic shared memory of a launch of a compiled variant (its `defines`): the Q tile, the K/V stages,
-    1 KB to align the swizzled tiles, and the active list (an index and a K scale per entry)."""
-    D, warpgroups = variant["PARO_HEAD_DIM"], variant["PARO_WARPGROUPS"]
-    barriers = 256 if variant.get("PARO_PRODUCER") else 0
-    return 64 * warpgroups * D + variant["PARO_STAGES"] * 2 * BLOCK_N * D + 1024 + barriers + 8 * max_active
+def shared_bytes(head_dim: int, max_active: int) -> int:
+    """Dynamic shared memory of a launch: the Q tile (64 rows), two K and two V^T blocks, the barriers, and the
+    active list (an index and a K scale per entry)."""
+    return TILE_M * head_dim + 4 * BLOCK_N * head_dim + BARRIER_BYTES + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -85,120 +67,73 @@ def source() -> str:
     return resources.files(__package__).joinpath("attention.cu").read_text()
 
 
-def defines(head_dim: int, dtype: torch.dtype, warpgroups: int | None = None) -> dict[str, int]:
-    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
-            "PARO_STAGES": stages(head_dim), "PARO_WARPGROUPS": warpgroups or WARPGROUPS[head_dim],
-            "PARO_QK_AHEAD": QK_AHEAD[head_dim]}
+def defines(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16)}
 
 
-# every variant `refusal` lets through (head dim, output dtype, warpgroups per CTA), for the compile check
-VARIANTS = [(d, dtype, w) for d in HEAD_DIMS for dtype in OUT_DTYPES for w in (1, 2)]
+# every variant `refusal` lets through (head dim, output dtype), for the compile check
+VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
 
-_FAILURES: dict[tuple, str] = {}
-_KERNELS: dict[tuple, object] = {}
+# registers per thread at most, by head dim: what __launch_bounds__ allows for 3 CTAs of 128 threads per SM at
+# 128, 4 at 64 (the compile check holds ptxas to it)
+REGISTER_CEILING = {64: 128, 128: 168}
 
-
-def kernel(head_dim: int, dtype: torch.dtype, device: torch.device, warpgroups: int | None = None):
-    """The loaded kernel of a variant on `device` (compiled once per machine, loaded once per process);
-    raises KernelLoadError."""
-    key = (head_dim, dtype, device.index, tuple(defines(head_dim, dtype, warpgroups).items()))
-    loaded = _KERNELS.get(key)
-    if loaded is not None:
-        return loaded
-    if key in _FAILURES:
-        raise KernelLoadError(_FAILURES[key])
-    try:
-        cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype, warpgroups))
-        loaded = _KERNELS[key] = load(cubin, KERNEL_NAME, device, MAX_SHARED_BYTES)
-        return loaded
-    except KernelLoadError as error:
-        _FAILURES[key] = str(error)
-        raise
-
-
-def forget() -> None:
-    """Drop the loaded kernels and the remembered build failures (the next call builds or loads again)."""
-    _KERNELS.clear()
-    _FAILURES.clear()
-
-
-def load_failure(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when the variant is compiled (or in the cache) and loaded on `device`; else why not."""
-    try:
-        kernel(head_dim, dtype, device)
-    except KernelLoadError as error:
-        return f"the sm90 CUDA kernel could not be built: {error}"
-    return None
+def build(head_dim: int, dtype: torch.dtype, device: torch.device):
+    """The kernel of a variant compiled with NVRTC (once per machine: the cubin is cached on disk) and loaded on
+    `device`; raises KernelLoadError saying what failed."""
+    cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype))
+    return load(cubin, KERNEL_NAME, device, MAX_SHARED_BYTES)
 
 
 def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, *, N: int, prefix: int,
-           frames: int, height: int, width: int, sm_scale: float, key_mask: torch.Tensor | None = None,
-           warpgroups: int | None = None) -> None:
-    """Attention over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
+def tensor_maps(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor) -> tuple[TensorMap, TensorMap, TensorMap]:
+    """The kernel's TMA tensor maps of the prologue's reordered Q [B*H, NQ*128, D], K [B*H, N_PAD, D] (8-bit)
+    and transposed V [B*H, D, N_PAD] (e4m3), each seen as 2-D rows of bytes: Q and K in boxes of 64 rows x D
+    (swizzled over D bytes), V in boxes of D rows x 64 keys (64-byte swizzle)."""
+    D = kq.shape[-1]
+    for name, t in (("qq", qq), ("kq", kq), ("vq", vq)):
+        if t.dim() != 3 or t.element_size() != 1 or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be a contiguous 8-bit [B*H, rows, columns] tensor at a 16-byte aligned "
+                             f"address, got {t.dtype} {tuple(t.shape)} with strides {t.stride()}")
+        if t.numel() // t.shape[-1] >= 2**31:
+            raise ValueError(f"{name} has {t.numel() // t.shape[-1]} rows, more than TMA's int32 coordinates reach")
+    return (encode_tensor_map(qq.data_ptr(), qq.numel() // D, D, D, TILE_M, D, D),
+            encode_tensor_map(kq.data_ptr(), kq.numel() // D, D, D, BLOCK_N, D, D),
+            encode_tensor_map(vq.data_ptr(), vq.numel() // vq.shape[-1], vq.shape[-1], vq.shape[-1], D, BLOCK_N,
+                              BLOCK_N))
+
+
+def launch(kernel, maps: tuple[TensorMap, TensorMap, TensorMap], qq, q_scale, kq, k_scale, vq, v_amax, out, orders,
+           counts, indices, schedule, *, N: int, prefix: int, frames: int, height: int, width: int, sm_scale: float,
+           key_mask: torch.Tensor | None = None) -> None:
+    """`kernel` (`build`'s) with the tensor maps of the buffers it reads (`tensor_maps(qq, kq, vq)`): attention
+    over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
     `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
     `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
-    `key_mask` bool [B, suffix], False at padded keys of the tokens after the grid. Raises KernelLoadError
-    when the kernel cannot be built (nothing is launched then)."""
+    `key_mask` bool [B, suffix], False at padded keys of the tokens after the grid."""
     B, H, _, D = out.shape
     nq, nk = -(-N // BLOCK_M), -(-N // BLOCK_N)
-    variant = defines(D, out.dtype, warpgroups)
-    warpgroups = variant["PARO_WARPGROUPS"]
-    run = kernel(D, out.dtype, out.device, warpgroups)
     for name, t in (("counts", counts), ("indices", indices), ("schedule", schedule), ("orders", orders)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int32, got {t.dtype} with strides {t.stride()}")
+    q_map, k_map, v_map = maps
     suffix_start = prefix + frames * height * width
     if key_mask is not None:
         mask, mask_strides = key_mask.view(torch.uint8), key_mask.stride()
     else:
         mask, mask_strides = counts, (0, 0)  # not read
     c_long, c_int = ctypes.c_longlong, ctypes.c_int
-    args = [_pointer(qq), _pointer(q_scale), _pointer(kq), _pointer(k_scale), _pointer(vq), _pointer(v_amax),
-            _pointer(out), _pointer(orders), _pointer(counts), _pointer(indices), _pointer(schedule), _pointer(mask),
+    args = [q_map, k_map, v_map, _pointer(q_scale), _pointer(k_scale), _pointer(v_amax), _pointer(out),
+            _pointer(orders), _pointer(counts), _pointer(indices), _pointer(schedule), _pointer(mask),
             *(c_long(s) for s in out.stride()), *(c_long(s) for s in mask_strides),
             c_int(N), c_int(nk * BLOCK_N), c_int(H), c_int(nq), c_int(nk), c_int(indices.shape[-1]), c_int(prefix),
             c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    threads = 128 * (warpgroups + variant.get("PARO_PRODUCER", 0))
-    run.launch((nq * 2 // warpgroups, B * H, 1), (threads, 1, 1), args, stream,
-               shared_bytes(variant, indices.shape[-1]))
+    kernel.launch((nq * BLOCK_M // TILE_M, B * H, 1), (128, 1, 1), args, stream, shared_bytes(D, indices.shape[-1]))
 
 
-def attention(q, k, v, *, layout, orders, block_mask, qk: str = "int8", pv: str = "fp8",
-              sm_scale: float | None = None, suffix_mask: torch.Tensor | None = None,
-              warpgroups: int | None = None) -> torch.Tensor:
-    """The whole op on this family: the Triton K/V/Q prologue (into new buffers), then the kernel. `block_mask`: bool [H, nq, nk] or `ActiveBlocks` at 128 x 64 blocks.
-    Raises ValueError with `refusal`'s reason, or KernelLoadError."""
-    from ..block_lists import ActiveBlocks
-    from ..runtime import allocate, runtime_of
-    from ..triton_backend import prepare_kv
-
-    B, H, N, D = q.shape
-    arch = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    reason = refusal(q.shape, q.dtype, D, BLOCK_M, BLOCK_N, qk, pv, suffix_mask is not None, arch)
-    if reason is not None:
-        raise ValueError(reason)
-    runtime = runtime_of(q.device)
-    if isinstance(block_mask, ActiveBlocks):
-        blocks = block_mask if block_mask.counts.device == q.device else block_mask.to(q.device)
-    else:
-        blocks = runtime.lists_of(block_mask)
-    orders = runtime.device_orders(orders)
-    buffers = allocate(B, H, N, D, q.dtype, q.device, BLOCK_M, BLOCK_N, qk, pv, True)
-    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(
-        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, BLOCK_N, qk, pv, q=q, bq=BLOCK_M,
-        buffers=buffers, key_mask=suffix_mask)
-    out = torch.empty_like(q)
-    launch(qq, q_scale, kq, k_scale, vq, v_amax, out, orders, blocks.counts, blocks.indices, blocks.schedule, N=N,
-           prefix=layout.prefix, frames=layout.frames, height=layout.height, width=layout.width,
-           sm_scale=1.0 / math.sqrt(D) if sm_scale is None else sm_scale, key_mask=suffix_mask,
-           warpgroups=warpgroups)
-    return out
-
-
-__all__ = ["KernelLoadError", "attention", "launch", "load_failure", "refusal"]
+__all__ = ["KernelLoadError", "build", "launch", "refusal", "tensor_maps"]

@@ -17,8 +17,8 @@ import hashlib
 import os
 import site
 import sys
-import threading
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -33,11 +33,6 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "paroattn"
 
 
-_LOCK = threading.Lock()
-_NVRTC: ctypes.CDLL | None = None
-_CUDA: ctypes.CDLL | None = None
-
-
 def _nvrtc_candidates() -> list[str]:
     """libnvrtc by soname (found when torch or the loader path has it), then inside the nvidia wheels that
     torch's CUDA builds install (nvidia/cu13/lib for CUDA 13, nvidia/cuda_nvrtc/lib for CUDA 12)."""
@@ -50,21 +45,18 @@ def _nvrtc_candidates() -> list[str]:
     return names
 
 
+@cache
 def nvrtc() -> ctypes.CDLL:
-    global _NVRTC
-    if _NVRTC is None:
-        errors = []
-        for name in _nvrtc_candidates():
-            try:
-                _NVRTC = ctypes.CDLL(name)
-                break
-            except OSError as error:
-                errors.append(f"{name}: {error}")
-        else:
-            raise KernelLoadError(
-                "NVRTC (libnvrtc) was not found: install a CUDA build of torch (its wheels ship it) or the "
-                f"nvidia-cuda-nvrtc package; tried {', '.join(errors[:3])}")
-    return _NVRTC
+    """The NVRTC library (opened once: a handle, like the library itself, never changes)."""
+    errors = []
+    for name in _nvrtc_candidates():
+        try:
+            return ctypes.CDLL(name)
+        except OSError as error:
+            errors.append(f"{name}: {error}")
+    raise KernelLoadError(
+        "NVRTC (libnvrtc) was not found: install a CUDA build of torch (its wheels ship it) or the "
+        f"nvidia-cuda-nvrtc package; tried {', '.join(errors[:3])}")
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -80,14 +72,13 @@ def _check_nvrtc(result: int, what: str) -> None:
         raise KernelLoadError(f"NVRTC {what} failed: {lib.nvrtcGetErrorString(result).decode()}")
 
 
+@cache
 def driver() -> ctypes.CDLL:
-    global _CUDA
-    if _CUDA is None:
-        try:
-            _CUDA = ctypes.CDLL("libcuda.so.1")
-        except OSError as error:
-            raise KernelLoadError(f"the CUDA driver library libcuda.so.1 could not be loaded: {error}") from error
-    return _CUDA
+    """The CUDA driver library (opened once)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        raise KernelLoadError(f"the CUDA driver library libcuda.so.1 could not be loaded: {error}") from error
 
 
 def _check_cuda(result: int, what: str) -> None:
@@ -141,6 +132,40 @@ def _nvrtc_compile(source: str, name: str, options: list[str]) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes that the driver encodes and a kernel takes by value (`__grid_constant__`).
+    ctypes aligns a structure to 8 bytes at most, the driver wants 64: the map is encoded into an aligned spot of
+    a larger buffer and copied here, and a launch copies it again from here into the kernel's parameters."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle by span in bytes
+_L2_PROMOTION = {0: 0, 64: 1, 128: 2, 256: 3}  # CUtensorMapL2promotion by bytes
+
+
+def encode_tensor_map(address: int, rows: int, row_bytes: int, row_stride: int, box_rows: int, box_bytes: int,
+                      swizzle: int, l2_promotion: int = 0) -> TensorMap:
+    """The tensor map of a 2-D byte array at device `address` (`rows` rows of `row_bytes` bytes, `row_stride`
+    bytes apart) whose copies move boxes of `box_rows` x `box_bytes` into shared memory swizzled over `swizzle`
+    bytes (0, 32, 64 or 128), their L2 fetches promoted to `l2_promotion` bytes (0: none, 64, 128, 256), with
+    `cuTensorMapEncodeTiled`; raises KernelLoadError."""
+    lib = driver()
+    if not hasattr(lib, "cuTensorMapEncodeTiled"):
+        raise KernelLoadError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs a CUDA 12 driver or newer)")
+    buffer = ctypes.create_string_buffer(128 + 64)
+    aligned = (ctypes.addressof(buffer) + 63) & ~63
+    dims = (ctypes.c_uint64 * 2)(row_bytes, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride)
+    box = (ctypes.c_uint32 * 2)(box_bytes, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    uint8, no_interleave, no_oob_fill = 0, 0, 0
+    _check_cuda(lib.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned), uint8, ctypes.c_uint32(2), ctypes.c_void_p(address), dims, strides, box, unit,
+        no_interleave, _SWIZZLE[swizzle], _L2_PROMOTION[l2_promotion], no_oob_fill), "cuTensorMapEncodeTiled")
+    return TensorMap.from_buffer_copy(ctypes.string_at(aligned, 128))
+
+
 @dataclass
 class Kernel:
     """One loaded `extern "C"` kernel of a cubin, in the current context of the device it was loaded on."""
@@ -152,7 +177,7 @@ class Kernel:
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, stream: int,
                shared_bytes: int) -> None:
         """`args`: ctypes values in the kernel's parameter order (c_void_p pointers, c_int, c_longlong,
-        c_float)."""
+        c_float, TensorMap)."""
         if shared_bytes > self.max_shared_bytes:
             raise KernelLoadError(f"a launch needs {shared_bytes} bytes of shared memory, the kernel was loaded with "
                                   f"{self.max_shared_bytes}")
@@ -162,17 +187,10 @@ class Kernel:
             ctypes.c_void_p(stream), pointers, None), "cuLaunchKernel")
 
 
-_LOADED: dict[tuple, Kernel] = {}
-
-
 def load(cubin: bytes, name: str, device: torch.device, max_shared_bytes: int) -> Kernel:
-    """`name` of `cubin` loaded on `device` (once per process and device), allowed up to `max_shared_bytes`
-    of dynamic shared memory per launch."""
-    key = (hashlib.sha256(cubin).digest(), name, device.index, max_shared_bytes)
-    kernel = _LOADED.get(key)
-    if kernel is not None:
-        return kernel
-    with _LOCK, torch.cuda.device(device):
+    """`name` of `cubin` loaded on `device`, allowed up to `max_shared_bytes` of dynamic shared memory per launch
+    (the device's runtime keeps what it loaded: `kernels.runtime.Runtime.cuda_kernel`)."""
+    with torch.cuda.device(device):
         torch.cuda.current_stream(device)  # the primary context is current on this thread
         lib = driver()
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
@@ -180,5 +198,4 @@ def load(cubin: bytes, name: str, device: torch.device, max_shared_bytes: int) -
         _check_cuda(lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
         max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check_cuda(lib.cuFuncSetAttribute(function, max_dynamic_shared, max_shared_bytes), "cuFuncSetAttribute")
-        kernel = _LOADED[key] = Kernel(module, function, max_shared_bytes)
-    return kernel
+        return Kernel(module, function, max_shared_bytes)
