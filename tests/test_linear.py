@@ -20,6 +20,7 @@ compiled output that of the eager fp8 run to within bf16 rounding and that of th
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -447,7 +448,8 @@ def test_fp8_linears_under_compile_and_cuda_graphs_stay_near_bf16(mode, with_pla
         handle.remove()
         torch._dynamo.reset()
     reference = paro_bf16 if with_plan else bf16
-    compile_error = max(float((o.float() - eager.float()).abs().max()) for o in outputs) / float(eager.float().abs().max())
+    scale = float(eager.float().abs().max())
+    compile_error = max(float((o.float() - eager.float()).abs().max()) for o in outputs) / scale
     fp8_error = max(relative_l2(o, reference) for o in outputs)
     print(f"{mode} plan={with_plan}: compiled vs eager fp8 max {compile_error:.1e}, fp8 vs bf16 rel L2 "
           f"{relative_l2(eager, reference):.4f} eager, {fp8_error:.4f} compiled")
@@ -455,3 +457,73 @@ def test_fp8_linears_under_compile_and_cuda_graphs_stay_near_bf16(mode, with_pla
     assert 1e-3 < fp8_error < REL_L2_BOUND
     assert_restored(transformer, before)
     assert torch.equal(forward(transformer, inputs), bf16)
+
+
+# -- the step benchmark's table and profile split (benchmarks/e2e.py; no GPU) -------------------------------
+
+
+def load_e2e():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e.py"
+    spec = importlib.util.spec_from_file_location("e2e_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_classes_and_compiled_variants():
+    e2e = load_e2e()
+    names = {
+        "attention": ["pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>",
+                      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "_attention_kernel",
+                      "_kv_prologue_kernel", "_rotate_kernel", "paro_attention_int8_fp8", "fmha_cutlassF_bf16_aligned"],
+        "matmul": ["nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n",
+                   "void cutlass::device_kernel<f8f8bf16_rowwise>", "triton_tem_fused_mm_0"],
+        "other": ["triton_per_fused__to_copy_abs_amax_clamp_div_0", "triton_poi_fused_add_mul_rms_norm_3",
+                  "void at::native::vectorized_elementwise_kernel<4>"],
+    }
+    for kind, kernels in names.items():
+        assert [e2e.kernel_class(k) for k in kernels] == [kind] * len(kernels), kind
+    args = types.SimpleNamespace(compile_densities=[0.2], linear="fp8", modes=None)
+    assert [v[0] for v in e2e.compiled_variants(args)] == list(e2e.LINEAR_COLUMNS)
+    assert [v[2] for v in e2e.compiled_variants(args)] == [False, True, False, True]
+    args.modes = ["paro d=0.2 int8+fp8 + fp8 linear"]
+    assert e2e.compiled_variants(args) == [("paro d=0.2 int8+fp8 + fp8 linear", 0.2, True)]
+    args.modes = ["dense + fp8"]
+    with pytest.raises(SystemExit, match="--modes dense \\+ fp8: a compiled run has dense, dense \\+ fp8 linear"):
+        e2e.compiled_variants(args)
+
+
+def test_linear_table_merges_runs_and_splits_each_row(tmp_path, capsys):
+    """Two runs of one machine (split by --modes), merged: one line per model and setting with each mode's step
+    and speedup over dense bf16, and the profiled split of each row."""
+    e2e = load_e2e()
+    info = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "torchao": "0.18.0", "date": "2026-11-28"}
+
+    def row(mode, step, attention=None):
+        r = {"model": "Wan2.1-14B 720p", "mode": mode, "compile": "fullgraph", "step_s": step, "tokens": 75600,
+             "linear": "fp8" if mode.endswith(e2e.LINEAR) else "bf16"}
+        if attention is not None:
+            r.update({"profiled_wall_s": step, "attention_s": attention, "matmul_s": step / 2,
+                      "other_s": step / 2 - attention - 0.1, "idle_s": 0.1})
+        return r
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"info": info, "rows": [row("dense", 10.0, 3.0), row("dense + fp8 linear", 8.0)]}))
+    second.write_text(json.dumps({"info": info, "rows": [row("paro d=0.2 int8+fp8", 5.0, 1.0),
+                                                         row("paro d=0.2 int8+fp8 + fp8 linear", 4.0, 1.0)]}))
+    e2e.main(["--table", str(first), str(second), "--merge"])
+    table = capsys.readouterr().out
+    assert ("| Wan2.1-14B 720p (75600) | fullgraph | 10000 ms, 1.00x | 8000 ms, 1.25x | 5000 ms, 2.00x | "
+            "4000 ms, 2.50x |") in table
+    assert "| Wan2.1-14B 720p | dense | fullgraph | 10000 ms | 3000 ms (30%) | 5000 ms (50%) |" in table
+    assert "| Wan2.1-14B 720p | dense + fp8 linear |" not in table  # not profiled
+    assert "torchao 0.18.0" in table and "a.json + b.json" in table
+    e2e.main(["--table", str(second)])  # without the dense row: steps, no ratio
+    assert "| not run | not run | 5000 ms | 4000 ms |" in capsys.readouterr().out
+    other = tmp_path / "c.json"
+    other.write_text(json.dumps({"info": {**info, "device": "NVIDIA H200"}, "rows": [row("dense", 9.0)]}))
+    with pytest.raises(SystemExit, match="measured on different GPUs"):
+        e2e.main(["--table", str(first), str(other), "--merge"])
