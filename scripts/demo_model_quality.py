@@ -142,6 +142,11 @@ def main(argv=None) -> int:
     start_time = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
+    for linear in {variant_arguments(variant).get("linear") for _, _, variant in rows_spec} - {None}:
+        from paroattn.linear import linear_problem
+
+        if problem := linear_problem(linear, args.device):
+            raise SystemExit(f"--grid ... fp8 linear: {problem}")
     seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pipe = load_demo_pipeline(args.model_dir, device=args.device, dtype=dtype)

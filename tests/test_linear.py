@@ -453,7 +453,9 @@ def test_fp8_linears_under_compile_and_cuda_graphs_stay_near_bf16(mode, with_pla
     fp8_error = max(relative_l2(o, reference) for o in outputs)
     print(f"{mode} plan={with_plan}: compiled vs eager fp8 max {compile_error:.1e}, fp8 vs bf16 rel L2 "
           f"{relative_l2(eager, reference):.4f} eager, {fp8_error:.4f} compiled")
-    assert compile_error < 2e-2  # inductor fuses the activations' quantization and the ops around it
+    # inductor fuses the activations' quantization and the ops around it: an amax reduced in another order can
+    # round a few activations to the neighbouring e4m3 value (an error that stays O(1) if compiling broke it)
+    assert compile_error < 5e-2
     assert 1e-3 < fp8_error < REL_L2_BOUND
     assert_restored(transformer, before)
     assert torch.equal(forward(transformer, inputs), bf16)
