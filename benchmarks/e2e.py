@@ -7,6 +7,7 @@ depend on weight values. One "step" is one transformer forward at the model's de
 - Wan2.1-1.3B: 81 frames 480x832, B=1 (one CFG branch; a CFG step is two such calls), 21x30x52 = 32760;
 - FLUX.1-dev: 1024x1024, B=1 (guidance-distilled, no CFG), 512 + 64x64 = 4608 tokens;
 - Wan 2.2 A14B, one expert (both have this config): 81 frames 720x1280, B=1, 21x45x80 = 75600 tokens;
+- Wan2.1-14B (the same blocks as an A14B expert): 81 frames 720x1280, B=1, 75600 tokens;
 - Wan 2.2 TI2V-5B: 121 frames 704x1280 (VAE 16x), B=1, per-token timesteps, 31x22x40 = 27280 tokens;
 - SkyReels-V2-14B (720P): 121 frames 720x1280, B=1, 31x45x80 = 111600 tokens;
 - Wan2.1-VACE-14B: the pipeline's 81 frames 480x832, B=1, 21x30x52 = 32760 tokens in 40 main + 8 VACE blocks;
@@ -40,6 +41,20 @@ run: the first call (compile included) is reported apart from the median step af
 after the second call too, which records them), and each compiled output, dense and PARO, is compared
 with the eager output of the same model and inputs (max |difference| over max |eager output|).
 
+    python benchmarks/e2e.py --compile fullgraph --linear fp8 --profile --no-eager --query-block 128 \
+        --models wan-14b-720p [--modes "dense,dense + fp8 linear"]
+    python benchmarks/e2e.py --table A.json B.json --merge          # one table of runs split by --modes
+
+--linear fp8 runs each compiled mode again with the transformer blocks' linear layers in fp8 (paroattn.linear:
+torchao's float8 dynamic activations and weights, per-row scales; `apply(transformer, plan or None,
+linear="fp8")`): dense bf16 | dense + fp8 linear | PARO d=0.2 int8+fp8 | PARO + fp8 linear. --profile adds one
+profiled step per row (torch.profiler, CUDA kernels), split by kernel name into attention (SDPA's kernels, or
+PARO's prologue, RoPE pass and attention kernels; Wan's cross-attention counts here in both), matrix multiplies
+(cuBLAS, CUTLASS, torch._scaled_mm), other kernels (norms, modulation, RoPE, casts, the activations' fp8
+quantization) and GPU idle time; each row keeps its 25 longest kernels with their class. --no-eager skips the
+eager runs (a 14B step takes seconds each). --modes names a subset (speedups then need the dense row of another
+run: --table ... --merge).
+
 The JSON records the GPU, torch, triton, date, the plans' block sizes and, where available, the
 driver and the commit.
 """
@@ -50,6 +65,7 @@ import argparse
 import copy
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -106,6 +122,7 @@ _WAN_14B = dict(
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )
 CONFIGS.update({
+    "wan-14b-720p": ("WanTransformer3DModel", dict(_WAN_14B)),
     "skyreels-v2-720p": ("SkyReelsV2Transformer3DModel", dict(_WAN_14B)),
     "wan-vace-14b": ("WanVACETransformer3DModel", dict(
         _WAN_14B, vace_layers=[0, 5, 10, 15, 20, 25, 30, 35], vace_in_channels=96)),
@@ -119,14 +136,14 @@ CONFIGS.update({
     "ltx-video": ("LTXVideoTransformer3DModel", {}),
     "ltx-2": ("LTX2VideoTransformer3DModel", {}),
 })
-LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev",
+LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev", "wan-14b-720p": "Wan2.1-14B 720p",
           "wan2.2-a14b": "Wan2.2-A14B expert 720p", "wan2.2-ti2v": "Wan2.2-TI2V-5B", "hunyuan": "HunyuanVideo 720p",
           "skyreels-v2-720p": "SkyReels-V2-14B 720p", "wan-vace-14b": "Wan2.1-VACE-14B",
           "qwen-image": "Qwen-Image 1024", "qwen-image-2048": "Qwen-Image 2048",
           "flux2": "FLUX.2-dev 1024", "flux2-2048": "FLUX.2-dev 2048",
           "hunyuanvideo-1.5-720p": "HunyuanVideo-1.5 720p", "ltx-video": "LTX-Video 2B", "ltx-2": "LTX-2 19B"}
 # the tiny model of each family, for --smoke
-SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan",
+SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan", "wan-14b-720p": "wan",
                   "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video", "skyreels-v2-720p": "skyreels_v2",
                   "wan-vace-14b": "wan_vace", "qwen-image": "qwen_image", "qwen-image-2048": "qwen_image",
                   "flux2": "flux2", "flux2-2048": "flux2", "hunyuanvideo-1.5-720p": "hunyuan_video15",
@@ -187,7 +204,7 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
     if name == "wan":
         return {"hidden_states": rand(1, 16, 21, 60, 104), "encoder_hidden_states": rand(1, 512, 4096),
                 "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
-    if name == "wan2.2-a14b":
+    if name in ("wan2.2-a14b", "wan-14b-720p"):  # 81 frames of 720 x 1280: 21 x 45 x 80 tokens
         return {"hidden_states": rand(1, 16, 21, 90, 160), "encoder_hidden_states": rand(1, 512, 4096),
                 "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
     if name == "wan2.2-ti2v":  # the pipeline's expand_timesteps: one timestep per token
@@ -417,8 +434,69 @@ def time_first_and_steps(fn, inputs, iters: int, device, untimed: int = 0) -> tu
     return times[0], statistics.median(steps), steps, out
 
 
+LINEAR = " + fp8 linear"  # the label suffix of a mode whose transformer blocks' linear layers run in fp8
+# kernel names of one profiled step: attention (dense: SDPA's flash, cuDNN or memory-efficient kernels; PARO: the
+# op's prologue, RoPE pass and attention kernels; Wan's cross-attention is SDPA in both), then matrix multiplies
+# (cuBLAS, CUTLASS, torch._scaled_mm, inductor's matmul templates), then everything else (norms, modulation, RoPE,
+# casts, the activations' fp8 quantization)
+ATTENTION_KERNELS = re.compile(r"attention|attn|flash|fmha|sdpa|_kv_prologue|_rotate_kernel|_warp_specialized",
+                               re.IGNORECASE)
+MATMUL_KERNELS = re.compile(r"gemm|nvjet|xmma|cutlass|scaled_mm|matmul|wgmma|splitk|triton_tem_|addmm|bmm",
+                            re.IGNORECASE)
+
+
+def kernel_class(name: str) -> str:
+    """"attention", "matmul" or "other" for a GPU kernel's name."""
+    if ATTENTION_KERNELS.search(name):
+        return "attention"
+    return "matmul" if MATMUL_KERNELS.search(name) else "other"
+
+
+def profiled_split(fn, inputs, top: int = 25) -> dict:
+    """One profiled step of `fn` (CUDA activity only): its wall time, the GPU time of attention, matrix-multiply
+    and other kernels (`kernel_class`), and the `top` kernels by GPU time with their class, so the split can be
+    checked by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(**inputs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        seconds = getattr(event, "self_device_time_total", 0.0) / 1e6
+        if seconds > 0:
+            kernels[event.key] = kernels.get(event.key, 0.0) + seconds
+    split = {"profiled_wall_s": wall, "attention_s": 0.0, "matmul_s": 0.0, "other_s": 0.0}
+    for kernel, seconds in kernels.items():
+        split[kernel_class(kernel) + "_s"] += seconds
+    split["idle_s"] = wall - split["attention_s"] - split["matmul_s"] - split["other_s"]
+    split["top_kernels"] = [(kernel[:160], seconds, kernel_class(kernel))
+                            for kernel, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]]
+    return split
+
+
+def compiled_variants(args) -> list[tuple[str, float | None, bool]]:
+    """(label, PARO density or None, fp8 linear layers) of a compiled run, dense first; with --linear each
+    mode is followed by itself with fp8 linear layers; --modes keeps the named ones."""
+    variants = [("dense", None, False)] + [(f"paro d={d:g} int8+fp8", d, False) for d in args.compile_densities]
+    if args.linear:
+        variants = [v for label, density, _ in variants for v in ((label, density, False),
+                                                                  (label + LINEAR, density, True))]
+    if args.modes:
+        unknown = [m for m in args.modes if m not in [v[0] for v in variants]]
+        if unknown:
+            raise SystemExit(f"--modes {','.join(unknown)}: a compiled run has {', '.join(v[0] for v in variants)}")
+        variants = [v for v in variants if v[0] in args.modes]
+    return variants
+
+
 def bench_compiled(name: str, args, device, dtype) -> list[dict]:
-    """Dense and PARO, eager and compiled with each of args.compile, one model, one run."""
+    """Dense and PARO (and, with --linear, each again with fp8 linear layers), eager (unless --no-eager) and
+    compiled with each of args.compile, one model, one run; --profile adds one profiled step per row."""
+    variants = compiled_variants(args)
     transformer = build_transformer(name, device, dtype, args.smoke)
     inputs = step_inputs(name, transformer, device, dtype, args.smoke, args.text_tokens)
     layout = family_of(transformer).call_inputs(transformer, inputs).layout
@@ -427,56 +505,114 @@ def bench_compiled(name: str, args, device, dtype) -> list[dict]:
     settings = [s.strip() for s in args.compile.split(",")]
     batch = int(next(iter(inputs.values())).shape[0])
     rows, dense = [], {}
+    nan = float("nan")
 
-    def run(label, density, compile_setting, fn, reference=None):
+    def run(label, density, linear, compile_setting, fn, reference=None):
         first, seconds, times, out = time_first_and_steps(fn, inputs, args.iters, device,
                                                           untimed=int(compile_setting == "reduce-overhead"))
         row = {"model": LABELS[name], "mode": label, "masks": "resident" if density else "-",
-               "compile": compile_setting, "first_call_s": first, "step_s": seconds, "times_s": times,
-               "tokens": layout.seq_len, "batch": batch}
-        if density is None:
+               "linear": args.linear if linear else "bf16", "compile": compile_setting, "first_call_s": first,
+               "step_s": seconds, "times_s": times, "tokens": layout.seq_len, "batch": batch}
+        if label == "dense":
             dense[compile_setting] = seconds
-        row["speedup"] = dense[compile_setting] / seconds
-        row["speedup_vs_eager_dense"] = dense["eager"] / seconds
+        row["speedup"] = dense.get(compile_setting, nan) / seconds  # over dense bf16 in this run, if it ran
+        row["speedup_vs_eager_dense"] = dense.get("eager", nan) / seconds
         if reference is not None:
             row["max_error_vs_eager"] = float((out.float() - reference.float()).abs().max()
                                               / reference.float().abs().max())
+        if args.profile and device.type == "cuda":
+            row.update(profiled_split(fn, inputs))
         rows.append(row)
         if args.json:  # each row as it comes: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"info": args.info, "rows": args.rows_before + rows}, indent=1))
-        print(f"  {label:22s} {compile_setting:15s} first {first:7.1f} s  step {seconds * 1000:9.1f} ms  "
+        print(f"  {label:36s} {compile_setting:15s} first {first:7.1f} s  step {seconds * 1000:9.1f} ms  "
               f"x{row['speedup']:.2f} (vs eager dense x{row['speedup_vs_eager_dense']:.2f})"
-              + (f"  max error vs eager {row['max_error_vs_eager']:.1e}" if reference is not None else ""),
-              flush=True)
+              + (f"  max error vs eager {row['max_error_vs_eager']:.1e}" if reference is not None else "")
+              + (f"  attention {row['attention_s'] * 1000:.0f} ms, matmuls {row['matmul_s'] * 1000:.0f} ms, other "
+                 f"{row['other_s'] * 1000:.0f} ms" if "attention_s" in row else ""), flush=True)
         return out
 
-    def compiled_rows(label, density, reference=None):
+    def compiled_rows(label, density, linear, reference=None):
         for setting in settings:
             torch._dynamo.reset()
             try:
-                run(label, density, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]), reference)
+                run(label, density, linear, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]),
+                    reference)
             except Exception as exc:  # one setting that fails must not hide the others
-                print(f"  {label:22s} {setting:15s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
-                rows.append({"model": LABELS[name], "mode": label, "compile": setting, "step_s": float("nan"),
-                             "speedup": float("nan"), "error": str(exc)[:2000]})
+                print(f"  {label:36s} {setting:15s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
+                rows.append({"model": LABELS[name], "mode": label, "compile": setting, "step_s": nan,
+                             "speedup": nan, "error": str(exc)[:2000]})
             torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    print(f"[{LABELS[name]}] layout {layout} ({layout.seq_len} tokens), compiled: {settings}", flush=True)
-    # compiled dense against eager dense too: at full size, random weights, this difference is as large as
-    # PARO's compiled-vs-eager one (the model amplifies the rounding of inductor's fused ops)
-    compiled_rows("dense", None, reference=run("dense", None, "eager", transformer))
-    for density in args.compile_densities:
-        label = f"paro d={density:g} int8+fp8"
-        plan = synthetic_plan(transformer, layout, density, "int8", "fp8", block, query_block=args.query_block)
-        handle = apply(transformer, plan, backend=backend, resident=True)
-        handle.processor.prepare(handle.binding, device)
-        eager = run(label, density, "eager", transformer)
-        compiled_rows(label, density, reference=eager)
-        handle.remove()
+    print(f"[{LABELS[name]}] layout {layout} ({layout.seq_len} tokens), compiled: {settings}, modes: "
+          f"{[v[0] for v in variants]}", flush=True)
+    plans = {}
+    for label, density, linear in variants:
+        handle = None
+        try:
+            if density is not None and density not in plans:
+                plans[density] = synthetic_plan(transformer, layout, density, "int8", "fp8", block,
+                                                query_block=args.query_block)
+            if density is not None or linear:
+                handle = apply(transformer, plans.get(density), backend=backend, resident=True,
+                               linear=args.linear if linear else None)
+                if handle.processor is not None:
+                    handle.processor.prepare(handle.binding, device)
+            # compiled against eager of the same mode: at full size, random weights, compiled dense differs from
+            # eager dense as much as PARO's compiled run from its eager one (the model amplifies inductor's
+            # rounding of its fused ops)
+            eager = None if args.no_eager else run(label, density, linear, "eager", transformer)
+            compiled_rows(label, density, linear, reference=eager)
+        except Exception as exc:  # a mode that cannot be set up must not hide the others
+            print(f"  {label:36s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
+            rows.append({"model": LABELS[name], "mode": label, "compile": "-", "step_s": nan, "speedup": nan,
+                         "error": str(exc)[:2000]})
+        finally:
+            if handle is not None:
+                handle.remove()
     return rows  # the model and its inputs are freed with this frame and its closures
+
+
+LINEAR_COLUMNS = ("dense", "dense" + LINEAR, "paro d=0.2 int8+fp8", "paro d=0.2 int8+fp8" + LINEAR)
+
+
+def linear_table(results: dict) -> str:
+    """The fp8-linear step table: per model and compile setting, the step of dense bf16, dense + fp8 linear,
+    PARO d=0.2 int8+fp8 and PARO + fp8 linear, each with its speedup over dense bf16 (same setting); then each
+    row's profiled split of the step into attention, matrix multiplies, other kernels and idle GPU time."""
+    info, rows = results["info"], [r for r in results["rows"] if r.get("step_s") == r.get("step_s")]
+    out = [", ".join([info["device"]] + [f"{k} {info[k]}" for k in ("driver", "torch", "triton", "torchao", "commit")
+                                         if info.get(k)] + [info["date"]]), "",
+           "| model (tokens) | how | " + " | ".join(c.replace("paro ", "PARO ") for c in LINEAR_COLUMNS) + " |",
+           "|---|---|" + "---|" * len(LINEAR_COLUMNS)]
+    split = ["", "| model | mode | how | step | attention | matrix multiplies | other kernels | GPU idle |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for how in dict.fromkeys(r["compile"] for r in rows if r["model"] == model):
+            found = {c: next((r for r in rows if r["model"] == model and r["mode"] == c and r["compile"] == how),
+                             None) for c in LINEAR_COLUMNS}
+            if not any(found.values()):
+                continue
+            base = found["dense"]
+            tokens = next(r["tokens"] for r in found.values() if r)
+
+            def cell(r):
+                if r is None:
+                    return "not run"
+                ratio = f", {base['step_s'] / r['step_s']:.2f}x" if base is not None else ""
+                return f"{r['step_s'] * 1000:.0f} ms{ratio}"
+
+            out.append(f"| {model} ({tokens}) | {how} | " + " | ".join(cell(found[c]) for c in LINEAR_COLUMNS) + " |")
+            for mode, r in found.items():
+                if r is not None and "attention_s" in r:
+                    wall = r["profiled_wall_s"]
+                    split.append(f"| {model} | {mode} | {how} | {wall * 1000:.0f} ms | " + " | ".join(
+                        f"{r[key] * 1000:.0f} ms ({r[key] / wall:.0%})"
+                        for key in ("attention_s", "matmul_s", "other_s", "idle_s")) + " |")
+    return "\n".join(out + (split if len(split) > 3 else []))
 
 
 def compiled_table(results: dict) -> str:
@@ -578,15 +714,36 @@ def main(argv=None):
                         help=f"compiled rows instead: comma-separated of {', '.join(COMPILE_SETTINGS)}")
     parser.add_argument("--compile-densities", default="0.2", type=lambda s: [float(d) for d in s.split(",")],
                         help="PARO densities of the compiled rows (int8 QK + fp8 PV)")
+    parser.add_argument("--linear", choices=["fp8"], default=None,
+                        help="compiled rows: each mode also with the blocks' linear layers in fp8 (torchao)")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="compiled rows: skip the eager run of each mode (no compiled-vs-eager error then)")
+    parser.add_argument("--profile", action="store_true",
+                        help="compiled rows: one profiled step per row, split into attention, matrix multiplies, "
+                             "other kernels and idle GPU time")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --table: one table of the rows of every file (runs of one machine split by mode)")
     args = parser.parse_args(argv)
     if args.table:
-        for path in args.table:
-            results = json.loads(path.read_text())
-            compiled = any(r.get("compile") for r in results["rows"])
-            print(f"`{path.name}`: " + (compiled_table if compiled else markdown_tables)(results) + "\n")
+        loaded = [(path, json.loads(path.read_text())) for path in args.table]
+        if args.merge:
+            devices = {results["info"]["device"] for _, results in loaded}
+            if len(devices) > 1:
+                raise SystemExit(f"--merge: the files were measured on different GPUs ({', '.join(sorted(devices))}); "
+                                 "merge only runs of one machine")
+            merged = {"info": loaded[0][1]["info"], "rows": [r for _, results in loaded for r in results["rows"]]}
+            loaded = [(Path(" + ".join(path.name for path, _ in loaded)), merged)]
+        for path, results in loaded:
+            if any(r.get("linear") for r in results["rows"]):
+                table = linear_table
+            else:
+                table = compiled_table if any(r.get("compile") for r in results["rows"]) else markdown_tables
+            print(f"`{path.name}`: " + table(results) + "\n")
         return None
+    if args.linear and not args.compile:
+        raise SystemExit("--linear adds compiled rows: pass --compile SETTINGS too (e.g. --compile fullgraph)")
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("the end-to-end benchmark needs a CUDA GPU (or --smoke for a CPU check of the script)")
@@ -603,6 +760,14 @@ def main(argv=None):
         info["triton"] = triton.__version__
     except ImportError:
         pass
+    if args.linear:
+        from paroattn.linear import linear_problem
+
+        if problem := linear_problem(args.linear, device):
+            raise SystemExit(problem)
+        import torchao
+
+        info["torchao"] = torchao.__version__
     if "hunyuan" in args.models and not args.smoke:
         info["hunyuan_text_tokens"] = f"{args.text_tokens} of 256 real"
         LABELS["hunyuan"] = f"HunyuanVideo 720p, text {args.text_tokens}/256"
@@ -624,7 +789,7 @@ def main(argv=None):
         if args.json:
             args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     if args.compile:
-        print("\n" + compiled_table({"info": info, "rows": rows}))
+        print("\n" + (linear_table if args.linear else compiled_table)({"info": info, "rows": rows}))
         return rows
     print("\nmodel          mode                    masks      step ms   speedup  peak GiB  masks GPU MiB")
     for r in rows:

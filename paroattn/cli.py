@@ -369,6 +369,7 @@ def generate(
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
     ulysses: int = typer.Option(1, help="split each generation over N GPUs (Wan, FLUX.1, FLUX.2, Qwen-Image, LTX; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
+    linear: str | None = typer.Option(None, "--linear", help="fp8: the transformer blocks' linear layers in fp8 too (torchao: `pip install paroattn[fp8]`; a GPU of sm_89 or newer; bfloat16 weights), with or without --plan"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
@@ -385,7 +386,7 @@ def generate(
         result = run_generate(
             model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
-            ulysses=ulysses, log=typer.echo,
+            ulysses=ulysses, linear=linear, log=typer.echo,
         )
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
@@ -394,12 +395,13 @@ def generate(
             dist.destroy_process_group()
     if "rank" in result:  # another process of a --ulysses run: rank 0 reports
         return
+    what = ("PARO" if plan is not None else "dense") + (f" + {linear} linear" if linear else "")
     if "dense_path" in result:
         typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['dense_path']}")
     if "paro_s" in result and result.get("ran_dense"):
         typer.echo(f"dense (the plan did not fit, --on-mismatch dense): {result['paro_s']:.2f} s -> {result['path']}")
     elif "paro_s" in result:
-        typer.echo(f"PARO: {result['paro_s']:.2f} s -> {result['path']}")
+        typer.echo(f"{what}: {result['paro_s']:.2f} s -> {result['path']}")
     else:
         typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['path']}")
     if result.get("masks"):
@@ -407,11 +409,11 @@ def generate(
         parts = [masks] if "gpu_bytes" in masks else [m for m in masks.values() if m]  # an expert pair: by expert
         gpu, host = (sum(m.get(key, 0) for m in parts) for key in ("gpu_bytes", "host_bytes"))
         typer.echo(f"masks: {gpu / 2**20:.1f} MiB on the device, {host / 2**20:.1f} MiB on the host")
-    if compare and result.get("ran_dense"):
+    if compare and result.get("ran_dense") and not linear:
         typer.echo("no PARO vs dense comparison: both runs used the model's own attention")
     elif compare:
         typer.echo(
-            f"PARO vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}, "
+            f"{what} vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}, "
             f"speedup {result['speedup']:.2f}x"
         )
 

@@ -8,9 +8,13 @@ seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
     python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans   # GPU: ~2 min
     python scripts/demo_model_quality.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
+    python scripts/demo_model_quality.py --out DIR --grid "1:bf16:fp8 linear" \
+        --grid "0.5,0.2:int8fp8:calibrated,fp8 linear"
 
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
-VARIANTS, combined with '+': "more prompts+dense last"). Writes `quality.jsonl` (one row per line, as
+VARIANTS, combined with '+': "more prompts+dense last"). The variant "fp8 linear" also runs the transformer blocks'
+linear layers in fp8 (`apply(..., linear="fp8")`, a CUDA GPU of sm_89 or newer with torchao); at density 1 in
+bf16 it is the dense model with fp8 linear layers and no plan. Writes `quality.jsonl` (one row per line, as
 soon as it is measured), `quality.json` and `quality_table.md` into --out; with --ship, the demo's
 plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`,
 `demo.study_selection`).
@@ -34,6 +38,7 @@ from paroattn import ORDERS
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model import demo
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
+from paroattn.pipelines import apply
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
 # calibration variants: SelectionConfig options on top of the shipped calibration (demo.study_selection);
@@ -58,6 +63,7 @@ VARIANTS = {
     "no dense steps": {"dense_steps": 0.0},
     "shared budget": {"shared_budget": True},
     "per-bucket budget": {"shared_budget": False},
+    "fp8 linear": {"linear": "fp8"},
 }
 DEFAULT_GRIDS = (
     "0.5,0.3,0.2:bf16:calibrated,identity",
@@ -136,6 +142,11 @@ def main(argv=None) -> int:
     start_time = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
+    for linear in {variant_arguments(variant).get("linear") for _, _, variant in rows_spec} - {None}:
+        from paroattn.linear import linear_problem
+
+        if problem := linear_problem(linear, args.device):
+            raise SystemExit(f"--grid ... fp8 linear: {problem}")
     seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pipe = load_demo_pipeline(args.model_dir, device=args.device, dtype=dtype)
@@ -181,35 +192,43 @@ def main(argv=None) -> int:
         if args.time_limit is not None and time.perf_counter() - start_time > args.time_limit:
             say(f"time limit: skipped d={density} {quant} {variant} and the rows after it")
             break
-        if density >= 1.0 and quant == "bf16":
-            continue  # the dense model itself
         kwargs = {"quant_weight": args.quant_weight, **variant_arguments(variant)}
-        stats = stats_for(kwargs.pop("capture", "two"))
+        linear = kwargs.pop("linear", None)
+        if density >= 1.0 and quant == "bf16" and linear is None:
+            continue  # the dense model itself
         qk, pv = demo.QUANT_MODES[QUANTS[quant]]
-        try:
-            plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
-        except ValueError as exc:
-            say(f"d={density} {quant} {variant}: not built ({exc})")
-            continue
+        plan, result = None, None  # density 1 in bf16 with fp8 linear layers: no plan, the model's own attention
+        if not (density >= 1.0 and quant == "bf16"):
+            stats = stats_for(kwargs.pop("capture", "two"))
+            try:
+                plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
+            except ValueError as exc:
+                say(f"d={density} {quant} {variant}: not built ({exc})")
+                continue
         per_video = {"psnr_db": [], "ssim": [], "cosine": []}
         seconds = 0.0
         for seed in seeds:
-            frames, timing = demo.run_with_plan(pipe, plan, prompts, steps=args.steps, seed=seed, backend=args.backend,
-                                                size=size)
+            with apply(pipe, plan, backend=args.backend, linear=linear):
+                frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
             seconds += timing["total_s"]
             for i in range(len(prompts)):
                 m = demo.compare(dense[seed][i:i + 1], frames[i:i + 1])
                 for key in per_video:
                     per_video[key].append(m[key])
         row = {
-            "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant,
-            "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
-            "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
-            "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
-            "step_shares": result.step_shares, **{k: summary(v) for k, v in per_video.items()},
-            "per_video": per_video, "seconds": seconds,
-            "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
+            "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant, "linear": linear or "bf16",
+            **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
         }
+        if plan is None:
+            row.update({"achieved_density": 1.0, "kept_mass": 1.0})
+        else:
+            row.update({
+                "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
+                "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
+                "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
+                "step_shares": result.step_shares,
+                "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
+            })
         rows.append(row)
         jsonl.write(json.dumps(row) + "\n")
         jsonl.flush()
@@ -222,8 +241,9 @@ def main(argv=None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__, "dtype": str(dtype), "steps": args.steps,
-        "model": str(args.model_dir or "paroattn/demo_model/assets"), "layout": str(next(iter(captures.values())).layout),
+        "torch": torch.__version__, "torchao": _torchao_version(), "dtype": str(dtype), "steps": args.steps,
+        "model": str(args.model_dir or "paroattn/demo_model/assets"),
+        "layout": str(next(iter(captures.values())).layout) if captures else None,
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
@@ -242,6 +262,14 @@ def main(argv=None) -> int:
     (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
     print(f"wrote {args.out / 'quality.json'} and {args.out / 'quality_table.md'}")
     return 0
+
+
+def _torchao_version() -> str | None:
+    try:
+        import torchao
+    except ImportError:
+        return None
+    return torchao.__version__
 
 
 def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) -> dict:

@@ -5,6 +5,7 @@
     handle.remove()                              # the original processors, bit-exact
 
     handle = paroattn.apply(pipe, load_plans(path))   # an expert pair (Wan 2.2 A14B): each expert its own plan
+    handle = paroattn.apply(pipe, plan, linear="fp8") # and the blocks' linear layers in fp8 (paroattn.linear)
 
     pipe.transformer.set_attn_processor(PAROProcessor(plan))   # also works: the instance finds its layers
 
@@ -87,8 +88,9 @@ def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
 
 
 class PAROHandle:
-    """What `apply` returns: `remove()` puts the original processors back; `stats()` reports masks.
-    For an expert pair, `experts` holds each expert's own handle (this one is the first expert's)."""
+    """What `apply` returns: `remove()` puts the original processors (and, after linear="fp8", the original
+    linear weights) back; `stats()` reports masks; `linears` the fp8 linear layers (`paroattn.linear.FP8Linears`)
+    or None. For an expert pair, `experts` holds each expert's own handle (this one is the first expert's)."""
 
     def __init__(self, transformer, processor: PAROProcessor | None, binding: Binding | None, originals: dict | None,
                  expert: str = ""):
@@ -98,10 +100,12 @@ class PAROHandle:
         self.expert = expert
         self._originals = originals
         self.experts: dict[str, PAROHandle] = {}
+        self.linears = None
 
     @property
     def active(self) -> bool:
-        return self._originals is not None or any(h.active for h in self.experts.values() if h is not self)
+        return (self._originals is not None or self.linears is not None
+                or any(h.active for h in self.experts.values() if h is not self))
 
     def stats(self) -> dict:
         """Mask memory and prefetch counters of the store the latest eager forward read (after at least one
@@ -127,6 +131,9 @@ class PAROHandle:
         for handle in self.experts.values():
             if handle is not self:
                 handle.remove()
+        if self.linears is not None:
+            self.linears.remove()
+            self.linears = None
         if self._originals is None:
             return
         self.transformer.set_attn_processor(dict(self._originals))
@@ -189,16 +196,31 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
     return [(name, module, by_expert.get(name)) for name, module in experts], problems
 
 
-def apply(pipe_or_transformer, plan: Plan | Sequence[Plan], backend: str = "auto", on_mismatch: str = "error", *,
-          resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True) -> PAROHandle:
+def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str = "auto", on_mismatch: str = "error",
+          *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True,
+          linear: str | None = None) -> PAROHandle:
     """Run every self-attention layer of the pipeline's transformer with `plan`; for a pipeline with an
     expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
 
     Raises PlanError when a plan was made for another model class, config, head or layer count, or
     expert (with on_mismatch="dense": warns and leaves that transformer as it is); a call at another
     resolution or frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
-    `prefetch_slots`, `fuse_rope`: see PAROProcessor."""
-    pairs, problems = expert_plans(pipe_or_transformer, plan)
+    `prefetch_slots`, `fuse_rope`: see PAROProcessor.
+
+    `linear="fp8"`: the linear layers of every transformer's blocks also run in fp8 (torchao; which layers and
+    why: `paroattn.linear`), with `plan=None` beside the model's own attention. It is refused, before anything
+    changes, without torchao (`pip install paroattn[fp8]`), on the CPU, on a GPU below sm_89 and for weights
+    that are not bfloat16."""
+    if plan is None and linear is not None:  # the model's own attention, fp8 linear layers
+        pairs, problems = [(name, module, None) for name, module in pipeline_experts(pipe_or_transformer)], []
+    else:
+        pairs, problems = expert_plans(pipe_or_transformer, plan)
+    if linear is not None:
+        from ..linear import transformer_problem
+
+        for expert, transformer, _ in pairs:
+            if problem := transformer_problem(transformer, linear):
+                raise ValueError(problem + (f" (expert {expert})" if expert and len(pairs) > 1 else ""))
     if problems:
         message = "; ".join(problems)
         if on_mismatch == "error":
@@ -225,6 +247,11 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan], backend: str = "auto
                 processor.unbind(binding)
                 raise
             handles[expert] = PAROHandle(transformer, processor, binding, originals, expert)
+        if linear is not None:
+            from ..linear import quantize_linears
+
+            for expert, transformer, _ in pairs:
+                handles[expert].linears = quantize_linears(transformer, linear)
     except Exception:
         for handle in handles.values():
             handle.remove()

@@ -132,6 +132,22 @@ def backend_device_problem(backend: str, device: str | None) -> str | None:
     return None
 
 
+def linear_option_problem(linear: str | None, device: str | None, dtype: str | None) -> str | None:
+    """Why `--linear` cannot run with `--device` / `--dtype` (None: their defaults), or None; needs no model."""
+    if linear is None:
+        return None
+    from ..linear import LINEAR_MODES, linear_problem
+
+    if linear not in LINEAR_MODES:
+        return f"--linear {linear!r} is not one of {', '.join(LINEAR_MODES)}: pass --linear fp8, or leave it out"
+    if dtype is not None and dtype != "bfloat16":
+        return (f"--linear fp8 quantizes bfloat16 weights (per-row scales take no other dtype) and --dtype is {dtype}: "
+                "pass --dtype bfloat16, or leave --dtype out")
+    if problem := linear_problem(linear, device):
+        return problem.replace("linear='fp8'", "--linear fp8").replace("leave linear out", "leave --linear out")
+    return None
+
+
 def size_problem(**sizes: int | None) -> str | None:
     """Why one of `--height`, `--width`, `--frames`, `--steps` (given as keywords) is out of range, or None
     (None: the pipeline's default)."""
@@ -340,11 +356,14 @@ def generate(
     backend: str = "auto",
     on_mismatch: str = "error",
     ulysses: int = 1,
+    linear: str | None = None,
     extra_call: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Generate with `plan` (or dense when None); with `compare`, also dense with the same seed.
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
+    `linear="fp8"`: the transformer blocks' linear layers in fp8 as well (`paroattn.linear`); without a plan, beside
+    the model's own attention (then "paro_s" is that run's time, and `compare` measures it against bf16).
 
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
@@ -353,7 +372,7 @@ def generate(
     from .context_parallel import enable_ulysses, join_process_group, ulysses_problem
 
     # every option and the output path are checked before the model loads
-    if compare and plan is None:
+    if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
     if ulysses < 1:
         raise ValueError(f"--ulysses {ulysses}: pass the number of GPUs (processes) to split each generation over")
@@ -364,6 +383,8 @@ def generate(
     if problem := seed_problem(seed) or device_problem(device) or dtype_problem(dtype):
         raise ValueError(problem)
     if problem := backend_device_problem(backend, device):
+        raise ValueError(problem)
+    if problem := linear_option_problem(linear, device, dtype):
         raise ValueError(problem)
     if out is not None and (problem := output_problem(out)):
         raise ValueError(problem)
@@ -433,15 +454,20 @@ def generate(
         if rank == 0:
             result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
     handle = None
+    linears = " and fp8 linear layers" if linear else ""
     if loaded_plan is not None and mismatch is not None:
-        log("dense run (the plan does not fit)")
+        log(f"dense run (the plan does not fit){linears}")
+        handle = apply(pipe, None, linear=linear) if linear else None
     elif loaded_plan is not None:
-        handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch)
+        handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch, linear=linear)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
             result["ran_dense"] = "the plan does not fit (see the warning above)"
         experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""
         log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, qk={loaded_plan.qk}, "
-            f"pv={loaded_plan.pv}{experts})")
+            f"pv={loaded_plan.pv}{experts}){linears}")
+    elif linear:
+        handle = apply(pipe, None, linear=linear)
+        log(f"dense run (no plan){linears}")
     else:
         log("dense run (no plan)")
     try:
@@ -450,7 +476,9 @@ def generate(
         if handle is not None:
             result["masks"] = handle.stats()
             handle.remove()
-    result["paro_s" if loaded_plan is not None else "dense_s"] = seconds
+    result["paro_s" if loaded_plan is not None or linear else "dense_s"] = seconds
+    if linear:
+        result["linear"] = linear
     if ulysses > 1:
         result["ulysses"] = ulysses
         if rank != 0:  # every process holds the same output; rank 0 writes it
