@@ -142,14 +142,13 @@ class MaskStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of mask data on the store's device (the slots, for a streaming store)."""
-        tensors = [self.orders, self.dense]
+        """Bytes of mask data on the store's device: the masks or lists (the slots, for a streaming store)."""
         if not self.lists:
-            tensors.append(self.mask)
+            tensors = [self.mask]
         elif self.streaming:
-            tensors += self._counts + self._indices + self._schedule
+            tensors = self._counts + self._indices + self._schedule
         else:
-            tensors += [self.counts, self.indices, self.schedule]
+            tensors = [self.counts, self.indices, self.schedule]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
