@@ -101,6 +101,11 @@ def start(models_dir: Path, extra_nodes: dict | None = None):
     return nodes
 
 
+def pack_module(name: str):
+    """A module of the node pack as ComfyUI imported it (under the name `nodes.load_custom_node` gives a folder)."""
+    return sys.modules[f"{str(PACK).replace('.', '_x_')}.{name}"]
+
+
 def run(prompt: dict, outputs: list[str]) -> tuple[bool, list[tuple[str, dict]]]:
     """Validate and execute an API-format prompt; (success, the messages the server was sent)."""
     execution = _started["execution"]

@@ -7,22 +7,32 @@ import torch
 RECORDS: dict[str, list] = {}
 
 
+class ClipVisionOutput:
+    def __init__(self, penultimate_hidden_states):
+        self.penultimate_hidden_states = penultimate_hidden_states
+
+
 class RandomConditioning:
-    """Seeded random text embeddings (and pooled output) in place of a text encoder's."""
+    """Seeded random text embeddings (and pooled output, and CLIP vision features of `image_tokens` tokens of
+    `image_dim` channels) in place of the encoders'."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 8}),
-                             "dim": ("INT", {"default": 32}), "pooled_dim": ("INT", {"default": 0})}}
+                             "dim": ("INT", {"default": 32}), "pooled_dim": ("INT", {"default": 0})},
+                "optional": {"image_tokens": ("INT", {"default": 0}), "image_dim": ("INT", {"default": 1280})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, dim, pooled_dim):
+    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280):
         g = torch.Generator().manual_seed(seed)
         extra = {"pooled_output": torch.randn(1, pooled_dim, generator=g)} if pooled_dim else {}
-        return ([[torch.randn(1, tokens, dim, generator=g), extra]],)
+        text = torch.randn(1, tokens, dim, generator=g)
+        if image_tokens:
+            extra["clip_vision_output"] = ClipVisionOutput(torch.randn(1, image_tokens, image_dim, generator=g))
+        return ([[text, extra]],)
 
 
 class RecordModelCalls:

@@ -49,6 +49,18 @@ def wan(comfy):
 
 
 @pytest.fixture(scope="module")
+def wan_i2v(comfy):
+    import folder_paths
+    import tiny_models
+
+    model = tiny_models.tiny_wan(seed=4, i2v=True)
+    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_models.save_wan(model, folder / "tiny-wan-i2v.safetensors")
+    return model
+
+
+@pytest.fixture(scope="module")
 def flux(comfy):
     import folder_paths
     import tiny_models
@@ -84,12 +96,15 @@ def graph(family: str, *, plan: str | None = None, record: str | None = None, ke
     """The API prompt of the test graph and its output nodes."""
     import tiny_models
 
-    if family == "wan":
+    if family in ("wan", "wan-i2v"):
         prompt = {
-            "model": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-wan.safetensors", "weight_dtype": "default"}},
+            "model": {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny-{family}.safetensors",
+                                                             "weight_dtype": "default"}},
             "latent": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {**WAN_SIZE, "batch_size": 1}},
         }
         text = {"tokens": 8, "dim": tiny_models.WAN_TEXT_DIM, "pooled_dim": 0}
+        if family == "wan-i2v":  # diffusers' I2V attention takes the keys past the 512th as the image's
+            text.update(tokens=512, image_tokens=4, image_dim=tiny_models.WAN_IMAGE_DIM)
     else:
         prompt = {
             "model": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-flux.safetensors", "weight_dtype": "default"}},
@@ -217,6 +232,84 @@ def test_wan_call_of_another_size_is_refused_without_axis_profiles(wan):
     name = save_plan(synthetic_plan(other, 2, "WanTransformer3DModel", 0.5), "wan-other-size.safetensors")
     ok, message = run_graph("wan", plan=name, keep="refused")
     assert not ok and "3x4x6" in message and "3x5x6" in message and "axis profiles" in message
+
+
+def test_wan_i2v_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(wan_i2v):
+    """I2V blocks make two cross-attention calls (image, text) after the self-attention: only the first is PARO's."""
+    plan = synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=6)
+    name = save_plan(plan, "wan-i2v-d05.safetensors")
+    assert run_graph("wan-i2v", plan=name, record="wan-i2v", keep="wan-i2v-latent") == (True, "")
+    calls = records()["wan-i2v"]
+    assert calls[0]["args"][0].shape[1] == 36 and calls[0]["args"][3] is not None  # mask + image latent, CLIP features
+
+    def diffusers_wan(x, timestep, context, clip_fea, *_):
+        return wan_i2v(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
+                       encoder_hidden_states_image=clip_fea, return_dict=False)[0]
+
+    with paroattn.apply(wan_i2v, Plan.load(plan_folder() / name), backend="torch"):
+        worst = compare_with_diffusers(calls, diffusers_wan, "Wan I2V, d=0.5 plan")
+    assert worst < 1e-5
+    assert compare_with_diffusers(calls, diffusers_wan, "Wan I2V, same calls, diffusers without PARO") > 100 * worst
+
+
+def test_wan22_expert_pair_binds_each_expert_to_its_plan(wan, comfy):
+    """Two models (high noise, low noise) each with Apply PARO on the same loaded pair, sampled in turn as in
+    ComfyUI's Wan 2.2 A14B workflows: each model call equals its diffusers expert under its own plan."""
+    import folder_paths
+    import tiny_models
+
+    low = tiny_models.tiny_wan(seed=9)
+    tiny_models.save_wan(low, Path(folder_paths.get_folder_paths("diffusion_models")[0]) / "tiny-wan-low.safetensors")
+    files = {"transformer": "pair22.safetensors", "transformer_2": "pair22.transformer_2.safetensors"}
+    for i, (expert, file) in enumerate(files.items()):
+        plan = replace(synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=10 + i), expert=expert)
+        plan.info["experts"] = files
+        save_plan(plan, file)
+    prompt, _ = graph("wan")
+    sampling = {k: v for k, v in prompt["sample"]["inputs"].items() if k not in ("model", "seed", "denoise", "latent_image")}
+    prompt.update({
+        "low": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-wan-low.safetensors", "weight_dtype": "default"}},
+        "plan": {"class_type": "LoadPAROPlan", "inputs": {"plan_name": files["transformer_2"]}},
+        "paro_high": {"class_type": "ApplyPARO", "inputs": {"model": ["model", 0], "plan": ["plan", 0], "backend": "torch",
+                                                            "on_mismatch": "error", "expert": "transformer"}},
+        "paro_low": {"class_type": "ApplyPARO", "inputs": {"model": ["low", 0], "plan": ["plan", 0], "backend": "torch",
+                                                           "on_mismatch": "error", "expert": "transformer_2"}},
+        "record_high": {"class_type": "RecordModelCalls", "inputs": {"model": ["paro_high", 0], "key": "high"}},
+        "record_low": {"class_type": "RecordModelCalls", "inputs": {"model": ["paro_low", 0], "key": "low"}},
+        "sample": {"class_type": "KSamplerAdvanced", "inputs": {
+            "model": ["record_high", 0], **sampling, "add_noise": "enable", "noise_seed": 7, "latent_image": ["latent", 0],
+            "start_at_step": 0, "end_at_step": 2, "return_with_leftover_noise": "enable"}},
+        "sample_low": {"class_type": "KSamplerAdvanced", "inputs": {
+            "model": ["record_low", 0], **sampling, "add_noise": "disable", "noise_seed": 7, "latent_image": ["sample", 0],
+            "start_at_step": 2, "end_at_step": STEPS, "return_with_leftover_noise": "disable"}},
+    })
+    prompt["keep"]["inputs"]["samples"] = ["sample_low", 0]
+    import comfy_env
+
+    ok, messages = comfy_env.run(prompt, ["keep"])
+    assert (ok, comfy_env.error_message(messages)) == (True, "")
+    assert len(records()["high"]) == 2 and len(records()["low"]) == 1
+    for key, model, file in (("high", wan, files["transformer"]), ("low", low, files["transformer_2"])):
+        def run(x, timestep, context, *_, model=model):
+            return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)[0]
+
+        with paroattn.apply(model, Plan.load(plan_folder() / file), backend="torch"):
+            assert compare_with_diffusers(records()[key], run, f"Wan 2.2 pair, {key}-noise expert") < 1e-5
+
+
+def test_models_without_a_paro_layout_are_refused_with_the_reason(comfy):
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+
+    class HunyuanVideo:  # stands for ComfyUI's model_base.HunyuanVideo
+        diffusion_model = object()
+
+    class Patcher:
+        model = HunyuanVideo()
+
+    with pytest.raises(families.UnsupportedModel, match="puts the text tokens before the video"):
+        families.family_of(Patcher())
 
 
 # -- Flux -----------------------------------------------------------------------------------------------------

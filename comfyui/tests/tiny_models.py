@@ -16,18 +16,22 @@ import torch
 HEAD_DIM = 128
 HEADS = 2
 WAN_TEXT_DIM = 32
+WAN_IMAGE_DIM = 1280  # ComfyUI's Wan I2V takes CLIP vision features of this width
 FLUX_TEXT_DIM = 32
 FLUX_POOLED_DIM = 16
 
 
-def tiny_wan(seed: int = 0):
+def tiny_wan(seed: int = 0, i2v: bool = False):
+    """Wan 2.1 T2V, or I2V (36 input channels: the latent, a 4-channel mask and the 16-channel image latent;
+    CLIP image features of ComfyUI's fixed width 1280 as extra cross-attention keys)."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=16, out_channels=16,
-        text_dim=WAN_TEXT_DIM, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=36 if i2v else 16,
+        out_channels=16, text_dim=WAN_TEXT_DIM, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=1024, image_dim=WAN_IMAGE_DIM if i2v else None,
+        added_kv_proj_dim=HEADS * HEAD_DIM if i2v else None,
     )
     return randomized(model, seed)
 
@@ -75,6 +79,13 @@ _WAN_KEYS = [
     (r"blocks\.(\d+)\.attn2\.to_out\.0\.", r"blocks.\1.cross_attn.o."),
     (r"blocks\.(\d+)\.attn2\.norm_q\.", r"blocks.\1.cross_attn.norm_q."),
     (r"blocks\.(\d+)\.attn2\.norm_k\.", r"blocks.\1.cross_attn.norm_k."),
+    (r"blocks\.(\d+)\.attn2\.add_k_proj\.", r"blocks.\1.cross_attn.k_img."),
+    (r"blocks\.(\d+)\.attn2\.add_v_proj\.", r"blocks.\1.cross_attn.v_img."),
+    (r"blocks\.(\d+)\.attn2\.norm_added_k\.", r"blocks.\1.cross_attn.norm_k_img."),
+    (r"condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
+    (r"condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+    (r"condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+    (r"condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
     (r"blocks\.(\d+)\.norm2\.", r"blocks.\1.norm3."),  # the affine norm before cross-attention
     (r"blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
     (r"blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
@@ -86,7 +97,7 @@ _WAN_KEYS = [
 
 
 def wan_comfy_state_dict(model) -> dict[str, torch.Tensor]:
-    """The diffusers Wan T2V model's weights under ComfyUI's key names."""
+    """The diffusers Wan model's weights (T2V or I2V) under ComfyUI's key names."""
     out = {}
     for name, tensor in model.state_dict().items():
         for pattern, replacement in _WAN_KEYS:
