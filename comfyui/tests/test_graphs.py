@@ -351,6 +351,21 @@ def test_flux_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(flux):
     assert compare_with_diffusers(calls, diffusers_flux(flux), "Flux, same calls, diffusers without PARO") > 100 * worst
 
 
+def test_flux_plan_of_another_text_length_derives_its_masks_as_diffusers_does(flux):
+    """ComfyUI pads FLUX's T5 text to 256 tokens, diffusers to 512: a plan calibrated with more text tokens than
+    the call has serves it through masks derived from its axis profiles, the same ones diffusers derives."""
+    plan = Plan.synthetic(layout=TokenLayout(2 * FLUX_TEXT, 1, 8, 6), num_layers=2, num_heads=2, density=0.5,
+                          orders="random", num_buckets=1, block_size=BLOCK, model_class="FluxTransformer2DModel",
+                          seed=8, profiles=True)
+    name = save_plan(plan, "flux-longer-text.safetensors")
+    assert run_graph("flux", plan=name, record="flux-derived", keep="flux-derived-latent") == (True, "")
+    with paroattn.apply(flux, Plan.load(plan_folder() / name), backend="torch"):
+        worst = compare_with_diffusers(records()["flux-derived"], diffusers_flux(flux), "Flux, plan for 32 text tokens")
+    assert worst < 1e-5
+    assert compare_with_diffusers(records()["flux-derived"], diffusers_flux(flux), "Flux, same calls, without PARO") \
+        > 100 * worst
+
+
 def test_flux_plan_for_another_model_is_refused(flux):
     name = save_plan(synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5), "wan-for-flux.safetensors")
     ok, message = run_graph("flux", plan=name, keep="refused")
