@@ -72,16 +72,16 @@ class StubServer:
 _started: dict = {}
 
 
-def start(models_dir: Path, extra_nodes: dict | None = None):
-    """Import ComfyUI (CPU, models under `models_dir`), its extra nodes, this pack and `extra_nodes`
-    (name -> class, test helpers). Returns the ComfyUI `nodes` module. Once per process."""
+def start(models_dir: Path, extra_nodes: dict | None = None, cpu: bool = True):
+    """Import ComfyUI (on the CPU unless `cpu` is False, models under `models_dir`), its extra nodes, this pack and
+    `extra_nodes` (name -> class, test helpers). Returns the ComfyUI `nodes` module. Once per process."""
     if _started:
         return _started["nodes"]
     root = comfyui_dir()
     sys.path.insert(0, str(root))
     from comfy.cli_args import args
 
-    args.cpu = True
+    args.cpu = cpu
     args.disable_all_custom_nodes = False
     import folder_paths
 
