@@ -102,16 +102,17 @@ class PARORunner(AttentionHook):
             logging.warning("PARO: %s; running the model's own attention there (on_mismatch='dense')", message)
 
     def _store(self, layout, q: torch.Tensor) -> MaskStore:
+        """The masks of `layout` on q's device: active-block lists when a kernel runs the calls, else bool masks.
+        Built once per (layout, device, dtype); ComfyUI may run model calls from several threads."""
         key = (layout, q.device, q.dtype)
-        store = self.stores.get(key)
-        if store is None:
-            with self.lock:
+        with self.lock:
+            store = self.stores.get(key)
+            if store is None:
                 plan = self.shapes.at(layout, device=q.device)  # calibrated, or derived once for this size
                 probe = torch.empty(1, 1, 1, q.shape[-1], dtype=q.dtype, device="meta")
                 decision = decide(probe, *plan.block_size, plan.qk, plan.pv, self.backend, device=q.device)
                 lists = isinstance(decision, Launch) and decision.backend != "torch"
-                with torch.inference_mode(False):  # kept across prompts, which ComfyUI runs in inference mode
-                    store = self.stores[key] = MaskStore(plan, q.device, lists=lists)
+                store = self.stores[key] = MaskStore(plan, q.device, lists=lists)
         return store
 
     def self_attention(self, call, layout, problem, geometry, kwargs):
@@ -147,7 +148,6 @@ class StatsCapture(AttentionHook):
     def __init__(self, family: Family, recorder):
         super().__init__(family)
         self.recorder = recorder
-        self.problem: str | None = None
 
     def self_attention(self, call, layout, problem, geometry, kwargs):
         if problem is not None:

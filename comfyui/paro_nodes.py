@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import folder_paths
 
@@ -190,7 +191,10 @@ class PAROCalibrate:
                   qk, pv, block_size, stat_every, filename, expert, overwrite):
         family = family_of(model)
         expert = "" if expert == "none" else expert
-        path = self._path(filename, expert, overwrite)
+        base = self._base_path(filename)
+        path = expert_plan_path(base, expert)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists: choose another filename, or set overwrite to true")
         selection = SelectionConfig(density=density, qk=qk, pv=pv)
         capture = CaptureConfig(block_size=block_size, steps=steps, stat_every=stat_every)
         recorder = StatsRecorder(family.num_layers(), capture,
@@ -199,36 +203,33 @@ class PAROCalibrate:
         capturing = model.clone()
         StatsCapture(family, recorder).install(capturing)
         latent = sample(capturing, seed, steps, cfg, sampler_name, scheduler, positive, negative, latent_image,
-                        on_step=lambda: recorder.step_done())
+                        on_step=recorder.step_done)
         recorder.prompt_done()
         plan, result = plan_from_stats(recorder.stats([f"ComfyUI conditioning, seed {seed}"]), selection)
         save_calibration(plan, result, path)
-        plans = link_experts(path, plan)
+        plans = link_experts(base, plan)
         message = f"wrote {path}: {describe(plan)}"
         logging.info("PARO calibrate: %s", message)
         return {"ui": {"text": [message]}, "result": (PAROPlan(str(path), plans), latent)}
 
     @staticmethod
-    def _path(filename: str, expert: str, overwrite: bool):
+    def _base_path(filename: str) -> Path:
+        """models/paroattn/<filename>.safetensors: the plan's file, or the first expert's of a pair."""
         name = filename.strip()
         if name.endswith(".safetensors"):
             name = name[: -len(".safetensors")]
         if not name or os.sep in name or (os.altsep and os.altsep in name) or name.startswith("."):
             raise ValueError(f"filename {filename!r}: expected a plain file name (no folders), e.g. 'wan-d0.3'")
-        folder = folder_paths.get_folder_paths(PLAN_FOLDER)[0]
-        path = expert_plan_path(os.path.join(folder, name + ".safetensors"), expert)
-        if path.exists() and not overwrite:
-            raise FileExistsError(f"{path} exists: choose another filename, or set overwrite to true")
-        return path
+        return Path(folder_paths.get_folder_paths(PLAN_FOLDER)[0]) / (name + ".safetensors")
 
 
-def link_experts(path, plan: Plan) -> list[Plan]:
-    """After writing one expert's plan: when the other expert's plan of the pair is beside it, record the pair in
-    both files (`info["experts"]`), so that either loads both (`paroattn.load_plans`). Returns the plans read."""
+def link_experts(base: Path, plan: Plan) -> list[Plan]:
+    """After writing one expert's plan of the pair named `base`: when the other expert's plan is beside it, record
+    the pair in both files (`info["experts"]`), so that either loads both (`paroattn.load_plans`). Returns the plans
+    read."""
     if not plan.expert:
         return [plan]
-    first = expert_plan_path(path, "transformer") if plan.expert != "transformer" else path
-    files = {expert: expert_plan_path(first, expert) for expert in EXPERTS}
+    files = {expert: expert_plan_path(base, expert) for expert in EXPERTS}
     if not all(p.exists() for p in files.values()):
         return [plan]
     plans = [Plan.load(p) for p in files.values()]

@@ -398,6 +398,18 @@ def test_calibrate_node_writes_a_plan_the_diffusers_side_loads_and_applies(famil
     assert run_graph(family, plan=path.name, keep=f"{family}-calibrated") == (True, "")
 
 
+def test_calibrate_node_writes_wan22_expert_plans_as_one_pair(wan, comfy):
+    """Calibrating the high-noise and the low-noise model in turn (expert transformer, then transformer_2) writes
+    two files that each load as the pair, in ComfyUI and in diffusers."""
+    for expert in ("transformer", "transformer_2"):
+        ok, message = run_graph("wan", calibrate={**CALIBRATE, "filename": "calibrated-pair", "expert": expert})
+        assert (ok, message) == (True, "")
+    for name in ("calibrated-pair.safetensors", "calibrated-pair.transformer_2.safetensors"):
+        assert [p.expert for p in paroattn.load_plans(plan_folder() / name)] == ["transformer", "transformer_2"]
+        loaded = comfy.NODE_CLASS_MAPPINGS["LoadPAROPlan"]().load(name)["result"][0]
+        assert [p.expert for p in loaded.plans] == ["transformer", "transformer_2"]
+
+
 def test_calibrate_node_refuses_to_overwrite_a_plan(wan):
     save_plan(synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5), "taken.safetensors")
     ok, message = run_graph("wan", calibrate={**CALIBRATE, "filename": "taken", "overwrite": False})
