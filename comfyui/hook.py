@@ -124,7 +124,7 @@ class PARORunner(AttentionHook):
         if problem is not None:
             self.refuse(problem)
             return None
-        if layout != self.plan.layout and str(layout) not in self.warned:
+        if layout not in self.shapes.calibrated and str(layout) not in self.warned:
             self.warned.add(str(layout))
             logging.info("PARO: the plan was calibrated for %s tokens; masks for this call's %s are derived from it "
                          "once (a size used often is better calibrated into the plan)", self.plan.layout, layout)
