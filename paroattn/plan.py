@@ -41,9 +41,15 @@ METADATA_KEY = "paroattn_plan"
 _CONFIG_KEYS_IGNORED = ("_name_or_path", "_diffusers_version", "_class_name", "_use_default_values")
 
 
+def model_config_record(config) -> dict:
+    """The entries of a model config (a diffusers FrozenDict or a dict) that say what the model computes: what
+    its fingerprint hashes, and what a calibrated plan records (`info["model_config"]`)."""
+    return {k: v for k, v in dict(config).items() if k not in _CONFIG_KEYS_IGNORED}
+
+
 def model_fingerprint(config) -> str:
     """Short stable hash of a model config (a diffusers FrozenDict or a dict)."""
-    items = {k: v for k, v in dict(config).items() if k not in _CONFIG_KEYS_IGNORED}
+    items = model_config_record(config)
     text = json.dumps(items, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -14,20 +14,18 @@ The pipeline runs with `output_type="latent"` where it accepts it: the VAE decod
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from ..layout import ORDERS, TokenLayout
-from ..plan import Plan, bucket_index, expert_plan_path, model_fingerprint
-from ..shapes import ProfileAccumulator, offset_mass
-from .accumulate import CalibrationResult, StatsAccumulator
-from .block_stats import block_stats
+from ..layout import ORDERS
+from ..plan import Plan, expert_plan_path
+from .accumulate import CalibrationResult
 from .config import CaptureConfig, SelectionConfig
+from .recorder import CapturedStats, StatsRecorder
 
 STATS_SUFFIX = ".stats.safetensors"
 
@@ -84,125 +82,6 @@ def _call_kwargs(pipe, config: CaptureConfig, prompt: str | list[str], on_step_e
     return {k: v for k, v in wanted.items() if v is not None and k in accepted}
 
 
-def _store_device(config: CaptureConfig, stats_device: torch.device, estimated_bytes: int) -> torch.device:
-    if config.store_device != "auto":
-        return torch.device(config.store_device)
-    if stats_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(stats_device)
-        if estimated_bytes < 0.25 * free:
-            return stats_device
-    return torch.device("cpu")
-
-
-@dataclass
-class CapturedStats:
-    """Block statistics of one dense capture of one transformer, from which `plan_from_stats` builds plans.
-
-    `accumulators["all"]` holds every candidate order of the layout; any other entry, one of the
-    order sets named in `capture(order_sets=...)` (e.g. `{"identity": [0]}`: FHW alone), fed from
-    the same statistics. `expert`: the pipeline component the transformer is ("transformer",
-    "transformer_2" of an expert pair; "" for a bare transformer)."""
-
-    config: CaptureConfig
-    layout: TokenLayout
-    prompts: list[str]
-    model_class: str
-    model_fingerprint: str
-    accumulators: dict[str, StatsAccumulator]
-    timings: dict
-    expert: str = ""
-    # denoising steps in each bucket (every step the expert ran, captured or not), summed over pipeline calls;
-    # None: unknown (the plan then weighs buckets by their captured steps)
-    bucket_steps: list[int] | None = None
-    profiles: ProfileAccumulator | None = None  # attention mass by axis offset (None: config.profile_queries 0)
-
-
-class _ExpertCapture:
-    """The statistics of one transformer of the pipeline while it runs: its accumulators (made at its first
-    captured call), the bucket of its current step and whether it ran in that step."""
-
-    def __init__(self, expert: str, transformer, layers: int, config: CaptureConfig, edges: list[float],
-                 order_sets: dict[str, list[int]], extras: bool):
-        self.expert, self.transformer, self.layers = expert, transformer, layers
-        self.config, self.edges, self.order_sets, self.extras = config, edges, order_sets, extras
-        self.layout: TokenLayout | None = None
-        self.acc: StatsAccumulator | None = None
-        self.profiles: ProfileAccumulator | None = None
-        self.generator = torch.Generator().manual_seed(config.seed)  # which queries the profiles sample
-        self.subsets: dict[str, tuple[StatsAccumulator, torch.Tensor]] = {}
-        self.bucket = 0
-        self.ran = False  # captured a call in the current step
-        self.called = False  # ran in the current step, captured or not
-        self.bucket_steps = [0] * (len(edges) - 1)  # denoising steps it ran in each bucket
-        self.stats_s = 0.0
-        self.captures = 0
-
-    def start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
-        config, L, buckets = self.config, self.layers, len(self.edges) - 1
-        orders = list(layout.distinct_orders())
-        nb = math.ceil(layout.seq_len / config.block_size)
-        estimate = buckets * L * q.shape[1] * len(orders) * nb * nb * 4
-        store = _store_device(config, q.device, estimate)
-        self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
-                                    store_device=store, query_block=config.query_block)
-        if config.profile_queries:
-            self.profiles = ProfileAccumulator(L, buckets, layout, q.shape[1])
-        for name, subset in self.order_sets.items():
-            missing = [ORDERS[o] for o in subset if o not in orders]
-            if missing:
-                raise ValueError(f"order set {name!r}: {missing} repeat other orders on the layout {layout}; "
-                                 f"its distinct orders are {[ORDERS[o] for o in orders]}")
-            slots = torch.tensor([orders.index(o) for o in subset])
-            accumulator = StatsAccumulator(L, buckets, subset, layout.seq_len, config.block_size,
-                                           store_device=store, query_block=config.query_block)
-            self.subsets[name] = (accumulator, slots)
-
-    def on_capture(self, step: int, layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout,
-                   timestep: float, suffix_mask: torch.Tensor | None = None) -> None:
-        config = self.config
-        if self.layout is None:
-            self.layout = layout
-        elif layout != self.layout:
-            raise RuntimeError(
-                f"calibration saw two token layouts ({self.layout} and {layout}); calibrate one "
-                "generation size at a time"
-            )
-        self.bucket = bucket_index(self.edges, float(timestep))
-        self.called = True
-        if step % config.stat_every:
-            return
-        if self.acc is None:
-            self.start_accumulators(layout, q)
-        self.ran = True
-        start = time.perf_counter()
-        with torch.no_grad():
-            mass, pmax, below = block_stats(
-                q, k, layout, self.acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
-                extras=self.extras, suffix_mask=suffix_mask,
-            )
-            self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
-            if self.profiles is not None:
-                self.profiles.add(layer, self.bucket, *offset_mass(
-                    q, k, layout, config.profile_queries, self.generator, suffix_mask))
-            for subset, slots in self.subsets.values():
-                pick = slots.to(mass.device)
-                subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
-                           None if below is None else below[:, pick], batch=q.shape[0])
-        if q.device.type == "cuda":
-            torch.cuda.synchronize(q.device)
-        self.stats_s += time.perf_counter() - start
-        self.captures += 1
-
-    def step_done(self) -> None:
-        if self.called:
-            self.bucket_steps[self.bucket] += 1
-        self.called = False
-        if self.ran:
-            for accumulator in [self.acc, *(a for a, _ in self.subsets.values())]:
-                accumulator.step_done(self.bucket)
-        self.ran = False
-
-
 def capture_experts(pipe, prompts: list[str], config: CaptureConfig | None = None, *,
                     order_sets: dict[str, list[int]] | None = None, progress: bool = False) -> list[CapturedStats]:
     """`capture` of every denoising transformer of the pipeline in the same runs: one `CapturedStats` per
@@ -217,60 +96,47 @@ def capture_experts(pipe, prompts: list[str], config: CaptureConfig | None = Non
         raise TypeError(f"capture takes a CaptureConfig, got {type(config).__name__}")
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
-    order_sets = {name: [int(o) for o in orders] for name, orders in (order_sets or {}).items()}
-    for name, orders in order_sets.items():
-        if name == "all" or not orders or any(not 0 <= o < len(ORDERS) for o in orders):
-            raise ValueError(f"order set {name!r}: {orders}; expected a name other than 'all' and indices into "
-                             f"ORDERS (0..{len(ORDERS) - 1})")
-    edges = config.edges()
-    experts = [_ExpertCapture(name, transformer, len(self_attention_layers(transformer)), config, edges, order_sets,
-                              config.extras)
+    experts = [(name, transformer, StatsRecorder(len(self_attention_layers(transformer)), config,
+                                                 model_class=type(transformer).__name__,
+                                                 model_config=transformer.config, expert=name, order_sets=order_sets))
                for name, transformer in pipeline_experts(pipe)]
-    state = {"step": 0}
     timings = {"pipeline_s": 0.0}
 
-    def callback(expert: _ExpertCapture):
+    def callback(recorder: StatsRecorder):
         def on_capture(layer, q, k, layout, timestep, suffix_mask):
-            expert.on_capture(state["step"], layer, q, k, layout, timestep, suffix_mask)
+            recorder.record(layer, q, k, layout, timestep, suffix_mask)
             bar.update("layers", completed=layer + 1)
         return on_capture
 
     def on_step_end(pipeline, step, timestep, callback_kwargs):
-        for expert in experts:
-            expert.step_done()
-        state["step"] += 1
+        for _, _, recorder in experts:
+            recorder.step_done()
         bar.update("steps", completed=step + 1)
         return {}
 
     calls = [list(prompts)] if config.batch_prompts else list(prompts)
-    bar = _Progress(progress, len(prompts), config.steps, max(e.layers for e in experts))
+    bar = _Progress(progress, len(prompts), config.steps, max(r.layers for _, _, r in experts))
     with bar, torch.no_grad(), ExitStack() as stack:
-        for expert in experts:
-            stack.enter_context(capture_attention(expert.transformer, callback(expert)))
+        for _, transformer, recorder in experts:
+            stack.enter_context(capture_attention(transformer, callback(recorder)))
         for i, prompt in enumerate(calls):
-            state["step"] = 0
             bar.update("steps", completed=0)
             start = time.perf_counter()
             pipe(**_call_kwargs(pipe, config, prompt, on_step_end))
             timings["pipeline_s"] += time.perf_counter() - start
+            for _, _, recorder in experts:
+                recorder.prompt_done()
             bar.update("prompts", completed=len(prompts) if config.batch_prompts else i + 1)
     results = []
-    for expert in experts:
-        if expert.acc is None:
+    for name, _, recorder in experts:
+        if not recorder.recorded:
             if len(experts) == 1:
                 raise RuntimeError("the pipeline ran but no self-attention call was captured; is this a supported model?")
             raise RuntimeError(
-                f"expert {expert.expert} ({expert_role(pipe, expert.expert)}) ran in no captured step of "
+                f"expert {name} ({expert_role(pipe, name)}) ran in no captured step of "
                 f"{config.steps} steps with statistics every {config.stat_every}: raise the steps or lower stat_every"
             )
-        expert_timings = dict(timings, stats_s=expert.stats_s, captured_layer_calls=expert.captures)
-        accumulators = {"all": expert.acc, **{name: acc for name, (acc, _) in expert.subsets.items()}}
-        results.append(CapturedStats(
-            config=config, layout=expert.layout, prompts=list(prompts), model_class=type(expert.transformer).__name__,
-            model_fingerprint=model_fingerprint(expert.transformer.config), accumulators=accumulators,
-            timings=expert_timings, expert=expert.expert, bucket_steps=list(expert.bucket_steps),
-            profiles=expert.profiles,
-        ))
+        results.append(recorder.stats(prompts, timings))
     return results
 
 
@@ -367,6 +233,8 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
             "timings": timings,
         },
     )
+    if stats.model_config is not None:
+        plan.info["model_config"] = stats.model_config
     return plan, result
 
 

@@ -1,0 +1,82 @@
+"""Nodes the graph tests add to ComfyUI: conditioning without a text encoder, and records of what ran."""
+
+from __future__ import annotations
+
+import torch
+
+RECORDS: dict[str, list] = {}
+
+
+class ClipVisionOutput:
+    def __init__(self, penultimate_hidden_states):
+        self.penultimate_hidden_states = penultimate_hidden_states
+
+
+class RandomConditioning:
+    """Seeded random text embeddings (and pooled output, and CLIP vision features of `image_tokens` tokens of
+    `image_dim` channels) in place of the encoders'."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 8}),
+                             "dim": ("INT", {"default": 32}), "pooled_dim": ("INT", {"default": 0})},
+                "optional": {"image_tokens": ("INT", {"default": 0}), "image_dim": ("INT", {"default": 1280})}}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280):
+        g = torch.Generator().manual_seed(seed)
+        extra = {"pooled_output": torch.randn(1, pooled_dim, generator=g)} if pooled_dim else {}
+        text = torch.randn(1, tokens, dim, generator=g)
+        if image_tokens:
+            extra["clip_vision_output"] = ClipVisionOutput(torch.randn(1, image_tokens, image_dim, generator=g))
+        return ([[text, extra]],)
+
+
+class RecordModelCalls:
+    """The MODEL, recording the inputs and output of every diffusion-model forward under RECORDS[key]."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "key": ("STRING", {"default": "calls"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "wrap"
+    CATEGORY = "testing"
+
+    def wrap(self, model, key):
+        import comfy.patcher_extension
+
+        calls = RECORDS.setdefault(key, [])
+
+        def wrapper(executor, *args, **kwargs):
+            out = executor(*args, **kwargs)
+            tensors = [a.clone() if isinstance(a, torch.Tensor) else a for a in args if not isinstance(a, dict)]
+            calls.append({"args": tensors, "out": out.clone()})
+            return out
+
+        patched = model.clone()
+        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "tests", wrapper)
+        return (patched,)
+
+
+class KeepLatent:
+    """Keeps the LATENT's samples under RECORDS[key] (an output node, so that the graph runs up to it)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "key": ("STRING", {"default": "latent"})}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "keep"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def keep(self, samples, key):
+        RECORDS.setdefault(key, []).append(samples["samples"].clone())
+        return {}
+
+
+NODES = {"RandomConditioning": RandomConditioning, "RecordModelCalls": RecordModelCalls, "KeepLatent": KeepLatent}

@@ -1,0 +1,213 @@
+"""Recording attention statistics from any code that runs a model: the public capture API.
+
+`paro calibrate` drives a diffusers pipeline itself (`driver.capture_experts`); other hosts (a node graph, a
+training loop, a custom sampler) run the model their own way and only need to hand over what each
+self-attention call sees. A `StatsRecorder` takes those calls and gives the `CapturedStats` that
+`plan_from_stats` turns into a plan, with the same statistics, accumulation and selection as `paro calibrate`:
+
+    recorder = StatsRecorder(num_layers, CaptureConfig(steps=30), model_class="WanTransformer3DModel",
+                             model_config=config)
+    for prompt in prompts:                                   # the host's own loop
+        for step in range(30):
+            ...  # at each self-attention call of the dense model:
+            recorder.record(layer, q, k, layout, timestep)   # q, k [B, H, N, D] after norms and RoPE; t on 0..1000
+            ...
+            recorder.step_done()                             # after each denoising step
+        recorder.prompt_done()
+    plan, result = plan_from_stats(recorder.stats(prompts), SelectionConfig(density=0.3))
+
+`record` computes the block statistics of the call at once (never the attention map) and keeps nothing of q and
+k. Statistics are kept at every `config.stat_every`-th step of each prompt, counted from its first step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import ORDERS, TokenLayout
+from ..plan import bucket_index, model_config_record, model_fingerprint
+from ..shapes import ProfileAccumulator, offset_mass
+from .accumulate import StatsAccumulator
+from .block_stats import block_stats
+from .config import CaptureConfig
+
+
+def store_device(config: CaptureConfig, stats_device: torch.device, estimated_bytes: int) -> torch.device:
+    """Where the accumulated statistics live: `config.store_device`, or with "auto" the GPU computing them when
+    they take under a quarter of its free memory, else host memory."""
+    if config.store_device != "auto":
+        return torch.device(config.store_device)
+    if stats_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(stats_device)
+        if estimated_bytes < 0.25 * free:
+            return stats_device
+    return torch.device("cpu")
+
+
+@dataclass
+class CapturedStats:
+    """Block statistics of one dense capture of one transformer, from which `plan_from_stats` builds plans.
+
+    `accumulators["all"]` holds every candidate order of the layout; any other entry, one of the
+    order sets named in `capture(order_sets=...)` (e.g. `{"identity": [0]}`: FHW alone), fed from
+    the same statistics. `expert`: the pipeline component the transformer is ("transformer",
+    "transformer_2" of an expert pair; "" for a bare transformer)."""
+
+    config: CaptureConfig
+    layout: TokenLayout
+    prompts: list[str]
+    model_class: str
+    model_fingerprint: str
+    accumulators: dict[str, StatsAccumulator]
+    timings: dict
+    expert: str = ""
+    # denoising steps in each bucket (every step the expert ran, captured or not), summed over pipeline calls;
+    # None: unknown (the plan then weighs buckets by their captured steps)
+    bucket_steps: list[int] | None = None
+    profiles: ProfileAccumulator | None = None  # attention mass by axis offset (None: config.profile_queries 0)
+    # the model's config (`model_config_record`), recorded in the plan so that hosts other than diffusers can check
+    # the plan against their model (head dim, channels); None: not known
+    model_config: dict | None = None
+
+
+class StatsRecorder:
+    """The statistics of one transformer's self-attention calls while a host runs it: the accumulators (made at
+    the first recorded call, when the token layout is known), the timestep bucket of the current step and
+    whether the transformer ran in it (a step it skipped, as an expert of a pair does, is not counted for it).
+
+    `num_layers`: self-attention layers, numbered 0..num_layers-1 in plan layer order. `model_class` and
+    `model_config` name the model the plan is for (diffusers' class name and config: the plan's fingerprint
+    is the config's). `order_sets`: name -> indices into ORDERS, extra candidate sets fed from the same
+    statistics (see `capture`)."""
+
+    def __init__(self, num_layers: int, config: CaptureConfig | None = None, *, model_class: str = "",
+                 model_config: dict | None = None, expert: str = "", order_sets: dict[str, list[int]] | None = None):
+        config = config if config is not None else CaptureConfig()
+        if not isinstance(config, CaptureConfig):
+            raise TypeError(f"StatsRecorder takes a CaptureConfig, got {type(config).__name__}")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int (the model's self-attention layers), got {num_layers!r}")
+        self.layers, self.config, self.expert = num_layers, config, str(expert or "")
+        self.model_class = str(model_class or "")
+        self.model_config = None if model_config is None else model_config_record(model_config)
+        self.edges = config.edges()
+        self.order_sets = {name: [int(o) for o in orders] for name, orders in (order_sets or {}).items()}
+        for name, orders in self.order_sets.items():
+            if name == "all" or not orders or any(not 0 <= o < len(ORDERS) for o in orders):
+                raise ValueError(f"order set {name!r}: {orders}; expected a name other than 'all' and indices into "
+                                 f"ORDERS (0..{len(ORDERS) - 1})")
+        self.layout: TokenLayout | None = None
+        self.acc: StatsAccumulator | None = None
+        self.profiles: ProfileAccumulator | None = None
+        self.generator = torch.Generator().manual_seed(config.seed)  # which queries the profiles sample
+        self.subsets: dict[str, tuple[StatsAccumulator, torch.Tensor]] = {}
+        self.step = 0  # denoising step of the current prompt
+        self.bucket = 0
+        self.ran = False  # recorded a call in the current step
+        self.called = False  # ran in the current step, recorded or not
+        self.bucket_steps = [0] * (len(self.edges) - 1)  # denoising steps it ran in each bucket
+        self.stats_s = 0.0
+        self.captures = 0
+
+    def _start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
+        config, L, buckets = self.config, self.layers, len(self.edges) - 1
+        orders = list(layout.distinct_orders())
+        nb = math.ceil(layout.seq_len / config.block_size)
+        estimate = buckets * L * q.shape[1] * len(orders) * nb * nb * 4
+        store = store_device(config, q.device, estimate)
+        self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
+                                    store_device=store, query_block=config.query_block)
+        if config.profile_queries:
+            self.profiles = ProfileAccumulator(L, buckets, layout, q.shape[1])
+        for name, subset in self.order_sets.items():
+            missing = [ORDERS[o] for o in subset if o not in orders]
+            if missing:
+                raise ValueError(f"order set {name!r}: {missing} repeat other orders on the layout {layout}; "
+                                 f"its distinct orders are {[ORDERS[o] for o in orders]}")
+            slots = torch.tensor([orders.index(o) for o in subset])
+            accumulator = StatsAccumulator(L, buckets, subset, layout.seq_len, config.block_size,
+                                           store_device=store, query_block=config.query_block)
+            self.subsets[name] = (accumulator, slots)
+
+    def record(self, layer: int, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, timestep: float,
+               suffix_mask: torch.Tensor | None = None) -> None:
+        """One self-attention call of the dense model: q, k [B, H, N, D] after norms and RoPE (as the model
+        attends), `layout` its TokenLayout, `timestep` on the 0..1000 scale, `suffix_mask` [B, suffix] (False at
+        padded text keys after the grid) or None."""
+        config = self.config
+        if not 0 <= int(layer) < self.layers:
+            raise ValueError(f"layer {layer} is outside the recorder's {self.layers} self-attention layers")
+        if q.dim() != 4 or k.shape != q.shape or q.shape[2] != layout.seq_len:
+            raise ValueError(f"q and k must be [B, H, N, D] with N = {layout.seq_len} tokens of the layout {layout}; "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if self.layout is None:
+            self.layout = layout
+        elif layout != self.layout:
+            raise RuntimeError(
+                f"calibration saw two token layouts ({self.layout} and {layout}); calibrate one "
+                "generation size at a time"
+            )
+        self.bucket = bucket_index(self.edges, float(timestep))
+        self.called = True
+        if self.step % config.stat_every:
+            return
+        if self.acc is None:
+            self._start_accumulators(layout, q)
+        self.ran = True
+        start = time.perf_counter()
+        with torch.no_grad():
+            mass, pmax, below = block_stats(
+                q, k, layout, self.acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
+                extras=config.extras, suffix_mask=suffix_mask,
+            )
+            self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
+            if self.profiles is not None:
+                self.profiles.add(layer, self.bucket, *offset_mass(
+                    q, k, layout, config.profile_queries, self.generator, suffix_mask))
+            for subset, slots in self.subsets.values():
+                pick = slots.to(mass.device)
+                subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
+                           None if below is None else below[:, pick], batch=q.shape[0])
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+        self.stats_s += time.perf_counter() - start
+        self.captures += 1
+
+    def step_done(self) -> None:
+        """The end of one denoising step (of every expert of a pipeline: one that did not run in it is not counted)."""
+        if self.called:
+            self.bucket_steps[self.bucket] += 1
+        self.called = False
+        if self.ran:
+            for accumulator in [self.acc, *(a for a, _ in self.subsets.values())]:
+                accumulator.step_done(self.bucket)
+        self.ran = False
+        self.step += 1
+
+    def prompt_done(self) -> None:
+        """The end of one generation: the next one counts its steps from 0 again."""
+        self.step = 0
+
+    @property
+    def recorded(self) -> bool:
+        """Whether any call was recorded (statistics exist)."""
+        return self.acc is not None
+
+    def stats(self, prompts: list[str], timings: dict | None = None) -> CapturedStats:
+        """What was recorded, for `plan_from_stats`. `prompts`: what the plan records it was calibrated on."""
+        if self.acc is None:
+            raise RuntimeError("no self-attention call was recorded: call record() at each self-attention call of the "
+                               f"dense model at a step that is a multiple of stat_every={self.config.stat_every}")
+        timings = dict(timings or {}, stats_s=self.stats_s, captured_layer_calls=self.captures)
+        accumulators = {"all": self.acc, **{name: acc for name, (acc, _) in self.subsets.items()}}
+        config = self.model_config
+        return CapturedStats(
+            config=self.config, layout=self.layout, prompts=list(prompts), model_class=self.model_class,
+            model_fingerprint=model_fingerprint(config) if config is not None else "", accumulators=accumulators,
+            timings=timings, expert=self.expert, bucket_steps=list(self.bucket_steps), profiles=self.profiles,
+            model_config=config,
+        )

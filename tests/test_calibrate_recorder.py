@@ -1,0 +1,73 @@
+"""`StatsRecorder`: the public capture API for hosts that run the model themselves (a node graph, a custom sampler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paroattn import ORDERS, Plan, TokenLayout
+from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder, plan_from_stats
+from paroattn.calibrate.synthetic import planted_qk
+from paroattn.plan import model_fingerprint
+
+LAYOUT = TokenLayout(0, 6, 8, 8)
+# [layer][head] -> the axis the head is local along, with some locality along the next one; the order that keeps a
+# query's keys nearest puts the third axis outermost and the local axis innermost
+PLANTED = [[0, 1, 2, 2], [2, 0, 1, 0]]
+PLANTED_ORDER = {0: "WHF", 1: "FWH", 2: "HFW"}
+CONFIG = {"num_attention_heads": 4, "attention_head_dim": 32, "num_layers": 2, "_name_or_path": "somewhere"}
+
+
+def _record(recorder: StatsRecorder, steps: int, timesteps) -> None:
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        for layer, axes in enumerate(PLANTED):
+            q, k = planted_qk(LAYOUT, axes, secondary=[0.8] * len(axes), generator=g)
+            recorder.record(layer, q, k, LAYOUT, timesteps[step])
+        recorder.step_done()
+    recorder.prompt_done()
+
+
+def test_a_host_fed_recorder_gives_a_plan_with_the_planted_orders_and_the_model_config(tmp_path):
+    capture = CaptureConfig(block_size=16, num_buckets=2, stat_every=1, profile_queries=64, backend="torch")
+    recorder = StatsRecorder(2, capture, model_class="Planted", model_config=CONFIG, expert="transformer_2")
+    _record(recorder, 4, [1000.0, 900.0, 400.0, 100.0])
+    stats = recorder.stats(["a prompt"])
+    assert stats.bucket_steps == [2, 2]
+    plan, result = plan_from_stats(stats, SelectionConfig(density=0.3), compute_device="cpu")
+    assert [[ORDERS[int(o)] for o in layer] for layer in plan.orders] == [[PLANTED_ORDER[a] for a in axes]
+                                                                            for axes in PLANTED]
+    assert plan.model_class == "Planted" and plan.expert == "transformer_2"
+    # the config is recorded without where it came from, and the fingerprint is the config's
+    assert plan.info["model_config"] == {k: v for k, v in CONFIG.items() if k != "_name_or_path"}
+    assert plan.model_fingerprint == model_fingerprint(CONFIG)
+    assert plan.profiles is not None and plan.info["steps_per_bucket"] == [2, 2]
+    plan.save(tmp_path / "plan.safetensors")
+    assert Plan.load(tmp_path / "plan.safetensors").info["model_config"]["attention_head_dim"] == 32
+
+
+def test_statistics_are_kept_every_stat_every_steps_of_each_prompt():
+    capture = CaptureConfig(block_size=16, num_buckets=1, stat_every=2, profile_queries=0, backend="torch")
+    recorder = StatsRecorder(2, capture)
+    for _ in range(2):  # two prompts of 3 steps: steps 0 and 2 of each are kept
+        _record(recorder, 3, [900.0, 800.0, 700.0])
+    assert recorder.captures == 2 * 2 * 2  # prompts x kept steps x layers
+    assert recorder.bucket_steps == [6]  # every step the model ran counts for the bucket weights
+
+
+def test_recorder_refuses_calls_it_cannot_use():
+    recorder = StatsRecorder(2, CaptureConfig(block_size=16, stat_every=1, backend="torch"))
+    q, k = planted_qk(LAYOUT, [0, 1])
+    with pytest.raises(ValueError, match="layer 2 is outside the recorder's 2"):
+        recorder.record(2, q, k, LAYOUT, 500.0)
+    with pytest.raises(ValueError, match=r"N = 384 tokens"):
+        recorder.record(0, q[:, :, :100], k[:, :, :100], LAYOUT, 500.0)
+    with pytest.raises(RuntimeError, match="no self-attention call was recorded"):
+        recorder.stats(["a prompt"])
+    recorder.record(0, q, k, LAYOUT, 500.0)
+    other = TokenLayout(0, 6, 8, 4)
+    q2, k2 = planted_qk(other, [0, 1])
+    with pytest.raises(RuntimeError, match="two token layouts"):
+        recorder.record(1, q2, k2, other, 500.0)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        StatsRecorder(0)
