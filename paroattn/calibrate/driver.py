@@ -24,6 +24,7 @@ import torch
 
 from ..layout import ORDERS, TokenLayout
 from ..plan import Plan, bucket_index, expert_plan_path, model_fingerprint
+from ..selection import BALANCED_RANKS, ranks_problem
 from ..shapes import ProfileAccumulator, offset_mass
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
@@ -325,7 +326,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
         s.density, layout.prefix, metric=s.metric, quant_weight=s.quant_weight, alpha=s.alpha,
         compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=s.layer_floor,
         dilation=s.dilation, dense_layers=s.dense_layers, bucket_steps=stats.bucket_steps, dense_steps=s.dense_steps,
-        shared_budget=s.shared_budget,
+        shared_budget=s.shared_budget, ranks=s.ulysses,
     )
     dense = torch.zeros(result.block_mask.shape[:2], dtype=torch.bool)
     dense[:, result.dense_layers] = True
@@ -365,6 +366,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
             "kept_mass": float(result.kept_mass.mean()),
             "kept_mass_min": float(result.kept_mass.min()),
             "timings": timings,
+            **({BALANCED_RANKS: s.ulysses} if s.ulysses > 1 else {}),
         },
     )
     return plan, result
@@ -378,6 +380,18 @@ def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfi
     return capture_config
 
 
+def _check_ulysses(pipe, selection: SelectionConfig) -> None:
+    """Refuse, before anything is captured, a number of GPUs to balance the masks over that does not divide the heads."""
+    if selection.ulysses == 1:
+        return
+    from ..pipelines import pipeline_experts
+    from ..pipelines.registry import require_family
+
+    for _, transformer in pipeline_experts(pipe):
+        if problem := ranks_problem(require_family(transformer).num_heads(transformer), selection.ulysses):
+            raise ValueError(f"ulysses={selection.ulysses}: {problem}")
+
+
 def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = None,
               selection: SelectionConfig | None = None, *, progress: bool = False,
               log=None) -> tuple[Plan, CalibrationResult]:
@@ -385,6 +399,7 @@ def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = N
     calibration result (per-head scores, kept attention mass, figure maps): `capture` then
     `plan_from_stats(stats, selection)`."""
     selection = selection if selection is not None else SelectionConfig()
+    _check_ulysses(pipe, selection)
     stats = capture(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
     return plan_from_stats(stats, selection, log=log)
 
@@ -395,6 +410,7 @@ def calibrate_experts(pipe, prompts: list[str], capture_config: CaptureConfig | 
     """`calibrate` of every denoising transformer of the pipeline in the same runs (`capture_experts`): one
     (plan, result) per expert, each plan naming its expert (`Plan.expert`)."""
     selection = selection if selection is not None else SelectionConfig()
+    _check_ulysses(pipe, selection)
     captured = capture_experts(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
     return [plan_from_stats(stats, selection, log=log) for stats in captured]
 

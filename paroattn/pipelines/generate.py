@@ -11,6 +11,8 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ import torch
 from ..errors import PlanError
 from ..plan import Plan, load_plans
 from .base import pixel_scale_of
+from .context_parallel import TEXT_WHOLE
 from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
@@ -204,6 +207,36 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
     return DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
 
 
+def _all_dense(plan: Plan) -> Plan:
+    """`plan` with every layer of every bucket (and of its other calibrated sizes) run by the model's own attention."""
+    return replace(plan, dense=torch.ones_like(plan.dense), extra_shapes=[_all_dense(p) for p in plan.extra_shapes])
+
+
+def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str | None:
+    """Why a run of `family` over `ulysses` GPUs without a plan cannot be made, or None."""
+    if ulysses <= 1 or plans is not None or family is None or family.ulysses_text != TEXT_WHOLE:
+        return None
+    return (f"--ulysses {ulysses} with {family.models}: its own attention runs on several GPUs only through PARO's "
+            "processor, which needs a plan: pass --plan PLAN (with --compare for the model's own attention as well)")
+
+
+@contextmanager
+def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend: str):
+    """Dense runs: the model's own attention as it is, or, under Ulysses for families whose text every GPU holds
+    whole (CogVideoX, HunyuanVideo: their own processors cannot run there), through PARO's processor, which does
+    the exchange, with every layer of the plans flagged dense (the model's attention call, nothing of the plan)."""
+    if ulysses <= 1 or family.ulysses_text != TEXT_WHOLE:
+        yield
+        return
+    from . import apply
+
+    handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense")
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
     """(frames [F, H, W, 3] or image [1, H, W, 3] as float32 in [0, 1], seconds)."""
     device = resolve_transformer(pipe).device
@@ -382,6 +415,8 @@ def generate(
     for expert_plan in loaded_plans or []:
         if problem := ulysses_problem(expert_plan.num_heads, ulysses):
             raise PlanError(f"--ulysses {ulysses}: {problem}")
+    if problem := _ulysses_plan_problem(indexed, loaded_plans, ulysses):
+        raise ValueError(problem)
     rank = 0
     if ulysses > 1:
         rank, device = join_process_group(ulysses, device)
@@ -400,6 +435,8 @@ def generate(
         raise PlanError(
             f"{model_dir} holds a {type(transformer).__name__}; paro generate supports {SUPPORTED}"
         )
+    if problem := _ulysses_plan_problem(family, loaded_plans, ulysses):
+        raise ValueError(problem)
     video = family.is_video
     out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
     if problem := output_problem(out, video):
@@ -428,13 +465,16 @@ def generate(
             result["ran_dense"] = mismatch
     if compare:
         log("dense run (the model's own attention)")
-        dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
+        with _own_attention(pipe, family, loaded_plans, ulysses, backend):
+            dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
         if rank == 0:
             result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
     handle = None
     if loaded_plan is not None and mismatch is not None:
         log("dense run (the plan does not fit)")
+        if ulysses > 1 and family.ulysses_text == TEXT_WHOLE:
+            handle = apply(pipe, [_all_dense(p) for p in loaded_plans], backend=backend, on_mismatch="dense")
     elif loaded_plan is not None:
         handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
