@@ -24,12 +24,14 @@ from typing import Any
 import torch
 
 from ..layout import TokenLayout
-from .context_parallel import TEXT_SPLIT
 
 # The VAEs of CogVideoX, Wan 2.1 and FLUX.1 compress space by 8 and (video) time by 4; Wan 2.2 TI2V's by 16 and 4.
 # A pipeline's own factors are always used; these only size the messages about a bare transformer.
 VAE_SPATIAL = 8
 VAE_TEMPORAL = 4
+# how a family's context-parallel plan spreads the text of its self-attention over the GPUs: split in chunks like the
+# grid (diffusers' plans), or held whole by every GPU (`context_parallel.py`)
+TEXT_SPLIT, TEXT_WHOLE = "split", "whole"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..layout import TokenLayout
 from .base import (
     STANDARD_VAE,
+    TEXT_WHOLE,
     CallInputs,
     FamilyAdapter,
     PixelScale,
@@ -26,7 +27,6 @@ from .base import (
     float32_tables,
     without_rotary,
 )
-from .context_parallel import TEXT_WHOLE
 
 
 def _apply_rotary_emb(x, emb):

@@ -63,10 +63,7 @@ import torch.distributed as dist
 
 from ..layout import TokenLayout
 from ..plan import Plan
-
-# how a family's context-parallel plan spreads the text of its self-attention: split in chunks like the grid
-# (diffusers' plans) or held whole by every GPU
-TEXT_SPLIT, TEXT_WHOLE = "split", "whole"
+from .base import TEXT_SPLIT, TEXT_WHOLE
 
 
 def context_parallel_config(parallel_config):

@@ -20,8 +20,7 @@ import torch
 
 from ..errors import PlanError
 from ..plan import Plan, load_plans
-from .base import pixel_scale_of
-from .context_parallel import TEXT_WHOLE
+from .base import TEXT_WHOLE, pixel_scale_of
 from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use

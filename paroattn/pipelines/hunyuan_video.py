@@ -23,13 +23,13 @@ import torch
 
 from ..layout import TokenLayout
 from .base import (
+    TEXT_WHOLE,
     CallInputs,
     FamilyAdapter,
     SelfAttentionCall,
     dispatch_dense,
     without_rotary,
 )
-from .context_parallel import TEXT_WHOLE
 
 
 def _apply_rotary_emb(x, emb):

@@ -37,9 +37,9 @@ from ..plan import Plan
 from ..selection import BALANCED_RANKS, ranks_problem
 from ..shapes import ShapePlans
 from . import plan_fit
-from .base import CallInputs, PixelScale
+from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
-from .context_parallel import TEXT_WHOLE, UlyssesShard, context_parallel_config, model_problem, ulysses_problem
+from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
 
 
