@@ -7,7 +7,8 @@ slices of each (bucket, layer) until each holds as many, to one block (`selectio
 its number of blocks, so each bucket's budget is unchanged. A slice over its share drops its kept blocks of least
 attention mass, one under it takes its free blocks of most mass; blocks every mask keeps (diagonal, text) never
 move. The cost in quality is that of the blocks moved: some heads lose blocks they had earned, others gain blocks
-of less mass (QUALITY.md).
+of less mass (`scripts/demo_model_quality.py` measures it on the demo model: variants "balanced 2 GPUs", "balanced 4
+GPUs").
 
 The number of GPUs is given
 - at calibration (`SelectionConfig(ulysses=N)`, `paro calibrate --ulysses N`): the measured masses decide;

@@ -147,7 +147,7 @@ def calibrate(
     dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N >= 0 blocks; 0 (the default) turns it off (cost: QUALITY.md)"),
     dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, in [0, 1), paid for by the later buckets so that --density stays the mean over steps; 0 (the default) turns it off"),
     shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
-    ulysses: int = typer.Option(1, help="balance the masks for generations split over N GPUs (`paro generate --ulysses N`): each layer's blocks spread evenly over the GPUs' slices of the heads, the budget unchanged; N divides the heads per layer; 1 (the default) leaves them as the budget chose them (cost: QUALITY.md)"),
+    ulysses: int = typer.Option(1, help="balance the masks for generations split over N GPUs (`paro generate --ulysses N`): each layer's blocks spread evenly over the GPUs' slices of the heads, the budget unchanged; N divides the heads per layer; 1 (the default) leaves them as the budget chose them (docs/notes/multi-gpu.md)"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
