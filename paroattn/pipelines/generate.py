@@ -314,6 +314,20 @@ def _default_size(pipe, transformer, call: dict) -> dict | None:
     return size
 
 
+def _call_layout(pipe, transformer, family, call: dict):
+    """The token layout of a generation `call` (its size, else the pipeline's defaults), or None when it cannot be
+    told before the first forward."""
+    size = _default_size(pipe, transformer, call)
+    if size is None:
+        return None
+    try:
+        return family.layout_for(transformer, height=int(size["height"]), width=int(size["width"]),
+                                 frames=None if size["num_frames"] is None else int(size["num_frames"]),
+                                 text_tokens=call.get("max_sequence_length"), scale=pixel_scale_of(pipe, family))
+    except ValueError:
+        return None
+
+
 def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
     """Why `plan` (an expert pair: the list of its plans) does not fit the pipeline's transformers or the size
     of `call` (what `apply` and the first forward would raise), or None; runs no model step."""
@@ -382,7 +396,7 @@ def generate(
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
     writes the outputs, the others return {"rank": r}."""
     from . import apply
-    from .context_parallel import enable_ulysses, join_process_group, ulysses_problem
+    from .context_parallel import enable_ulysses, join_process_group, sequence_problem, ulysses_problem
 
     # every option and the output path are checked before the model loads
     if compare and plan is None:
@@ -424,11 +438,6 @@ def generate(
     log(f"loading {model_dir}")
     pipe = load_pipeline(model_dir, device=device, dtype=dtype)
     transformer = resolve_transformer(pipe)
-    if ulysses > 1:
-        for _, expert in pipeline_experts(pipe):
-            enable_ulysses(expert, ulysses)
-        if rank != 0:
-            pipe.set_progress_bar_config(disable=True)
     family = family_of(transformer)
     if family is None:
         raise PlanError(
@@ -452,6 +461,14 @@ def generate(
     text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
     if text_tokens and family.pads_text and "max_sequence_length" not in call:
         call["max_sequence_length"] = text_tokens  # text tokens are part of the plan's sequence
+    if ulysses > 1:
+        # token counts the GPUs do not divide (CogVideoX-5B's video under 4) are split in chunks of unequal length
+        layout = _call_layout(pipe, transformer, family, call)
+        uneven = layout is not None and sequence_problem(layout, ulysses, family.ulysses_text) is not None
+        for _, expert in pipeline_experts(pipe):
+            enable_ulysses(expert, ulysses, uneven=uneven)
+        if rank != 0:
+            pipe.set_progress_bar_config(disable=True)
     fps = _FPS.get(family.name, 8)
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}
     mismatch = None
