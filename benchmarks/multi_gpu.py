@@ -27,7 +27,8 @@ Modes: `e2e.py`'s (dense SDPA; PARO d=0.5 and 0.2, bf16 or int8 QK + fp8 PV) and
 same plan balanced over the N GPUs when applied (`apply(..., balance_ranks=N)`: each layer's blocks spread evenly over
 the GPUs' slices of the heads, moved by the mass its axis profiles estimate). Plans are synthetic, all masks resident:
 random orders, banded and scattered masks whose density varies per head as calibrated plans' do (log-normal around the
-target, sigma `--head-spread`; 0.35 is the spread of the demo model's calibrated plans), and random axis profiles.
+target, sigma `--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random
+axis profiles.
 
 N is WORLD_SIZE. With N > 1, rank 0 first runs every mode alone on its GPU (the one-GPU time the scaling column
 divides by; `--baseline` reads it instead), then all N processes run it under `ContextParallelConfig(ulysses_degree=N)`
