@@ -302,8 +302,10 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
     share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone).
     `density` is the mean over denoising steps (`stats.bucket_steps` weigh the buckets); `dense_steps`: the
     leading buckets holding that share of the steps are flagged dense in every layer, their masks full, the
-    other buckets sparser; `shared_budget`: one budget over all buckets. The plan records the buckets kept
-    dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`)."""
+    other buckets sparser; `shared_budget`: one budget over all buckets; `ulysses` > 1: each layer's blocks spread
+    evenly over that many GPUs' slices of the heads (`paroattn.balance`). The plan records the buckets kept
+    dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`), and the GPUs it is
+    balanced for (`info["balanced_ranks"]`)."""
     selection = selection if selection is not None else SelectionConfig()
     if not isinstance(selection, SelectionConfig):
         raise TypeError(f"plan_from_stats takes a SelectionConfig, got {type(selection).__name__}")
