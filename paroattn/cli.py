@@ -147,6 +147,7 @@ def calibrate(
     dilation: int = typer.Option(0, help="grow each mask's chosen blocks by N >= 0 blocks; 0 (the default) turns it off (cost: QUALITY.md)"),
     dense_steps: float = typer.Option(0.0, help="share of the denoising steps, from the first (noisiest), whose buckets run densely, in [0, 1), paid for by the later buckets so that --density stays the mean over steps; 0 (the default) turns it off"),
     shared_budget: bool = typer.Option(False, "--shared-budget", help="one block budget over all timestep buckets (a bucket's blocks cost by its share of the steps) instead of one per bucket"),
+    ulysses: int = typer.Option(1, help="balance the masks for generations split over N GPUs (`paro generate --ulysses N`): each layer's blocks spread evenly over the GPUs' slices of the heads, the budget unchanged; N divides the heads per layer; 1 (the default) leaves them as the budget chose them (docs/notes/multi-gpu.md)"),
     seed: int = typer.Option(0, help="seed of the calibration runs"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
@@ -230,7 +231,7 @@ def calibrate(
         selection = SelectionConfig(
             density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, figure_layers=layers_for_figures,
             dense_layers=layers_to_keep_dense, layer_floor=layer_floor, dilation=dilation,
-            dense_steps=dense_steps, shared_budget=shared_budget,
+            dense_steps=dense_steps, shared_budget=shared_budget, ulysses=ulysses,
         )
     except ConfigError as exc:  # the option's flag, its value and what was expected
         flag = {"num_buckets": "--buckets", "qk/pv": "--qk/--pv"}.get(exc.option, "--" + exc.option.replace("_", "-"))
@@ -368,7 +369,7 @@ def generate(
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
-    ulysses: int = typer.Option(1, help="split each generation over N GPUs (Wan, FLUX.1, FLUX.2, Qwen-Image, LTX; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
+    ulysses: int = typer.Option(1, help="split each generation over N GPUs (every supported model; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
     linear: str | None = typer.Option(None, "--linear", help="fp8: the transformer blocks' linear layers in fp8 too (torchao: `pip install paroattn[fp8]`; a GPU of sm_89 or newer; bfloat16 weights), with or without --plan"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),

@@ -310,3 +310,56 @@ def shared_bucket_densities(masses: list[torch.Tensor], kept: list[torch.Tensor]
     for b in sparse:
         out[b] = (forced[b] + counts[b]) / total
     return out
+
+
+# -- balanced GPUs under Ulysses ----------------------------------------------------------------------------------
+# Each GPU runs a contiguous slice of a layer's heads, and the layer waits for the slice with the most active blocks.
+
+BALANCED_RANKS = "balanced_ranks"  # the plan info entry: the number of GPUs whose slices its masks are balanced over
+
+def ranks_problem(heads: int, ranks: int) -> str | None:
+    """Why masks of `heads` heads per layer cannot be balanced over `ranks` GPUs' equal slices of heads, or None."""
+    if ranks < 1:
+        return f"a number of GPUs >= 1 is needed to balance the masks over, got {ranks}"
+    if heads % ranks:
+        divisors = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+        return (f"balancing for {ranks} GPUs splits the {heads} heads per layer in {ranks} equal slices, and {ranks} does "
+                f"not divide {heads}: pass a number of GPUs that divides {heads} ({divisors})")
+    return None
+
+
+def rank_blocks(masks: torch.Tensor, ranks: int) -> torch.Tensor:
+    """bool [..., H, nq, nk] -> int64 [..., ranks]: active blocks of each GPU's contiguous slice of the heads."""
+    return masks.sum(dim=(-1, -2)).unflatten(-1, (ranks, -1)).sum(-1)
+
+
+def balance_layer(mask: torch.Tensor, mass: torch.Tensor, ranks: int, forced: torch.Tensor) -> torch.Tensor:
+    """One layer's masks bool [H, nq, nk] -> the same number of blocks, as many (to one block) in each of the `ranks`
+    contiguous slices of the heads, moving as few as that takes: a slice over its share drops its kept blocks of
+    least `mass` [H, nq, nk], one under it takes its free blocks of most mass (the extra blocks of a total the ranks
+    do not divide stay with the slices that hold the most). `forced` [nq, nk]: blocks never dropped (diagonal, text)."""
+    heads = mask.shape[0]
+    if problem := ranks_problem(heads, ranks):
+        raise ValueError(problem)
+    out = mask.clone()
+    if ranks == 1:
+        return out
+    slices = out.view(ranks, heads // ranks, *out.shape[1:])
+    masses = mass.float().view(ranks, heads // ranks, *mass.shape[1:])
+    counts = slices.flatten(1).sum(1)
+    share, extra = divmod(int(counts.sum()), ranks)
+    targets = torch.full_like(counts, share)
+    targets[counts.argsort(descending=True, stable=True)[:extra]] += 1
+    for r, change in enumerate((targets - counts).tolist()):
+        if change < 0:
+            removable = slices[r] & ~forced.to(out.device)
+            slices[r] &= ~_top((-masses[r]).masked_fill(~removable, float("-inf")), -change)
+        elif change > 0:
+            slices[r] |= _top(masses[r].masked_fill(slices[r], float("-inf")), change)
+    return out
+
+
+def balance_masks(masks: torch.Tensor, mass: torch.Tensor, ranks: int, forced: torch.Tensor) -> torch.Tensor:
+    """`balance_layer` of every layer of one bucket's masks [L, H, nq, nk] (masses alike): each layer keeps its
+    blocks, so the bucket's budget is unchanged; layers kept whole (dense) are balanced already."""
+    return torch.stack([balance_layer(m, w, ranks, forced) for m, w in zip(masks, mass)])

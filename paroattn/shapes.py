@@ -35,7 +35,7 @@ import torch
 from .errors import PlanError
 from .layout import ORDERS, TokenLayout
 from .plan import Plan
-from .selection import build_masks, kept_mass_fraction
+from .selection import BALANCED_RANKS, balance_masks, build_masks, forced_blocks, kept_mass_fraction
 
 AXES = "FHW"
 PROFILE_OF_AXIS = {"F": 0, "H": 1, "W": 2}  # the profile (index into a plan's profiles) that describes each axis
@@ -273,7 +273,7 @@ def choose_orders(weights: list[list[torch.Tensor]], plan: Plan, layout: TokenLa
 def derive_plan(plan: Plan, layout: TokenLayout, device=None) -> Plan:
     """The plan for `layout` from a plan calibrated at another size of the same model: its dense flags, buckets
     and modes; each head's order (`choose_orders`) and masks built from its axis profiles with the calibration's
-    budget at each bucket's calibrated density."""
+    budget at each bucket's calibrated density; balanced over GPUs where the plan is (`balance.py`)."""
     if plan.profiles is None:
         raise PlanError(f"the plan calibrated for {plan.layout} holds no axis profiles to derive other sizes from")
     start = time.perf_counter()
@@ -291,8 +291,13 @@ def derive_plan(plan: Plan, layout: TokenLayout, device=None) -> Plan:
             continue
         mass = torch.stack([layer_block_masses(weights[b][layer], orders[layer].long(), layout, plan.block_size,
                                                device) for layer in range(L)])
-        masks.append(build_masks(mass, densities[b], layout.prefix, plan.block_size, suffix=layout.suffix,
-                                 seq_len=layout.seq_len, dense_layers=dense_layers).cpu())
+        mask = build_masks(mass, densities[b], layout.prefix, plan.block_size, suffix=layout.suffix,
+                           seq_len=layout.seq_len, dense_layers=dense_layers)
+        if (ranks := int(plan.info.get(BALANCED_RANKS) or 1)) > 1:
+            forced = forced_blocks(mask.shape[-2:], layout.prefix, plan.block_size, device=mask.device,
+                                   suffix=layout.suffix, seq_len=layout.seq_len)
+            mask = balance_masks(mask, mass, ranks, forced)
+        masks.append(mask.cpu())
     info = {key: value for key, value in plan.info.items() if key not in ("stats_file", "kept_mass", "kept_mass_min")}
     info["derived_from"] = list(plan.layout.fields)
     info["derive_s"] = time.perf_counter() - start

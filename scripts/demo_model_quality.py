@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
+from paroattn.balance import rank_imbalance
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model import demo
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
@@ -64,6 +65,9 @@ VARIANTS = {
     "shared budget": {"shared_budget": True},
     "per-bucket budget": {"shared_budget": False},
     "fp8 linear": {"linear": "fp8"},
+    # masks balanced over the GPUs' slices of the heads under Ulysses (the demo model's 4 heads: 2 per GPU, or 1)
+    "balanced 2 GPUs": {"ulysses": 2},
+    "balanced 4 GPUs": {"ulysses": 4},
 }
 DEFAULT_GRIDS = (
     "0.5,0.3,0.2:bf16:calibrated,identity",
@@ -228,6 +232,8 @@ def main(argv=None) -> int:
                 "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
                 "step_shares": result.step_shares,
                 "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
+                # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
+                "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
             })
         rows.append(row)
         jsonl.write(json.dumps(row) + "\n")
@@ -284,14 +290,18 @@ def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| density (computed) | quantization | variant | kept mass | PSNR dB mean [min, max] | SSIM mean [min] |",
-        "|---|---|---|---|---|---|",
+        "| density (computed) | quantization | variant | kept mass | PSNR dB mean [min, max] | SSIM mean [min] "
+        "| slowest GPU's blocks over the mean, 2 / 4 GPUs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, s = r["psnr_db"], r["ssim"]
+        gpus = r.get("gpu_imbalance", {})
+        imbalance = " / ".join(f"{gpus[n]:+.1%}" for n in (2, 4)) if gpus else "-"
         lines.append(
             f"| {r['density']:g} ({r['achieved_density']:.3f}) | {QUANTS[r['quant']]} | {r['variant']} | "
-            f"{r['kept_mass']:.3f} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] |"
+            f"{r['kept_mass']:.3f} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] "
+            f"| {imbalance} |"
         )
     return "\n".join(lines) + "\n"
 

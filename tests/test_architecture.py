@@ -17,7 +17,7 @@ LAYERS = [
     ("paroattn.errors", "paroattn.layout", "paroattn.masks", "paroattn.modes"),
     ("paroattn.kernels",),
     ("paroattn.attention",),
-    ("paroattn.plan", "paroattn.selection", "paroattn.shapes"),
+    ("paroattn.plan", "paroattn.selection", "paroattn.shapes", "paroattn.balance"),
     ("paroattn.pipelines", "paroattn.linear", "paroattn.summary", "paroattn.testing"),
     ("paroattn.calibrate",),
     ("paroattn.demo_model",),

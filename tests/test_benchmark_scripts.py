@@ -1,6 +1,6 @@
-"""The multi-GPU benchmark script runs end to end on CPU (`--smoke`: tiny Wan, torch backend, one process) and
-its table reads back what it wrote, so a change to the library or the script that breaks it shows here and not
-first on a machine with several GPUs."""
+"""The multi-GPU benchmark script runs end to end on CPU (`--smoke`: tiny Wan, CogVideoX and HunyuanVideo, torch backend,
+one process) and its table reads back what it wrote, so a change to the library or the script that breaks it shows
+here and not first on a machine with several GPUs."""
 
 from __future__ import annotations
 
@@ -20,14 +20,17 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def test_multi_gpu_smoke_run_writes_rows_its_table_reads(tmp_path):
     out = tmp_path / "multi.json"
-    result = run_script("--smoke", "--modes", "paro d=0.2 int8+fp8", "--out", str(out))
+    result = run_script("--smoke", "--modes", "paro d=0.2 int8+fp8 balanced", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["dense", "paro d=0.2 int8+fp8"]  # dense always, then the mode asked for
+    # the smoke models: Wan (no text), CogVideoX (text before the video) and HunyuanVideo (text after it, padded)
+    models = ["Wan2.1-1.3B 480p (smoke)", "CogVideoX-5B (smoke)", "HunyuanVideo 720p (smoke)"]
+    assert [(r["model"], r["mode"]) for r in rows] == [(m, mode) for m in models
+                                                       for mode in ("dense", "paro d=0.2 int8+fp8 balanced")]
     assert all(r["gpus"] == 1 and r["scaling"] == 1.0 for r in rows)
     assert rows[0]["speedup_vs_dense"] == 1.0
     table = run_script("--table", str(out)).stdout
-    assert "| paro d=0.2 int8+fp8 |" in table and "multi.json" in table
+    assert "| paro d=0.2 int8+fp8 balanced |" in table and "multi.json" in table and "head densities spread" in table
 
 
 def test_multi_gpu_refuses_an_unknown_mode():

@@ -270,6 +270,7 @@ def test_bench_help_lists_the_benchmarks_options():
     ("--dense-steps", "-0.2", ["--dense-steps -0.2", "[0, 1)"]),
     ("--dense-steps", "0.3", ["--dense-steps 0.3: spends all of the density 0.3", "lower the dense steps"]),
     ("--buckets", "0", ["--buckets 0", ">= 1"]),
+    ("--ulysses", "0", ["--ulysses 0", "number of GPUs >= 1"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
     import paroattn.pipelines.generate as generate
@@ -295,6 +296,20 @@ def test_calibrate_rejects_dense_layers_the_model_lacks_before_capture(tmp_path,
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_calibrate_rejects_gpus_the_heads_do_not_split_over_before_capture(tmp_path, monkeypatch):
+    import paroattn.calibrate.driver as driver
+
+    saved_tiny_flux(tmp_path)
+    monkeypatch.setattr(driver, "capture_experts", lambda *a, **k: pytest.fail("captured"))
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--ulysses", "3"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
+    for fragment in ("ulysses=3", "2 heads per layer", "3 does not divide 2", "(1, 2)"):
+        assert fragment in errors[0], result.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
     import paroattn.calibrate.driver as driver
 
@@ -308,15 +323,15 @@ def test_calibrate_passes_the_mask_options_to_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "calibrate_experts", fake_calibrate)
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors",
                      "--dense-layers", "0,-1", "--layer-floor", "0.25", "--dilation", "1", "--dense-steps", "0.2",
-                     "--shared-budget"])
+                     "--shared-budget", "--ulysses", "2"])
     assert result.exit_code == 0, result.output
     config = seen["config"]
     assert (config.dense_layers, config.layer_floor, config.dilation) == ((0, -1), 0.25, 1)
-    assert (config.dense_steps, config.shared_budget) == (0.2, True)
+    assert (config.dense_steps, config.shared_budget, config.ulysses) == (0.2, True, 2)
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors"])
     assert result.exit_code == 0, result.output
     assert (seen["config"].dense_layers, seen["config"].layer_floor, seen["config"].dilation) == ((), 0.0, 0)
-    assert (seen["config"].dense_steps, seen["config"].shared_budget) == (0.0, False)
+    assert (seen["config"].dense_steps, seen["config"].shared_budget, seen["config"].ulysses) == (0.0, False, 1)
 
 
 def test_calibrate_reports_dense_steps_the_captured_schedule_cannot_pay_for(tmp_path, monkeypatch):

@@ -1,10 +1,14 @@
 """PARO under diffusers' context parallelism (Ulysses), on CPU: two processes joined with gloo run tiny Wan, FLUX.1,
-FLUX.2, Qwen-Image, LTX-Video and LTX-2 transformers with `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` and
-must give what one process gives with the same plan, each running its own slice of the plan's heads, and so must a
-tiny Wan 2.2 expert pair generating with a plan per expert, a per-token timestep that diffusers splits with the sequence (every GPU picks one process's
-bucket), and PARO under `torch.compile(fullgraph=True)`; ring attention, head counts the degree does not
-divide, models without a context-parallel plan (CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2, Wan VACE), calibration
-capture and frame binding are refused with what to do.
+FLUX.2, Qwen-Image, LTX-Video, LTX-2, CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2 and Wan VACE transformers with
+`enable_parallelism(ContextParallelConfig(ulysses_degree=2), cp_plan=context_parallel_plan(transformer))` and must give
+what one process gives with the same plan, each running its own slice of the plan's heads, and the model's own
+attention through PARO's processor (a plan dense in every layer) must give the model's own output; so must a tiny Wan
+2.2 expert pair generating with a plan per expert, a per-token timestep that diffusers splits with the sequence (every
+GPU picks one process's bucket), SkyReels-V2's per-frame timesteps of diffusion forcing, and PARO under
+`torch.compile(fullgraph=True)`. The exchange itself is checked on its own for every way a family's plan lays the text
+out, with chunks of equal and of unequal length (`ulysses_anything`). Ring attention, head counts the degree does not
+divide, transformers without a plan or whose plan does not hold (HunyuanVideo's first-frame token replacement),
+calibration capture and frame binding are refused with what to do; a plan balanced for another number of GPUs warns.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
 workers patch it to 1 and pass a CPU device mesh. One spawn runs every distributed case (the imports dominate)."""
@@ -16,6 +20,7 @@ import socket
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,25 +36,27 @@ from paroattn.pipelines import (
     pipeline_experts,
     self_attention_layers,
 )
-from paroattn.pipelines.context_parallel import sequence_problem, ulysses_problem
+from paroattn.pipelines.context_parallel import context_parallel_plan, sequence_problem, ulysses_problem
 from paroattn.plan import model_fingerprint
 from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_transformer
 
 WORLD = 2
 HEADS = 4  # two per process: each holds a contiguous slice of more than one head
 TIMESTEPS = (800.0, 200.0)  # one per bucket of the two-bucket plans
-JOIN_TIMEOUT_S = 240
+JOIN_TIMEOUT_S = 900  # a loaded 2-core machine; the processes take a few minutes there
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # tiny_pipeline("wan2.2") at tiny_call_kwargs' size: 9 frames of 64 x 64
 PAIR_STEPS = 4  # two on each expert
-# the families whose diffusers context-parallel plan PARO follows (text and grid split in equal chunks)
-ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2")
+# every family: those with diffusers' own context-parallel plan (text and grid split in chunks), then those whose plan
+# paroattn gives (CogVideoX and HunyuanVideo: the text whole on every GPU)
+ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2", "cogvideox", "hunyuan_video", "hunyuan_video15",
+                    "skyreels_v2", "wan_vace")
 
 
-def make_plan(transformer, inputs, *, seed=3, heads=HEADS) -> Plan:
-    """Random orders and masks at density 0.5: every head differs from every other."""
+def make_plan(transformer, inputs, *, seed=3, heads=HEADS, density=0.5) -> Plan:
+    """Random orders and masks at `density` (0.5: every head differs from every other)."""
     return Plan.synthetic(
         layout=family_of(transformer).call_inputs(transformer, inputs).layout,
-        num_layers=len(self_attention_layers(transformer)), num_heads=heads, density=0.5, orders="random",
+        num_layers=len(self_attention_layers(transformer)), num_heads=heads, density=density, orders="random",
         num_buckets=2, block_size=TINY_BLOCK, model_class=type(transformer).__name__,
         model_fingerprint=model_fingerprint(transformer.config), seed=seed,
     )
@@ -69,13 +76,25 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("ring", "ulysses"))
 
 
+def _enable_ulysses(transformer, **options) -> None:
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD)), **options),
+                                   cp_plan=context_parallel_plan(transformer))
+
+
+def dense_plan(transformer, inputs) -> Plan:
+    """A plan that runs every layer with the model's own attention (through PARO's processor)."""
+    plan = make_plan(transformer, inputs, density=1.0)
+    plan.dense[:] = True
+    return plan
+
+
 def _one_process_then_ulysses(transformer, calls) -> tuple[Plan, list]:
     """A plan for `transformer` and its outputs on `calls` with PARO on this process alone; then the transformer
-    is put under Ulysses 2 (`enable_parallelism`)."""
+    is put under Ulysses 2 (`enable_parallelism` with the family's context-parallel plan)."""
     plan = make_plan(transformer, calls[0])
     with apply(transformer, plan, backend="torch"):
         single = [run(transformer, inputs) for inputs in calls]
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+    _enable_ulysses(transformer)
     return plan, single
 
 
@@ -92,8 +111,11 @@ def _ulysses_family(family: str, rank: int) -> dict:
         # parallelism (the video side's cross-attention RoPE is not split with the video): modalities isolated
         calls = [{**inputs, "encoder_attention_mask": None, "audio_encoder_attention_mask": None,
                   "isolate_modalities": True} for inputs in calls]
+    own = [run(transformer, inputs) for inputs in calls]  # the model's own attention, on this process alone
     plan, single = _one_process_then_ulysses(transformer, calls)
-    found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single}
+    found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single, "own": own}
+    with apply(transformer, dense_plan(transformer, calls[0]), backend="torch"):
+        found["dense"] = [run(transformer, inputs) for inputs in calls]
     with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original
         found["after"] = [run(transformer, inputs) for inputs in calls]
         processor = handle.processor
@@ -109,7 +131,7 @@ def _ulysses_family(family: str, rank: int) -> dict:
 
     before = tiny_transformer(family, heads=HEADS)  # enable_parallelism cannot be called twice on one model
     with apply(before, plan, backend="torch"):  # before enable_parallelism: diffusers sets the processor's config
-        before.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+        _enable_ulysses(before)
         found["before"] = [run(before, inputs) for inputs in calls]
     return found
 
@@ -131,6 +153,99 @@ def _per_token_timesteps(rank: int) -> dict:
     found = {"single": single}
     with apply(transformer, plan, backend="torch"):
         found["ulysses"] = [run(transformer, inputs) for inputs in calls]
+    return found
+
+
+def _diffusion_forcing(rank: int) -> dict:
+    """Tiny SkyReels-V2 with diffusion forcing's timesteps, one per latent frame (4, split with the frames: 2 per GPU)."""
+    transformer = tiny_transformer("skyreels_v2", heads=HEADS)
+    calls = []
+    for t in TIMESTEPS:
+        inputs = tiny_forward_inputs(transformer, timestep=t, frames=4)
+        frames = torch.tensor([t, t - 50.0, t - 100.0, 0.0])  # the noisiest frame decides the bucket
+        calls.append({**inputs, "timestep": frames.expand(2, -1).clone(), "enable_diffusion_forcing": True})
+    plan, single = _one_process_then_ulysses(transformer, calls)
+    found = {"single": single}
+    with apply(transformer, plan, backend="torch"):
+        found["ulysses"] = [run(transformer, inputs) for inputs in calls]
+        odd = tiny_forward_inputs(transformer, frames=3)  # 3 latent frames do not split over 2 GPUs
+        try:
+            run(transformer, {**odd, "timestep": torch.full((2, 3), 500.0), "enable_diffusion_forcing": True})
+        except PlanError as exc:
+            found["odd_frames"] = str(exc)
+    return found
+
+
+# every way a family's plan lays its text out, with chunks of equal and of unequal length
+EXCHANGE_CASES = [
+    (TokenLayout(6, 2, 2, 4), "split"), (TokenLayout(5, 3, 3, 3), "split"), (TokenLayout(0, 3, 3, 3), "split"),
+    (TokenLayout(6, 2, 2, 4), "whole"), (TokenLayout(5, 3, 3, 3), "whole"),
+    (TokenLayout(0, 2, 2, 4, suffix=6), "whole"), (TokenLayout(0, 3, 3, 3, suffix=7), "whole"),
+]
+
+
+def _chunk(x: torch.Tensor, layout: TokenLayout, text: str, rank: int, dim: int) -> torch.Tensor:
+    """GPU `rank`'s chunk of `x` (the whole sequence along `dim`) as diffusers splits it: each run in
+    `torch.tensor_split`'s chunks (equal ones where they divide), a text the plan keeps whole left whole."""
+    prefix, grid = layout.prefix, layout.grid_tokens
+    parts = x.split([prefix, grid, layout.suffix], dim=dim)
+    mine = [part.tensor_split(WORLD, dim=dim)[rank] for part in parts]
+    if text == "whole":
+        mine = [parts[0], mine[1], parts[2]]
+    return torch.cat(mine, dim=dim)
+
+
+def _exchange(rank: int) -> dict:
+    """`UlyssesShard`'s exchanges on their own: each GPU's chunk -> its heads over the whole sequence and back, and the
+    rotary tables (over the whole chunk, or CogVideoX's: all of it but the text before the grid)."""
+    from paroattn.pipelines.context_parallel import UlyssesShard
+
+    found = {}
+    for case, (layout, text) in enumerate(EXCHANGE_CASES):
+        uneven = any(n % WORLD for n in (layout.prefix, layout.grid_tokens, layout.suffix))
+        config = ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD)), ulysses_anything=uneven)
+        config.setup(rank, WORLD, torch.device("cpu"), config.mesh)
+        plan = Plan.synthetic(layout=layout, num_layers=1, num_heads=HEADS, block_size=TINY_BLOCK)
+        shard = UlyssesShard(config, plan, text)
+        split = shard.split(layout)
+        g = torch.Generator().manual_seed(case)
+        whole = torch.randn(2, HEADS, layout.seq_len, 8, generator=g)
+        mine = slice(*shard.heads)
+        local = _chunk(whole, layout, text, rank, dim=2).transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D]
+        gathered = shard.gather_heads(local, split)
+        scattered = shard.scatter_heads(gathered, split)
+        tables = torch.randn(layout.seq_len, 8, generator=g), torch.randn(layout.seq_len, 8, generator=g)
+        rotary = shard.gather_rotary(tuple(_chunk(t, layout, text, rank, dim=0) for t in tables), split)
+        found[case] = {"uneven": uneven and not split.equal,
+                       "gather": torch.equal(gathered, whole[:, mine]), "scatter": torch.equal(scattered, local),
+                       "rotary": all(torch.equal(a, b) for a, b in zip(rotary, tables, strict=True))}
+        if text == "whole" and layout.prefix:  # tables of the grid only, after the text (CogVideoX)
+            grid = tuple(t[layout.prefix:] for t in tables)
+            mine_grid = tuple(t.tensor_split(WORLD)[rank] for t in grid)
+            rotary = shard.gather_rotary(mine_grid, split)
+            found[case]["grid_rotary"] = all(torch.equal(a, b) for a, b in zip(rotary, grid, strict=True))
+    return found
+
+
+def _balance_warning(rank: int) -> dict:
+    """A plan balanced for 3 GPUs (6 heads), run under Ulysses 2: correct output, and a warning saying the GPUs' work
+    differs; one balanced for 2 runs without it."""
+    from paroattn.balance import balance_plan
+
+    transformer = tiny_transformer("wan", heads=6)
+    inputs = tiny_forward_inputs(transformer)
+    plan = Plan.synthetic(layout=family_of(transformer).call_inputs(transformer, inputs).layout,
+                          num_layers=len(self_attention_layers(transformer)), num_heads=6, density=0.5,
+                          block_size=TINY_BLOCK, model_class=type(transformer).__name__,
+                          model_fingerprint=model_fingerprint(transformer.config), profiles=True, seed=7)
+    _enable_ulysses(transformer)
+    found = {}
+    for ranks in (3, 2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with apply(transformer, balance_plan(plan, ranks), backend="torch"):
+                found[ranks] = {"out": run(transformer, inputs),
+                                "warnings": [str(w.message) for w in caught if "balanced for" in str(w.message)]}
     return found
 
 
@@ -160,7 +275,7 @@ def _expert_pair(rank: int) -> dict:
     with apply(pipe, plans, backend="torch"):
         found["single"] = latents()
     for _, expert in pipeline_experts(pipe):
-        expert.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD))))
+        _enable_ulysses(expert)
     with apply(pipe, plans, backend="torch") as handle:
         found["ulysses"] = latents()
         found["heads"] = {name: expert.processor._ulysses.heads for name, expert in handle.experts.items()}
@@ -230,6 +345,27 @@ def _generate(rank: int, folder: Path) -> dict:
     found = {"result": result, "written": list(written)}
     if rank == 0:
         found["single"] = generate_module.generate(folder / "model", "a red car", out=folder / "single.png", **kwargs)
+    # CogVideoX, whose own attention runs under Ulysses through PARO's processor: --compare's dense run and the PARO
+    # run, as the pixels handed to the writer, against one process's
+    pixels = {}
+
+    def keep(array, path, video, fps):
+        pixels[Path(path).name] = array
+        return path
+
+    generate_module._write = keep
+    kwargs = {"plan": folder / "cogvideox_plan.safetensors", "height": 64, "width": 64, "frames": 9, "steps": 2,
+              "backend": "torch", "compare": True, "extra_call": {"use_dynamic_cfg": False}, "log": lambda message: None}
+    generate_module.generate(folder / "cogvideox", "a red car", out=folder / "cog_ulysses.gif", ulysses=WORLD, **kwargs)
+    if rank == 0:
+        generate_module.generate(folder / "cogvideox", "a red car", out=folder / "cog_single.gif", **kwargs)
+        try:
+            generate_module.generate(folder / "cogvideox", "a red car", out=folder / "cog_no_plan.gif", ulysses=WORLD,
+                                     **{**kwargs, "plan": None, "compare": False})
+        except ValueError as exc:
+            found["no_plan"] = str(exc)
+    found["cogvideox"] = pixels
+    generate_module._write = write
     return found
 
 
@@ -243,8 +379,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     folder = Path(folder)
     results = {family: _ulysses_family(family, rank) for family in ULYSSES_FAMILIES}
-    results.update({"pair": _expert_pair(rank),
-               "per_token": _per_token_timesteps(rank),
+    results.update({"pair": _expert_pair(rank), "per_token": _per_token_timesteps(rank),
+                    "forcing": _diffusion_forcing(rank), "exchange": _exchange(rank),
+                    "balance": _balance_warning(rank),
                     "compiled": _compiled(rank)})  # last: it changes dynamo's config in this process
     results.update(_refusals(rank))
     results["generate"] = _generate(rank, folder)
@@ -267,6 +404,10 @@ def ranks(tmp_path_factory):
     pipe = tiny_pipeline("flux")
     pipe.save_pretrained(folder / "model")
     make_plan(pipe.transformer, tiny_forward_inputs(pipe.transformer), heads=2).save(folder / "plan.safetensors")
+    cogvideox = tiny_pipeline("cogvideox")
+    cogvideox.save_pretrained(folder / "cogvideox")
+    inputs = tiny_forward_inputs(cogvideox.transformer, batch=1)
+    make_plan(cogvideox.transformer, inputs, heads=2).save(folder / "cogvideox_plan.safetensors")
     context = mp.start_processes(_worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -290,6 +431,15 @@ def test_paro_under_ulysses_equals_one_process(ranks, family, order):
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
+def test_the_models_own_attention_through_paro_under_ulysses_equals_the_model(ranks, family):
+    """A plan dense in every layer: the model's own attention on each GPU's heads (PARO's exchange for CogVideoX and
+    HunyuanVideo, whose own processors cannot run under Ulysses; diffusers' dispatcher for the others)."""
+    for found in ranks:
+        for own, parallel in zip(found[family]["own"], found[family]["dense"], strict=True):
+            torch.testing.assert_close(parallel, own, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ULYSSES_FAMILIES)
 def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
     per_gpu = HEADS // WORLD
     for rank, found in enumerate(ranks):
@@ -308,6 +458,35 @@ def test_per_token_timesteps_bucket_every_gpu_as_one_process(ranks):
         found = found["per_token"]
         for single, parallel in zip(found["single"], found["ulysses"], strict=True):
             torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-6)
+
+
+def test_diffusion_forcing_timesteps_split_with_their_frames(ranks):
+    for found in ranks:
+        found = found["forcing"]
+        for single, parallel in zip(found["single"], found["ulysses"], strict=True):
+            torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-6)
+        assert "3 latent frames must be divisible by ulysses_degree=2" in found["odd_frames"]
+
+
+@pytest.mark.parametrize("case", range(len(EXCHANGE_CASES)))
+def test_the_exchange_gives_each_gpu_its_heads_of_the_whole_sequence_and_back(ranks, case):
+    layout, text = EXCHANGE_CASES[case]
+    for found in ranks:
+        found = found["exchange"][case]
+        assert found["gather"] and found["scatter"] and found["rotary"], found
+        assert found.get("grid_rotary", True)
+    # the cases with token counts two GPUs do not divide ran the exchange of unequal chunks
+    assert ranks[0]["exchange"][case]["uneven"] == any(n % WORLD for n in (layout.grid_tokens, layout.suffix,
+                                                                            layout.prefix if text == "split" else 0))
+
+
+def test_a_plan_balanced_for_other_gpus_warns_and_runs_right(ranks):
+    for found in ranks:
+        found = found["balance"]
+        assert len(found[3]["warnings"]) == 1 and "balanced for 3 GPUs" in found[3]["warnings"][0]
+        assert "balance_ranks=2" in found[3]["warnings"][0]
+        assert found[2]["warnings"] == []
+        assert torch.isfinite(found[3]["out"]).all()
 
 
 def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
@@ -354,6 +533,16 @@ def test_generate_ulysses_writes_on_rank_0_only_and_equals_one_process(ranks):
     assert (ulysses_pixels - single_pixels).abs().max() <= 1  # 8-bit rounding of equal images
 
 
+def test_generate_ulysses_runs_cogvideox_and_its_own_attention_through_paro(ranks):
+    pixels = ranks[0]["generate"]["cogvideox"]
+    assert sorted(pixels) == ["cog_single.gif", "cog_single_dense.gif", "cog_ulysses.gif", "cog_ulysses_dense.gif"]
+    for run in ("", "_dense"):
+        torch.testing.assert_close(torch.as_tensor(pixels[f"cog_ulysses{run}.gif"]),
+                                   torch.as_tensor(pixels[f"cog_single{run}.gif"]), rtol=1e-4, atol=1e-4)
+    assert ranks[1]["generate"]["cogvideox"] == {}  # rank 0 writes
+    assert "needs a plan: pass --plan PLAN" in ranks[0]["generate"]["no_plan"]
+
+
 # -- refusals and pieces that need no process group ---------------------------------------------------------------
 
 
@@ -395,18 +584,41 @@ def test_ring_is_refused_and_dense_on_mismatch_keeps_the_reason():
 
 
 @pytest.mark.parametrize("family", ["cogvideox", "hunyuan_video", "hunyuan_video15", "skyreels_v2", "wan_vace"])
-def test_models_without_a_context_parallel_plan_are_refused(family):
+def test_families_without_a_plan_in_diffusers_get_one_from_their_adapter(family):
     transformer = tiny_transformer(family, heads=HEADS)
-    plan = make_plan(transformer, tiny_forward_inputs(transformer))
-    with apply(transformer, plan, backend="torch") as handle:
-        with pytest.raises(PlanError, match=f"{type(transformer).__name__} has no context-parallel plan in diffusers"):
-            handle.processor._parallel_config = _config(ulysses_degree=2)
-    # the other way round: a config on the processor it replaces reaches apply, which leaves the model as it was
-    originals = dict(transformer.attn_processors)
-    originals[self_attention_layers(transformer)[0]]._parallel_config = _config(ulysses_degree=2)  # not a refiner's
-    with pytest.raises(PlanError, match="run one pipeline per GPU"):
-        apply(transformer, plan, backend="torch")
-    assert all(transformer.attn_processors[key] is processor for key, processor in originals.items())
+    assert type(transformer)._cp_plan is None  # diffusers 0.42.1 has none: the adapter's
+    plan = context_parallel_plan(transformer)
+    assert "proj_out" in plan and any(key.endswith(".0") for key in plan)
+    assert context_parallel_plan(tiny_transformer("wan")) is type(tiny_transformer("wan"))._cp_plan  # diffusers' own
+
+
+def test_transformers_whose_plan_does_not_hold_are_refused_even_with_dense_on_mismatch():
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from paroattn.pipelines.context_parallel import model_problem
+
+    replacing = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=16, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=16,
+        pooled_projection_dim=16, rope_axes_dim=(4, 6, 6), image_condition_type="token_replace")
+    plan = make_plan(replacing, tiny_forward_inputs(replacing))
+    for on_mismatch in ("error", "dense"):  # the model's own attention cannot run under Ulysses either
+        with apply(replacing, plan, backend="torch", on_mismatch=on_mismatch) as handle:
+            with pytest.raises(PlanError, match="token_replace.*only the first GPU holds them"):
+                handle.processor._parallel_config = _config(ulysses_degree=2)
+    no_plan = SimpleNamespace(context_parallel_plan=lambda transformer: None)
+    assert "has no context-parallel plan, in diffusers or in paroattn" in model_problem(replacing, no_plan)
+    cogvideox = tiny_transformer("cogvideox", heads=HEADS)
+    with apply(cogvideox, make_plan(cogvideox, tiny_forward_inputs(cogvideox)), backend="torch",
+               on_mismatch="dense") as handle:
+        with pytest.raises(PlanError, match="ring_degree=2.*CogVideoX attention cannot run under this config either"):
+            handle.processor._parallel_config = _config(ring_degree=2)
+    # the other way round: a config on the model (enable_parallelism first) reaches apply, which leaves it as it was
+    originals = dict(replacing.attn_processors)
+    replacing._parallel_config = _config(ulysses_degree=2)
+    with pytest.raises(PlanError, match="token_replace"):
+        apply(replacing, plan, backend="torch")
+    assert all(replacing.attn_processors[key] is processor for key, processor in originals.items())
 
 
 def test_calibration_capture_refuses_context_parallelism():
@@ -422,7 +634,11 @@ def test_sequence_the_degree_does_not_split_evenly_is_named():
 
     assert sequence_problem(TokenLayout(8, 1, 6, 6), 2) is None
     problem = sequence_problem(TokenLayout(8, 1, 5, 5), 2)
-    assert "25 grid tokens" in problem and "ulysses_degree=2" in problem
+    assert "25 grid tokens" in problem and "ulysses_degree=2" in problem and "ulysses_anything=True" in problem
+    assert sequence_problem(TokenLayout(8, 1, 5, 5), 2, uneven=True) is None
+    # a text every GPU holds whole need not split: CogVideoX's 226 tokens under 4 GPUs
+    assert sequence_problem(TokenLayout(226, 13, 30, 44), 4, "whole") is None
+    assert "226 text tokens" in sequence_problem(TokenLayout(226, 13, 30, 44), 4)
 
 
 def test_generate_ulysses_outside_torchrun_says_how_to_launch(tmp_path, monkeypatch):

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..selection import (
+    balance_masks,
     block_entries,
     bucket_densities,
     build_masks,
     dense_layer_indices,
+    forced_blocks,
     incoherence,
     kept_blocks,
     kept_mass_fraction,
@@ -162,6 +164,7 @@ class StatsAccumulator:
         bucket_steps: list[int] | None = None,
         dense_steps: float = 0.0,
         shared_budget: bool = False,
+        ranks: int = 1,
     ) -> CalibrationResult:
         """Choose each head's order from the averaged statistics and build the masks of every bucket.
         A bucket without captured steps borrows the mean over all captured buckets (the report says so).
@@ -171,7 +174,8 @@ class StatsAccumulator:
         `bucket_steps` (denoising steps per bucket; default: the captured ones). `dense_steps`: the fewest
         leading buckets holding that share of the steps keep every block, and the other buckets share what
         is left (`selection.bucket_densities`). `shared_budget`: one budget over every bucket instead of one
-        per bucket (`selection.shared_bucket_densities`)."""
+        per bucket (`selection.shared_bucket_densities`). `ranks` > 1: each layer's blocks spread evenly over that
+        many GPUs' contiguous slices of the heads (`selection.balance_masks`), moved by the measured masses."""
         self.flush()
         if compute_device is None:
             compute_device = self.store_device
@@ -237,6 +241,10 @@ class StatsAccumulator:
             else:
                 mask = build_masks(mass, targets[b], prefix, self.mask_block, suffix=suffix, seq_len=self.seq_len,
                                    layer_floor=layer_floor, dilation=dilation, dense_layers=dense_layers)
+                if ranks > 1:
+                    forced = forced_blocks(mask.shape[-2:], prefix, self.mask_block, device=mask.device, suffix=suffix,
+                                           seq_len=self.seq_len)
+                    mask = balance_masks(mask, mass, ranks, forced)
             masks.append(mask.cpu())
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)

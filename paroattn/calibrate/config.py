@@ -120,6 +120,9 @@ class SelectionConfig:
     # keep every block, paid for by the other buckets; and one budget over all buckets instead of one per bucket
     dense_steps: float = 0.0
     shared_budget: bool = False
+    # the number of GPUs the plan will run on under Ulysses: each layer's blocks spread evenly over their slices of
+    # the heads (`selection.balance_masks`; 1: as the budget chose them)
+    ulysses: int = 1
     figure_layers: tuple[int, ...] | None = None  # layers whose block maps go to the stats file; None: first, middle, last
 
     def __post_init__(self):
@@ -144,6 +147,9 @@ class SelectionConfig:
         if not 0.0 <= self.dense_steps < 1.0:
             raise ConfigError("dense_steps", self.dense_steps,
                               "expected a share of the denoising steps in [0, 1) (0, the default, turns it off)")
+        if self.ulysses < 1:
+            raise ConfigError("ulysses", self.ulysses,
+                              "expected a number of GPUs >= 1 (1, the default, leaves the masks as the budget chose them)")
         if self.dense_steps >= self.density and self.density < 1.0:
             raise ConfigError("dense_steps", self.dense_steps,
                               f"spends all of the density {self.density} (the mean density over steps) on the dense "

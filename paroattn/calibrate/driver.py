@@ -23,6 +23,7 @@ import torch
 
 from ..layout import ORDERS
 from ..plan import Plan, expert_plan_path
+from ..selection import BALANCED_RANKS, ranks_problem
 from .accumulate import CalibrationResult
 from .config import CaptureConfig, SelectionConfig
 from .recorder import CapturedStats, StatsRecorder
@@ -167,8 +168,10 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
     share what is left of the budget (`Plan.achieved_density` is the mean over the sparse layers alone).
     `density` is the mean over denoising steps (`stats.bucket_steps` weigh the buckets); `dense_steps`: the
     leading buckets holding that share of the steps are flagged dense in every layer, their masks full, the
-    other buckets sparser; `shared_budget`: one budget over all buckets. The plan records the buckets kept
-    dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`)."""
+    other buckets sparser; `shared_budget`: one budget over all buckets; `ulysses` > 1: each layer's blocks spread
+    evenly over that many GPUs' slices of the heads (`paroattn.balance`). The plan records the buckets kept
+    dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`), and the GPUs it is
+    balanced for (`info["balanced_ranks"]`)."""
     selection = selection if selection is not None else SelectionConfig()
     if not isinstance(selection, SelectionConfig):
         raise TypeError(f"plan_from_stats takes a SelectionConfig, got {type(selection).__name__}")
@@ -191,7 +194,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
         s.density, layout.prefix, metric=s.metric, quant_weight=s.quant_weight, alpha=s.alpha,
         compute_device=compute_device, figure_layers=figure_layers, suffix=layout.suffix, layer_floor=s.layer_floor,
         dilation=s.dilation, dense_layers=s.dense_layers, bucket_steps=stats.bucket_steps, dense_steps=s.dense_steps,
-        shared_budget=s.shared_budget,
+        shared_budget=s.shared_budget, ranks=s.ulysses,
     )
     dense = torch.zeros(result.block_mask.shape[:2], dtype=torch.bool)
     dense[:, result.dense_layers] = True
@@ -231,6 +234,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
             "kept_mass": float(result.kept_mass.mean()),
             "kept_mass_min": float(result.kept_mass.min()),
             "timings": timings,
+            **({BALANCED_RANKS: s.ulysses} if s.ulysses > 1 else {}),
         },
     )
     if stats.model_config is not None:
@@ -246,6 +250,18 @@ def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfi
     return capture_config
 
 
+def _check_ulysses(pipe, selection: SelectionConfig) -> None:
+    """Refuse, before anything is captured, a number of GPUs to balance the masks over that does not divide the heads."""
+    if selection.ulysses == 1:
+        return
+    from ..pipelines import pipeline_experts
+    from ..pipelines.registry import require_family
+
+    for _, transformer in pipeline_experts(pipe):
+        if problem := ranks_problem(require_family(transformer).num_heads(transformer), selection.ulysses):
+            raise ValueError(f"ulysses={selection.ulysses}: {problem}")
+
+
 def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = None,
               selection: SelectionConfig | None = None, *, progress: bool = False,
               log=None) -> tuple[Plan, CalibrationResult]:
@@ -253,6 +269,7 @@ def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = N
     calibration result (per-head scores, kept attention mass, figure maps): `capture` then
     `plan_from_stats(stats, selection)`."""
     selection = selection if selection is not None else SelectionConfig()
+    _check_ulysses(pipe, selection)
     stats = capture(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
     return plan_from_stats(stats, selection, log=log)
 
@@ -263,6 +280,7 @@ def calibrate_experts(pipe, prompts: list[str], capture_config: CaptureConfig | 
     """`calibrate` of every denoising transformer of the pipeline in the same runs (`capture_experts`): one
     (plan, result) per expert, each plan naming its expert (`Plan.expert`)."""
     selection = selection if selection is not None else SelectionConfig()
+    _check_ulysses(pipe, selection)
     captured = capture_experts(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
     return [plan_from_stats(stats, selection, log=log) for stats in captured]
 

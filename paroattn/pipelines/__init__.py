@@ -76,8 +76,8 @@ def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
     if missing:
         raise RuntimeError(f"the transformer has no attention processors named {missing[:3]}; diffusers changed its layout")
     first = originals[keys[0]]
-    for name in ("_attention_backend", "_parallel_config"):
-        setattr(processor, name, getattr(first, name, None))
+    for name in ("_attention_backend", "_parallel_config"):  # (CogVideoX's processor has neither: keep the processor's)
+        setattr(processor, name, getattr(first, name, getattr(processor, name, None)))
     for delegate in binding.delegates.values():
         binding.sync_delegate(delegate)
     replacement = dict(originals)
@@ -197,7 +197,7 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
 
 
 def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str = "auto", on_mismatch: str = "error",
-          *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True,
+          *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True, balance_ranks: int = 1,
           linear: str | None = None) -> PAROHandle:
     """Run every self-attention layer of the pipeline's transformer with `plan`; for a pipeline with an
     expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
@@ -205,7 +205,8 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
     Raises PlanError when a plan was made for another model class, config, head or layer count, or
     expert (with on_mismatch="dense": warns and leaves that transformer as it is); a call at another
     resolution or frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
-    `prefetch_slots`, `fuse_rope`: see PAROProcessor.
+    `prefetch_slots`, `fuse_rope`, `balance_ranks` (the masks balanced over that many GPUs under Ulysses): see
+    PAROProcessor.
 
     `linear="fp8"`: the linear layers of every transformer's blocks also run in fp8 (torchao; which layers and
     why: `paroattn.linear`), with `plan=None` beside the model's own attention. It is refused, before anything
@@ -235,7 +236,8 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
             family = require_family(transformer)
             processor = PAROProcessor(expert_plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
                                       prefetch_slots=prefetch_slots,
-                                      pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope)
+                                      pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope,
+                                      balance_ranks=balance_ranks)
             binding = processor.bind(transformer)
             if binding.static_problem:
                 processor.unbind(binding)

@@ -29,6 +29,9 @@ from ..layout import TokenLayout
 # A pipeline's own factors are always used; these only size the messages about a bare transformer.
 VAE_SPATIAL = 8
 VAE_TEMPORAL = 4
+# how a family's context-parallel plan spreads the text of its self-attention over the GPUs: split in chunks like the
+# grid (diffusers' plans), or held whole by every GPU (`context_parallel.py`)
+TEXT_SPLIT, TEXT_WHOLE = "split", "whole"
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,10 @@ class FamilyAdapter:
     # the layout of the plan a PAROProcessor runs (set when it binds): what a forward traced by torch.compile
     # takes for a call whose layout the arguments' shapes alone do not settle (Flux's image grid)
     planned_layout: TokenLayout | None = None
+    # how the family's context-parallel plan spreads the text of its self-attention: in chunks like the grid
+    # (`TEXT_SPLIT`, diffusers' plans) or held whole by every GPU (`TEXT_WHOLE`: then PARO does the Ulysses exchange
+    # for the model's own attention too)
+    ulysses_text: str = TEXT_SPLIT
 
     def matches(self, transformer) -> bool:
         return bool(class_names(transformer) & set(self.transformer_classes))
@@ -230,6 +237,21 @@ class FamilyAdapter:
     def default_scale(self, transformer) -> PixelScale:
         """VAE factors of a bare transformer's released pipeline (a pipeline's own factors take precedence)."""
         return STANDARD_VAE
+
+    # -- several GPUs (`context_parallel`) ---------------------------------------------------
+    def context_parallel_plan(self, transformer) -> dict | None:
+        """How diffusers' `enable_parallelism` splits this transformer's sequence across GPUs (diffusers'
+        `ContextParallelModelPlan` format): the model's own `_cp_plan` unless the adapter gives one."""
+        return getattr(type(transformer), "_cp_plan", None)
+
+    def ulysses_problem(self, transformer) -> str | None:
+        """Why this transformer cannot run under its context-parallel plan (a configuration the plan does not
+        split correctly), or None."""
+        return None
+
+    def ulysses_call_problem(self, transformer, inputs: CallInputs, degree: int) -> str | None:
+        """Why the plan cannot split this call over `degree` GPUs (seen before diffusers splits it), or None."""
+        return None
 
     # -- per forward -------------------------------------------------------------------------
     def call_inputs(self, transformer, arguments: dict) -> CallInputs:

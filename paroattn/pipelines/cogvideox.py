@@ -4,6 +4,10 @@ Sequence of a self-attention call: [text ; F x H x W video], text first (226 tok
 q/k LayerNorm over head_dim on all tokens, RoPE on the video part only, SDPA on [B, H, S, D].
 The legacy `Attention.forward` passes `image_rotary_emb` as a keyword filtered by the processor's
 signature, so processors declare it explicitly.
+
+Several GPUs: diffusers 0.42.1 has no context-parallel plan for CogVideoX; `context_parallel_plan` gives one that
+splits the video tokens at the first block (and the RoPE tables with them) and leaves the text whole on every GPU.
+The processor calls SDPA directly, so PARO's processor does the Ulysses exchange for the dense path too.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from ..layout import TokenLayout
 from .base import (
     STANDARD_VAE,
+    TEXT_WHOLE,
     CallInputs,
     FamilyAdapter,
     PixelScale,
@@ -37,6 +42,7 @@ class CogVideoXAdapter(FamilyAdapter):
     attention_classes = ("Attention",)
     self_attention_paths = (("transformer_blocks", "attn1"),)
     text_position = "prefix"
+    ulysses_text = TEXT_WHOLE
 
     def __init__(self):
         self._tables = RotaryTables(float32_tables)  # [S_video, D]: the video tokens after the text
@@ -67,6 +73,18 @@ class CogVideoXAdapter(FamilyAdapter):
             transformer, text_tokens, f_locals["num_frames"], f_locals["height"], f_locals["width"]
         )
         return CallInputs(f_locals["timestep"], layout, problem)
+
+    def context_parallel_plan(self, transformer) -> dict:
+        """The video tokens split at the first block, the RoPE tables (the video's, [S, D]) at the entry, the
+        output gathered after the final projection; the text stays whole on every GPU."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        rope = ContextParallelInput(split_dim=0, expected_dims=2)
+        return {
+            "": {"image_rotary_emb": [rope, rope]},
+            "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
 
     # -- geometry ----------------------------------------------------------------------------
     def layout_for(self, transformer, *, height, width, frames=None, text_tokens=None,

@@ -1,10 +1,11 @@
 """PARO under diffusers' context parallelism with Ulysses: each GPU runs its own heads over the whole sequence.
 
-`transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))` (diffusers 0.36+) splits the
-sequence into N equal contiguous chunks at the model's entry (per diffusers' `_cp_plan`), gathers the output at
-its exit, and sets `_parallel_config` on every attention processor. The model's own processors hand it to
-`dispatch_attention_fn`, whose templated Ulysses attention exchanges q, k, v all-to-all from [B, S/N, H, D] to
-[B, S, H/N, D] (GPU r keeps heads r*H/N .. (r+1)*H/N - 1), runs the backend, and exchanges the output back.
+`transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=N), cp_plan=...)` (diffusers 0.36+)
+splits the sequence into N contiguous chunks where a context-parallel plan says (`_cp_plan`: a model's own, or the
+one `context_parallel_plan` gives), gathers the output at the model's exit, and sets `_parallel_config` on every
+attention processor. The model's own processors hand it to `dispatch_attention_fn`, whose templated Ulysses attention
+exchanges q, k, v all-to-all from [B, S/N, H, D] to [B, S, H/N, D] (GPU r keeps heads r*H/N .. (r+1)*H/N - 1), runs
+the backend, and exchanges the output back.
 
 PARO does the same exchange around `paro_attention` itself (`UlyssesShard.gather_heads` / `scatter_heads`)
 rather than through the dispatcher, because:
@@ -18,42 +19,67 @@ rather than through the dispatcher, because:
   back in the GPUs' order) in the copy the exchange makes anyway;
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
-take at most 1/N of the plan's memory. Checked eagerly: tiny Wan, FLUX.1, FLUX.2, Qwen-Image, LTX-Video, LTX-2 and a Wan
-2.2 expert pair on CPU with gloo
-(tests/test_context_parallel.py), Wan2.1-14B and 1.3B on two GPUs with NCCL (benchmarks/multi_gpu.py --check);
-under `torch.compile(fullgraph=True)` on CPU (after an eager forward, with dynamo skipping diffusers' hook logging:
-README), not on GPUs.
+take at most 1/N of the plan's memory.
+
+Families diffusers 0.42.1 has no plan for get one from their adapter (`FamilyAdapter.context_parallel_plan`), in
+diffusers' own plan format, passed to `enable_parallelism(cp_plan=...)`:
+- SkyReels-V2 and Wan VACE: Wan's plan (video split at the first block, RoPE split with it), VACE's control tokens
+  split alike at the first VACE block (they are padded to the video's token count and laid out on its grid);
+  SkyReels-V2's per-frame timesteps of diffusion forcing split with their frames;
+- CogVideoX (text before the video) and HunyuanVideo 1 and 1.5 (text after it, padded, with a mask): the video
+  split at the first block, the text not split: every GPU holds the whole text and runs its projections and
+  feed-forward (a few hundred tokens beside tens of thousands of video tokens). Their text lengths (226; 1985)
+  would not split evenly, and the text masks stay whole. CogVideoX's processor calls SDPA directly and
+  HunyuanVideo's dispatcher exchange would duplicate the text, so for these families PARO does the exchange for
+  the model's own attention too (dense layers, `on_mismatch="dense"`): the model's attention call on the gathered
+  heads, then the same scatter. The text output of each GPU's heads goes to every GPU in the scatter's all-to-all.
+diffusers splits a run evenly (N must divide its token count) or, with `ContextParallelConfig(ulysses_anything=
+True)`, in `torch.tensor_split`'s chunks (the first ones a token longer); PARO's exchange follows either.
+
+Checked eagerly: tiny Wan, FLUX.1, FLUX.2, Qwen-Image, LTX-Video, LTX-2, CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2,
+Wan VACE and a Wan 2.2 expert pair on CPU with gloo (tests/test_context_parallel.py), Wan2.1-14B and 1.3B on two GPUs
+with NCCL (benchmarks/multi_gpu.py --check); under `torch.compile(fullgraph=True)` on CPU (after an eager forward,
+with dynamo skipping diffusers' hook logging: README), not on GPUs.
 
 Ring attention (`ring_degree > 1`) splits every head's sequence across GPUs, so no GPU sees the whole grid a
 head's reordering and block mask are defined on: refused. So are head counts that N does not divide and
-models without a context-parallel plan in diffusers (CogVideoX, whose attention calls SDPA directly).
+transformers for which no plan is known, or whose plan does not hold (`FamilyAdapter.ulysses_problem`).
 
-How each supported family's sequence is split, read from diffusers 0.42.1's `_cp_plan`s: Wan splits the video
-tokens at `blocks.0` and LTX-Video and LTX-2 theirs at the entry (no text in video self-attention; their RoPE,
-applied before the exchange, is split alike); FLUX.1 and FLUX.2 split `hidden_states` (image) and
-`encoder_hidden_states` (text) separately at the transformer's entry, Qwen-Image at `transformer_blocks.0`
-(with its RoPE frequencies of each stream split alike at `pos_embed`), and each concatenates [text ; image] per
-GPU. All are "the text prefix and the grid, each in N equal chunks" (Wan's prefix is empty). SkyReels-V2, Wan
-VACE and HunyuanVideo (1 and 1.5) have no plan in diffusers and are refused.
+How the families with diffusers' plans split, read from diffusers 0.42.1's `_cp_plan`s: Wan splits the video tokens
+at `blocks.0` and LTX-Video and LTX-2 theirs at the entry (no text in video self-attention; their RoPE, applied
+before the exchange, is split alike); FLUX.1 and FLUX.2 split `hidden_states` (image) and `encoder_hidden_states`
+(text) separately at the transformer's entry, Qwen-Image at `transformer_blocks.0` (with its RoPE frequencies of each
+stream split alike at `pos_embed`), and each concatenates [text ; image] per GPU. All are "the text prefix and the
+grid, each in N chunks" (Wan's prefix is empty).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..layout import TokenLayout
 from ..plan import Plan
-
-# families whose sequence diffusers splits as described above (the transformer must also have a `_cp_plan`)
-SPLIT_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2")
+from .base import TEXT_SPLIT, TEXT_WHOLE
 
 
 def context_parallel_config(parallel_config):
     """The `ContextParallelConfig` inside what diffusers sets as a processor's `_parallel_config`, or None."""
     return getattr(parallel_config, "context_parallel_config", None)
+
+
+def context_parallel_plan(pipe_or_transformer) -> dict | None:
+    """The context-parallel plan (diffusers' `ContextParallelModelPlan` format) under which PARO runs the
+    transformer (the pipeline's first one) on several GPUs: the model's own `_cp_plan`, or the plan its adapter
+    gives where diffusers has none (CogVideoX, HunyuanVideo 1 and 1.5, SkyReels-V2, Wan VACE). Pass it to
+    `transformer.enable_parallelism(config=..., cp_plan=context_parallel_plan(transformer))`. None: no plan."""
+    from .registry import require_family, resolve_transformer
+
+    transformer = resolve_transformer(pipe_or_transformer)
+    return require_family(transformer).context_parallel_plan(transformer)
 
 
 def ulysses_problem(heads: int, degree: int, ring: int = 1) -> str | None:
@@ -74,35 +100,107 @@ def ulysses_problem(heads: int, degree: int, ring: int = 1) -> str | None:
     return None
 
 
-def model_problem(transformer, family_name: str) -> str | None:
-    """Why diffusers' context parallelism cannot hold PARO on this transformer, or None."""
-    name = type(transformer).__name__
-    if family_name not in SPLIT_FAMILIES or getattr(type(transformer), "_cp_plan", None) is None:
+def model_problem(transformer, family) -> str | None:
+    """Why diffusers' context parallelism cannot hold PARO on this transformer of adapter `family`, or None."""
+    if family.context_parallel_plan(transformer) is None:
         return (
-            f"{name} has no context-parallel plan in diffusers (its attention does not go through "
-            "dispatch_attention_fn), so PARO cannot run with enable_parallelism on it: run one pipeline per GPU "
-            "(context parallelism with PARO supports Wan, FLUX.1, FLUX.2, Qwen-Image, LTX-Video and LTX-2)"
+            f"{type(transformer).__name__} has no context-parallel plan, in diffusers or in paroattn, so PARO cannot "
+            "run with enable_parallelism on it: run one pipeline per GPU"
         )
-    return None
+    return family.ulysses_problem(transformer)
 
 
-def sequence_problem(layout: TokenLayout, degree: int) -> str | None:
-    """Why the sequence of `layout` cannot be split in `degree` equal chunks of text and of grid, or None. The
-    same on every GPU (it reads only the layout), so every GPU raises it before any exchange."""
-    if layout.prefix % degree or layout.grid_tokens % degree:
+def chunk_sizes(tokens: int, degree: int) -> tuple[int, ...]:
+    """Tokens of `tokens` that each GPU holds when diffusers splits them in `degree` contiguous chunks: equal ones,
+    or, under `ulysses_anything`, `torch.tensor_split`'s (the first `tokens % degree` chunks one token longer)."""
+    return tuple(tokens // degree + (rank < tokens % degree) for rank in range(degree))
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How the sequence of a layout lies across the GPUs under Ulysses. The whole sequence is [prefix ; grid ;
+    suffix]; a GPU's chunk holds its piece of each of `runs` in turn, each run being (where the run starts in the
+    whole sequence, tokens each GPU holds of it), and, where the family's plan does not split its text, the whole
+    text (`whole`: its start and length), first in every chunk when it is a prefix, last when a suffix."""
+
+    runs: tuple[tuple[int, tuple[int, ...]], ...]
+    seq_len: int
+    prefix: int
+    whole: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def of(cls, layout: TokenLayout, degree: int, text: str = TEXT_SPLIT) -> SequenceSplit:
+        grid = (layout.prefix, chunk_sizes(layout.grid_tokens, degree))
+        if text == TEXT_WHOLE:
+            whole = (0, layout.prefix) if layout.prefix else (layout.prefix + layout.grid_tokens, layout.suffix)
+            return cls((grid,), layout.seq_len, layout.prefix, whole)
+        runs = [grid]
+        if layout.prefix:
+            runs.insert(0, (0, chunk_sizes(layout.prefix, degree)))
+        if layout.suffix:
+            runs.append((layout.prefix + layout.grid_tokens, chunk_sizes(layout.suffix, degree)))
+        return cls(tuple(runs), layout.seq_len, layout.prefix)
+
+    @property
+    def degree(self) -> int:
+        return len(self.runs[0][1])
+
+    @property
+    def whole_first(self) -> bool:
+        return self.whole[0] == 0
+
+    @property
+    def equal(self) -> bool:
+        """Whether every GPU holds as many tokens of each run (then one strided copy serves every GPU)."""
+        return all(len(set(sizes)) == 1 for _, sizes in self.runs)
+
+    def exchanged(self, rank: int) -> int:
+        """Tokens of GPU `rank`'s chunk that the all-to-all exchanges (all but the whole text)."""
+        return sum(sizes[rank] for _, sizes in self.runs)
+
+    def local(self, rank: int) -> int:
+        """Tokens of GPU `rank`'s chunk."""
+        return self.exchanged(rank) + self.whole[1]
+
+    def text_before_grid(self, rank: int) -> int:
+        """Text tokens before the grid in GPU `rank`'s chunk."""
+        if self.whole[1]:
+            return self.whole[1] if self.whole_first else 0
+        return self.runs[0][1][rank] if self.prefix else 0
+
+    def pieces(self, rank: int) -> list[tuple[int, int]]:
+        """(start in the whole sequence, length) of GPU `rank`'s piece of each run, in its chunk's order."""
+        return [(start + sum(sizes[:rank]), sizes[rank]) for start, sizes in self.runs]
+
+    def problem(self, layout: TokenLayout, uneven: bool) -> str | None:
+        """Why diffusers cannot split `layout` this way (evenly unless `uneven`), or None. The same on every GPU
+        (it reads only the layout), so every GPU raises it before any exchange."""
+        n = self.degree
+        if uneven:
+            return None if layout.grid_tokens >= n else (
+                f"the {layout.grid_tokens} grid tokens of {layout} are fewer than ulysses_degree={n}: use fewer GPUs")
+        if all(sum(sizes) % n == 0 for _, sizes in self.runs):
+            return None
+        what = " and ".join(f"the {sum(sizes)} {'grid' if start == self.prefix else 'text'} tokens"
+                            for start, sizes in self.runs)
         return (
-            f"Ulysses splits the {layout.prefix} text tokens and the {layout.grid_tokens} grid tokens of {layout} each "
-            f"in {degree} equal chunks; they are not divisible by ulysses_degree={degree}: pick a size (or text "
-            f"length) whose token counts {degree} divides, or another ulysses_degree"
+            f"Ulysses splits {what} of {layout} in {n} equal chunks; they are not divisible by ulysses_degree={n}: "
+            f"pick a size (or text length) whose token counts {n} divides, another ulysses_degree, or "
+            "ContextParallelConfig(ulysses_anything=True) for chunks of unequal length"
         )
-    return None
+
+
+def sequence_problem(layout: TokenLayout, degree: int, text: str = TEXT_SPLIT, uneven: bool = False) -> str | None:
+    """Why the sequence of `layout` cannot be split for `degree` GPUs (text `text`: split or whole), or None."""
+    return SequenceSplit.of(layout, degree, text).problem(layout, uneven)
 
 
 class UlyssesShard:
     """One GPU's share of the heads under Ulysses: its rank and group, its slice of the plan, and the all-to-all
-    exchanges between the GPUs' sequence chunks and its heads over the whole sequence."""
+    exchanges between the GPUs' sequence chunks and its heads over the whole sequence. `text`: how the family's
+    context-parallel plan spreads its text (`TEXT_SPLIT` or `TEXT_WHOLE`)."""
 
-    def __init__(self, cp_config, plan: Plan):
+    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT):
         mesh = cp_config._ulysses_mesh
         if mesh is None:
             raise RuntimeError(
@@ -111,24 +209,34 @@ class UlyssesShard:
             )
         self.degree = int(cp_config.ulysses_degree)
         self.rank = int(cp_config._ulysses_local_rank)
+        self.uneven = bool(getattr(cp_config, "ulysses_anything", False))
+        self.text = text
         self.group = mesh.get_group()
         heads = plan.num_heads // self.degree
         self.heads = (self.rank * heads, (self.rank + 1) * heads)
         self.plan = plan.head_slice(*self.heads)
+        self._splits: dict[TokenLayout, SequenceSplit] = {}
         self._rotary_source: tuple | None = None  # the local tables last gathered (held: `is` cannot match a new one)
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def split(self, layout: TokenLayout) -> SequenceSplit:
+        """How `layout`'s sequence lies across the GPUs (made once per layout)."""
+        split = self._splits.get(layout)
+        if split is None:
+            split = self._splits[layout] = SequenceSplit.of(layout, self.degree, self.text)
+        return split
+
     def local_problem(self, layout: TokenLayout, tokens: int, text_tokens: int | None) -> str | None:
-        """Why a call's local chunk is not this GPU's 1/degree of `layout`, or None."""
-        if problem := sequence_problem(layout, self.degree):
+        """Why a call's local chunk is not this GPU's chunk of `layout`, or None."""
+        split = self.split(layout)
+        if problem := split.problem(layout, self.uneven):
             return problem
-        if tokens * self.degree != layout.seq_len or (
-                text_tokens is not None and text_tokens * self.degree != layout.prefix):
+        local, text = split.local(self.rank), split.text_before_grid(self.rank)
+        if tokens != local or (text_tokens is not None and text_tokens != text):
             return (
-                f"under Ulysses {self.degree} each GPU should hold {layout.seq_len // self.degree} of the "
-                f"{layout.seq_len} tokens of {layout} ({layout.prefix // self.degree} text); this call has {tokens} "
-                f"({text_tokens} text): the model's sequence is not split the way diffusers' context-parallel plan "
-                "for this family splits it (a custom cp_plan?)"
+                f"under Ulysses {self.degree} GPU {self.rank} should hold {local} of the {layout.seq_len} tokens of "
+                f"{layout} ({text} text before the grid); this call has {tokens} ({text_tokens} text): the model's "
+                "sequence is not split the way the context-parallel plan for this family splits it (another cp_plan?)"
             )
         return None
 
@@ -139,58 +247,126 @@ class UlyssesShard:
         dist.all_to_all_single(received, send, group=self.group)
         return received
 
-    def gather_heads(self, x: torch.Tensor, text_tokens: int) -> torch.Tensor:
-        """[B, H, S/N, D] of this GPU's sequence chunk -> [B, H/N, S, D] of its heads over the whole sequence in
-        [text ; grid] order. `text_tokens`: the whole sequence's text prefix."""
+    def _exchange_uneven(self, send: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
+        """All-to-all of flat `send`, `send_counts[i]` elements to GPU i, `receive_counts[j]` elements from GPU j."""
+        received = send.new_empty(sum(receive_counts))
+        dist.all_to_all_single(received, send, output_split_sizes=receive_counts, input_split_sizes=send_counts,
+                               group=self.group)
+        return received
+
+    def gather_heads(self, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        """[B, H, S_r, D] of this GPU's chunk -> [B, H/N, S, D] of its heads over the whole sequence in
+        [prefix ; grid ; suffix] order."""
         batch, heads, local, dim = x.shape
-        n = self.degree
-        send = x.unflatten(1, (n, heads // n)).transpose(0, 1).contiguous()  # [N, B, H/N, S/N, D]
-        received = self._exchange(send)  # [N (the GPU whose chunk it is), B, H/N, S/N, D]
-        out = x.new_empty(batch, heads // n, local * n, dim)
-        text = text_tokens // n
-        for start, stop in ((0, text), (text, local)):  # each GPU's text chunk, then each one's grid chunk
-            if stop > start:
-                out[:, :, start * n:stop * n].unflatten(2, (n, stop - start)).copy_(
-                    received[:, :, :, start:stop].permute(1, 2, 0, 3, 4))
+        n, rank, (whole_start, whole) = self.degree, self.rank, split.whole
+        per_gpu = heads // n
+        first = whole if split.whole_first else 0  # where the exchanged tokens start in the chunk
+        ex = split.exchanged(rank)
+        send = x[:, :, first:first + ex].unflatten(1, (n, per_gpu)).transpose(0, 1).contiguous()  # [N, B, H/N, ex, D]
+        out = x.new_empty(batch, per_gpu, split.seq_len, dim)
+        if split.equal:
+            received = self._exchange(send)  # [N (the GPU whose chunk it is), B, H/N, ex, D]
+            offset = 0
+            for start, sizes in split.runs:  # each GPU's piece of the run, in rank order, is the run
+                size = sizes[0]
+                if size:
+                    out[:, :, start:start + n * size].unflatten(2, (n, size)).copy_(
+                        received[:, :, :, offset:offset + size].permute(1, 2, 0, 3, 4))
+                offset += size
+        else:
+            counts = [batch * per_gpu * split.exchanged(j) * dim for j in range(n)]
+            received = self._exchange_uneven(send.view(-1), [send[0].numel()] * n, counts)
+            for j, piece in enumerate(received.split(counts)):
+                piece, offset = piece.view(batch, per_gpu, -1, dim), 0
+                for start, size in split.pieces(j):
+                    out[:, :, start:start + size].copy_(piece[:, :, offset:offset + size])
+                    offset += size
+        if whole:  # every GPU holds the whole text: its own heads of it
+            begin = 0 if split.whole_first else local - whole
+            out[:, :, whole_start:whole_start + whole].copy_(
+                x[:, rank * per_gpu:(rank + 1) * per_gpu, begin:begin + whole])
         return out
 
-    def scatter_heads(self, out: torch.Tensor, text_tokens: int) -> torch.Tensor:
-        """The inverse of `gather_heads`: [B, H/N, S, D] of this GPU's heads -> [B, H, S/N, D] of its sequence
-        chunk (a view of a [B, S/N, H, D] tensor, the layout the processors' output projections read)."""
-        batch, local_heads, seq, dim = out.shape
-        n = self.degree
-        local = seq // n
-        text = text_tokens // n
-        send = out.new_empty(n, batch, local_heads, local, dim)
-        for start, stop in ((0, text), (text, local)):
-            if stop > start:
-                send[:, :, :, start:stop].copy_(
-                    out[:, :, start * n:stop * n].unflatten(2, (n, stop - start)).permute(2, 0, 1, 3, 4))
-        received = self._exchange(send)  # [N (the GPU whose heads they are), B, H/N, S/N, D]
-        result = out.new_empty(batch, local, n, local_heads, dim)
-        result.copy_(received.permute(1, 3, 0, 2, 4))
-        return result.view(batch, local, n * local_heads, dim).transpose(1, 2)
+    def scatter_heads(self, out: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        """The inverse of `gather_heads`: [B, H/N, S, D] of this GPU's heads -> [B, H, S_r, D] of its chunk (a view
+        of a [B, S_r, H, D] tensor, the layout the processors' output projections read). The whole text's output of
+        this GPU's heads goes to every GPU."""
+        batch, per_gpu, _, dim = out.shape
+        n, rank, (whole_start, whole) = self.degree, self.rank, split.whole
+        first = whole if split.whole_first else 0
 
-    def gather_rotary(self, tables: tuple[torch.Tensor, torch.Tensor], text_tokens: int):
-        """The op's rotary tables [S/N, D] of this GPU's chunk -> [S, D] of the whole sequence in [text ; grid]
-        order; gathered once per forward (every layer gets the same tables)."""
+        def fill(piece: torch.Tensor, local: int, pieces) -> None:
+            """piece [..., B, H/N, local, D]: the chunk of the GPU(s) whose `pieces` these are, in chunk order."""
+            offset = first
+            for start, size in pieces:
+                piece[..., offset:offset + size, :].copy_(out[:, :, start:start + size])
+                offset += size
+            if whole:
+                begin = 0 if split.whole_first else local - whole
+                piece[..., begin:begin + whole, :].copy_(out[:, :, whole_start:whole_start + whole])
+
+        local = split.local(rank)
+        if split.equal:
+            send = out.new_empty(n, batch, per_gpu, local, dim)
+            offset = first
+            for start, sizes in split.runs:
+                size = sizes[0]
+                if size:
+                    send[:, :, :, offset:offset + size].copy_(
+                        out[:, :, start:start + n * size].unflatten(2, (n, size)).permute(2, 0, 1, 3, 4))
+                offset += size
+            if whole:
+                begin = 0 if split.whole_first else local - whole
+                send[:, :, :, begin:begin + whole].copy_(out[:, :, whole_start:whole_start + whole].expand(n, -1, -1,
+                                                                                                           -1, -1))
+            received = self._exchange(send)  # [N (the GPU whose heads they are), B, H/N, S_r, D]
+        else:
+            counts = [batch * per_gpu * split.local(j) * dim for j in range(n)]
+            send = out.new_empty(sum(counts))
+            for j, piece in enumerate(send.split(counts)):
+                fill(piece.view(batch, per_gpu, split.local(j), dim), split.local(j), split.pieces(j))
+            each = batch * per_gpu * local * dim
+            received = self._exchange_uneven(send, counts, [each] * n).view(n, batch, per_gpu, local, dim)
+        result = out.new_empty(batch, local, n, per_gpu, dim)
+        result.copy_(received.permute(1, 3, 0, 2, 4))
+        return result.view(batch, local, n * per_gpu, dim).transpose(1, 2)
+
+    def gather_rotary(self, tables: tuple[torch.Tensor, torch.Tensor], split: SequenceSplit):
+        """The op's rotary tables of this GPU's chunk -> those of the whole sequence in [prefix ; grid ; suffix]
+        order; gathered once per forward (every layer gets the same tables). The tables rotate the last rows of a
+        sequence: the whole chunk, or (CogVideoX) all of it but the whole text before the grid."""
         if not torch.compiler.is_compiling() and self._rotary_source is not None and all(
                 a is b for a, b in zip(tables, self._rotary_source)):
             return self._rotary
+        n, rank, (whole_start, whole) = self.degree, self.rank, split.whole
+        local = split.local(rank)
+        skipped = local - tables[0].shape[0]  # leading chunk rows the tables leave alone
+        if skipped not in (0, whole if split.whole_first else 0) or (skipped and not whole):
+            raise RuntimeError(f"rotary tables of {tables[0].shape[0]} rows for a chunk of {local} tokens: they must "
+                               "cover the whole chunk or all of it after the text held whole")
         gathered = []
         for table in tables:
-            local, dim = table.shape
-            parts = torch.empty(self.degree * local, dim, dtype=table.dtype, device=table.device)
-            dist.all_gather_into_tensor(parts, table.contiguous(), group=self.group)
-            # [N, S/N, D] -> [text of each GPU ; grid of each GPU], as gather_heads orders the tokens
-            gathered.append(self._canonical(parts.view(self.degree, local, dim), text_tokens // self.degree))
+            table = table.contiguous()
+            rows = [split.local(j) - skipped for j in range(n)]
+            longest = max(rows)  # chunks of unequal length are padded to the longest (gloo gathers equal ones only)
+            if table.shape[0] < longest:
+                table = torch.cat([table, table.new_zeros(longest - table.shape[0], table.shape[1])])
+            parts = torch.empty(n * longest, table.shape[1], dtype=table.dtype, device=table.device)
+            dist.all_gather_into_tensor(parts, table, group=self.group)
+            parts = parts.view(n, longest, -1)
+            full = table.new_empty(split.seq_len, table.shape[1])
+            first = whole if split.whole_first else 0
+            for j, part in enumerate(parts):  # [chunk rows of GPU j] -> their places in the whole sequence
+                offset = first - skipped
+                for start, size in split.pieces(j):
+                    full[start:start + size].copy_(part[offset:offset + size])
+                    offset += size
+            if whole and not skipped:
+                begin = 0 if split.whole_first else local - whole
+                full[whole_start:whole_start + whole].copy_(parts[rank, begin:begin + whole])
+            gathered.append(full[skipped:] if skipped else full)
         self._rotary_source, self._rotary = tables, tuple(gathered)
         return self._rotary
-
-    @staticmethod
-    def _canonical(chunks: torch.Tensor, text: int) -> torch.Tensor:
-        """[N, S/N, ...] chunks of [text_r ; grid_r] -> [S, ...] in [text_0 .. text_N-1 ; grid_0 .. grid_N-1]."""
-        return torch.cat([chunks[:, :text].flatten(0, 1), chunks[:, text:].flatten(0, 1)])
 
 
 # -- one process per GPU (`paro generate --ulysses N` under torchrun) ------------------------------------------------
@@ -221,11 +397,14 @@ def join_process_group(degree: int, device: str | None = None) -> tuple[int, str
     return dist.get_rank(), f"cuda:{local_rank}" if cuda else "cpu"
 
 
-def enable_ulysses(transformer, degree: int) -> None:
+def enable_ulysses(transformer, degree: int, uneven: bool = False) -> None:
     """`transformer.enable_parallelism` with `ContextParallelConfig(ulysses_degree=degree)` over every process of the
-    group, on a mesh of the transformer's device type (diffusers would build a CUDA one)."""
+    group and the family's context-parallel plan (`context_parallel_plan`), on a mesh of the transformer's device
+    type (diffusers would build a CUDA one). `uneven`: `ulysses_anything`, chunks of unequal length where the degree
+    does not divide a token count."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(transformer.device.type, (1, degree), mesh_dim_names=("ring", "ulysses"))
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))
+    config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh, ulysses_anything=uneven)
+    transformer.enable_parallelism(config=config, cp_plan=context_parallel_plan(transformer))

@@ -11,6 +11,8 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import torch
 
 from ..errors import PlanError
 from ..plan import Plan, load_plans
-from .base import pixel_scale_of
+from .base import TEXT_WHOLE, pixel_scale_of
 from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 
 # frames per second of the exported videos, as the model cards use
@@ -220,6 +222,36 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
     return DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
 
 
+def _all_dense(plan: Plan) -> Plan:
+    """`plan` with every layer of every bucket (and of its other calibrated sizes) run by the model's own attention."""
+    return replace(plan, dense=torch.ones_like(plan.dense), extra_shapes=[_all_dense(p) for p in plan.extra_shapes])
+
+
+def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str | None:
+    """Why a run of `family` over `ulysses` GPUs without a plan cannot be made, or None."""
+    if ulysses <= 1 or plans is not None or family is None or family.ulysses_text != TEXT_WHOLE:
+        return None
+    return (f"--ulysses {ulysses} with {family.models}: its own attention runs on several GPUs only through PARO's "
+            "processor, which needs a plan: pass --plan PLAN (with --compare for the model's own attention as well)")
+
+
+@contextmanager
+def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend: str):
+    """Dense runs: the model's own attention as it is, or, under Ulysses for families whose text every GPU holds
+    whole (CogVideoX, HunyuanVideo: their own processors cannot run there), through PARO's processor, which does
+    the exchange, with every layer of the plans flagged dense (the model's attention call, nothing of the plan)."""
+    if ulysses <= 1 or family.ulysses_text != TEXT_WHOLE:
+        yield
+        return
+    from . import apply
+
+    handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense")
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
     """(frames [F, H, W, 3] or image [1, H, W, 3] as float32 in [0, 1], seconds)."""
     device = resolve_transformer(pipe).device
@@ -298,6 +330,20 @@ def _default_size(pipe, transformer, call: dict) -> dict | None:
     return size
 
 
+def _call_layout(pipe, transformer, family, call: dict):
+    """The token layout of a generation `call` (its size, else the pipeline's defaults), or None when it cannot be
+    told before the first forward."""
+    size = _default_size(pipe, transformer, call)
+    if size is None:
+        return None
+    try:
+        return family.layout_for(transformer, height=int(size["height"]), width=int(size["width"]),
+                                 frames=None if size["num_frames"] is None else int(size["num_frames"]),
+                                 text_tokens=call.get("max_sequence_length"), scale=pixel_scale_of(pipe, family))
+    except ValueError:
+        return None
+
+
 def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
     """Why `plan` (an expert pair: the list of its plans) does not fit the pipeline's transformers or the size
     of `call` (what `apply` and the first forward would raise), or None; runs no model step."""
@@ -369,7 +415,7 @@ def generate(
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
     writes the outputs, the others return {"rank": r}."""
     from . import apply
-    from .context_parallel import enable_ulysses, join_process_group, ulysses_problem
+    from .context_parallel import enable_ulysses, join_process_group, sequence_problem, ulysses_problem
 
     # every option and the output path are checked before the model loads
     if compare and plan is None and linear is None:
@@ -403,6 +449,8 @@ def generate(
     for expert_plan in loaded_plans or []:
         if problem := ulysses_problem(expert_plan.num_heads, ulysses):
             raise PlanError(f"--ulysses {ulysses}: {problem}")
+    if problem := _ulysses_plan_problem(indexed, loaded_plans, ulysses):
+        raise ValueError(problem)
     rank = 0
     if ulysses > 1:
         rank, device = join_process_group(ulysses, device)
@@ -411,16 +459,13 @@ def generate(
     log(f"loading {model_dir}")
     pipe = load_pipeline(model_dir, device=device, dtype=dtype)
     transformer = resolve_transformer(pipe)
-    if ulysses > 1:
-        for _, expert in pipeline_experts(pipe):
-            enable_ulysses(expert, ulysses)
-        if rank != 0:
-            pipe.set_progress_bar_config(disable=True)
     family = family_of(transformer)
     if family is None:
         raise PlanError(
             f"{model_dir} holds a {type(transformer).__name__}; paro generate supports {SUPPORTED}"
         )
+    if problem := _ulysses_plan_problem(family, loaded_plans, ulysses):
+        raise ValueError(problem)
     video = family.is_video
     out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
     if problem := output_problem(out, video):
@@ -437,6 +482,14 @@ def generate(
     text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
     if text_tokens and family.pads_text and "max_sequence_length" not in call:
         call["max_sequence_length"] = text_tokens  # text tokens are part of the plan's sequence
+    if ulysses > 1:
+        # token counts the GPUs do not divide (CogVideoX-5B's video under 4) are split in chunks of unequal length
+        layout = _call_layout(pipe, transformer, family, call)
+        uneven = layout is not None and sequence_problem(layout, ulysses, family.ulysses_text) is not None
+        for _, expert in pipeline_experts(pipe):
+            enable_ulysses(expert, ulysses, uneven=uneven)
+        if rank != 0:
+            pipe.set_progress_bar_config(disable=True)
     fps = _FPS.get(family.name, 8)
     result: dict = {"model": type(transformer).__name__, "device": str(transformer.device)}
     mismatch = None
@@ -449,7 +502,8 @@ def generate(
             result["ran_dense"] = mismatch
     if compare:
         log("dense run (the model's own attention)")
-        dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
+        with _own_attention(pipe, family, loaded_plans, ulysses, backend):
+            dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
         if rank == 0:
             result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
@@ -457,7 +511,11 @@ def generate(
     linears = " and fp8 linear layers" if linear else ""
     if loaded_plan is not None and mismatch is not None:
         log(f"dense run (the plan does not fit){linears}")
-        handle = apply(pipe, None, linear=linear) if linear else None
+        if ulysses > 1 and family.ulysses_text == TEXT_WHOLE:
+            handle = apply(pipe, [_all_dense(p) for p in loaded_plans], backend=backend, on_mismatch="dense",
+                           linear=linear)
+        elif linear:
+            handle = apply(pipe, None, linear=linear)
     elif loaded_plan is not None:
         handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch, linear=linear)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell

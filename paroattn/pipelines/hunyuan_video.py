@@ -8,6 +8,13 @@ normalize the text with their own `add_*_proj` / `norm_added_*`), RoPE on the vi
 PARO passes that mask's text part as the op's `suffix_mask` (None when nothing is padded; under torch.compile
 always, as a traced tensor), which the Triton kernels and the reference both take, and the RoPE as tables over
 the whole sequence whose text rows are the identity (cos 1, sin 0: exact).
+
+Several GPUs: diffusers 0.42.1 has no context-parallel plan for HunyuanVideo; `context_parallel_plan` gives one that
+splits the video tokens at the first block (and the RoPE with them) and leaves the text whole on every GPU (the mask
+of padded text stays whole too). The dispatcher's own exchange would then repeat the text once per GPU, so PARO's
+processor does the Ulysses exchange for the dense path too. The image-to-video variant that replaces the first
+frame's tokens (`image_condition_type="token_replace"`) counts those tokens from the start of the sequence, which
+only the first GPU holds: refused under Ulysses.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from ..layout import TokenLayout
 from .base import (
+    TEXT_WHOLE,
     CallInputs,
     FamilyAdapter,
     SelfAttentionCall,
@@ -62,6 +70,7 @@ class HunyuanVideoAdapter(FamilyAdapter):
     text_position = "suffix"
     default_text_tokens = 256  # HunyuanVideoPipeline's max_sequence_length
     default_frames = 129
+    ulysses_text = TEXT_WHOLE
 
     def __init__(self):
         self._tables = _SequenceTables()
@@ -78,6 +87,29 @@ class HunyuanVideoAdapter(FamilyAdapter):
         text = f_locals["encoder_hidden_states"].shape[1]
         layout = self.grid_layout(transformer, f_locals["num_frames"], f_locals["height"], f_locals["width"], text)
         return CallInputs(f_locals["timestep"], layout)
+
+    # -- several GPUs ------------------------------------------------------------------------
+    def context_parallel_plan(self, transformer) -> dict:
+        """The video tokens split at the first block, the RoPE ([S, D] tables of the video) where it is made, the
+        output gathered after the final projection; the text (and its mask) stays whole on every GPU."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        first = next(blocks for blocks, _ in self.self_attention_paths if len(getattr(transformer, blocks)))
+        rope = ContextParallelInput(split_dim=0, expected_dims=2, split_output=True)
+        return {
+            "rope": {0: rope, 1: rope},
+            f"{first}.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def ulysses_problem(self, transformer) -> str | None:
+        if getattr(transformer.config, "image_condition_type", None) == "token_replace":
+            return (
+                f"this {type(transformer).__name__} replaces the first frame's tokens (image_condition_type="
+                "'token_replace'), which its blocks count from the start of the sequence: under Ulysses only the first "
+                "GPU holds them: run this model on one GPU per generation"
+            )
+        return None
 
     # -- per self-attention call -------------------------------------------------------------
     def qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb) -> SelfAttentionCall:

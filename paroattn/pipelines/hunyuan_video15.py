@@ -12,8 +12,8 @@ its processor makes a [B, 1, N, N] mask of valid query AND valid key; PARO passe
 their outputs differ from the model's, and nothing reads them (every later layer masks them as keys, and only the
 video tokens leave the transformer), so the model's output is the same.
 
-The VAE compresses space by 16 and time by 4 (patch size 1). No context-parallel plan in diffusers 0.42.1:
-`enable_parallelism` with PARO is refused (run one pipeline per GPU).
+The VAE compresses space by 16 and time by 4 (patch size 1). Several GPUs: HunyuanVideo's context-parallel plan (the
+video split at the first block, the text and its mask whole on every GPU; diffusers 0.42.1 has none).
 """
 
 from __future__ import annotations

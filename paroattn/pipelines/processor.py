@@ -24,16 +24,20 @@ token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a hos
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..attention import BACKENDS, Launch, decide, paro_attention
+from ..attention import BACKENDS, Launch, decide, paro_attention, warn
+from ..balance import balance_plan, balance_problem
 from ..errors import PlanError
 from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
+from ..selection import BALANCED_RANKS, ranks_problem
 from ..shapes import ShapePlans
 from . import plan_fit
-from .base import CallInputs, PixelScale
+from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
@@ -62,11 +66,14 @@ class PAROProcessor(BoundProcessor):
     `fuse_rope`: hand the model's RoPE tables to the op, which rotates q and k in one Triton pass (True),
     or apply the RoPE first with the model's own code, as the default processor does (False: slower, the
     models' code is a chain of float32 kernels; for A/B).
+    `balance_ranks`: the number of GPUs the transformer runs on under Ulysses; each layer's blocks are spread evenly
+    over their slices of the heads when the processor binds (`paroattn.balance`; on the model's device, from the
+    plan's axis profiles; the budget unchanged). A plan calibrated balanced for that number is kept as it is.
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
                  resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale | None = None,
-                 fuse_rope: bool = True):
+                 fuse_rope: bool = True, balance_ranks: int = 1):
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
@@ -74,6 +81,10 @@ class PAROProcessor(BoundProcessor):
             raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
         if on_mismatch not in plan_fit.ON_MISMATCH:
             raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {plan_fit.ON_MISMATCH}")
+        if not isinstance(balance_ranks, int) or (problem := ranks_problem(plan.num_heads, balance_ranks)):
+            raise PlanError(f"balance_ranks={balance_ranks!r}: "
+                            + (problem if isinstance(balance_ranks, int) else "expected a number of GPUs (an int)"))
+        self.balance_ranks = balance_ranks
         self.plan = plan
         self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
         self.backend = backend
@@ -98,11 +109,17 @@ class PAROProcessor(BoundProcessor):
         binding.family.planned_layout = self.plan.layout
         problems = self.plan_problems(binding)
         if not problems:
-            if context_parallel_config(self._parallel_config) is not None:
-                problem = model_problem(binding.transformer, binding.family.name)
-                if problem is not None and self.on_mismatch == "error":
+            self._balance(binding)
+            config = self._parallel_config
+            if context_parallel_config(config) is None:  # what enable_parallelism recorded on the model (CogVideoX's
+                config = getattr(binding.transformer, "_parallel_config", None)  # processors take no config)
+            if context_parallel_config(config) is not None:  # enable_parallelism came first
+                problem = model_problem(binding.transformer, binding.family)
+                if problem is not None and (self.on_mismatch == "error" or binding.family.ulysses_text == TEXT_WHOLE):
                     self.unbind(binding)
-                self._parallel_refused(problem)
+                if not self._parallel_refused(problem, binding.family):
+                    self._parallel = config
+                    self.on_parallel_config(config)  # this family's exchange, of the balanced plan
             return
         command = binding.family.calibrate_command(binding.transformer, self.plan.layout, self.scale(binding))
         message = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
@@ -113,6 +130,17 @@ class PAROProcessor(BoundProcessor):
         binding.warn_once("static", message + "; running the model's own attention (on_mismatch='dense')")
 
     # -- context parallelism -----------------------------------------------------------------
+    def _balance(self, binding: Binding) -> None:
+        """Balance the plan over `balance_ranks` GPUs on the bound transformer's device, once (`paroattn.balance`)."""
+        if self.balance_ranks <= 1 or int(self.plan.info.get(BALANCED_RANKS) or 1) == self.balance_ranks:
+            return
+        transformer = binding.transformer
+        device = next(transformer.parameters()).device if transformer is not None else None
+        self.plan = balance_plan(self.plan, self.balance_ranks, device)
+        self.shapes = ShapePlans(self.plan)
+        for bound in self._bindings:
+            bound.drop_masks()
+
     @property
     def head_plan(self) -> Plan:
         """The plan of the heads this process runs: the whole plan, or this GPU's slice of it under Ulysses."""
@@ -132,16 +160,24 @@ class PAROProcessor(BoundProcessor):
         cp_config = context_parallel_config(config)
         if cp_config is None:
             return
-        problem = ulysses_problem(self.plan.num_heads, int(cp_config.ulysses_degree or 1), int(cp_config.ring_degree or 1))
+        degree = int(cp_config.ulysses_degree or 1)
+        problem = ulysses_problem(self.plan.num_heads, degree, int(cp_config.ring_degree or 1))
+        family = None
         for binding in self._bindings:
-            problem = problem or model_problem(binding.transformer, binding.family.name)
-        if not self._parallel_refused(problem):
-            self._ulysses = UlyssesShard(cp_config, self.plan)
+            family = binding.family
+            problem = problem or model_problem(binding.transformer, family)
+        if not self._parallel_refused(problem, family):
+            self._ulysses = UlyssesShard(cp_config, self.plan, family.ulysses_text if family is not None else "split")
+            if unbalanced := balance_problem(self.plan, degree):
+                warn(unbalanced, stacklevel=3)
 
-    def _parallel_refused(self, problem: str | None) -> bool:
-        """Raise `problem` (on_mismatch="error") or keep it for the calls to warn about; False when None."""
+    def _parallel_refused(self, problem: str | None, family=None) -> bool:
+        """Raise `problem` (on_mismatch="error") or keep it for the calls to warn about; False when None. Families
+        whose text every GPU holds whole cannot fall back to their own attention, which the exchange needs too."""
         if problem is None:
             return False
+        if family is not None and family.ulysses_text == TEXT_WHOLE:
+            raise PlanError(problem + f" (the model's own {family.models} attention cannot run under this config either)")
         if self.on_mismatch == "error":
             raise PlanError(problem + plan_fit.OR_DENSE)
         self._ulysses, self.parallel_problem = None, problem
@@ -164,6 +200,9 @@ class PAROProcessor(BoundProcessor):
             binding.bucket = None
         else:
             binding.bucket = self.plan.bucket_of(inputs.timestep_1000())
+        if self._ulysses is not None and (problem := binding.family.ulysses_call_problem(
+                binding.transformer, inputs, self._ulysses.degree)):
+            raise PlanError(problem)  # diffusers cannot split this call: the model's own attention would fail too
         binding.call_problem = None if binding.static_problem else self.layout_problem(binding, inputs)
         if binding.call_problem is not None:
             if self.on_mismatch == "error":
@@ -258,6 +297,25 @@ class PAROProcessor(BoundProcessor):
             binding.bucket_index = self.plan.bucket_tensor(inputs.timestep, inputs.timestep_scale)
         return binding.bucket_index
 
+    def dense(self, binding: Binding, attn, call, attention_mask) -> torch.Tensor:
+        """The model's own attention. Under Ulysses, for families whose text every GPU holds whole, through PARO's
+        exchange: the model's attention call on this GPU's heads over the gathered sequence, then the scatter."""
+        shard = self._ulysses
+        if shard is None or binding.family.ulysses_text != TEXT_WHOLE:
+            return super().dense(binding, attn, call, attention_mask)
+        layout = binding.inputs.layout if binding.inputs is not None else None
+        if layout is None:
+            raise PlanError(f"under Ulysses the model's own attention needs the call's token layout to exchange its "
+                            f"heads: {binding.inputs.problem if binding.inputs is not None else 'no forward seen'}")
+        split = shard.split(layout)
+        if problem := shard.local_problem(layout, call.q.shape[2], call.text_tokens):
+            raise PlanError(problem)
+        call = binding.family.rotate(call)
+        whole = dataclasses.replace(call, q=shard.gather_heads(call.q, split), k=shard.gather_heads(call.k, split),
+                                    v=shard.gather_heads(call.v, split))
+        out = binding.family.dense(attn, whole, attention_mask, self._attention_backend, None)
+        return shard.scatter_heads(out, split)
+
     def attend(self, binding, attn, layer, call, attention_mask):
         if binding.static_problem or binding.call_problem:
             return self.dense(binding, attn, call, attention_mask)
@@ -300,9 +358,10 @@ class PAROProcessor(BoundProcessor):
             call = binding.family.rotate(call)
         q, k, v, rotary = call.q, call.k, call.v, call.rotary
         if shard is not None:  # this GPU's chunk of the sequence -> its heads over the whole sequence
-            q, k, v = (shard.gather_heads(x, layout.prefix) for x in (q, k, v))
+            split = shard.split(layout)
+            q, k, v = (shard.gather_heads(x, split) for x in (q, k, v))
             if rotary is not None:
-                rotary = shard.gather_rotary(rotary, layout.prefix)
+                rotary = shard.gather_rotary(rotary, split)
         out = paro_attention(
             q, k, v,
             layout=layout,
@@ -316,7 +375,7 @@ class PAROProcessor(BoundProcessor):
             suffix_mask=suffix_mask,
         )
         if shard is not None:
-            out = shard.scatter_heads(out, layout.prefix)
+            out = shard.scatter_heads(out, split)
         if dense is None:
             # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
             # RoPE reads q and k before the model's own RoPE may rotate them in place)

@@ -9,14 +9,20 @@ keeps its processor. The diffusion-forcing pipelines pass a per-frame timestep [
 Refused: causal (autoregressive) attention, `num_frame_per_block > 1` (`causal_block_size` of the
 diffusion-forcing pipelines), which hands every self-attention a block-causal mask over frames. A plan's
 per-head orders and block masks have no room for a second, token-level mask: the call gets a PlanError (or the
-model's own attention with on_mismatch="dense"). No context-parallel plan in diffusers 0.42.1: `enable_parallelism`
-with PARO is refused (run one pipeline per GPU).
+model's own attention with on_mismatch="dense").
+
+Several GPUs: diffusers 0.42.1 has no context-parallel plan for SkyReels-V2; `context_parallel_plan` gives Wan's
+(the video split at the first block, the RoPE with it, the output gathered after the final projection), with the
+per-frame timesteps of diffusion forcing split with their frames: a GPU's chunk of the video is then whole frames
+only when the GPUs divide the latent frame count, which such calls need.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .base import CallInputs
-from .wan import WanAdapter
+from .wan import WanAdapter, wan_context_parallel_plan
 
 
 class SkyReelsV2Adapter(WanAdapter):
@@ -46,3 +52,22 @@ class SkyReelsV2Adapter(WanAdapter):
 
     def call_inputs_from_locals(self, transformer, f_locals: dict) -> CallInputs:
         return self._checked(transformer, super().call_inputs_from_locals(transformer, f_locals))
+
+    # -- several GPUs ------------------------------------------------------------------------
+    def context_parallel_plan(self, transformer) -> dict:
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        plan = wan_context_parallel_plan()
+        # diffusion forcing's timesteps [B, F] (one per latent frame) split with the frames; [B] ones are left whole
+        plan[""] = {"timestep": ContextParallelInput(split_dim=1, expected_dims=2)}
+        return plan
+
+    def ulysses_call_problem(self, transformer, inputs: CallInputs, degree: int) -> str | None:
+        timestep, layout = inputs.timestep, inputs.layout
+        if not isinstance(timestep, torch.Tensor) or timestep.dim() != 2 or layout is None or layout.frames % degree == 0:
+            return None
+        return (
+            f"this call has a timestep per latent frame (diffusion forcing), which Ulysses splits with the frames: "
+            f"its {layout.frames} latent frames must be divisible by ulysses_degree={degree}; pick a frame count "
+            f"whose latent frames {degree} divides, or another ulysses_degree"
+        )

@@ -31,6 +31,22 @@ from .base import (
 WAN22_VAE_CHANNELS = 48
 
 
+def wan_context_parallel_plan(splits: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """Wan's context-parallel plan (diffusers' `_cp_plan` for Wan), for the transformers built on its blocks that
+    diffusers has none for: the RoPE tables ([1, S, 1, D]) split where they are made, the token inputs `splits`
+    names (module -> argument names; default the video tokens at `blocks.0`) split along the sequence, the output
+    gathered after the final projection."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    rope = ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3)
+    plan = {"rope": {0: rope, 1: rope}}
+    for module, names in (splits or {"blocks.0": ("hidden_states",)}).items():
+        plan[module] = {name: tokens for name in names}
+    plan["proj_out"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    return plan
+
+
 class WanAdapter(FamilyAdapter):
     name = "wan"
     models = "Wan 2.1 / 2.2"

@@ -8,12 +8,15 @@ blocks, then the VACE blocks. `attn2` of each is cross-attention to the text and
 Reference images enter as whole latent frames before the video's (the pipeline adds one per image), so the grid
 is (latent frames + reference images) x H x W in the usual row-major order: another number of reference images is
 another frame count, whose masks a plan derives as for any other size.
-No context-parallel plan in diffusers 0.42.1: `enable_parallelism` with PARO is refused (run one pipeline per GPU).
+
+Several GPUs: diffusers 0.42.1 has no context-parallel plan for Wan VACE; `context_parallel_plan` gives Wan's with
+the control tokens split like the video at the first VACE block (both stacks then run on each GPU's chunk, and the
+VACE blocks' hints add to the main blocks' chunk of the same tokens).
 """
 
 from __future__ import annotations
 
-from .wan import WanAdapter
+from .wan import WanAdapter, wan_context_parallel_plan
 
 
 class WanVACEAdapter(WanAdapter):
@@ -22,3 +25,8 @@ class WanVACEAdapter(WanAdapter):
     transformer_classes = ("WanVACETransformer3DModel",)
     attention_classes = ("WanAttention",)
     self_attention_paths = (("blocks", "attn1"), ("vace_blocks", "attn1"))
+
+    def context_parallel_plan(self, transformer) -> dict:
+        # the VACE blocks run first: the first one takes the video tokens (added to its projected control tokens)
+        return wan_context_parallel_plan({"vace_blocks.0": ("hidden_states", "control_hidden_states"),
+                                          "blocks.0": ("hidden_states",)})
