@@ -17,7 +17,7 @@ LAYERS = [
     ("paroattn.kernels",),
     ("paroattn.attention",),
     ("paroattn.plan",),
-    ("paroattn.pipelines", "paroattn.calibrate", "paroattn.summary", "paroattn.testing"),
+    ("paroattn.pipelines", "paroattn.calibrate", "paroattn.summary"),
     ("paroattn.demo_model",),
     ("paroattn.cli", "paroattn.bench", "paroattn.__init__"),
 ]

@@ -326,12 +326,13 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn import apply
     from paroattn.calibrate import CaptureConfig, SelectionConfig, calibrate
     from paroattn.calibrate.driver import save_calibration
     from paroattn.calibrate.figures import draw_plan_heads
     from paroattn.pipelines import self_attention_layers
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline(family)
     kwargs = tiny_call_kwargs(family)
@@ -367,10 +368,11 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
 def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_stats():
     """`calibrate` = `capture` + `plan_from_stats`; one capture (every prompt in one batch here) gives
     plans for other densities, quantizations and order sets without running the pipeline again."""
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn import ORDERS
     from paroattn.calibrate.config import CaptureConfig, SelectionConfig
     from paroattn.calibrate.driver import calibrate, capture, plan_from_stats
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     kwargs = tiny_call_kwargs("wan")
@@ -406,10 +408,10 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
 
 
 def test_cli_calibrate_then_inspect_png(tmp_path):
+    from tiny_models import tiny_pipeline
     from typer.testing import CliRunner
 
     from paroattn.cli import app
-    from paroattn.testing import tiny_pipeline
 
     model_dir = tmp_path / "tiny-wan"
     tiny_pipeline("wan").save_pretrained(model_dir)

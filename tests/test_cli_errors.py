@@ -36,9 +36,10 @@ def files_under(folder: Path) -> list[Path]:
 
 def saved_tiny_flux(folder: Path) -> dict:
     """A tiny FLUX pipeline saved to folder/model and a plan for its tiny size in folder/plan.safetensors."""
+    from tiny_models import TINY_BLOCK, tiny_call_kwargs, tiny_pipeline
+
     from paroattn.pipelines import layout_for, self_attention_layers
     from paroattn.plan import model_fingerprint
-    from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("flux")
     pipe.save_pretrained(folder / "model")
