@@ -59,8 +59,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the run's GPU, driver and commit, as benchmarks/attention.py records them
+from attention import environment  # noqa: E402
+
 from paroattn import Plan, TokenLayout  # noqa: E402
-from paroattn.bench import environment  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.plan import model_fingerprint  # noqa: E402
