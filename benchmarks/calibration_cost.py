@@ -20,6 +20,7 @@ What is measured, and what is extrapolated (say so wherever the numbers are quot
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -49,29 +50,34 @@ def _timed(fn, repeat=1):
     return (time.perf_counter() - start) / repeat
 
 
-def build_cogvideox_5b(device, dtype):
+def build_cogvideox_5b(device, dtype, tiny: bool = False):
+    """CogVideoX-5B's transformer and its inputs at 480x720x49; `tiny`: its blocks shrunk to 2 layers of 2 heads
+    and 3 x 16 x 16 latents, a CPU check of this script."""
     from diffusers import CogVideoXTransformer3DModel
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
     from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
+    heads, layers, text_dim, text, (frames, height, width) = (
+        (2, 2, 32, 8, (3, 16, 16)) if tiny else (48, 42, 4096, 226, (13, 60, 90)))
     with torch.device(device):
         model = CogVideoXTransformer3DModel(
-            num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, num_layers=42,
-            text_embed_dim=4096, time_embed_dim=512, sample_width=90, sample_height=60, sample_frames=49,
-            patch_size=2, max_text_seq_length=226, use_rotary_positional_embeddings=True,
-            use_learned_positional_embeddings=False, timestep_activation_fn="silu", flip_sin_to_cos=True,
-            freq_shift=0, norm_eps=1e-5, spatial_interpolation_scale=1.875,
+            num_attention_heads=heads, attention_head_dim=64, in_channels=16, out_channels=16, num_layers=layers,
+            text_embed_dim=text_dim, time_embed_dim=512, sample_width=width, sample_height=height,
+            sample_frames=4 * (frames - 1) + 1, patch_size=2, max_text_seq_length=text,
+            use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False,
+            timestep_activation_fn="silu", flip_sin_to_cos=True, freq_shift=0, norm_eps=1e-5,
+            spatial_interpolation_scale=1.875,
         ).to(dtype).eval()
-    gh, gw, frames = 30, 45, 13
-    crops = get_resize_crop_region_for_grid((gh, gw), 45, 30)
+    gh, gw = height // 2, width // 2
+    crops = get_resize_crop_region_for_grid((gh, gw), gw, gh)
     rope = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=crops, grid_size=(gh, gw), temporal_size=frames,
                                    device=device)
     g = torch.Generator(device=device).manual_seed(0)
 
     def inputs(t):
         return {
-            "hidden_states": torch.randn(2, frames, 16, 60, 90, generator=g, device=device, dtype=dtype),
-            "encoder_hidden_states": torch.randn(2, 226, 4096, generator=g, device=device, dtype=dtype),
+            "hidden_states": torch.randn(2, frames, 16, height, width, generator=g, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.randn(2, text, text_dim, generator=g, device=device, dtype=dtype),
             "timestep": torch.full((2,), int(t), device=device, dtype=torch.long),
             "image_rotary_emb": rope,
             "return_dict": False,
@@ -80,21 +86,25 @@ def build_cogvideox_5b(device, dtype):
     return model, inputs, 1
 
 
-def build_wan_1_3b(device, dtype):
+def build_wan_1_3b(device, dtype, tiny: bool = False):
+    """Wan2.1-1.3B's transformer and its inputs at 81 frames of 480x832; `tiny`: its blocks shrunk to 2 layers
+    of 2 heads and 3 x 16 x 16 latents, a CPU check of this script."""
     from diffusers import WanTransformer3DModel
 
+    heads, layers, text_dim, ffn, text, latent = (
+        (2, 2, 32, 64, 8, (3, 16, 16)) if tiny else (12, 30, 4096, 8960, 512, (21, 60, 104)))
     with torch.device(device):
         model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=16,
+            out_channels=16, text_dim=text_dim, freq_dim=256, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
         ).to(dtype).eval()
     g = torch.Generator(device=device).manual_seed(0)
 
     def inputs(t):
         return {
-            "hidden_states": torch.randn(1, 16, 21, 60, 104, generator=g, device=device, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, 512, 4096, generator=g, device=device, dtype=dtype),
+            "hidden_states": torch.randn(1, 16, *latent, generator=g, device=device, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text, text_dim, generator=g, device=device, dtype=dtype),
             "timestep": torch.full((1,), float(t), device=device, dtype=torch.float32),
             "return_dict": False,
         }
@@ -102,26 +112,13 @@ def build_wan_1_3b(device, dtype):
     return model, inputs, 2
 
 
-def build_tiny(family):
-    from paroattn.testing import tiny_forward_inputs, tiny_transformer
-
-    def build(device, dtype):
-        model = tiny_transformer(family).to(device)
-
-        def inputs(t):
-            return tiny_forward_inputs(model, timestep=t)
-
-        return model, inputs, 2 if family == "wan" else 1
-
-    return build
-
-
 # (key blocks per iteration, with max and count) measured for one layer; on an H200 at CogVideoX-5B
 # size group 1 was fastest (0.167 s mass only vs 0.188 s for 4 and 8), so only 1 and 2 are kept here
 VARIANTS = ((1, True), (1, False), (2, False))
 
 MODELS = {"cogvideox-5b": build_cogvideox_5b, "wan2.1-1.3b": build_wan_1_3b,
-          "tiny-cogvideox": build_tiny("cogvideox"), "tiny-wan": build_tiny("wan")}
+          "tiny-cogvideox": functools.partial(build_cogvideox_5b, tiny=True),
+          "tiny-wan": functools.partial(build_wan_1_3b, tiny=True)}
 
 
 def check_kernel(device, backend):

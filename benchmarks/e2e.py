@@ -31,7 +31,7 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
         # also: skyreels-v2-720p, wan-vace-14b, qwen-image, qwen-image-2048, flux2, flux2-2048,
         #       hunyuanvideo-1.5-720p, ltx-video, ltx-2                 [--no-model-rope]
     python benchmarks/e2e.py --compile fullgraph,reduce-overhead [--models ...]   # compiled rows (below)
-    python benchmarks/e2e.py --smoke      # tiny models on CPU, torch backend: checks the script runs
+    python benchmarks/e2e.py --smoke      # a shrunk Wan on CPU, torch backend: checks the script runs
     python benchmarks/e2e.py --table RESULTS.json [...]   # markdown tables of results files (no GPU)
 
 With --compile, each model runs instead dense and PARO (d=0.2 int8 QK + fp8 PV; --compile-densities for
@@ -75,8 +75,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the run's GPU, driver and commit, as benchmarks/attention.py records them
+from attention import environment  # noqa: E402
+
 from paroattn import Plan, TokenLayout  # noqa: E402
-from paroattn.bench import environment  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.plan import model_fingerprint  # noqa: E402
@@ -142,12 +144,11 @@ LABELS = {"cogvideox": "CogVideoX-5B", "wan": "Wan2.1-1.3B", "flux": "FLUX.1-dev
           "qwen-image": "Qwen-Image 1024", "qwen-image-2048": "Qwen-Image 2048",
           "flux2": "FLUX.2-dev 1024", "flux2-2048": "FLUX.2-dev 2048",
           "hunyuanvideo-1.5-720p": "HunyuanVideo-1.5 720p", "ltx-video": "LTX-Video 2B", "ltx-2": "LTX-2 19B"}
-# the tiny model of each family, for --smoke
-SMOKE_FAMILIES = {"cogvideox": "cogvideox", "wan": "wan", "flux": "flux", "wan2.2-a14b": "wan", "wan-14b-720p": "wan",
-                  "wan2.2-ti2v": "wan2.2-ti2v", "hunyuan": "hunyuan_video", "skyreels-v2-720p": "skyreels_v2",
-                  "wan-vace-14b": "wan_vace", "qwen-image": "qwen_image", "qwen-image-2048": "qwen_image",
-                  "flux2": "flux2", "flux2-2048": "flux2", "hunyuanvideo-1.5-720p": "hunyuan_video15",
-                  "ltx-video": "ltx", "ltx-2": "ltx2"}
+# --smoke: Wan2.1-1.3B's blocks shrunk to a CPU check of the script: 2 layers of 2 heads of 64, 8 text tokens and
+# 3 x 16 x 16 latents (3 x 8 x 8 = 192 tokens, 12 blocks of 16)
+SMOKE_CONFIG = dict(CONFIGS["wan"][1], num_attention_heads=2, attention_head_dim=64, text_dim=32, freq_dim=32,
+                    ffn_dim=64, num_layers=2)
+SMOKE_LATENT, SMOKE_TEXT = (16, 3, 16, 16), 8
 # Qwen-Image's text is the prompt's own length (not padded): a prompt of a few sentences
 QWEN_IMAGE_TEXT = 128
 MODES = [("dense", None, None, None), ("paro d=0.5 bf16", 0.5, "bf16", "bf16"), ("paro d=0.2 bf16", 0.2, "bf16", "bf16"),
@@ -159,13 +160,10 @@ DISTINCT_MASKS = 6
 
 
 def build_transformer(name: str, device, dtype, smoke: bool):
+    """The transformer of `name` with random weights (`smoke`: the shrunk Wan of SMOKE_CONFIG, whatever `name`)."""
     import diffusers
 
-    if smoke:
-        from paroattn.testing import tiny_transformer
-
-        return tiny_transformer(SMOKE_FAMILIES[name], head_dim=64).to(device)
-    cls_name, config = CONFIGS[name]
+    cls_name, config = ("WanTransformer3DModel", SMOKE_CONFIG) if smoke else CONFIGS[name]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -181,13 +179,7 @@ def build_transformer(name: str, device, dtype, smoke: bool):
 
 
 def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens: int = HUNYUAN_REAL_TEXT) -> dict:
-    if smoke:
-        from paroattn.testing import tiny_forward_inputs
-
-        inputs = tiny_forward_inputs(transformer, timestep=900.0)
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else tuple(t.to(device) if isinstance(t, torch.Tensor)
-                                                                          else t for t in v)
-                    if isinstance(v, tuple) else v) for k, v in inputs.items()}
+    """The keyword arguments of one step of `name` (`smoke`: of the shrunk Wan)."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape):
@@ -201,8 +193,9 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
         return {"hidden_states": rand(2, 13, 16, 60, 90), "encoder_hidden_states": rand(2, 226, 4096),
                 "timestep": torch.full((2,), 900, device=device, dtype=torch.long),
                 "image_rotary_emb": (cos.to(dtype), sin.to(dtype)), "return_dict": False}
-    if name == "wan":
-        return {"hidden_states": rand(1, 16, 21, 60, 104), "encoder_hidden_states": rand(1, 512, 4096),
+    if smoke or name == "wan":
+        latent, text = (SMOKE_LATENT, SMOKE_TEXT) if smoke else ((16, 21, 60, 104), 512)
+        return {"hidden_states": rand(1, *latent), "encoder_hidden_states": rand(1, text, transformer.config.text_dim),
                 "timestep": torch.full((1,), 900.0, device=device), "return_dict": False}
     if name in ("wan2.2-a14b", "wan-14b-720p"):  # 81 frames of 720 x 1280: 21 x 45 x 80 tokens
         return {"hidden_states": rand(1, 16, 21, 90, 160), "encoder_hidden_states": rand(1, 512, 4096),
@@ -698,7 +691,8 @@ def main(argv=None):
     parser.add_argument("--models", default="cogvideox,wan,flux")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (torch backend): checks the script")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a shrunk Wan on CPU (torch backend), whatever --models: checks the script")
     parser.add_argument("--query-block", type=int, default=None,
                         help="query block of the synthetic plans (key blocks stay 64; 128: the fast D=128 tiles)")
     parser.add_argument("--modes", type=lambda text: [m.strip() for m in text.split(",")], default=None,
@@ -748,6 +742,9 @@ def main(argv=None):
     if device.type == "cpu" and not args.smoke:
         raise SystemExit("the end-to-end benchmark needs a CUDA GPU (or --smoke for a CPU check of the script)")
     dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        args.models = "wan"  # the shrunk Wan is the one model a smoke run builds
+        LABELS["wan"] = "shrunk Wan (smoke)"
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}
     key_block = 16 if args.smoke else 64  # bench_model's block

@@ -6,7 +6,7 @@ copied under another name (`paroattn_other`, its custom op renamed to match), bo
 their calls alternate over rounds of 1000 calls (best of 3 per round). Short shape (1, 24, 1024, 128),
 d=0.5, 128 x 64 blocks, active-block lists; bf16 and int8 QK + fp8 PV, without and with RoPE tables;
 SDPA each round; the CUDA-graph replay of this version's calls (GPU time alone); and the host time alone
-(`bench.host_us`: 100 calls issued on an idle GPU, timed without waiting for it).
+(`attention.host_us`: 100 calls issued on an idle GPU, timed without waiting for it).
 
     python benchmarks/host_ab.py OTHER_CHECKOUT [--rounds 6] [--json results.json]
     # e.g. OTHER_CHECKOUT from: git worktree add /tmp/before <commit>
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attention import _graph_ms, environment, host_inputs, host_us, wall_us  # noqa: E402
+
 import paroattn  # noqa: E402
-from paroattn.bench import _graph_ms, environment, host_inputs, host_us, wall_us  # noqa: E402
 
 OTHER = "paroattn_other"
 

@@ -5,12 +5,14 @@ command with one line on stderr that names the option and what to pass, and exit
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import typer
 from typer.core import TyperCommand
 
+from .bench import DENSITIES, MODEL_SHAPES, MODES, SHAPES
 from .pipelines.registry import SUPPORTED_MODELS
 
 # click's UsageError as the installed typer raises it (newer typer releases vendor their own click)
@@ -333,25 +335,107 @@ def _parse_layers(text: str, option: str, negative: bool = True) -> list[int]:
     return layers
 
 
-@app.command(cls=_Command, context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                             "help_option_names": []},
-             short_help="Attention kernel benchmark (GPU; --table prints saved results anywhere).")
-def bench(ctx: typer.Context) -> None:
-    """Attention kernel benchmark on a CUDA GPU (paroattn/bench.py). Every option passes through to it, and
-    `paro bench --help` lists them: --shapes, --densities, --modes, --sweep, --rope, --graph, --out, and
-    --table RESULTS.json [--summary], which prints saved results and needs no GPU."""
+@app.command(cls=_Command, short_help="Time the attention op against SDPA on this GPU (--table prints saved results).")
+def bench(
+    shapes: str | None = typer.Option(None, help=f"attention shapes to time, comma-separated, of {', '.join(SHAPES)} "
+                                                 f"(default: {','.join(MODEL_SHAPES)}; with --table: all in the file)"),
+    modes: str | None = typer.Option(None, help="qk+pv precision pairs, comma-separated, qk of bf16, int8, int4 and pv "
+                                                f"of bf16, fp8, int8 (default: {','.join('+'.join(m) for m in MODES)}; "
+                                                "with --table: all in the file)"),
+    densities: str | None = typer.Option(None, help="block densities of the synthetic masks, in (0, 1], comma-separated "
+                                                    f"(default: {','.join(map(str, DENSITIES))}; with --table: all "
+                                                    "in the file)"),
+    block_q: int = typer.Option(64, help="query block of the masks: 64 or 128"),
+    block_k: int = typer.Option(64, help="key block of the masks: 64 or 128"),
+    backend: str = typer.Option("auto", help="attention backend of the op: auto, triton or cuda (the sm_90a kernels)"),
+    out: Path | None = typer.Option(None, "--out", help="results file to write, .json (default: "
+                                    "paro-bench-<GPU>.json in this folder, numbered so that no earlier run is replaced)"),
+    table: list[Path] | None = typer.Option(None, "--table", metavar="RESULTS.json",
+                                            help="print the table of a saved results file and exit; needs no GPU "
+                                                 "(repeat for several files)"),
+) -> None:
+    """Attention benchmark: time paro_attention against SDPA (torch's default attention, cuDNN on Hopper GPUs) on
+    this CUDA GPU at the attention shapes of video and image models, print the table and save it as JSON.
+
+    Each paro row names the kernel that ran it. --table prints saved results (of paro bench, or of the source
+    checkout's benchmarks/attention.py, which times more methods) on any machine."""
     import torch
 
-    from .bench import needs_gpu, parse_arguments, run_arguments
+    from .bench import read_results, run
+    from .bench import table as results_table
 
-    args = list(ctx.args)
-    if args[:1] == ["--"]:
-        args = args[1:]
-    options = parse_arguments(args)  # names and ranges first: one line and exit 2 on a bad one
-    if needs_gpu(options) and not torch.cuda.is_available():
+    chosen = {option: _bench_list(option, text) for option, text in
+              (("--shapes", shapes), ("--modes", modes), ("--densities", densities)) if text is not None}
+    select = dict(shapes=chosen.get("--shapes"), modes=chosen.get("--modes"), densities=chosen.get("--densities"))
+    if table:
+        if out is not None:
+            _fail("--out goes with a run, not with --table (which prints saved results): leave one out")
+        loaded = []
+        for path in table:
+            try:
+                loaded.append((path, read_results(path)))
+            except ValueError as exc:
+                _fail(f"--table {path} {exc}: pass a results JSON written by paro bench")
+        for path, results in loaded:
+            typer.echo(f"`{path.name}`: {results_table(results, **select)}\n")
+        return
+    for option, value in (("--block-q", block_q), ("--block-k", block_k)):
+        if value not in (64, 128):
+            _fail(f"{option} {value}: pass 64 or 128")
+    if backend not in ("auto", "triton", "cuda"):
+        _fail(f"--backend {backend!r} is not one of auto, triton, cuda: pass one of them")
+    if out is not None:
+        from .pipelines.generate import folder_problem
+
+        if out.suffix != ".json" or out.is_dir():
+            _fail(f"--out {out}: pass the path of a .json file to write, e.g. {out.with_suffix('.json').name}")
+        _check(folder_problem(out.parent, "--out folder", keep=False))
+    if not torch.cuda.is_available():
         _fail("paro bench times kernels on a CUDA GPU and this machine has none: run it on a GPU machine, or pass "
               "--table RESULTS.json to print saved results")
-    run_arguments(options)
+    defaults = dict(shapes=MODEL_SHAPES, modes=MODES, densities=DENSITIES)
+    results = run(**{key: value or defaults[key] for key, value in select.items()}, block=(block_q, block_k),
+                  backend=backend, log=typer.echo)
+    out = out or _free_results_path(results["gpu"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    typer.echo(f"\n{results_table(results)}\n\nwrote {out}")
+
+
+def _bench_list(option: str, text: str) -> list:
+    """The items of `paro bench`'s --shapes, --modes or --densities; exits naming the option on a bad one."""
+    from .modes import PV_MODES, QK_MODES, modes_problem
+
+    takes, example = {"--shapes": (f"shape names of {', '.join(SHAPES)}", "cogvideox-5b,flux.1-dev"),
+                      "--modes": (f"qk+pv pairs (qk: {', '.join(QK_MODES)}; pv: {', '.join(PV_MODES)})",
+                                  "bf16+bf16,int8+fp8"),
+                      "--densities": ("densities in (0, 1]", "1.0,0.5")}[option]
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    for item in items or [""]:
+        pair = tuple(item.split("+"))
+        if not (item in SHAPES if option == "--shapes" else len(pair) == 2 and not modes_problem(*pair)
+                if option == "--modes" else _is_density(item)):
+            _fail(f"{option} {text!r}: expected comma-separated {takes}" + (f", and {item!r} is not one" if item
+                                                                           else "") + f"; e.g. {option} {example}")
+    return [tuple(item.split("+")) for item in items] if option == "--modes" else \
+        [float(item) for item in items] if option == "--densities" else items
+
+
+def _is_density(text: str) -> bool:
+    try:
+        return 0.0 < float(text) <= 1.0
+    except ValueError:
+        return False
+
+
+def _free_results_path(gpu: str) -> Path:
+    """paro-bench-<gpu>.json in the current folder, numbered (-2, -3, ...) so that no earlier run is replaced."""
+    import itertools
+    import re
+
+    stem = "paro-bench-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return next(path for n in itertools.count(1) if not (path := Path(f"{stem}-{n}.json" if n > 1 else f"{stem}.json"))
+                .exists())
 
 
 @app.command(cls=_Command, short_help="Generate a video or image with a plan (PARO) or without (dense).")

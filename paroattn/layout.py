@@ -158,12 +158,6 @@ def inverse_index(index: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def reorder_indices(layout: TokenLayout, orders: torch.Tensor, device=None) -> torch.Tensor:
-    """[H, N] LongTensor: one `reorder_index` row per head."""
-    cache = {o: reorder_index(layout, o, device) for o in set(int(x) for x in orders.tolist())}
-    return torch.stack([cache[int(o)] for o in orders.tolist()])
-
-
 def reorder_table(layout: TokenLayout, device=None) -> torch.Tensor:
     """[len(ORDERS), N] LongTensor: row o is `reorder_index(layout, o)`. Indexed with a tensor of orders
     (`table.index_select(0, orders)`), it gives every head's reordering without reading the orders on the

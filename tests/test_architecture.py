@@ -18,7 +18,7 @@ LAYERS = [
     ("paroattn.kernels",),
     ("paroattn.attention",),
     ("paroattn.plan", "paroattn.selection", "paroattn.shapes", "paroattn.balance"),
-    ("paroattn.pipelines", "paroattn.linear", "paroattn.summary", "paroattn.testing"),
+    ("paroattn.pipelines", "paroattn.linear", "paroattn.summary"),
     ("paroattn.calibrate",),
     ("paroattn.demo_model",),
     ("paroattn.cli", "paroattn.bench", "paroattn.__init__"),

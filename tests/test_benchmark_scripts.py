@@ -1,6 +1,6 @@
-"""The multi-GPU benchmark script runs end to end on CPU (`--smoke`: tiny Wan, CogVideoX and HunyuanVideo, torch backend,
-one process) and its table reads back what it wrote, so a change to the library or the script that breaks it shows
-here and not first on a machine with several GPUs."""
+"""The benchmark scripts run end to end on CPU (`--smoke` / `--tiny`: shrunk models, torch backend, one process)
+and their tables read back what they wrote, so a change to the library or a script that breaks it shows here and
+not first on a GPU machine."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    # a process of its own: the smoke run patches torch.accelerator's device count for diffusers
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), *args], capture_output=True,
+def run_script(*args: str, script: str = "multi_gpu.py") -> subprocess.CompletedProcess:
+    # a process of its own: the multi-GPU smoke run patches torch.accelerator's device count for diffusers
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
 
 
@@ -36,3 +36,28 @@ def test_multi_gpu_smoke_run_writes_rows_its_table_reads(tmp_path):
 def test_multi_gpu_refuses_an_unknown_mode():
     result = run_script("--smoke", "--modes", "d=0.3")
     assert result.returncode != 0 and "--modes d=0.3: expected some of dense" in result.stderr
+
+
+def test_e2e_smoke_run_writes_rows_its_table_reads(tmp_path):
+    out = tmp_path / "e2e.json"
+    result = run_script("--smoke", "--iters", "1", "--modes", "dense,paro d=0.2 int8+fp8", "--resident-only",
+                        "--json", str(out), script="e2e.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["mode"], r["masks"]) for r in rows] == [
+        ("shrunk Wan (smoke)", "dense", "-"), ("shrunk Wan (smoke)", "paro d=0.2 int8+fp8", "resident")]
+    assert all(r["step_s"] > 0 for r in rows) and rows[0]["speedup"] == 1.0
+    table = run_script("--table", str(out), script="e2e.py").stdout
+    assert "| shrunk Wan (smoke) (192, 1) |" in table and "e2e.json" in table
+
+
+def test_calibration_cost_tiny_run_measures_both_models(tmp_path):
+    out = tmp_path / "cost.json"
+    result = run_script("--tiny", "--steps", "2", "--prompts", "1", "--out", str(out), script="calibration_cost.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(out.read_text())["results"]
+    # the full-size builders shrunk: CogVideoX keeps its text before the grid, Wan has none
+    assert [(r["model"], r["layers"], r["layout"]) for r in records] == [
+        ("tiny-cogvideox", 2, "8 + 3x8x8"), ("tiny-wan", 2, "3x8x8")]
+    for r in records:
+        assert 0 < r["achieved_density"] < 1 and r["extrapolated"]["transformer_calls"] == 2 * r["calls_per_step"]

@@ -111,11 +111,22 @@ def test_block_stats_leave_out_padded_text_keys(backend):
         block_stats(q, k, layout, orders, 16, backend="torch", suffix_mask=suffix_mask[:, :12])
 
 
-def test_block_stats_default_orders_are_the_distinct_ones():
-    layout = TokenLayout(4, 1, 4, 8)
-    q = torch.randn(1, 1, layout.seq_len, 16)
-    mass, _, _ = block_stats(q, q, layout, block_size=16, backend="torch")
-    assert mass.shape == (1, 2, 3, 3)
+@pytest.mark.parametrize("layout, distinct", [(TokenLayout(4, 1, 4, 8), ["FHW", "FWH"]),
+                                              (TokenLayout(4, 2, 4, 8), ["FHW", "FWH", "HFW", "HWF", "WFH", "WHF"])])
+def test_block_stats_default_orders_are_the_distinct_ones(layout, distinct):
+    """Without `orders`, one map per distinct order, in ORDERS' sequence: an image (one frame) has two, since
+    an order that only moves F gives the same token sequence as one that keeps it outermost."""
+    from paroattn.layout import ORDERS
+
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 2, layout.seq_len, 16, generator=g), torch.randn(1, 2, layout.seq_len, 16, generator=g)
+    default = block_stats(q, k, layout, block_size=16, backend="torch")
+    named = block_stats(q, k, layout, [ORDERS.index(o) for o in distinct], block_size=16, backend="torch")
+    _close(default, named, atol=0)
+    every = block_stats(q, k, layout, list(range(6)), block_size=16, backend="torch")[0]
+    for o, order in enumerate(ORDERS):  # every order's map is one of the distinct ones, each of those differs
+        same = [d for d in distinct if torch.equal(every[:, o], every[:, ORDERS.index(d)])]
+        assert len(same) == 1 and (order == same[0] or layout.frames == 1), (order, same)
 
 
 PLANTED = [TokenLayout(0, 4, 8, 8), TokenLayout(8, 3, 8, 12), TokenLayout(16, 5, 6, 8),
@@ -287,16 +298,52 @@ def test_kept_mass_fraction_counts_the_best_blocks():
     assert torch.allclose(kept_mass_fraction(mass, 0.5), torch.tensor([1.0]))
 
 
-def test_paper_metric_is_an_option():
-    layout = TokenLayout(0, 4, 8, 8)
-    q, k = planted_qk(layout, [0, 1, 2], generator=torch.Generator().manual_seed(5))
+def test_paper_metric_scores_block_sparsity_as_a_benefit_and_incoherence_as_a_cost():
+    from paroattn.calibrate.selection import order_scores
+
+    # order 0 is the most block-sparse and the most incoherent: -0.5 * 0.5 + 0.5 * 1.2 / 3.2 = -0.0625
+    sparse, incoherent = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([1.2, 1.0, 1.0])
+    scores = order_scores(torch.zeros(3), incoherent, sparse, metric="paper")
+    assert torch.allclose(scores, torch.tensor([-0.0625, 0.03125, 0.03125]))
+    # all weight on one term: the most sparse order wins, or the least incoherent
+    assert order_scores(torch.zeros(3), incoherent, sparse, metric="paper", alpha=1.0).argmin() == 0
+    assert order_scores(torch.zeros(3), incoherent, sparse, metric="paper", alpha=0.0).argmin() == 1
+
+
+@pytest.mark.parametrize("layout", [TokenLayout(0, 4, 8, 8), TokenLayout(8, 3, 8, 12), TokenLayout(16, 1, 20, 20)])
+def test_paper_metric_picks_the_orders_its_formula_gives(layout):
+    """`metric="paper"` chooses per head the order minimizing -alpha S_o / sum(S) + (1 - alpha) Q_o / sum(Q), S the
+    share of blocks with >= 90% of P below eps and Q the mean max(P) / mean(P) of the blocks with mass, computed
+    here from the block statistics (on these heads the incoherence term decides at alpha 1/2, so alpha 1 and 0
+    check each term alone). At the default alpha it picks other orders than the mass metric on video, and on an
+    image the planted ones."""
+    axes = [1, 2] * 2 if layout.is_image else [0, 1, 2, 0]
+    q, k = planted_qk(layout, axes, generator=torch.Generator().manual_seed(5))
     orders = list(layout.distinct_orders())
+    mass, pmax, below = block_stats(q, k, layout, orders, 16, backend="torch")
     acc = StatsAccumulator(1, 1, orders, layout.seq_len, 16)
-    acc.add(0, 0, *block_stats(q, k, layout, orders, 16, backend="torch"), batch=1)
-    result = acc.finalize(0.3, 0, metric="paper")
-    assert result.orders.shape == (1, 3) and int(result.orders.min()) >= 0 and int(result.orders.max()) < 6
+    acc.add(0, 0, mass, pmax, below, batch=1)
+    acc.step_done(0)
+
+    sizes = torch.full((-(-layout.seq_len // 16),), 16.0)
+    sizes[-1] = layout.seq_len - 16 * (len(sizes) - 1)
+    entries = sizes[:, None] * sizes[None, :]
+    sparse = (below >= 0.9 * entries).float().mean((-1, -2))
+    mean = mass / entries
+    with_mass = mean > 0  # a mean P below float32's smallest normal number is taken as that number
+    incoherent = torch.where(with_mass, pmax / mean.clamp_min(torch.finfo(torch.float32).tiny), 0).sum((-1, -2))
+    incoherent = incoherent / with_mass.sum((-1, -2))
+    for alpha in (0.5, 1.0, 0.0):
+        score = -alpha * sparse / sparse.sum(-1, keepdim=True) + (1 - alpha) * incoherent / incoherent.sum(-1, True)
+        paper = acc.finalize(0.3, layout.prefix, metric="paper", alpha=alpha).orders[0]
+        assert paper.tolist() == [orders[int(i)] for i in score.argmin(-1)], alpha
+    paper = acc.finalize(0.3, layout.prefix, metric="paper").orders[0]
+    if layout.is_image:
+        assert [innermost_axis(int(o)) for o in paper] == axes
+    else:
+        assert not torch.equal(paper, acc.finalize(0.3, layout.prefix).orders[0])  # the option changes the choice
     with pytest.raises(ValueError, match="unknown order metric"):
-        acc.finalize(0.3, 0, metric="nope")
+        acc.finalize(0.3, layout.prefix, metric="nope")
 
 
 def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
@@ -326,12 +373,13 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn import apply
     from paroattn.calibrate import CaptureConfig, SelectionConfig, calibrate
     from paroattn.calibrate.driver import save_calibration
     from paroattn.calibrate.figures import draw_plan_heads
     from paroattn.pipelines import self_attention_layers
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline(family)
     kwargs = tiny_call_kwargs(family)
@@ -367,10 +415,11 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
 def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_stats():
     """`calibrate` = `capture` + `plan_from_stats`; one capture (every prompt in one batch here) gives
     plans for other densities, quantizations and order sets without running the pipeline again."""
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn import ORDERS
     from paroattn.calibrate.config import CaptureConfig, SelectionConfig
     from paroattn.calibrate.driver import calibrate, capture, plan_from_stats
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     kwargs = tiny_call_kwargs("wan")
@@ -406,10 +455,10 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
 
 
 def test_cli_calibrate_then_inspect_png(tmp_path):
+    from tiny_models import tiny_pipeline
     from typer.testing import CliRunner
 
     from paroattn.cli import app
-    from paroattn.testing import tiny_pipeline
 
     model_dir = tmp_path / "tiny-wan"
     tiny_pipeline("wan").save_pretrained(model_dir)

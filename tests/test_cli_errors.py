@@ -36,9 +36,10 @@ def files_under(folder: Path) -> list[Path]:
 
 def saved_tiny_flux(folder: Path) -> dict:
     """A tiny FLUX pipeline saved to folder/model and a plan for its tiny size in folder/plan.safetensors."""
+    from tiny_models import TINY_BLOCK, tiny_call_kwargs, tiny_pipeline
+
     from paroattn.pipelines import layout_for, self_attention_layers
     from paroattn.plan import model_fingerprint
-    from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("flux")
     pipe.save_pretrained(folder / "model")
@@ -246,16 +247,6 @@ def test_inspect_png_finds_the_stats_file_beside_the_plan(tmp_path, monkeypatch)
     with_maps = Image.open(tmp_path / "png" / "layer000_head000.png")
     masks_only = Image.open(tmp_path / "png" / "layer001_head000.png")  # layer 1 has no saved maps
     assert with_maps.width > masks_only.width + 300  # two block-map panels beside the mask
-
-
-# -- paro bench ------------------------------------------------------------------------------------
-
-def test_bench_help_lists_the_benchmarks_options():
-    result = invoke(["bench", "--help"])
-    assert result.exit_code == 0, result.output
-    assert "paro bench" in result.output
-    for option in ("--shapes", "--densities", "--table", "--summary"):
-        assert option in result.output
 
 
 # -- paro calibrate: mask options --------------------------------------------------------------
@@ -568,46 +559,9 @@ def test_inspect_shows_prompts_whole_or_cut_at_a_word(tmp_path):
     assert shown[2].strip() == "third" and shown[3].strip() == "(and 2 more)"
 
 
-# -- paro bench: names before the GPU --------------------------------------------------------------
-
-@pytest.mark.parametrize("args, fragments", [
-    (["--shapes", "nonsense"], ["--shapes 'nonsense'", "cogvideox-5b", "wan2.1-1.3b"]),
-    (["--densities", "0"], ["--densities '0'", "(0, 1]"]),
-    (["--densities", "x"], ["--densities 'x'", "--densities 1.0,0.5"]),
-    (["--modes", "int8"], ["--modes 'int8'", "qk+pv pair", "int8+fp8"]),
-    (["--modes", "int8+fp4"], ["--modes 'int8+fp4'", "pv: bf16, fp8, int8"]),
-    (["--rep", "0"], ["--rep 0", "> 0"]),
-    (["--block-q", "32"], ["--block-q", "64, 128"]),
-    (["--table", "/nonexistent.json"], ["--table /nonexistent.json", "no such file"]),
-    (["--summary"], ["--summary goes with --table"]),
-    (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
-])
-def test_bench_checks_its_options_before_asking_for_a_gpu(monkeypatch, args, fragments):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    result = invoke(["bench", *args])
-    assert_clean_failure(result, "paro bench", *fragments)
-
-
-def test_bench_without_a_gpu_says_so_in_one_line(monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    result = invoke(["bench", "--shapes", "short"])
-    assert_clean_failure(result, "CUDA GPU", "--table RESULTS.json")
-
-
-def test_bench_table_of_a_file_that_is_not_json(tmp_path):
-    path = tmp_path / "r.json"
-    path.write_text("{not json")
-    result = invoke(["bench", "--table", path])
-    assert_clean_failure(result, f"--table {path}", "not a readable JSON file")
-
-
 # -- help and version ------------------------------------------------------------------------------
 
-COMMANDS = ["inspect", "calibrate", "generate", "demo"]
+COMMANDS = ["inspect", "calibrate", "generate", "demo", "bench"]
 
 
 def test_version():
@@ -629,13 +583,6 @@ def test_help_has_no_type_markers_and_no_measured_numbers(command):
         assert not any(line.rstrip().endswith("...") for line in listed.splitlines()), listed
     # help says what an option does; what it costs is measured in QUALITY.md, which goes stale in no help text
     assert not re.search(r"\d\s*(dB|ms|seconds|minutes)\b|\d\s*s\b", result.output), result.output
-
-
-def test_help_of_bench_ends_its_sentences():
-    result = invoke(["bench", "--help"])
-    assert result.exit_code == 0
-    description = " ".join(result.output.split("\n\n")[1].split())
-    assert description.startswith("Attention kernel benchmark") and description.endswith("."), description
 
 
 @pytest.mark.parametrize("command", ["generate", "calibrate"])

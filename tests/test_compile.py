@@ -31,6 +31,7 @@ from test_layer_oracle import (
     discriminating_plan,
     forward_arguments,
 )
+from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from paroattn import Plan, TokenLayout, paro_attention
@@ -39,7 +40,6 @@ from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.pipelines import PAROProcessor, apply, family_of, self_attention_layers
 from paroattn.pipelines.prefetch import MaskStore
 from paroattn.plan import bucket_index, bucket_tensor, default_bucket_edges, model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
 FAMILIES = ["cogvideox", "wan", "flux", "wan2.2-ti2v", "hunyuan_video"]
 EDGES = [1000.0, 750.0, 500.0, 0.0]

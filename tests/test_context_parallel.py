@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from diffusers import ContextParallelConfig, ParallelConfig
+from tiny_models import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_transformer
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.pipelines import (
@@ -38,7 +39,6 @@ from paroattn.pipelines import (
 )
 from paroattn.pipelines.context_parallel import context_parallel_plan, sequence_problem, ulysses_problem
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_transformer
 
 WORLD = 2
 HEADS = 4  # two per process: each holds a contiguous slice of more than one head
@@ -251,7 +251,7 @@ def _balance_warning(rank: int) -> dict:
 
 def _expert_pair(rank: int) -> dict:
     """A tiny Wan 2.2 pair, a plan per expert, generating on one process and then with both experts under Ulysses 2."""
-    from paroattn.testing import tiny_pipeline
+    from tiny_models import tiny_pipeline
 
     pipe = tiny_pipeline("wan2.2")
     pipe.set_progress_bar_config(disable=True)
@@ -398,7 +398,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of the two processes found, [rank 0, rank 1]."""
-    from paroattn.testing import tiny_pipeline
+    from tiny_models import tiny_pipeline
 
     folder = tmp_path_factory.mktemp("ulysses")
     pipe = tiny_pipeline("flux")

@@ -34,15 +34,25 @@ def demo_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def seed_floor():
-    """PSNR of the dense video against the dense video of another seed, same prompt and steps: what any
-    plausible video of this prompt scores. A PARO video of the same seed must be far closer than that."""
-    from paroattn.demo_model.demo import EVAL_PROMPTS, compare, sample
+def dense_videos():
+    """The demo pipeline and its dense videos of the first demo prompt at seeds 0 and 1 (STEPS steps)."""
+    from paroattn.demo_model.demo import EVAL_PROMPTS, sample
     from paroattn.demo_model.model import load_demo_pipeline
 
     pipe = load_demo_pipeline()
+    pipe.set_progress_bar_config(disable=True)
     dense, _ = sample(pipe, EVAL_PROMPTS[:1], steps=STEPS, seed=0)
     other, _ = sample(pipe, EVAL_PROMPTS[:1], steps=STEPS, seed=1)
+    return pipe, dense, other
+
+
+@pytest.fixture(scope="module")
+def seed_floor(dense_videos):
+    """PSNR of the dense video against the dense video of another seed, same prompt and steps: what any
+    plausible video of this prompt scores. A PARO video of the same seed must be far closer than that."""
+    from paroattn.demo_model.demo import compare
+
+    _, dense, other = dense_videos
     return compare(dense, other)["psnr_db"]
 
 
@@ -111,18 +121,25 @@ def test_demo_prints_the_shipped_quality_summary_as_it_is(demo_run):
         assert f"d={float(density):g}: {measured['psnr_db']:.1f} dB / SSIM {measured['ssim']:.3f}" in line
 
 
-def test_demo_defaults_are_a_shipped_plan_measured_close_to_dense():
-    """The default density has a shipped plan, and the shipped quality summary measured it at SSIM >= 0.9
-    vs dense with the default precisions; the CLI's defaults are the demo's."""
+def test_demo_defaults_are_a_shipped_plan_close_to_dense(dense_videos, seed_floor):
+    """The default density has a shipped plan, and with the default precisions its video is close to dense,
+    measured here against the floor another seed's video sets (the shipped d=0.2 plan, 28 dB at these steps,
+    would fail it; the default scores 58 dB). The CLI's defaults are the demo's, and the shipped quality summary
+    covers the shipped densities."""
     import inspect
 
     from paroattn.cli import demo as cli_demo
     from paroattn.demo_model import demo
 
-    assert demo.shipped_plan_path(demo.DEFAULT_DENSITY).is_file()
+    pipe, dense, _ = dense_videos
+    plan, path, _ = demo.resolve_plan(pipe, demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV, log=lambda _: None)
+    assert path == demo.shipped_plan_path(demo.DEFAULT_DENSITY).resolve()  # shipped, not calibrated on the spot
+    paro, _ = demo.run_with_plan(pipe, plan, demo.EVAL_PROMPTS[:1], steps=STEPS, seed=0)
+    measured = demo.compare(dense, paro)
+    assert measured["psnr_db"] > seed_floor + 10.0 and measured["ssim"] >= 0.9, (measured, seed_floor)
+
     summary = json.loads(demo.QUALITY_SUMMARY.read_text())
     assert (summary["qk"], summary["pv"]) == (demo.DEFAULT_QK, demo.DEFAULT_PV)
-    assert summary["by_density"][f"{demo.DEFAULT_DENSITY:.2f}"]["ssim"] >= 0.9
     assert set(summary["by_density"]) >= {f"{d:.2f}" for d in demo.SHIPPED_DENSITIES if d > 0.2}
     cli = {name: p.default.default for name, p in inspect.signature(cli_demo).parameters.items()}
     assert (cli["density"], cli["qk"], cli["pv"]) == (demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV)

@@ -17,13 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-from paroattn import Plan, PlanError, TokenLayout
-from paroattn.cli import app
-from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
-from paroattn.plan import model_fingerprint
-from paroattn.testing import (
+from tiny_models import (
     FLUX2_TEXT,
     HUNYUAN15_TEXT,
     QWEN_TEXT,
@@ -34,6 +28,12 @@ from paroattn.testing import (
     tiny_pipeline,
     tiny_transformer,
 )
+from typer.testing import CliRunner
+
+from paroattn import Plan, PlanError, TokenLayout
+from paroattn.cli import app
+from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
+from paroattn.plan import model_fingerprint
 
 FAMILIES = ["skyreels_v2", "wan_vace", "qwen_image", "flux2", "hunyuan_video15", "ltx", "ltx2"]
 

@@ -16,14 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-from paroattn import Plan, PlanError, TokenLayout
-from paroattn.cli import app
-from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
-from paroattn.pipelines.generate import plan_fit_problem
-from paroattn.plan import load_plans, model_fingerprint
-from paroattn.testing import (
+from tiny_models import (
     HUNYUAN_TEXT,
     HUNYUAN_VALID_TEXT,
     TINY_BLOCK,
@@ -33,6 +26,13 @@ from paroattn.testing import (
     tiny_pipeline,
     tiny_transformer,
 )
+from typer.testing import CliRunner
+
+from paroattn import Plan, PlanError, TokenLayout
+from paroattn.cli import app
+from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
+from paroattn.pipelines.generate import plan_fit_problem
+from paroattn.plan import load_plans, model_fingerprint
 
 PIPELINE_LAYOUT = TokenLayout(0, 3, 4, 4, suffix=HUNYUAN_TEXT)
 

@@ -26,6 +26,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_pipeline, tiny_transformer
 
 from paroattn import Plan, TokenLayout, paro_attention
 from paroattn.kernels import reference
@@ -33,7 +34,6 @@ from paroattn.kernels.reference import paro_attention_reference
 from paroattn.layout import ORDERS
 from paroattn.pipelines import apply, family_of, self_attention_layers
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_call_kwargs, tiny_forward_inputs, tiny_pipeline, tiny_transformer
 
 # same float32 math on both sides; only the RoPE route (the op's tables vs the model's code) differs
 ATOL = RTOL = 1e-5

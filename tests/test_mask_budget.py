@@ -83,9 +83,10 @@ def test_dilate_is_a_max_filter_over_the_block_grid():
 
 
 def test_plan_from_stats_and_the_config_pass_the_budget_options_on():
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn.calibrate.config import CaptureConfig, SelectionConfig
     from paroattn.calibrate.driver import capture, plan_from_stats
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     kwargs = tiny_call_kwargs("wan")
@@ -189,10 +190,11 @@ def test_shared_budget_uses_one_mass_threshold_over_the_buckets_at_the_step_weig
 
 
 def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_buckets(tmp_path):
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
+
     from paroattn.calibrate.config import CaptureConfig, SelectionConfig
     from paroattn.calibrate.driver import capture, plan_from_stats
     from paroattn.plan import Plan, bucket_index
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     kwargs = tiny_call_kwargs("wan")

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import TINY_BLOCK, lone_processor, tiny_forward_inputs, tiny_transformer
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.pipelines import (
@@ -20,7 +21,6 @@ from paroattn.pipelines import (
     self_attention_layers,
 )
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, lone_processor, tiny_forward_inputs, tiny_transformer
 
 FAMILIES = ["cogvideox", "cogvideox1.5", "wan", "wan-i2v", "flux"]
 
@@ -326,7 +326,7 @@ def pipeline_output(pipe, kwargs):
 
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 def test_tiny_pipeline_runs_two_steps_with_paro(family):
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline(family)
     pipe.set_progress_bar_config(disable=True)
@@ -362,7 +362,7 @@ def test_tiny_pipeline_runs_two_steps_with_paro(family):
 
 
 def test_wan_pipeline_capture_sees_each_step_twice():
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     pipe.set_progress_bar_config(disable=True)
@@ -435,7 +435,7 @@ def test_streamed_and_resident_masks_give_the_same_outputs():
 
 
 def saved_tiny_pipeline(family, folder, density=0.5):
-    from paroattn.testing import tiny_call_kwargs, tiny_pipeline
+    from tiny_models import tiny_call_kwargs, tiny_pipeline
 
     pipe = tiny_pipeline(family)
     pipe.save_pretrained(folder / "model")

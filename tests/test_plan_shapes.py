@@ -221,11 +221,11 @@ def test_text_layouts_the_plan_cannot_describe_are_refused():
 def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path):
     """`paro calibrate --sizes` calibrates two sizes of a tiny Wan into one plan, `paro inspect` lists them and
     says other sizes are derived, and the plan runs a third size, where a full-density plan equals dense."""
+    from tiny_models import tiny_pipeline
     from typer.testing import CliRunner
 
     from paroattn import apply
     from paroattn.cli import app
-    from paroattn.testing import tiny_pipeline
 
     pipe = tiny_pipeline("wan")
     model_dir = tmp_path / "tiny-wan"
@@ -256,12 +256,12 @@ def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path
 def test_a_compiled_transformer_derives_a_new_size_in_a_graph_of_its_own():
     """Under torch.compile a new size is a new graph, as for the model's own attention: the compiled run at the
     new size equals the eager run there with the derived masks."""
+    from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from paroattn import apply
     from paroattn.pipelines import family_of, self_attention_layers
     from paroattn.plan import model_fingerprint
-    from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
     torch._dynamo.reset()
     transformer = tiny_transformer("wan")

@@ -17,6 +17,14 @@ import functools
 
 import pytest
 import torch
+from tiny_models import (
+    TINY_BLOCK,
+    WAN22_TI2V_HEADS,
+    tiny_call_kwargs,
+    tiny_forward_inputs,
+    tiny_pipeline,
+    tiny_transformer,
+)
 from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
@@ -30,14 +38,6 @@ from paroattn.cli import app
 from paroattn.pipelines import apply, layout_for, pipeline_experts, self_attention_layers
 from paroattn.pipelines.generate import plan_fit_problem
 from paroattn.plan import expert_plan_path, load_plans, model_fingerprint
-from paroattn.testing import (
-    TINY_BLOCK,
-    WAN22_TI2V_HEADS,
-    tiny_call_kwargs,
-    tiny_forward_inputs,
-    tiny_pipeline,
-    tiny_transformer,
-)
 
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # 9 frames of 64 x 64, VAE 8 in space
 TI2V_LAYOUT = TokenLayout(0, 3, 4, 4)  # 9 frames of 128 x 128, VAE 16 in space

@@ -1,4 +1,4 @@
-"""Tiny models of the supported families, built in code (no downloads), for tests and demos.
+"""Tiny models of the supported families, built in code (no downloads), for the tests.
 
     transformer = tiny_transformer("cogvideox")              # or "cogvideox1.5", "wan", "wan-i2v", "wan2.2-ti2v", "flux"
     kwargs = tiny_forward_inputs(transformer, timestep=500)   # a forward call's keyword arguments
