@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts, also when loaded from elsewhere
 
 # the run's GPU, driver and commit, as benchmarks/attention.py records them
 from attention import environment  # noqa: E402

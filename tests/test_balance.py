@@ -123,9 +123,10 @@ def test_plans_derived_for_other_sizes_keep_the_balance():
 
 
 def test_processor_balances_its_plan_when_it_binds():
+    from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
+
     from paroattn.pipelines import apply, family_of, self_attention_layers
     from paroattn.plan import model_fingerprint
-    from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
     transformer = tiny_transformer("wan", heads=4)
     inputs = tiny_forward_inputs(transformer)
@@ -172,9 +173,10 @@ def test_calibration_balances_with_the_measured_masses():
 
 
 def test_selection_config_and_calibrate_check_the_number_of_gpus_before_capturing():
+    from tiny_models import tiny_pipeline
+
     from paroattn.calibrate.config import ConfigError, SelectionConfig
     from paroattn.calibrate.driver import calibrate
-    from paroattn.testing import tiny_pipeline
 
     with pytest.raises(ConfigError, match="number of GPUs >= 1"):
         SelectionConfig(ulysses=0)

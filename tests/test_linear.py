@@ -26,6 +26,7 @@ import types
 
 import pytest
 import torch
+from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 from torch import nn
 from typer.testing import CliRunner
 
@@ -33,7 +34,6 @@ from paroattn import Plan
 from paroattn import linear as fp8
 from paroattn.pipelines import apply, family_of, self_attention_layers
 from paroattn.plan import model_fingerprint
-from paroattn.testing import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 
 # relative L2 distance of the output of a 2-layer Wan with Wan2.1-1.3B's widths and random N(0, 0.02) weights
 # (`real_width_wan`), fp8 linear layers vs bf16: 0.0486 on the CPU (torchao's float8 path; cosine 0.9988). The
@@ -321,7 +321,7 @@ def test_a_layer_torchao_leaves_alone_is_an_error_not_a_silent_bf16_layer(stand_
 
 
 def test_an_expert_pair_quantizes_both_experts(stand_in):
-    from paroattn.testing import tiny_pipeline
+    from tiny_models import tiny_pipeline
 
     pipe = tiny_pipeline("wan2.2")
     pipe.transformer.to(torch.bfloat16)
