@@ -299,7 +299,7 @@ def test_kept_mass_fraction_counts_the_best_blocks():
 
 
 def test_paper_metric_scores_block_sparsity_as_a_benefit_and_incoherence_as_a_cost():
-    from paroattn.calibrate.selection import order_scores
+    from paroattn.selection import order_scores
 
     # order 0 is the most block-sparse and the most incoherent: -0.5 * 0.5 + 0.5 * 1.2 / 3.2 = -0.0625
     sparse, incoherent = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([1.2, 1.0, 1.0])
