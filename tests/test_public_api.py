@@ -51,3 +51,29 @@ def test_head_dim_zero_is_refused_as_a_contract_error():
     with pytest.raises(PAROInputError, match=r"head dim D >= 1 .*\(1, 1, 4, 0\)"):
         paro_attention(q, q, q, layout=TokenLayout(0, 1, 2, 2), orders=torch.zeros(1, dtype=torch.long),
                        block_mask=torch.ones(1, 1, 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_plan_files_get_the_permissions_of_other_outputs(tmp_path, umask):
+    """safetensors writes 0600 files; a plan and its stats file get what the umask gives any other output."""
+    import os
+    import stat
+
+    from paroattn import Plan
+    from paroattn.calibrate.accumulate import CalibrationResult
+    from paroattn.calibrate.driver import save_calibration
+
+    plan = Plan.synthetic(layout=TokenLayout(0, 1, 8, 8), num_layers=1, num_heads=2)
+    result = CalibrationResult(candidate_orders=[0], orders=plan.orders, block_mask=plan.block_mask,
+                               density=plan.density, kept_mass=torch.ones(1, 1, 2), scores=torch.zeros(1, 2, 1),
+                               steps_per_bucket=[1], figure_layers=[0], figure_original=None, figure_reordered=None)
+    previous = os.umask(umask)
+    try:
+        paths = save_calibration(plan, result, tmp_path / "plan.safetensors")
+        (tmp_path / "other.txt").write_text("x")
+    finally:
+        os.umask(previous)
+    expected = stat.S_IMODE((tmp_path / "other.txt").stat().st_mode)
+    assert expected == 0o666 & ~umask
+    for path in paths:
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
