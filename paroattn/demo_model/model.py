@@ -151,8 +151,10 @@ class DemoVideoPipeline(DiffusionPipeline):
         uncond = self.encode_prompt(negatives) if guidance_scale > 1.0 else None
         shape = (len(prompts), self.transformer.config.in_channels, num_frames, height, width)
         if latents is None:
-            # drawn on the CPU so a seed gives the same video on every device
-            latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+            # drawn on the generator's device, the CPU without one: a CPU generator gives the same video on every
+            # device (a CUDA generator, as calibration makes on a GPU, draws there)
+            where = generator.device if generator is not None else torch.device("cpu")
+            latents = torch.randn(shape, generator=generator, dtype=torch.float32, device=where)
         latents = latents.to(device=device, dtype=torch.float32)
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):
