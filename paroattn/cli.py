@@ -30,10 +30,27 @@ class _Command(TyperCommand):
     def parse_args(self, ctx, args):
         if problem := self.empty_value(args):
             _fail(f"{problem} (`paro {self.name} --help` lists the options)")
+        typed = list(args)  # click's parser consumes `args`
         try:
             return super().parse_args(ctx, args)
         except _UsageError as exc:
-            _fail(f"{exc.format_message()} (`paro {self.name} --help` lists the options)")
+            _fail(f"{self.bad_value(exc, typed) or exc.format_message()} (`paro {self.name} --help` lists the options)")
+
+    @staticmethod
+    def bad_value(exc, args: list[str]) -> str | None:
+        """A value click could not convert, as `--flag 'value': expected ...` with the flag and value as typed;
+        None for other usage errors (a missing or unknown option)."""
+        param = getattr(exc, "param", None)
+        if param is None or getattr(param, "param_type_name", None) != "option":
+            return None
+        typed = None  # the last value given (click keeps the last)
+        for i, item in enumerate(args):
+            flag, sep, value = item.partition("=")
+            if sep and flag in param.opts:
+                typed = flag, value
+            elif item in param.opts and i + 1 < len(args):
+                typed = item, args[i + 1]
+        return None if typed is None else f"{typed[0]} {typed[1]!r}: expected {_describe(param)}"
 
     def empty_value(self, args: list[str]) -> str | None:
         """Why the command line gives an option or argument an empty value (`--out ''`, `--out=`, `''`), naming it

@@ -173,7 +173,7 @@ def test_metrics_of_identical_videos_are_written_as_json(tmp_path):
 def test_demo_rejects_unknown_precision(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out-dir", str(tmp_path / "d"), "--qk", "int3"])
     assert result.exit_code == 2
-    assert "qk='int3' is not one of ('bf16', 'int8', 'int4')" in result.output
+    assert "--qk 'int3' is not one of bf16, int8, int4" in result.output
     assert not (tmp_path / "d").exists()
 
 
