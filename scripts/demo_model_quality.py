@@ -7,6 +7,7 @@ evaluation prompts (`demo.EVAL_PROMPTS`) from every seed, compared with the dens
 seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
     python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans   # GPU: ~2 min
+    python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans --ship-only
     python scripts/demo_model_quality.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
 
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
     p.add_argument("--ship-densities", default=",".join(f"{d:g}" for d in demo.SHIPPED_DENSITIES),
                    help="densities of the plans --ship writes")
+    p.add_argument("--ship-only", action="store_true",
+                   help="with --ship: write the plans (one capture for every density) and stop; the shipped "
+                        "quality summary, measured with the study, is left as it is")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     return p.parse_args(argv)
 
@@ -158,6 +162,8 @@ def main(argv=None) -> int:
                 f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
         return captures[name]
 
+    if args.ship_only and args.ship is None:
+        raise SystemExit("--ship-only writes the shipped plans: pass --ship DIR as well")
     if args.ship is not None:
         if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
             raise SystemExit("--ship writes the demo's plans: the shipped model at its size, 64-token blocks; "
@@ -169,6 +175,9 @@ def main(argv=None) -> int:
             plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
             plan.save(path)  # without the absolute path of this machine
             say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}, density {compute_density(plan):.3f}")
+        if args.ship_only:
+            (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
+            return 0
 
     prompts = demo.EVAL_PROMPTS[: args.eval_prompts]
     dense = {}

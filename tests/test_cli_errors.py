@@ -112,7 +112,7 @@ def test_generate_compare_checks_the_plan_before_the_dense_pass(tmp_path):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "8 + 1x6x6" in result.output and "8 + 1x8x6" in result.output
-    assert "paro calibrate MODEL_DIR --height 128 --width 96" in result.output
+    assert f"paro calibrate {tmp_path / 'model'} --height 128 --width 96" in result.output  # the folder given
     assert "dense run" not in result.output
     assert files_under(tmp_path) == before  # no x_dense.png
 
@@ -597,7 +597,7 @@ def test_bench_table_of_a_file_that_is_not_json(tmp_path):
 
 # -- help and version ------------------------------------------------------------------------------
 
-COMMANDS = ["inspect", "calibrate", "generate", "demo"]
+COMMANDS = ["inspect", "calibrate", "generate", "demo", "demo-pipeline"]
 
 
 def test_version():

@@ -148,8 +148,9 @@ def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
     from paroattn.plan import Plan
 
     lines = []
+    # at 4 frames of 16 x 16 pixels (256 tokens, 4 x 4 blocks), where the statistics take seconds on a CPU
     report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",
-                      log=lines.append, progress=True)
+                      height=16, width=16, frames=4, log=lines.append, progress=True)
     assert any("no shipped plan for density 0.4" in line for line in lines)
     shown = capsys.readouterr()
     assert "layers" in shown.out + shown.err and "2/2" in shown.out + shown.err  # the calibration's bars

@@ -8,8 +8,9 @@ Plans come from the calibration driver (`paroattn.calibrate.driver`): the qualit
 (`scripts/demo_model_quality.py`) captures the block statistics once over the calibration prompts
 (`study_config`: one batch, every step) for every candidate order and for the identity order alone,
 then builds a plan for each density, quantization and order metric from them with
-`plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them or,
-for a density that was not shipped, calibrates with `paroattn.calibrate.calibrate`.
+`plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them (at any
+size: they hold axis profiles), a full-density plan for density 1, or, for a density that was not shipped,
+calibrates the same way at the run's steps and size.
 """
 
 from __future__ import annotations
