@@ -97,7 +97,13 @@ def _describe(param) -> str:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    typer.secho("warning: " + " ".join(str(message).split()), fg=typer.colors.YELLOW, err=True)
+    import sys
+
+    from tqdm import tqdm
+
+    # through tqdm, so that a pipeline's step bar is redrawn below the line instead of running into it
+    text = "warning: " + " ".join(str(message).split())
+    tqdm.write(typer.style(text, fg=typer.colors.YELLOW) if sys.stderr.isatty() else text, file=sys.stderr)
 
 
 # plain click help (rich_markup_mode=None): no <bool> type column beside flags, no boxes; -h as well as --help

@@ -7,7 +7,7 @@ evaluation prompts (`demo.EVAL_PROMPTS`) from every seed, compared with the dens
 seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
     python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans   # GPU: ~2 min
-    python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans --ship-only
+    python scripts/demo_model_quality.py --out /tmp/quality --add-profiles paroattn/demo_model/assets/plans
     python scripts/demo_model_quality.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
 
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
@@ -88,9 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
     p.add_argument("--ship-densities", default=",".join(f"{d:g}" for d in demo.SHIPPED_DENSITIES),
                    help="densities of the plans --ship writes")
-    p.add_argument("--ship-only", action="store_true",
-                   help="with --ship: write the plans (one capture for every density) and stop; the shipped "
-                        "quality summary, measured with the study, is left as it is")
+    p.add_argument("--add-profiles", type=Path, default=None,
+                   help="capture once as --ship does and write its axis profiles into the plans in this folder, "
+                        "keeping their orders, masks and stats files (what the quality summary measured); then stop")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     return p.parse_args(argv)
 
@@ -162,8 +162,16 @@ def main(argv=None) -> int:
                 f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
         return captures[name]
 
-    if args.ship_only and args.ship is None:
-        raise SystemExit("--ship-only writes the shipped plans: pass --ship DIR as well")
+    if args.add_profiles is not None:
+        if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
+            raise SystemExit("--add-profiles completes the demo's plans: drop --model-dir, the size and the block options")
+        stats = stats_for("two")
+        for density in (float(d) for d in args.ship_densities.split(",")):
+            path = args.add_profiles / demo.shipped_plan_path(density).name
+            add_profiles(path, stats, args.device, str(dtype))
+            say(f"added axis profiles to {path}")
+        (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
+        return 0
     if args.ship is not None:
         if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
             raise SystemExit("--ship writes the demo's plans: the shipped model at its size, 64-token blocks; "
@@ -175,9 +183,6 @@ def main(argv=None) -> int:
             plan.info["stats_file"] = {"name": path.name.replace(".safetensors", ".stats.safetensors")}
             plan.save(path)  # without the absolute path of this machine
             say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}, density {compute_density(plan):.3f}")
-        if args.ship_only:
-            (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
-            return 0
 
     prompts = demo.EVAL_PROMPTS[: args.eval_prompts]
     dense = {}
@@ -251,6 +256,26 @@ def main(argv=None) -> int:
     (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
     print(f"wrote {args.out / 'quality.json'} and {args.out / 'quality_table.md'}")
     return 0
+
+
+def add_profiles(path: Path, stats, device: str, dtype: str) -> None:
+    """Write the axis profiles of capture `stats` into the plan at `path`, which must have been calibrated with
+    the same layout, buckets, prompts and steps; its orders, masks and everything else stay as they are. The plan
+    records where its profiles come from (`info["profiles_capture"]`)."""
+    import dataclasses
+
+    from paroattn.plan import FORMAT_VERSION, Plan
+
+    plan = Plan.load(path)
+    calibration = plan.info.get("calibration", {})
+    same = (stats.layout == plan.layout and stats.config.edges() == plan.bucket_edges and stats.prompts == plan.prompts
+            and stats.config.steps == calibration.get("steps") and stats.config.stat_every == calibration.get("stat_every"))
+    if not same:
+        raise SystemExit(f"{path} was calibrated with another layout, buckets, prompts or steps than this capture")
+    capture = {"device": device, "dtype": dtype, "torch": torch.__version__, "steps": stats.config.steps,
+               "profile_queries": stats.config.profile_queries, "seed": stats.config.seed}
+    dataclasses.replace(plan, profiles=stats.profiles.finalize(), format_version=FORMAT_VERSION,
+                        info={**plan.info, "profiles_capture": capture}).save(path)
 
 
 def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) -> dict:

@@ -219,3 +219,19 @@ def test_difference_gain_keeps_the_panel_below_white():
     assert gain == 2.0 and (np.abs(dense - large) * gain).max() <= 1.0
     assert difference_gain(dense, dense + 1.0) == 1.0  # never below 1
 
+
+
+@pytest.mark.parametrize("density", [0.5, 0.1])
+def test_shipped_plans_hold_axis_profiles_and_serve_other_sizes(density):
+    """The shipped plans are in the current format, with the axis profiles that derive masks for any size."""
+    from paroattn import TokenLayout
+    from paroattn.calibrate.shapes import derive_plan
+    from paroattn.demo_model.demo import shipped_plan_path
+    from paroattn.plan import FORMAT_VERSION, Plan
+
+    plan = Plan.load(shipped_plan_path(density))
+    assert plan.format_version == FORMAT_VERSION and plan.profiles is not None
+    assert plan.layout == TokenLayout(0, 8, 16, 16)  # calibrated at the model's 8 frames of 32 x 32 pixels
+    derived = derive_plan(plan, TokenLayout(0, 4, 12, 12))
+    assert derived.layout == TokenLayout(0, 4, 12, 12)
+    assert abs(derived.achieved_density() - plan.achieved_density()) < 0.1
