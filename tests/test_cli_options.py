@@ -180,3 +180,58 @@ def test_an_unshipped_density_says_how_it_is_calibrated(tmp_path):
              log=lines.append)
     said = next(line for line in lines if line.startswith("no shipped plan for density 0.4"))
     assert "2 calibration prompts" in said and "2 steps" in said and "held out" in said
+
+
+# -- sizes a model cannot take, from its folder's configs, before it loads ----------------------------
+
+def pipeline_configs(folder, pipeline: str, transformer: dict, vae: dict | None):
+    """A pipeline folder with configs only (no weights): all that the size check reads."""
+    folder.mkdir()
+    index = {"_class_name": pipeline, "transformer": ["diffusers", transformer["_class_name"]]}
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text(json.dumps(transformer))
+    if vae is not None:
+        index["vae"] = ["diffusers", vae["_class_name"]]
+        (folder / "vae").mkdir()
+        (folder / "vae" / "config.json").write_text(json.dumps(vae))
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+WAN = ("WanPipeline", {"_class_name": "WanTransformer3DModel", "patch_size": [1, 2, 2], "rope_max_seq_len": 1024},
+       {"_class_name": "AutoencoderKLWan", "scale_factor_spatial": 8, "scale_factor_temporal": 4})
+WAN_TI2V = ("WanPipeline", WAN[1], {**WAN[2], "scale_factor_spatial": 16})
+COGVIDEOX = ("CogVideoXPipeline", {"_class_name": "CogVideoXTransformer3DModel", "patch_size": 2, "patch_size_t": None},
+             {"_class_name": "AutoencoderKLCogVideoX", "block_out_channels": [128, 256, 256, 512]})
+HUNYUAN = ("HunyuanVideoPipeline", {"_class_name": "HunyuanVideoTransformer3DModel", "patch_size": 2, "patch_size_t": 1},
+           {"_class_name": "AutoencoderKLHunyuanVideo", "spatial_compression_ratio": 8})
+FLUX = ("FluxPipeline", {"_class_name": "FluxTransformer2DModel", "patch_size": 1},
+        {"_class_name": "AutoencoderKL", "block_out_channels": [128, 256, 512, 512]})
+
+
+@pytest.mark.parametrize("configs, height, problem", [
+    (WAN, 480, None), (WAN, 472, "multiples of 16 pixels"), (WAN_TI2V, 704, None), (WAN_TI2V, 720, "multiples of 32"),
+    (COGVIDEOX, 480, None), (COGVIDEOX, 488, "multiples of 16 pixels"), (HUNYUAN, 720, None),
+    (HUNYUAN, 724, "multiples of 16 pixels"),
+    (FLUX, 1000, None),  # image pipelines resize to their multiple themselves
+])
+def test_a_height_the_model_cannot_take_is_refused_from_its_configs(tmp_path, monkeypatch, configs, height, problem):
+    from paroattn.pipelines.generate import size_fit_problem
+
+    folder = pipeline_configs(tmp_path / "model", *configs)
+    found = size_fit_problem(folder, height, None, None)
+    if problem is None:
+        assert found is None
+        return
+    assert found.startswith(f"--height {height}: ") and problem in found, found
+    no_model_loads(monkeypatch)
+    result = invoke(["generate", folder, "--prompt", "a cat", "--height", height, "--out", tmp_path / "x.mp4"])
+    assert_one_error_line(result, f"--height {height}", problem)
+
+
+def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
+    from paroattn.pipelines.generate import size_fit_problem
+
+    unknown_vae = pipeline_configs(tmp_path / "model", WAN[0], WAN[1], {"_class_name": "SomeOtherVAE"})
+    assert size_fit_problem(unknown_vae, 471, 471, 81) is None
+    assert size_fit_problem(tmp_path / "missing", 471, 471, 81) is None
