@@ -444,7 +444,7 @@ def generate(
     frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
     steps: int | None = typer.Option(None, help="denoising steps, >= 1 (default: the pipeline's)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
-    out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png)"),
+    out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png, or out-2.mp4, ... when it exists: a run never replaces an earlier one's)"),
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),

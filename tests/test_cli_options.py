@@ -235,3 +235,15 @@ def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
     unknown_vae = pipeline_configs(tmp_path / "model", WAN[0], WAN[1], {"_class_name": "SomeOtherVAE"})
     assert size_fit_problem(unknown_vae, 471, 471, 81) is None
     assert size_fit_problem(tmp_path / "missing", 471, 471, 81) is None
+
+
+def test_generate_default_output_never_replaces_an_earlier_one(tmp_path):
+    from paroattn.pipelines.generate import default_output
+
+    assert default_output(True, folder=tmp_path) == tmp_path / "out.mp4"
+    assert default_output(False, folder=tmp_path) == tmp_path / "out.png"
+    (tmp_path / "out.mp4").write_text("x")
+    assert default_output(True, folder=tmp_path) == tmp_path / "out-2.mp4"
+    (tmp_path / "out-2_dense.mp4").write_text("x")  # a --compare run's dense video
+    assert default_output(True, compare=True, folder=tmp_path) == tmp_path / "out-3.mp4"
+    assert default_output(True, compare=False, folder=tmp_path) == tmp_path / "out-2.mp4"

@@ -78,6 +78,19 @@ def output_problem(out: str | Path, video: bool | None = None) -> str | None:
     return folder_problem(out.parent, "--out folder", keep=False)
 
 
+def default_output(video: bool, compare: bool = False, folder: Path = Path(".")) -> Path:
+    """Where `paro generate` without --out writes: out.mp4 (out.png for images), or out-2.mp4, out-3.mp4, ...
+    when that (or, with --compare, its `_dense` twin) exists, so that no run replaces an earlier one's output."""
+    suffix = ".mp4" if video else ".png"
+    n = 1
+    while True:
+        path = folder / (f"out{suffix}" if n == 1 else f"out-{n}{suffix}")
+        dense = path.with_name(path.stem + "_dense" + path.suffix)
+        if not path.exists() and not (compare and dense.exists()):
+            return path
+        n += 1
+
+
 def option_problem(backend: str, on_mismatch: str) -> str | None:
     """Why `backend` or `on_mismatch` is not a valid choice, or None."""
     from ..attention import BACKENDS
@@ -488,7 +501,7 @@ def generate(
             f"{model_dir} holds a {type(transformer).__name__}; paro generate supports {SUPPORTED}"
         )
     video = family.is_video
-    out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
+    out = Path(out) if out is not None else default_output(video, compare)
     if problem := output_problem(out, video):
         raise ValueError(problem)
     call = dict(extra_call or {})
