@@ -200,11 +200,11 @@ def _vae_factors(model_dir: Path) -> tuple[int | None, int | None]:
     config = _read_json(model_dir / "vae" / "config.json") or {}
     name = config.get("_class_name")
     if name in ("AutoencoderKLWan",):
-        return int(config.get("scale_factor_spatial", 8)), int(config.get("scale_factor_temporal", 4))
+        return int(config.get("scale_factor_spatial") or 8), int(config.get("scale_factor_temporal") or 4)
     if name in ("AutoencoderKLHunyuanVideo",):
-        return int(config.get("spatial_compression_ratio", 8)), int(config.get("temporal_compression_ratio", 4))
+        return int(config.get("spatial_compression_ratio") or 8), int(config.get("temporal_compression_ratio") or 4)
     if name == "AutoencoderKLCogVideoX" and isinstance(config.get("block_out_channels"), list):
-        return 2 ** (len(config["block_out_channels"]) - 1), int(config.get("temporal_compression_ratio", 4))
+        return 2 ** (len(config["block_out_channels"]) - 1), int(config.get("temporal_compression_ratio") or 4)
     return None, None
 
 
