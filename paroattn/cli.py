@@ -550,8 +550,8 @@ def demo_pipeline(
     typer.echo(f"wrote {path}: the demo model as a diffusers pipeline (DemoVideoPipeline), and {path / PROMPTS_FILE}")
     typer.echo("try:")
     typer.echo(f"  paro calibrate {path} --prompts {path / PROMPTS_FILE} --out demo-d0.3.safetensors --density 0.3 "
-               "--steps 10 --device cpu")
-    typer.echo("  paro inspect demo-d0.3.safetensors")
+               "--steps 10 --num-prompts 1 --device cpu")
+    typer.echo("  paro inspect demo-d0.3.safetensors --png figures/")
     typer.echo(f"  paro generate {path} --plan demo-d0.3.safetensors --prompt \"red circle moving left quickly, cloudy "
                "background\" --steps 10 --compare --out demo.gif --device cpu")
 
