@@ -198,7 +198,7 @@ def calibrate(
     model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", show_default=False,
                                      help=f"local diffusers pipeline folder of a supported model ({SUPPORTED_MODELS})"),
     out: Path = typer.Option(..., "--out", help="plan file to write, ending in .safetensors; block statistics go beside it (.stats.safetensors)"),
-    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package)"),
+    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package; for `paro demo-pipeline`'s folder, its prompts.txt)"),
     num_prompts: int = typer.Option(2, help="use the first N prompts of the file, N >= 1 (the paper finds 1-2 enough)"),
     density: float = typer.Option(0.3, help="target mean block density of the masks, in (0, 1]; what lower densities cost: QUALITY.md"),
     qk: str = typer.Option("bf16", help="QK precision the plan asks for: bf16, int8, int4"),
@@ -238,6 +238,7 @@ def calibrate(
         save_expert_calibrations,
     )
     from .calibrate.selection import METRICS
+    from .demo_model.pipeline import PROMPTS_FILE, is_demo_pipeline, prompts_problem
     from .modes import mode_flags_problem
     from .pipelines import family_of, pipeline_experts, resolve_transformer
     from .pipelines.generate import (
@@ -300,8 +301,14 @@ def calibrate(
     indexed = indexed_family(model_dir)  # video or image, where model_index.json tells
     if frames is not None and indexed is not None and not indexed.is_video:
         _fail(f"--frames is for video models; {model_dir} holds an image model ({indexed.models}): leave --frames out")
+    if prompt_list is None and is_demo_pipeline(model_dir) and (model_dir / PROMPTS_FILE).is_file():
+        prompts = model_dir / PROMPTS_FILE  # the demo model's own calibration prompts, in its vocabulary
+        prompt_list = _read_prompts(read_prompts, prompts, num_prompts)
     if prompt_list is None and indexed is not None:
-        prompt_list = _read_prompts(read_prompts, default_prompts_file(indexed.is_video), num_prompts)
+        prompts = default_prompts_file(indexed.is_video)
+        prompt_list = _read_prompts(read_prompts, prompts, num_prompts)
+    if prompt_list is not None and (problem := prompts_problem(model_dir, prompt_list)):
+        _fail(f"--prompts {prompts}: {problem}; pass a file of prompts in its words, e.g. {model_dir / PROMPTS_FILE}")
     try:
         capture_config = CaptureConfig(
             block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,

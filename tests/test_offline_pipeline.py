@@ -149,3 +149,26 @@ def test_a_plan_of_another_model_names_the_size_asked_for_and_the_folder(folder,
     assert "plan has 2 heads per layer; this model has 4" in error and "[" not in error
     assert f"`paro calibrate {folder} --height 16 --width 16 --frames 2 --out plan.safetensors`" in error
     assert not (tmp_path / "x.gif").exists()
+
+
+def test_calibrate_reads_the_folders_own_prompts_by_default(folder, tmp_path):
+    from paroattn import Plan
+    from paroattn.demo_model.demo import CALIBRATION_PROMPTS
+
+    plan = tmp_path / "p.safetensors"
+    result = invoke(["calibrate", folder, "--out", plan, "--steps", "1", "--num-prompts", "1", "--device", "cpu", *SMALL])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(plan).prompts == CALIBRATION_PROMPTS[:1]
+
+
+def test_prompts_outside_the_vocabulary_are_refused_before_it_loads(folder, tmp_path, monkeypatch):
+    import paroattn.pipelines.generate as generate
+
+    monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
+    result = invoke(["generate", folder, "--prompt", "a cat surfing", "--out", tmp_path / "x.gif"])
+    assert_clean_failure(result, "--prompt: prompt 'a cat surfing'", "['a', 'cat', 'surfing']", "prompts.txt")
+    other = tmp_path / "prompts.txt"
+    other.write_text("red circle moving left quickly\na dog\n")
+    result = invoke(["calibrate", folder, "--out", tmp_path / "p.safetensors", "--prompts", other])
+    assert_clean_failure(result, f"--prompts {other}", "'a dog'", str(folder / "prompts.txt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]

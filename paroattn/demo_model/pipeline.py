@@ -42,6 +42,24 @@ def is_demo_pipeline(model_dir: str | Path) -> bool:
     return pipeline_class_name(model_dir) == PIPELINE_CLASS
 
 
+def prompts_problem(model_dir: str | Path, prompts: list[str]) -> str | None:
+    """Why the demo pipeline in `model_dir` cannot read one of `prompts` (words outside its text encoder's
+    vocabulary, read from its config), or None; None too for any other folder."""
+    if not is_demo_pipeline(model_dir):
+        return None
+    from .model import prompt_problem
+
+    try:
+        config = json.loads((Path(model_dir) / "text_encoder" / "config.json").read_text())
+        vocabulary, max_words = list(config["vocabulary"]), int(config["max_words"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the pipeline reports an unreadable encoder when it loads
+    for prompt in prompts:
+        if problem := prompt_problem(prompt, vocabulary, max_words):
+            return problem
+    return None
+
+
 def target_problem(directory: str | Path) -> str | None:
     """Why the pipeline folder cannot be written at `directory`, or None: it must not exist yet (or be an empty
     folder), so that nothing of an earlier one is overwritten, and its parent must be writable."""

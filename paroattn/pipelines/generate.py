@@ -467,6 +467,10 @@ def generate(
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
+    from ..demo_model.pipeline import PROMPTS_FILE, prompts_problem
+
+    if problem := prompts_problem(model_dir, [prompt]):
+        raise ValueError(f"--prompt: {problem}; e.g. the prompts of {Path(model_dir) / PROMPTS_FILE}")
     # video or image, where model_index.json tells (the loaded pipeline is checked again below)
     indexed = indexed_family(model_dir)
     if frames is not None and indexed is not None and not indexed.is_video:
@@ -477,7 +481,10 @@ def generate(
     if problem := size_fit_problem(model_dir, height, width, frames):
         raise ValueError(problem)
     # fail on a bad plan before loading the model; an expert pair's plans are read together
-    loaded_plans = load_plans(plan) if plan is not None else None
+    try:
+        loaded_plans = load_plans(plan) if plan is not None else None
+    except PlanError as exc:
+        raise PlanError(f"--plan: {exc}") from None
     loaded_plan = loaded_plans[0] if loaded_plans else None
     for expert_plan in loaded_plans or []:
         if problem := ulysses_problem(expert_plan.num_heads, ulysses):
