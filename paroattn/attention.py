@@ -161,6 +161,8 @@ def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backen
     if not (q.device == k.device == v.device):
         raise PAROInputError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     B, H, N, D = q.shape
+    if D < 1:
+        raise PAROInputError(f"q, k, v must have a head dim D >= 1 in [B, H, N, D]; got shape {tuple(q.shape)}")
     if rotary is not None:
         check_rotary(rotary, q)
     if suffix_mask is not None:

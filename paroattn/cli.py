@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import typer
@@ -29,14 +30,87 @@ class _Command(TyperCommand):
                 for piece in super().collect_usage_pieces(ctx)]
 
     def parse_args(self, ctx, args):
+        if problem := self.empty_value(args):
+            _fail(f"{problem} (`paro {self.name} --help` lists the options)")
+        typed = list(args)  # click's parser consumes `args`
         try:
             return super().parse_args(ctx, args)
         except _UsageError as exc:
-            _fail(f"{exc.format_message()} (`paro {self.name} --help` lists the options)")
+            _fail(f"{self.bad_value(exc, typed) or exc.format_message()} (`paro {self.name} --help` lists the options)")
+
+    @staticmethod
+    def bad_value(exc, args: list[str]) -> str | None:
+        """A value click could not convert, as `--flag 'value': expected ...` with the flag and value as typed;
+        None for other usage errors (a missing or unknown option)."""
+        param = getattr(exc, "param", None)
+        if param is None or getattr(param, "param_type_name", None) != "option":
+            return None
+        typed = None  # the last value given (click keeps the last)
+        for i, item in enumerate(args):
+            flag, sep, value = item.partition("=")
+            if sep and flag in param.opts:
+                typed = flag, value
+            elif item in param.opts and i + 1 < len(args):
+                typed = item, args[i + 1]
+        return None if typed is None else f"{typed[0]} {typed[1]!r}: expected {_describe(param)}"
+
+    def empty_value(self, args: list[str]) -> str | None:
+        """Why the command line gives an option or argument an empty value (`--out ''`, `--out=`, `''`), naming it
+        as typed, or None. Checked before click converts it: an empty path would read as the current folder."""
+        takes_value = {opt: param for param in self.params if not getattr(param, "is_flag", True)
+                       for opt in getattr(param, "opts", [])}
+        arguments = [param for param in self.params if param.param_type_name == "argument"]
+        position = 0
+        items = iter(args)
+        for item in items:
+            if item == "--":
+                break
+            flag, sep, value = item.partition("=")
+            if item.startswith("-") and sep and flag in takes_value:
+                if not value.strip():
+                    return f"{flag} is empty; expected {_describe(takes_value[flag])}"
+            elif item in takes_value:
+                value = next(items, None)
+                if value is not None and not value.strip():
+                    return f"{item} is empty; expected {_describe(takes_value[item])}"
+            elif not item.startswith("-") or item == "-":
+                if not item.strip() and position < len(arguments):
+                    argument = arguments[position]
+                    name = getattr(argument, "metavar", None) or argument.name.upper()
+                    return f"{name} is empty; expected {_describe(argument)}"
+                position += 1
+        return None
+
+    def invoke(self, ctx):
+        # a warning from the libraries a command runs reads as one line, like the command's own messages
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return super().invoke(ctx)
 
 
-# plain click help (rich_markup_mode=None): no <bool> type column beside flags, no boxes
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+def _describe(param) -> str:
+    """What a parameter takes, for a message: a number or an integer, else its help up to the first semicolon."""
+    # click parameters name their type; the installed typer's keep the annotation instead
+    name = getattr(getattr(param, "type", None), "name", None)
+    if name is None:
+        name = {int: "integer", float: "float"}.get(getattr(getattr(param, "type_descriptor", None), "annotation", None))
+    kind = {"integer": "an integer", "float": "a number"}.get(name)
+    return kind or (getattr(param, "help", None) or "").split(";")[0].strip() or "a value"
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    import sys
+
+    from tqdm import tqdm
+
+    # through tqdm, so that a pipeline's step bar is redrawn below the line instead of running into it
+    text = "warning: " + " ".join(str(message).split())
+    tqdm.write(typer.style(text, fg=typer.colors.YELLOW) if sys.stderr.isatty() else text, file=sys.stderr)
+
+
+# plain click help (rich_markup_mode=None): no <bool> type column beside flags, no boxes; -h as well as --help
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def _version(value: bool) -> None:
@@ -125,8 +199,8 @@ def _parse_heads(text: str) -> list[tuple[int, int]]:
 def calibrate(
     model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", show_default=False,
                                      help=f"local diffusers pipeline folder of a supported model ({SUPPORTED_MODELS})"),
-    out: Path = typer.Option(..., "--out", help="plan file to write; block statistics go beside it (.stats.safetensors)"),
-    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package)"),
+    out: Path = typer.Option(..., "--out", help="plan file to write, ending in .safetensors; block statistics go beside it (.stats.safetensors)"),
+    prompts: Path | None = typer.Option(None, help="calibration prompts, one per line (default: video.txt or image.txt of paroattn/assets/prompts/, installed with the package; for `paro demo-pipeline`'s folder, its prompts.txt)"),
     num_prompts: int = typer.Option(2, help="use the first N prompts of the file, N >= 1 (the paper finds 1-2 enough)"),
     density: float = typer.Option(0.3, help="target mean block density of the masks, in (0, 1]; what lower densities cost: QUALITY.md"),
     qk: str = typer.Option("bf16", help="QK precision the plan asks for: bf16, int8, int4"),
@@ -139,8 +213,8 @@ def calibrate(
     buckets: int = typer.Option(6, help="timestep buckets, >= 1: timesteps above 500 split into N-1, one shared by the rest"),
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (overrides --buckets)"),
     stat_every: int = typer.Option(2, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step)"),
-    metric: str = typer.Option("mass", help="order metric: mass (kept attention mass) or paper"),
-    quant_weight: float = typer.Option(0.0, help="weight >= 0 of the incoherence (max/mean) term in the mass metric"),
+    metric: str = typer.Option("mass", help="how each head's order is chosen: mass (the order whose mask at --density keeps the most attention mass) or paper (the PAROAttention paper's score: the share of nearly empty blocks, weighed against incoherence)"),
+    quant_weight: float = typer.Option(0.0, help="weight >= 0 of incoherence in the mass metric: a block's largest attention value over its mean, which makes it harder to quantize; 0 (the default) ignores it"),
     block_size: int = typer.Option(64, help="block size of the masks: a power of two >= 16"),
     query_block: int | None = typer.Option(None, help="query block of the masks, a power-of-two multiple of --block-size (128 with 64 runs the kernels' wider query tiles at head dim 128; default: --block-size)"),
     figure_layers: str | None = typer.Option(None, help="layers whose block maps are saved for `paro inspect --png`, e.g. '0,5' (default: first, middle, last)"),
@@ -166,7 +240,8 @@ def calibrate(
         read_prompts,
         save_expert_calibrations,
     )
-    from .modes import PV_MODES, QK_MODES, modes_problem
+    from .demo_model.pipeline import PROMPTS_FILE, is_demo_pipeline, prompts_problem
+    from .modes import mode_flags_problem
     from .pipelines import family_of, pipeline_experts, resolve_transformer
     from .pipelines.generate import (
         device_problem,
@@ -176,6 +251,7 @@ def calibrate(
         load_pipeline,
         pipeline_folder_problem,
         seed_problem,
+        size_fit_problem,
         size_problem,
     )
     from .pipelines.registry import SUPPORTED
@@ -187,14 +263,16 @@ def calibrate(
     _check(pipeline_folder_problem(model_dir))
     if out.is_dir():
         _fail(f"--out {out} is a folder: pass a plan file path such as {out / 'plan.safetensors'}")
+    if out.suffix.lower() != ".safetensors":
+        _fail(f"--out {out}: paro calibrate writes a safetensors plan, not {out.suffix or 'a file without extension'}: "
+              f"pass a path ending in .safetensors, e.g. --out {out.with_suffix('.safetensors').name}")
     _check(folder_problem(out.parent, "--out folder", keep=False))
     if num_prompts < 1:
         _fail(f"--num-prompts {num_prompts}: pass a number of prompts >= 1")
     prompt_list = _read_prompts(read_prompts, prompts, num_prompts) if prompts is not None else None
     if not (0.0 < density <= 1.0):
         _fail(f"--density {density}: pass a mean block density in (0, 1] (1 keeps every block)")
-    if problem := modes_problem(qk, pv):
-        _fail(f"{problem}: pass --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}")
+    _check(mode_flags_problem(qk, pv))
     _check(size_problem(steps=steps, height=height, width=width, frames=frames))
     if buckets < 1:
         _fail(f"--buckets {buckets}: pass a number of timestep buckets >= 1")
@@ -218,13 +296,22 @@ def calibrate(
     layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
     size_list = _parse_sizes(sizes, height, width, frames) if sizes else None
+    for size in size_list or [{"height": height, "width": width, "frames": frames}]:
+        where = f"--sizes {sizes}: " if size_list else ""
+        _check(size_fit_problem(model_dir, size["height"], size["width"], size.get("frames"), where))
     # the mask options are checked by SelectionConfig below (a ConfigError names the flag)
     _check(seed_problem(seed) or device_problem(device) or dtype_problem(dtype))
     indexed = indexed_family(model_dir)  # video or image, where model_index.json tells
     if frames is not None and indexed is not None and not indexed.is_video:
         _fail(f"--frames is for video models; {model_dir} holds an image model ({indexed.models}): leave --frames out")
+    if prompt_list is None and is_demo_pipeline(model_dir) and (model_dir / PROMPTS_FILE).is_file():
+        prompts = model_dir / PROMPTS_FILE  # the demo model's own calibration prompts, in its vocabulary
+        prompt_list = _read_prompts(read_prompts, prompts, num_prompts)
     if prompt_list is None and indexed is not None:
-        prompt_list = _read_prompts(read_prompts, default_prompts_file(indexed.is_video), num_prompts)
+        prompts = default_prompts_file(indexed.is_video)
+        prompt_list = _read_prompts(read_prompts, prompts, num_prompts)
+    if prompt_list is not None and (problem := prompts_problem(model_dir, prompt_list)):
+        _fail(f"--prompts {prompts}: {problem}; pass a file of prompts in its words, e.g. {model_dir / PROMPTS_FILE}")
     try:
         capture_config = CaptureConfig(
             block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,
@@ -449,7 +536,7 @@ def generate(
     frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
     steps: int | None = typer.Option(None, help="denoising steps, >= 1 (default: the pipeline's)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
-    out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png)"),
+    out: Path | None = typer.Option(None, "--out", help="output file: .mp4 or .gif for video, .png or .jpg for images (default: out.mp4 / out.png, or out-2.mp4, ... when it exists: a run never replaces an earlier one's)"),
     compare: bool = typer.Option(False, "--compare", help="also generate dense with the same seed; report PSNR, SSIM, cosine and both times"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
@@ -497,21 +584,26 @@ def generate(
     if compare and result.get("ran_dense") and not linear:
         typer.echo("no PARO vs dense comparison: both runs used the model's own attention")
     elif compare:
-        typer.echo(
-            f"{what} vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}, "
-            f"speedup {result['speedup']:.2f}x"
-        )
+        quality = f"{what} vs dense: PSNR {result['psnr_db']:.2f} dB, SSIM {result['ssim']:.4f}, cosine {result['cosine']:.5f}"
+        if result["device"].startswith("cpu") or backend == "torch":
+            typer.echo(f"{quality}; time dense / PARO {result['speedup']:.2f}x (PARO ran the torch reference op, "
+                       "which emulates the kernels and is no faster than dense; PARO's speed needs the Triton kernels "
+                       "on a CUDA GPU)")
+        else:
+            typer.echo(f"{quality}, speedup {result['speedup']:.2f}x")
 
 
 @app.command(cls=_Command, short_help="Offline demo: dense vs PARO on the bundled demo model (CPU or GPU).")
 def demo(
-    out_dir: Path = typer.Option(Path("paro-demo"), "--out-dir", help="folder for demo.gif, attention PNGs and metrics.json"),
-    density: float = typer.Option(0.5, help="block density of the plan, in (0, 1] (shipped plans: 0.5, 0.3, 0.2, 0.15, "
-                                            "0.1; another density is calibrated first); what each costs: QUALITY.md"),
-    qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16, int8 or int4"),
-    pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16, fp8 or int8"),
+    out_dir: Path | None = typer.Option(None, "--out-dir", show_default=False, help="folder for demo.gif, attention PNGs and metrics.json (default: paro-demo, or paro-demo-2, -3, ... when it exists: a run never replaces an earlier one's)"),
+    density: float = typer.Option(0.5, help="block density of the plan, in (0, 1]: shipped plans 0.5, 0.3, 0.2, 0.15, 0.1; 1 keeps every block (nothing to calibrate); another density is calibrated first, at --steps steps, on the demo's 2 calibration prompts; what each costs: QUALITY.md"),
+    qk: str = typer.Option("bf16", "--qk", help="QK precision: bf16 (no quantization: the model's own type, float32 on a CPU), int8 or int4"),
+    pv: str = typer.Option("bf16", "--pv", help="PV precision: bf16 (no quantization, as --qk), fp8 or int8"),
     steps: int = typer.Option(20, help="denoising steps, >= 1"),
     num_prompts: int = typer.Option(2, help="how many of the demo's 8 prompts to generate, 1 to 8"),
+    height: int | None = typer.Option(None, help="video height in pixels, even, up to 128 (default: 32, the size the shipped plans were calibrated at; they derive their masks at other sizes)"),
+    width: int | None = typer.Option(None, help="video width in pixels, even, up to 128 (default: 32)"),
+    frames: int | None = typer.Option(None, help="video frames, up to 64 (default: 8)"),
     seed: int = typer.Option(0, help="seed of the initial noise"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or cuda (both need a CUDA GPU) or torch"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
@@ -519,15 +611,43 @@ def demo(
     """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO on the same
     seeds, a side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times.
 
-    Runs on the CPU or a CUDA GPU; nothing is downloaded."""
+    Runs on the CPU or a CUDA GPU; nothing is downloaded. `paro demo-pipeline DIR` writes the same model as a
+    diffusers pipeline folder, to try the other commands on."""
     from .demo_model.demo import run_demo
     from .errors import PlanError
 
     try:  # run_demo checks every option and the output folder before the model loads
         run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,
-                 backend=backend, log=typer.echo, progress=True)
+                 backend=backend, height=height, width=width, frames=frames, log=typer.echo, progress=True)
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
+
+
+@app.command("demo-pipeline", cls=_Command,
+             short_help="Write the demo model as a diffusers pipeline folder, to try the other commands offline.")
+def demo_pipeline(
+    directory: Path = typer.Argument(..., metavar="DIR", show_default=False,
+                                     help="new folder to write (an existing one must be empty)"),
+) -> None:
+    """Write the bundled demo model as a diffusers pipeline folder (model_index.json, transformer, text encoder,
+    scheduler, and prompts.txt with calibration prompts in its vocabulary), to try `paro calibrate`, `paro
+    inspect` and `paro generate` offline, on the CPU or a GPU.
+
+    It is the pipeline `paro demo` runs: 8 frames of 32x32 pixels by default, prompts made of the words of its
+    captions (prompts.txt). In Python, `paroattn.demo_model.model.DemoVideoPipeline.from_pretrained(DIR)` loads it."""
+    from .demo_model.pipeline import PROMPTS_FILE, write_demo_pipeline
+
+    try:
+        path = write_demo_pipeline(directory)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {path}: the demo model as a diffusers pipeline (DemoVideoPipeline), and {path / PROMPTS_FILE}")
+    typer.echo("try:")
+    typer.echo(f"  paro calibrate {path} --prompts {path / PROMPTS_FILE} --out demo-d0.3.safetensors --density 0.3 "
+               "--steps 10 --num-prompts 1 --device cpu")
+    typer.echo("  paro inspect demo-d0.3.safetensors --png figures/")
+    typer.echo(f"  paro generate {path} --plan demo-d0.3.safetensors --prompt \"red circle moving left quickly, cloudy "
+               "background\" --steps 10 --compare --out demo.gif --device cpu")
 
 
 if __name__ == "__main__":

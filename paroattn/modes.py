@@ -20,3 +20,13 @@ def modes_problem(qk: str, pv: str) -> str | None:
     if pv not in PV_MODES:
         wrong.append(f"pv={pv!r} is not one of {PV_MODES}")
     return "; ".join(wrong) or None
+
+
+def mode_flags_problem(qk: str, pv: str) -> str | None:
+    """`modes_problem` as the command line says it, naming the flags `--qk` and `--pv`, or None."""
+    wrong = []
+    if qk not in QK_MODES:
+        wrong.append(f"--qk {qk!r} is not one of {', '.join(QK_MODES)}")
+    if pv not in PV_MODES:
+        wrong.append(f"--pv {pv!r} is not one of {', '.join(PV_MODES)}")
+    return "; ".join(wrong) + ": pass one of them" if wrong else None

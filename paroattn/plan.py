@@ -54,6 +54,17 @@ def model_fingerprint(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """`safetensors.torch.save_file`, with the file's permissions those of any file this process creates
+    (0644 under the usual umask 022), not the 0600 that safetensors gives it."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    umask = os.umask(0o022)  # reading the umask means setting it: set it straight back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """bool tensor -> uint8 [ceil(numel/8)], little-endian bit order within a byte."""
     flat = mask.reshape(-1).to(torch.uint8)
@@ -426,8 +437,6 @@ class Plan:
         return meta, {prefix + name: t for name, t in tensors.items()}
 
     def save(self, path: str | os.PathLike) -> None:
-        from safetensors.torch import save_file
-
         meta, tensors = self._stored()
         if self.extra_shapes:
             meta["extra_shapes"] = []
@@ -436,7 +445,7 @@ class Plan:
                 meta["extra_shapes"].append({key: other_meta[key] for key in (
                     "layout", "block_mask_shape", "target_density", "prompts", "info")})
                 tensors.update(other_tensors)
-        save_file(tensors, os.fspath(path), metadata={METADATA_KEY: json.dumps(meta)})
+        write_safetensors(tensors, path, {METADATA_KEY: json.dumps(meta)})
 
     @classmethod
     def _from_stored(cls, meta: dict, shape_meta: dict, tensors: dict[str, torch.Tensor], prefix: str,

@@ -7,6 +7,7 @@ evaluation prompts (`demo.EVAL_PROMPTS`) from every seed, compared with the dens
 seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 
     python scripts/demo_model_quality.py --out /tmp/quality --ship paroattn/demo_model/assets/plans   # GPU: ~2 min
+    python scripts/demo_model_quality.py --out /tmp/quality --add-profiles paroattn/demo_model/assets/plans
     python scripts/demo_model_quality.py --out /tmp/q --grid 0.5:bf16:calibrated,identity --steps 2 --eval-prompts 1
     python scripts/demo_model_quality.py --out DIR --grid "1:bf16:fp8 linear" \
         --grid "0.5,0.2:int8fp8:calibrated,fp8 linear"
@@ -97,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=None, help="video width in pixels (default: the model's)")
     p.add_argument("--ship-densities", default=",".join(f"{d:g}" for d in demo.SHIPPED_DENSITIES),
                    help="densities of the plans --ship writes")
+    p.add_argument("--add-profiles", type=Path, default=None,
+                   help="capture once as --ship does and write its axis profiles into the plans in this folder, "
+                        "keeping their orders, masks and stats files (what the quality summary measured); then stop")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     return p.parse_args(argv)
 
@@ -173,6 +177,16 @@ def main(argv=None) -> int:
                 f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
         return captures[name]
 
+    if args.add_profiles is not None:
+        if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
+            raise SystemExit("--add-profiles completes the demo's plans: drop --model-dir, the size and the block options")
+        stats = stats_for("two")
+        for density in (float(d) for d in args.ship_densities.split(",")):
+            path = args.add_profiles / demo.shipped_plan_path(density).name
+            add_profiles(path, stats, args.device, str(dtype))
+            say(f"added axis profiles to {path}")
+        (args.out / "quality_log.txt").write_text("\n".join(log) + "\n")
+        return 0
     if args.ship is not None:
         if args.model_dir is not None or size or args.block_size != 64 or args.query_block not in (None, 64):
             raise SystemExit("--ship writes the demo's plans: the shipped model at its size, 64-token blocks; "
@@ -276,6 +290,26 @@ def _torchao_version() -> str | None:
     except ImportError:
         return None
     return torchao.__version__
+
+
+def add_profiles(path: Path, stats, device: str, dtype: str) -> None:
+    """Write the axis profiles of capture `stats` into the plan at `path`, which must have been calibrated with
+    the same layout, buckets, prompts and steps; its orders, masks and everything else stay as they are. The plan
+    records where its profiles come from (`info["profiles_capture"]`)."""
+    import dataclasses
+
+    from paroattn.plan import FORMAT_VERSION, Plan
+
+    plan = Plan.load(path)
+    calibration = plan.info.get("calibration", {})
+    same = (stats.layout == plan.layout and stats.config.edges() == plan.bucket_edges and stats.prompts == plan.prompts
+            and stats.config.steps == calibration.get("steps") and stats.config.stat_every == calibration.get("stat_every"))
+    if not same:
+        raise SystemExit(f"{path} was calibrated with another layout, buckets, prompts or steps than this capture")
+    capture = {"device": device, "dtype": dtype, "torch": torch.__version__, "steps": stats.config.steps,
+               "profile_queries": stats.config.profile_queries, "seed": stats.config.seed}
+    dataclasses.replace(plan, profiles=stats.profiles.finalize(), format_version=FORMAT_VERSION,
+                        info={**plan.info, "profiles_capture": capture}).save(path)
 
 
 def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) -> dict:

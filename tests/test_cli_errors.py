@@ -113,7 +113,7 @@ def test_generate_compare_checks_the_plan_before_the_dense_pass(tmp_path):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "8 + 1x6x6" in result.output and "8 + 1x8x6" in result.output
-    assert "paro calibrate MODEL_DIR --height 128 --width 96" in result.output
+    assert f"paro calibrate {tmp_path / 'model'} --height 128 --width 96" in result.output  # the folder given
     assert "dense run" not in result.output
     assert files_under(tmp_path) == before  # no x_dense.png
 
@@ -362,8 +362,12 @@ no_cuda = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ch
     (["--num-prompts", "9"], ["--num-prompts 9", "1 to 8"]),
     (["--density", "0"], ["--density 0.0", "(0, 1]"]),
     (["--density", "1.5"], ["--density 1.5", "(0, 1]"]),
-    (["--qk", "int3"], ["qk='int3'", "--qk one of bf16, int8, int4"]),
-    (["--pv", "fp4"], ["pv='fp4'", "--pv one of bf16, fp8, int8"]),
+    (["--qk", "int3"], ["--qk 'int3' is not one of bf16, int8, int4"]),
+    (["--pv", "fp4"], ["--pv 'fp4' is not one of bf16, fp8, int8"]),
+    (["--height", "63"], ["--height 63", "2 to 128 pixels, in multiples of 2"]),
+    (["--width", "130"], ["--width 130", "2 to 128 pixels"]),
+    (["--frames", "65"], ["--frames 65", "1 to 64 frames"]),
+    (["--density", "nan"], ["--density nan", "(0, 1]"]),
     (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
     (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
     (["--device", "cuda:x"], ["--device 'cuda:x'", "cuda, cuda:N or cpu"]),
@@ -412,7 +416,8 @@ def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_it_did_not(tmp_p
     (["--num-prompts", "0"], ["--num-prompts 0", ">= 1"]),
     (["--density", "0"], ["--density 0.0", "(0, 1]"]),
     (["--density", "0", "--dense-steps", "0.2"], ["--density 0.0", "(0, 1]"]),
-    (["--qk", "int3"], ["qk='int3'", "--qk one of"]),
+    (["--qk", "int3"], ["--qk 'int3' is not one of bf16, int8, int4"]),
+    (["--out", "plan.pt"], ["--out plan.pt", "ending in .safetensors"]),
     (["--steps", "0"], ["--steps 0", ">= 1"]),
     (["--height", "0"], ["--height 0", "pixels >= 1"]),
     (["--width", "-8"], ["--width -8", "pixels >= 1"]),
@@ -561,7 +566,7 @@ def test_inspect_shows_prompts_whole_or_cut_at_a_word(tmp_path):
 
 # -- help and version ------------------------------------------------------------------------------
 
-COMMANDS = ["inspect", "calibrate", "generate", "demo", "bench"]
+COMMANDS = ["inspect", "calibrate", "generate", "demo", "demo-pipeline", "bench"]
 
 
 def test_version():
@@ -598,7 +603,7 @@ def test_help_lists_every_supported_family(command):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["demo", "--steps", "abc"], ["--steps", "integer", "`paro demo --help`"]),
+    (["demo", "--steps", "abc"], ["--steps 'abc': expected an integer", "`paro demo --help`"]),
     (["demo", "--frobnicate"], ["No such option: --frobnicate", "`paro demo --help`"]),
     (["calibrate", "x"], ["Missing option '--out'", "`paro calibrate --help`"]),
     (["generate"], ["Missing argument 'MODEL_DIR'", "`paro generate --help`"]),

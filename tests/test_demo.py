@@ -165,8 +165,9 @@ def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
     from paroattn.plan import Plan
 
     lines = []
+    # at 4 frames of 16 x 16 pixels (256 tokens, 4 x 4 blocks), where the statistics take seconds on a CPU
     report = run_demo(tmp_path, density=0.4, steps=1, num_prompts=1, calibration_steps=2, device="cpu",
-                      log=lines.append, progress=True)
+                      height=16, width=16, frames=4, log=lines.append, progress=True)
     assert any("no shipped plan for density 0.4" in line for line in lines)
     shown = capsys.readouterr()
     assert "layers" in shown.out + shown.err and "2/2" in shown.out + shown.err  # the calibration's bars
@@ -190,7 +191,7 @@ def test_metrics_of_identical_videos_are_written_as_json(tmp_path):
 def test_demo_rejects_unknown_precision(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--out-dir", str(tmp_path / "d"), "--qk", "int3"])
     assert result.exit_code == 2
-    assert "qk='int3' is not one of ('bf16', 'int8', 'int4')" in result.output
+    assert "--qk 'int3' is not one of bf16, int8, int4" in result.output
     assert not (tmp_path / "d").exists()
 
 
@@ -235,3 +236,19 @@ def test_difference_gain_keeps_the_panel_below_white():
     assert gain == 2.0 and (np.abs(dense - large) * gain).max() <= 1.0
     assert difference_gain(dense, dense + 1.0) == 1.0  # never below 1
 
+
+
+@pytest.mark.parametrize("density", [0.5, 0.1])
+def test_shipped_plans_hold_axis_profiles_and_serve_other_sizes(density):
+    """The shipped plans are in the current format, with the axis profiles that derive masks for any size."""
+    from paroattn import TokenLayout
+    from paroattn.demo_model.demo import shipped_plan_path
+    from paroattn.plan import FORMAT_VERSION, Plan
+    from paroattn.shapes import derive_plan
+
+    plan = Plan.load(shipped_plan_path(density))
+    assert plan.format_version == FORMAT_VERSION and plan.profiles is not None
+    assert plan.layout == TokenLayout(0, 8, 16, 16)  # calibrated at the model's 8 frames of 32 x 32 pixels
+    derived = derive_plan(plan, TokenLayout(0, 4, 12, 12))
+    assert derived.layout == TokenLayout(0, 4, 12, 12)
+    assert abs(derived.achieved_density() - plan.achieved_density()) < 0.1

@@ -220,7 +220,7 @@ def test_plan_for_another_config_head_count_or_layer_count(model):
     three_heads = Plan.synthetic(layout=plan.layout, num_layers=plan.num_layers, num_heads=3, block_size=TINY_BLOCK)
     with pytest.raises(PlanError) as excinfo:
         apply(transformer, three_heads)
-    check_plan_error(excinfo, "plan has 3 heads", "this model has [2]")
+    check_plan_error(excinfo, "plan has 3 heads", "this model has 2")
 
     missing = Plan.synthetic(layout=plan.layout, num_layers=plan.num_layers - 1, num_heads=2, block_size=TINY_BLOCK)
     with pytest.raises(PlanError) as excinfo:
@@ -473,7 +473,9 @@ def test_generate_command_compare(tmp_path, family, suffix):
     line = next(line for line in result.output.splitlines() if line.startswith("PARO vs dense"))
     psnr = float(line.split("PSNR ")[1].split(" dB")[0])
     assert 10.0 < psnr < 80.0  # sparse attention changes the output, but not into noise
-    assert "SSIM" in line and "cosine" in line and "speedup" in line
+    assert "SSIM" in line and "cosine" in line
+    # a speedup on a GPU; on a CPU, the time ratio and that the torch reference ran
+    assert ("speedup" in line) if torch.cuda.is_available() else ("dense / PARO" in line and "torch reference" in line)
 
 
 def test_generate_command_reports_a_plan_that_does_not_fit(tmp_path):
@@ -487,4 +489,4 @@ def test_generate_command_reports_a_plan_that_does_not_fit(tmp_path):
                                       "--steps", "1", "--out", str(tmp_path / "x.png")])
     assert result.exit_code == 2
     assert "8 + 1x6x6" in result.output and "8 + 1x8x6" in result.output
-    assert "paro calibrate MODEL_DIR --height 128 --width 96" in result.output
+    assert f"paro calibrate {tmp_path / 'model'} --height 128 --width 96" in result.output

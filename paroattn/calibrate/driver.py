@@ -326,7 +326,7 @@ def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) ->
     maps (averaged over steps and prompts) in the original and the chosen order for the figure
     layers, kept attention mass per (bucket, layer, head) and the order scores. The plan records
     where the stats file is (`info["stats_file"]`, absolute and by name)."""
-    from safetensors.torch import save_file
+    from ..plan import write_safetensors
 
     path = Path(path)
     stats = stats_path_for(path)
@@ -341,7 +341,7 @@ def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) ->
         tensors["figure_original"] = result.figure_original.contiguous()
         tensors["figure_reordered"] = result.figure_reordered.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(stats), metadata={"paroattn_stats": "1"})
+    write_safetensors(tensors, stats, {"paroattn_stats": "1"})
     plan.save(path)
     return path, stats
 

@@ -8,8 +8,9 @@ Plans come from the calibration driver (`paroattn.calibrate.driver`): the qualit
 (`scripts/demo_model_quality.py`) captures the block statistics once over the calibration prompts
 (`study_config`: one batch, every step) for every candidate order and for the identity order alone,
 then builds a plan for each density, quantization and order metric from them with
-`plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them or,
-for a density that was not shipped, calibrates with `paroattn.calibrate.calibrate`.
+`plan_from_stats`. The plans shipped in `assets/plans/` were made that way; `paro demo` uses them (at any
+size: they hold axis profiles), a full-density plan for density 1, or, for a density that was not shipped,
+calibrates the same way at the run's steps and size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modes import PV_MODES, QK_MODES, modes_problem
 from ..plan import Plan
 from .model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 
@@ -286,28 +286,99 @@ def density_cost_line(path: Path = QUALITY_SUMMARY) -> str | None:
     return (f"PARO vs dense by density on this model (qk={summary['qk']} pv={summary['pv']}, {summary['eval_prompts']} held-out prompts x "
             f"{len(summary['seeds'])} seeds, {summary['device']}): {cells}; QUALITY.md")
 
+DEFAULT_OUT_DIR = "paro-demo"
+
+
+def default_out_dir(parent: Path = Path(".")) -> Path:
+    """Where a demo run without --out-dir writes: `paro-demo`, or `paro-demo-2`, `paro-demo-3`, ... when that
+    exists, so that no run replaces the results of an earlier one."""
+    candidate, n = parent / DEFAULT_OUT_DIR, 1
+    while candidate.exists():
+        n += 1
+        candidate = parent / f"{DEFAULT_OUT_DIR}-{n}"
+    return candidate
+
+
+def precision_label(mode: str, dtype: torch.dtype) -> str:
+    """What a qk or pv mode computes in with a model of `dtype`: "bf16" names the inputs' own type, which is
+    float32 for the demo model on a CPU ("fp32"); the quantized modes are themselves."""
+    if mode != "bf16":
+        return mode
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
+def demo_size(height: int | None = None, width: int | None = None, frames: int | None = None) -> dict:
+    """num_frames / height / width of a demo run, the model's (VIDEO_SHAPE) where not given."""
+    from .model import VIDEO_SHAPE
+
+    return {"num_frames": frames if frames is not None else VIDEO_SHAPE["num_frames"],
+            "height": height if height is not None else VIDEO_SHAPE["height"],
+            "width": width if width is not None else VIDEO_SHAPE["width"]}
+
+
+def demo_size_problem(height: int | None, width: int | None, frames: int | None) -> str | None:
+    """Why the demo model cannot generate this size, or None (None: the model's own). It denoises pixels in
+    patches of 1 x 2 x 2 (frames x pixels) and its RoPE tables cover `rope_max_seq_len` patches along each axis:
+    heights and widths are even and at most twice that, frames at most that."""
+    from .model import TRANSFORMER_CONFIG, VIDEO_SHAPE
+
+    patch, rope = TRANSFORMER_CONFIG["patch_size"], TRANSFORMER_CONFIG["rope_max_seq_len"]
+    for flag, value, step in (("--height", height, patch[1]), ("--width", width, patch[2]),
+                              ("--frames", frames, patch[0])):
+        if value is None:
+            continue
+        what = "frames" if flag == "--frames" else "pixels"
+        default = VIDEO_SHAPE["num_frames" if flag == "--frames" else flag[2:]]
+        if not (step <= value <= rope * step and value % step == 0):
+            multiples = f", in multiples of {step}" if step > 1 else ""
+            return (f"{flag} {value}: the demo model takes {step} to {rope * step} {what}{multiples} (patches of "
+                    f"{'x'.join(str(p) for p in patch)}, position tables {rope} patches long); pass e.g. {flag} "
+                    f"{default * 3 // 2 // step * step}, or leave {flag} out for its {default}")
+    return None
+
+
+def full_density_plan(pipe, size: dict) -> Plan:
+    """A plan that keeps every block at the size of this run, in the original token order: PARO computing what
+    the model's own attention computes, with no calibration."""
+    from ..pipelines import layout_for, self_attention_layers
+    from ..plan import model_fingerprint
+
+    transformer = pipe.transformer
+    layout = layout_for(pipe, height=size["height"], width=size["width"], frames=size["num_frames"])
+    return Plan.synthetic(layout=layout, num_layers=len(self_attention_layers(transformer)),
+                          num_heads=transformer.config.num_attention_heads, density=1.0,
+                          model_class=type(transformer).__name__,
+                          model_fingerprint=model_fingerprint(transformer.config))
+
 
 def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], None],
                  calibration_steps: int = DEFAULT_STEPS, out: Path | None = None,
-                 progress: bool = False) -> tuple[Plan, Path | None, Path | None]:
-    """The shipped plan for `density` with this run's qk/pv, or a fresh calibration when none was
-    shipped for that density (saved as `out/plan.safetensors` with its stats file). Returns the
-    plan, the absolute path of its file (None for a calibration that was not saved) and its stats file."""
+                 progress: bool = False, size: dict | None = None) -> tuple[Plan, Path | None, Path | None]:
+    """The plan of a demo run, with this run's qk/pv: for density 1 a full-density plan (nothing to calibrate);
+    the shipped plan of `density` when there is one (at another `size` it derives its masks there); else a
+    calibration as the shipped plans were made (`study_config`, `study_selection`: the demo's calibration
+    prompts, every step captured) at `calibration_steps` steps and this run's size, saved as
+    `out/plan.safetensors` with its stats file. Returns the plan, the absolute path of its file (None for a
+    plan that was not saved) and its stats file."""
+    size = size or demo_size()
+    if density >= 1.0:
+        log("plan: full density (every block kept, original token order; nothing to calibrate)")
+        return dataclasses.replace(full_density_plan(pipe, size), qk=qk, pv=pv), None, None
     path = shipped_plan_path(density).resolve()
     if path.is_file():
         plan = Plan.load(path)
         log(f"plan: {path} (achieved density {plan.achieved_density():.3f})")
         stats = path.with_name(path.name[: -len(".safetensors")] + ".stats.safetensors")
         return dataclasses.replace(plan, qk=qk, pv=pv), path, stats if stats.is_file() else None
-    from ..calibrate.config import CaptureConfig, SelectionConfig
     from ..calibrate.driver import calibrate, save_calibration, stats_path_for
 
-    log(f"no shipped plan for density {density} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}): "
-        f"calibrating on {len(CALIBRATION_PROMPTS)} prompts, {calibration_steps} steps")
+    log(f"no shipped plan for density {density:g} (shipped: {', '.join(f'{d:g}' for d in SHIPPED_DENSITIES)}, and 1): "
+        f"calibrating one as they were made, on the demo's {len(CALIBRATION_PROMPTS)} calibration prompts (held out "
+        f"from the generated ones) at this run's {calibration_steps} steps and size")
     start = time.perf_counter()
-    # the pipeline draws its noise on the CPU on every device: so does the calibration's generator
-    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, CaptureConfig(steps=calibration_steps, generator_device="cpu"),
-                             SelectionConfig(density=density, qk=qk, pv=pv), progress=progress)
+    # the pipeline draws its noise on the CPU on every device: so does the calibration's generator (study_config)
+    plan, result = calibrate(pipe, CALIBRATION_PROMPTS, study_config(calibration_steps, size=size),
+                             study_selection(density, qk=qk, pv=pv), progress=progress)
     log(f"calibrated in {time.perf_counter() - start:.1f} s")
     if out is None:
         return plan, None, None
@@ -318,40 +389,47 @@ def resolve_plan(pipe, density: float, qk: str, pv: str, log: Callable[[str], No
 
 
 def demo_problem(*, density: float, qk: str, pv: str, steps: int, num_prompts: int, seed: int, backend: str,
-                 device: str | None) -> str | None:
+                 device: str | None, height: int | None = None, width: int | None = None,
+                 frames: int | None = None) -> str | None:
     """Why `paro demo`'s options cannot run, or None: checked before the output folder is made and the model
     loads."""
     from ..attention import BACKENDS
+    from ..modes import mode_flags_problem
     from ..pipelines.generate import backend_device_problem, device_problem, seed_problem
 
-    if problem := modes_problem(qk, pv):
-        return f"{problem}: pass --qk one of {', '.join(QK_MODES)} and --pv one of {', '.join(PV_MODES)}"
-    if not 0.0 < density <= 1.0:
+    if problem := mode_flags_problem(qk, pv):
+        return problem
+    if not math.isfinite(density) or not 0.0 < density <= 1.0:
         return f"--density {density}: pass a block density in (0, 1] (1 keeps every block)"
     if steps < 1:
         return f"--steps {steps}: pass a number of denoising steps >= 1"
     if not 1 <= num_prompts <= len(EVAL_PROMPTS):
         return f"--num-prompts {num_prompts}: pass 1 to {len(EVAL_PROMPTS)} (the demo has {len(EVAL_PROMPTS)} prompts)"
+    if problem := demo_size_problem(height, width, frames):
+        return problem
     if backend not in BACKENDS:
         return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"
     return seed_problem(seed) or device_problem(device) or backend_device_problem(backend, device)
 
 
-def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_QK, pv: str = DEFAULT_PV,
-             steps: int = DEFAULT_STEPS,
-             num_prompts: int = 2, seed: int = 0, device: str | None = None, backend: str = "auto",
-             heads: list[tuple[int, int]] | None = None, calibration_steps: int = DEFAULT_STEPS,
-             log: Callable[[str], None] = print, progress: bool = False) -> dict:
-    """Dense vs PARO on the demo model; writes demo.gif, attention PNGs and metrics.json into
-    `out` and returns the metrics. `progress`: step bars for the dense and PARO passes and the
-    calibration (on stderr). Every option is checked before anything is written; a run that fails
-    removes the folder it made."""
+def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_QK,
+             pv: str = DEFAULT_PV, steps: int = DEFAULT_STEPS, num_prompts: int = 2, seed: int = 0,
+             device: str | None = None, backend: str = "auto", height: int | None = None,
+             width: int | None = None, frames: int | None = None, heads: list[tuple[int, int]] | None = None,
+             calibration_steps: int | None = None, log: Callable[[str], None] = print,
+             progress: bool = False) -> dict:
+    """Dense vs PARO on the demo model; writes demo.gif, attention PNGs and metrics.json into `out` (default: a
+    new folder, `default_out_dir`) and returns the metrics. `height`, `width` (pixels) and `frames`: the size
+    of the videos (default: the model's 32 x 32 x 8; the shipped plans derive their masks at other sizes).
+    `calibration_steps`: steps of the calibration of a density that was not shipped (default: `steps`).
+    `progress`: step bars for the dense and PARO passes and the calibration (on stderr). Every option is checked
+    before anything is written; a run that fails removes the folder it made."""
     from ..pipelines.generate import folder_problem
 
     if problem := demo_problem(density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
-                               backend=backend, device=device):
+                               backend=backend, device=device, height=height, width=width, frames=frames):
         raise ValueError(problem)
-    out = Path(out)
+    out = Path(out) if out is not None else default_out_dir()
     made = None  # the outermost folder this run creates, removed again if the run fails
     for folder in (out, *out.parents):
         if folder.exists():
@@ -361,7 +439,8 @@ def run_demo(out: Path, *, density: float = DEFAULT_DENSITY, qk: str = DEFAULT_Q
         raise ValueError(problem)
     try:
         return _run_demo(out, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
-                         device=device, backend=backend, heads=heads, calibration_steps=calibration_steps, log=log,
+                         device=device, backend=backend, size=demo_size(height, width, frames), heads=heads,
+                         calibration_steps=calibration_steps if calibration_steps is not None else steps, log=log,
                          progress=progress)
     except BaseException:
         if made is not None:  # nothing of a failed run stays behind
@@ -381,24 +460,27 @@ def _finite(value):
     return value
 
 
-def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, backend, heads, calibration_steps,
-              log, progress) -> dict:
+def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, backend, size, heads,
+              calibration_steps, log, progress) -> dict:
     from .model import load_demo_pipeline
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     prompts = EVAL_PROMPTS[:num_prompts]
-    log(f"demo model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), "
-        f"{num_prompts} prompt(s), {steps} steps, guidance {DEFAULT_GUIDANCE}")
+    labels = f"{precision_label(qk, dtype)}/{precision_label(pv, dtype)}"
+    log(f"demo model: {ASSETS} on {device} ({str(dtype).replace('torch.', '')}), {num_prompts} prompt(s), "
+        f"{size['num_frames']} frames of {size['height']}x{size['width']}, {steps} steps, guidance {DEFAULT_GUIDANCE}; "
+        f"writing to {out}")
     pipe = load_demo_pipeline(device=device, dtype=dtype)
-    plan, plan_path, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress)
+    plan, plan_path, stats_file = resolve_plan(pipe, density, qk, pv, log, calibration_steps, out, progress=progress,
+                                               size=size)
 
-    dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed, progress="dense" if progress else None)
+    dense, dense_t = sample(pipe, prompts, steps=steps, seed=seed, progress="dense" if progress else None, size=size)
     log(f"dense: {dense_t['total_s']:.1f} s total, {dense_t['attention_s']:.1f} s in self-attention layers")
-    paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend,
+    paro, paro_t = run_with_plan(pipe, plan, prompts, steps=steps, seed=seed, backend=backend, size=size,
                                  progress=f"PARO d={plan.achieved_density():.2f}" if progress else None)
-    log(f"PARO d={plan.achieved_density():.2f} qk={qk} pv={pv}: {paro_t['total_s']:.1f} s total, "
-        f"{paro_t['attention_s']:.1f} s in self-attention layers")
+    log(f"PARO d={plan.achieved_density():.2f} qk={precision_label(qk, dtype)} pv={precision_label(pv, dtype)}: "
+        f"{paro_t['total_s']:.1f} s total, {paro_t['attention_s']:.1f} s in self-attention layers")
     if not device.startswith("cuda") or backend == "torch":
         log("  (PARO ran the torch reference op, which emulates the kernels exactly but is no faster than "
             "dense; the speedups are the Triton kernels' on a GPU: BENCHMARKS.md)")
@@ -416,7 +498,7 @@ def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, b
     gain = difference_gain(dense, paro)
     difference = f"|dense - PARO| x{gain:g}"
     rows = [[d, p, (np.abs(d - p) * gain).clip(0, 1)] for d, p in zip(dense, paro)]
-    gif = write_gif(side_by_side(rows, labels=["dense", f"PARO d={plan.achieved_density():.2f} {qk}/{pv}", difference],
+    gif = write_gif(side_by_side(rows, labels=["dense", f"PARO d={plan.achieved_density():.2f} {labels}", difference],
                                  row_labels=[f"{i + 1}: {prompt}" for i, prompt in enumerate(prompts)]),
                     out / "demo.gif")
     log(f"wrote {gif}  (one row per prompt; left: dense, middle: PARO, right: |dense - PARO| x{gain:g}, clipped "
@@ -433,8 +515,9 @@ def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, b
         log(f"attention pictures skipped: {exc}")
     report = {
         "prompts": prompts, "steps": steps, "seed": seed, "device": device, "dtype": str(dtype),
-        "plan": str(plan_path), "target_density": density, "density": plan.achieved_density(),
-        "qk": qk, "pv": pv, "backend": backend,
+        "size": {"frames": size["num_frames"], "height": size["height"], "width": size["width"]},
+        "plan": None if plan_path is None else str(plan_path), "target_density": density,
+        "density": plan.achieved_density(), "qk": qk, "pv": pv, "computed_in": labels, "backend": backend,
         "metrics": metrics, "per_prompt": per_prompt, "dense_time": dense_t, "paro_time": paro_t,
         "gif": str(gif), "gif_difference_gain": gain, "pictures": pictures,
     }

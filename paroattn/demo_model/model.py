@@ -76,21 +76,32 @@ class WordTextEncoder(ModelMixin, ConfigMixin):
         max_words = self.config.max_words
         ids = torch.zeros(len(prompts), max_words, dtype=torch.long)
         for b, prompt in enumerate(prompts):
-            words = prompt.replace(",", " ").lower().split()
-            unknown = [w for w in words if w not in self._index or w == PAD]
-            if unknown:
-                raise ValueError(
-                    f"prompt {prompt!r} has words the demo model does not know: {unknown}; "
-                    f"its vocabulary is {list(self.config.vocabulary[1:])}"
-                )
-            if len(words) > max_words:
-                raise ValueError(f"prompt {prompt!r} has {len(words)} words; the demo model reads at most {max_words}")
+            if problem := prompt_problem(prompt, self.config.vocabulary, max_words):
+                raise ValueError(problem)
+            words = prompt_words(prompt)
             ids[b, : len(words)] = torch.tensor([self._index[w] for w in words], dtype=torch.long)
         return ids
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.words(ids) + self.positions[: ids.shape[1]]
         return self.norm(self.layers(x))
+
+
+def prompt_words(prompt: str) -> list[str]:
+    """The words the text encoder reads from a prompt: lower case, commas as spaces."""
+    return prompt.replace(",", " ").lower().split()
+
+
+def prompt_problem(prompt: str, vocabulary, max_words: int) -> str | None:
+    """Why the text encoder cannot read `prompt`, or None: words outside its vocabulary, or too many words."""
+    words = prompt_words(prompt)
+    known = set(vocabulary) - {PAD}
+    if unknown := [w for w in words if w not in known]:
+        return (f"prompt {prompt!r} has words the demo model does not know: {unknown}; its vocabulary is "
+                f"{[w for w in vocabulary if w != PAD]}")
+    if len(words) > max_words:
+        return f"prompt {prompt!r} has {len(words)} words; the demo model reads at most {max_words}"
+    return None
 
 
 @dataclass
@@ -151,8 +162,10 @@ class DemoVideoPipeline(DiffusionPipeline):
         uncond = self.encode_prompt(negatives) if guidance_scale > 1.0 else None
         shape = (len(prompts), self.transformer.config.in_channels, num_frames, height, width)
         if latents is None:
-            # drawn on the CPU so a seed gives the same video on every device
-            latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+            # drawn on the generator's device, the CPU without one: a CPU generator gives the same video on every
+            # device (a CUDA generator, as calibration makes on a GPU, draws there)
+            where = generator.device if generator is not None else torch.device("cpu")
+            latents = torch.randn(shape, generator=generator, dtype=torch.float32, device=where)
         latents = latents.to(device=device, dtype=torch.float32)
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         for i, t in enumerate(self.progress_bar(self.scheduler.timesteps)):

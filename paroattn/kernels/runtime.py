@@ -14,7 +14,8 @@ Per device (`runtime_of(device)`):
 
 Per process (`PROCESS`): the combinations of the op's non-tensor arguments checked already, the pinned
 Triton configs (`set_kernel_config`), the launchers of the Triton kernels and what they share
-(`launcher.LaunchState`), and the processors bound to transformers (`pipelines.binding`).
+(`launcher.LaunchState`), the processors bound to transformers (`pipelines.binding`) and what `apply` changed
+on each transformer (`pipelines._Patch`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class Process:
         # processors bound to transformers, by token (traced code finds its binding from a constant)
         self.bindings: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.tokens = itertools.count()
+        # what `paroattn.apply` changed on each transformer it patched (`pipelines._Patch`): the processors to
+        # restore, whichever of its handles is removed
+        self.patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._decoded: dict[str, dispatch.Launch] = {}
 
     def launch_of(self, code: str) -> dispatch.Launch:

@@ -5,7 +5,6 @@
     handle.remove()                              # the original processors, bit-exact
 
     handle = paroattn.apply(pipe, load_plans(path))   # an expert pair (Wan 2.2 A14B): each expert its own plan
-    handle = paroattn.apply(pipe, plan, linear="fp8") # and the blocks' linear layers in fp8 (paroattn.linear)
 
     pipe.transformer.set_attn_processor(PAROProcessor(plan))   # also works: the instance finds its layers
 
@@ -19,10 +18,12 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 
 from ..errors import PlanError
+from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
 from .base import CallInputs, FamilyAdapter, pixel_scale_of
@@ -70,42 +71,95 @@ def layout_for(pipe_or_transformer, *, height: int, width: int, frames: int | No
 
 
 def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
-    """Put `processor` on `keys`, keep every other processor; return the originals to restore."""
-    originals = dict(transformer.attn_processors)
-    missing = [key for key in keys if key not in originals]
+    """Put `processor` on `keys`, keep every other processor; return the processors it replaced. The attention
+    backend and parallel config come from the processor serving the first key now."""
+    current = dict(transformer.attn_processors)
+    missing = [key for key in keys if key not in current]
     if missing:
         raise RuntimeError(f"the transformer has no attention processors named {missing[:3]}; diffusers changed its layout")
-    first = originals[keys[0]]
+    first = current[keys[0]]
     for name in ("_attention_backend", "_parallel_config"):  # (CogVideoX's processor has neither: keep the processor's)
         setattr(processor, name, getattr(first, name, getattr(processor, name, None)))
     for delegate in binding.delegates.values():
         binding.sync_delegate(delegate)
-    replacement = dict(originals)
+    replacement = dict(current)
     for key in keys:
         replacement[key] = processor
     transformer.set_attn_processor(replacement)  # diffusers empties the dict it is given
-    return originals
+    return current
+
+
+class _Patch:
+    """What `apply` changed on one transformer: the processors it had before the first apply, and the PARO
+    processor serving it now. A later apply on the same transformer replaces the processor and keeps the
+    originals; every handle of those applies shares this record, so any of them restores the originals."""
+
+    def __init__(self, transformer, originals: dict):
+        self.transformer_ref = weakref.ref(transformer)
+        self.originals = originals
+        self.processor: PAROProcessor | None = None
+        self.binding: Binding | None = None
+
+    @property
+    def live(self) -> bool:
+        """Whether this record's processor still serves its transformer (not restored, not replaced by hand)."""
+        return (self.binding is not None and self.binding.installed()
+                and PROCESS.patches.get(self.transformer_ref()) is self)
+
+    def serve(self, processor: PAROProcessor, binding: Binding) -> None:
+        """Make `processor` (installed by the caller) the one this record restores from; unbind the one before."""
+        old = (self.processor, self.binding)
+        self.processor, self.binding = processor, binding
+        if old[0] is not None:
+            old[0].unbind(old[1])
+
+    def restore(self) -> None:
+        """Put the original processors back and unbind PARO's; nothing when already done."""
+        transformer = self.transformer_ref()
+        if self.processor is None:
+            return
+        if transformer is not None and self.live:
+            transformer.set_attn_processor(dict(self.originals))
+        self.processor.unbind(self.binding)
+        self.processor, self.binding = None, None
+        if transformer is not None and PROCESS.patches.get(transformer) is self:
+            del PROCESS.patches[transformer]
+
+
+def _patch_of(transformer) -> _Patch | None:
+    """The record of an `apply` whose processor still serves `transformer`, or None. A record whose processors
+    were replaced by hand since (set_attn_processor) is dropped: the transformer counts as unpatched."""
+    patch = PROCESS.patches.get(transformer)
+    if patch is not None and not patch.live:
+        patch.restore()  # unbinds only: its processors no longer serve the transformer
+        patch = None
+    return patch
 
 
 class PAROHandle:
-    """What `apply` returns: `remove()` puts the original processors (and, after linear="fp8", the original
-    linear weights) back; `stats()` reports masks; `linears` the fp8 linear layers (`paroattn.linear.FP8Linears`)
-    or None. For an expert pair, `experts` holds each expert's own handle (this one is the first expert's)."""
+    """What `apply` returns: `remove()` puts back the processors the transformer had before PARO was first
+    applied to it (and, after linear="fp8", the original linear weights); `stats()` reports masks; `linears` the
+    fp8 linear layers (`paroattn.linear.FP8Linears`) or None. For an expert pair, `experts` holds each expert's
+    own handle (this one is the first expert's).
 
-    def __init__(self, transformer, processor: PAROProcessor | None, binding: Binding | None, originals: dict | None,
-                 expert: str = ""):
+    Applying again to a transformer PARO already runs replaces the plan: the new handle's plan runs, and the
+    `remove()` of either handle restores the original processors (the other's `remove()` then does nothing).
+    `active` is True while this handle's plan is the one that runs."""
+
+    def __init__(self, transformer, processor: PAROProcessor | None, binding: Binding | None,
+                 patch: _Patch | None, expert: str = ""):
         self.transformer = transformer
         self.processor = processor
         self.binding = binding
         self.expert = expert
-        self._originals = originals
+        self._patch = patch
         self.experts: dict[str, PAROHandle] = {}
         self.linears = None
 
     @property
     def active(self) -> bool:
-        return (self._originals is not None or self.linears is not None
-                or any(h.active for h in self.experts.values() if h is not self))
+        own = self._patch is not None and self._patch.live and self._patch.processor is self.processor
+        return own or self.linears is not None or any(h.active for h in self.experts.values() if h is not self)
 
     def stats(self) -> dict:
         """Mask memory and prefetch counters of the store the latest eager forward read (after at least one
@@ -128,17 +182,17 @@ class PAROHandle:
         return stats
 
     def remove(self) -> None:
+        """Restore the processors the transformer (each expert) had before PARO was first applied to it; a
+        second call, or one after another handle of the same transformer restored them, does nothing."""
         for handle in self.experts.values():
             if handle is not self:
                 handle.remove()
         if self.linears is not None:
             self.linears.remove()
             self.linears = None
-        if self._originals is None:
-            return
-        self.transformer.set_attn_processor(dict(self._originals))
-        self.processor.unbind(self.binding)
-        self._originals = None
+        if self._patch is not None:
+            self._patch.restore()
+            self._patch = None
 
     def __enter__(self):
         return self
@@ -157,6 +211,9 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
     if isinstance(plans, (str, os.PathLike)):  # a path, not a list of plans
         raise TypeError(f"apply needs a paroattn.Plan, not the path {str(plans)!r}: load it with Plan.load(path), an "
                         "expert pair with load_plans(path)")
+    if not isinstance(plans, Plan) and not isinstance(plans, Sequence):
+        raise TypeError(f"apply needs a paroattn.Plan or a list of them (one per expert); got "
+                        f"{type(plans).__name__}: load one with Plan.load(path), an expert pair with load_plans(path)")
     plans = [plans] if isinstance(plans, Plan) else list(plans)
     if not plans or not all(isinstance(p, Plan) for p in plans):
         found = ", ".join(type(p).__name__ for p in plans) or "nothing"
@@ -199,19 +256,36 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
 def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str = "auto", on_mismatch: str = "error",
           *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True, balance_ranks: int = 1,
           linear: str | None = None) -> PAROHandle:
-    """Run every self-attention layer of the pipeline's transformer with `plan`; for a pipeline with an
-    expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
+    """Run every self-attention layer of the pipeline's transformer with `plan` (a `Plan`); for a pipeline with
+    an expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
+    Returns a handle (also a context manager) whose `remove()` restores the original processors bit-exactly.
 
-    Raises PlanError when a plan was made for another model class, config, head or layer count, or
-    expert (with on_mismatch="dense": warns and leaves that transformer as it is); a call at another
-    resolution or frame count raises PlanError when it runs (or runs dense with a warning). `resident`,
-    `prefetch_slots`, `fuse_rope`, `balance_ranks` (the masks balanced over that many GPUs under Ulysses): see
-    PAROProcessor.
+    The plan serves every generation size: its calibrated sizes with their own masks, any other size with masks
+    derived once from the closest calibrated one (a plan without axis profiles, format version 1, serves its
+    calibrated size only and raises PlanError at another when the call runs, or runs dense with a warning).
+
+    Applying to a transformer PARO already runs replaces its plan; the `remove()` of any handle of that
+    transformer then restores the processors it had before the first apply.
+
+    `backend`: "auto" (the Triton kernels on CUDA where they fit the call, else the torch reference), "triton"
+    and "cuda" (the sm_90a kernels; both need a CUDA GPU: refused here on a machine without one) or "torch".
+    Raises PlanError when a plan was made for another model class, config, head or layer count, or expert
+    (with on_mismatch="dense": warns and runs that transformer's own attention). `resident`, `prefetch_slots`,
+    `fuse_rope`, `balance_ranks` (the masks balanced over that many GPUs under Ulysses): see PAROProcessor.
 
     `linear="fp8"`: the linear layers of every transformer's blocks also run in fp8 (torchao; which layers and
     why: `paroattn.linear`), with `plan=None` beside the model's own attention. It is refused, before anything
     changes, without torchao (`pip install paroattn[fp8]`), on the CPU, on a GPU below sm_89 and for weights
     that are not bfloat16."""
+    from ..attention import BACKENDS
+    from .plan_fit import ON_MISMATCH
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {ON_MISMATCH}")
+    if problem := _backend_problem(backend):
+        raise ValueError(problem)
     if plan is None and linear is not None:  # the model's own attention, fp8 linear layers
         pairs, problems = [(name, module, None) for name, module in pipeline_experts(pipe_or_transformer)], []
     else:
@@ -227,20 +301,34 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
         if on_mismatch == "error":
             raise PlanError(message + " (or pass on_mismatch='dense' to run the model's own attention)")
         warnings.warn(message + "; running the model's own attention there (on_mismatch='dense')", stacklevel=2)
-    handles = {}
+    # every plan is bound (checked against its transformer) before any processor is swapped
+    bound = []
     try:
         for expert, transformer, expert_plan in pairs:
-            if expert_plan is None:
-                handles[expert] = PAROHandle(transformer, None, None, None, expert)
-                continue
-            family = require_family(transformer)
-            processor = PAROProcessor(expert_plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
-                                      prefetch_slots=prefetch_slots,
-                                      pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope,
-                                      balance_ranks=balance_ranks)
-            binding = processor.bind(transformer)
-            if binding.static_problem:
+            processor = binding = None
+            if expert_plan is not None:
+                family = require_family(transformer)
+                processor = PAROProcessor(expert_plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
+                                          prefetch_slots=prefetch_slots,
+                                          pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope,
+                                          balance_ranks=balance_ranks)
+                binding = processor.bind(transformer)
+                if binding.static_problem:  # on_mismatch="dense" and a plan that does not fit: its own attention
+                    processor.unbind(binding)
+                    processor = binding = None
+            bound.append((expert, transformer, processor, binding))
+    except Exception:
+        for _, _, processor, binding in bound:
+            if processor is not None:
                 processor.unbind(binding)
+        raise
+    handles = {}
+    try:
+        for expert, transformer, processor, binding in bound:
+            patch = _patch_of(transformer)
+            if processor is None:  # this apply runs the model's own attention there
+                if patch is not None:
+                    patch.restore()
                 handles[expert] = PAROHandle(transformer, None, None, None, expert)
                 continue
             try:  # refuses a context-parallel config that cannot hold PARO (enable_parallelism before apply)
@@ -248,7 +336,10 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
             except Exception:
                 processor.unbind(binding)
                 raise
-            handles[expert] = PAROHandle(transformer, processor, binding, originals, expert)
+            if patch is None:
+                patch = PROCESS.patches[transformer] = _Patch(transformer, originals)
+            patch.serve(processor, binding)
+            handles[expert] = PAROHandle(transformer, processor, binding, patch, expert)
         if linear is not None:
             from ..linear import quantize_linears
 
@@ -257,11 +348,29 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
     except Exception:
         for handle in handles.values():
             handle.remove()
+        for _, transformer, processor, binding in bound[len(handles):]:
+            if processor is not None and binding in processor._bindings:
+                processor.unbind(binding)
         raise
     first = next(iter(handles.values()))
     if len(handles) > 1:
         first.experts = handles
     return first
+
+
+def _backend_problem(backend: str) -> str | None:
+    """Why `backend` cannot run on this machine, or None: the Triton and CUDA kernels need a CUDA GPU (or, for
+    Triton, its interpreter: TRITON_INTERPRET=1, which tests use). On a machine with a GPU a pipeline still on
+    the CPU may move there after apply, so only the machine is checked."""
+    import torch
+
+    if torch.cuda.is_available() or backend not in ("triton", "cuda"):
+        return None
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    kernels = "the Triton kernels" if backend == "triton" else "the sm_90a CUDA kernels"
+    return (f"backend={backend!r} runs {kernels}, which need a CUDA GPU, and this machine has none: pass "
+            "backend='auto' (or 'torch'), which runs the torch reference op on the CPU")
 
 
 @contextmanager

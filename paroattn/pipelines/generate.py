@@ -80,6 +80,19 @@ def output_problem(out: str | Path, video: bool | None = None) -> str | None:
     return folder_problem(out.parent, "--out folder", keep=False)
 
 
+def default_output(video: bool, compare: bool = False, folder: Path = Path(".")) -> Path:
+    """Where `paro generate` without --out writes: out.mp4 (out.png for images), or out-2.mp4, out-3.mp4, ...
+    when that (or, with --compare, its `_dense` twin) exists, so that no run replaces an earlier one's output."""
+    suffix = ".mp4" if video else ".png"
+    n = 1
+    while True:
+        path = folder / (f"out{suffix}" if n == 1 else f"out-{n}{suffix}")
+        dense = path.with_name(path.stem + "_dense" + path.suffix)
+        if not path.exists() and not (compare and dense.exists()):
+            return path
+        n += 1
+
+
 def option_problem(backend: str, on_mismatch: str) -> str | None:
     """Why `backend` or `on_mismatch` is not a valid choice, or None."""
     from ..attention import BACKENDS
@@ -186,6 +199,75 @@ def indexed_family(model_dir: str | Path):
     return None
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _vae_factors(model_dir: Path) -> tuple[int | None, int | None]:
+    """(spatial, temporal) compression of the pipeline's VAE as its pipeline class computes them, read from
+    `vae/config.json` for the VAEs whose config states them (Wan's, HunyuanVideo's, CogVideoX's); (None, None)
+    where the config does not tell. The demo model's pipeline has no VAE: (1, 1)."""
+    from ..demo_model.pipeline import is_demo_pipeline
+
+    if is_demo_pipeline(model_dir):
+        return 1, 1
+    config = _read_json(model_dir / "vae" / "config.json") or {}
+    name = config.get("_class_name")
+    if name in ("AutoencoderKLWan",):
+        return int(config.get("scale_factor_spatial") or 8), int(config.get("scale_factor_temporal") or 4)
+    if name in ("AutoencoderKLHunyuanVideo",):
+        return int(config.get("spatial_compression_ratio") or 8), int(config.get("temporal_compression_ratio") or 4)
+    if name == "AutoencoderKLCogVideoX" and isinstance(config.get("block_out_channels"), list):
+        return 2 ** (len(config["block_out_channels"]) - 1), int(config.get("temporal_compression_ratio") or 4)
+    return None, None
+
+
+def size_fit_problem(model_dir: str | Path, height: int | None, width: int | None, frames: int | None,
+                     what: str = "") -> str | None:
+    """Why the video pipeline in `model_dir` cannot generate this size, read from its config files before
+    anything loads, or None (also None where the configs do not tell: the pipeline then checks). Heights and
+    widths must be multiples of the VAE's spatial factor times the transformer's patch (the pipelines of these
+    families raise, or the transformer's patches would drop a row), and a transformer with RoPE tables of
+    `rope_max_seq_len` positions takes at most that many patches along each axis. `what` prefixes the flags
+    (e.g. "--sizes 480x832x81: ")."""
+    model_dir = Path(model_dir)
+    family = indexed_family(model_dir)
+    if family is None or not family.is_video or (height is None and width is None and frames is None):
+        return None
+    config = _read_json(model_dir / "transformer" / "config.json") or {}
+    patch = config.get("patch_size")
+    if isinstance(patch, int):
+        patch = [config.get("patch_size_t") or 1, patch, patch]
+    spatial, temporal = _vae_factors(model_dir)
+    if not (isinstance(patch, list) and len(patch) == 3 and all(isinstance(p, int) and p > 0 for p in patch)
+            and spatial is not None):
+        return None
+    rope = config.get("rope_max_seq_len")
+    demo = spatial == 1 and temporal == 1  # no VAE: a latent frame is a frame
+    for flag, value, step in (("--height", height, spatial * patch[1]), ("--width", width, spatial * patch[2])):
+        if value is None:
+            continue
+        if value % step:
+            why = (f"its patches are {patch[1]} pixels" if spatial == 1 else
+                   f"its VAE compresses by {spatial} and its patches are {patch[1]} latent pixels")
+            return (f"{what}{flag} {value}: this model takes {flag[2:]}s that are multiples of {step} pixels ({why}); "
+                    f"pass e.g. {flag} {max(step, round(value / step) * step)}")
+        if isinstance(rope, int) and value // step > rope:
+            return (f"{what}{flag} {value}: this model's position tables cover {rope} patches of {step} pixels, "
+                    f"{rope * step} pixels; pass {flag} {rope * step} or less")
+    if frames is not None and isinstance(rope, int) and temporal:
+        latent = frames if demo else (frames - 1) // temporal + 1
+        if -(-latent // patch[0]) > rope:
+            most = rope * patch[0] if demo else (rope * patch[0] - 1) * temporal + 1
+            return (f"{what}--frames {frames}: this model's position tables cover {rope} patches along time, "
+                    f"{most} frames; pass --frames {most} or less")
+    return None
+
+
 def pipeline_folder_problem(model_dir: str | Path) -> str | None:
     """Why `model_dir` is not a local diffusers pipeline folder, or None (also None for a path that does
     not exist locally and may be a hub id: diffusers reports those)."""
@@ -219,6 +301,14 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if problem := device_problem(device) or dtype_problem(dtype):
         raise ValueError(problem)
+    from ..demo_model.pipeline import is_demo_pipeline
+
+    if is_demo_pipeline(model_dir):  # `paro demo-pipeline`'s folder: a pipeline class of this package
+        from ..demo_model.model import load_demo_pipeline
+
+        pipe = load_demo_pipeline(model_dir, device=device, dtype=getattr(torch, dtype))
+        pipe.set_progress_bar_config(disable=False)  # as any other pipeline shows its steps
+        return pipe
     return DiffusionPipeline.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
 
 
@@ -362,8 +452,8 @@ def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
             warnings.simplefilter("ignore")
             binding = processor.bind(transformer)
         try:
-            problem = binding.static_problem
-            size = None if problem else _default_size(pipe, transformer, call)
+            size = _default_size(pipe, transformer, call)
+            layout = None
             if size is not None:  # None: the first forward checks the layout
                 try:
                     layout = binding.family.layout_for(
@@ -372,8 +462,16 @@ def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
                         text_tokens=call.get("max_sequence_length"), scale=scale,
                     )
                 except ValueError as exc:
-                    return str(exc)
+                    if not binding.static_problem:
+                        return str(exc)
+            if binding.static_problem:  # another model: calibrate it at the size asked for, where it is known
+                problems = processor.plan_problems(binding)
+                command = binding.family.calibrate_command(transformer, layout or expert_plan.layout, scale)
+                problem = f"plan does not fit this model: {'; '.join(problems)}. Recalibrate for this model: `{command}`"
+            elif layout is not None:
                 problem = processor.layout_problem(binding, CallInputs(timestep=1000.0, layout=layout))
+            else:
+                problem = None
         finally:
             processor.unbind(binding)
         if problem:
@@ -436,6 +534,10 @@ def generate(
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
+    from ..demo_model.pipeline import PROMPTS_FILE, prompts_problem
+
+    if problem := prompts_problem(model_dir, [prompt]):
+        raise ValueError(f"--prompt: {problem}; e.g. the prompts of {Path(model_dir) / PROMPTS_FILE}")
     # video or image, where model_index.json tells (the loaded pipeline is checked again below)
     indexed = indexed_family(model_dir)
     if frames is not None and indexed is not None and not indexed.is_video:
@@ -443,8 +545,13 @@ def generate(
                          "leave --frames out")
     if out is not None and indexed is not None and (problem := output_problem(out, indexed.is_video)):
         raise ValueError(problem)
+    if problem := size_fit_problem(model_dir, height, width, frames):
+        raise ValueError(problem)
     # fail on a bad plan before loading the model; an expert pair's plans are read together
-    loaded_plans = load_plans(plan) if plan is not None else None
+    try:
+        loaded_plans = load_plans(plan) if plan is not None else None
+    except PlanError as exc:
+        raise PlanError(f"--plan: {exc}") from None
     loaded_plan = loaded_plans[0] if loaded_plans else None
     for expert_plan in loaded_plans or []:
         if problem := ulysses_problem(expert_plan.num_heads, ulysses):
@@ -467,7 +574,7 @@ def generate(
     if problem := _ulysses_plan_problem(family, loaded_plans, ulysses):
         raise ValueError(problem)
     video = family.is_video
-    out = Path(out) if out is not None else Path("out.mp4" if video else "out.png")
+    out = Path(out) if out is not None else default_output(video, compare)
     if problem := output_problem(out, video):
         raise ValueError(problem)
     call = dict(extra_call or {})
@@ -496,6 +603,7 @@ def generate(
     if loaded_plan is not None:  # does the plan fit this model and size? before any generation
         mismatch = plan_fit_problem(pipe, loaded_plans, call)
         if mismatch is not None:
+            mismatch = mismatch.replace("paro calibrate MODEL_DIR", f"paro calibrate {model_dir}")
             if on_mismatch == "error":
                 raise PlanError(mismatch + " (or pass --on-mismatch dense to run the model's own attention)")
             log(f"warning: {mismatch}; running the model's own attention (--on-mismatch dense)")

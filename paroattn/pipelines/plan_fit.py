@@ -23,7 +23,8 @@ def plan_problems(plan: Plan, binding: Binding) -> list[str]:
         problems.append(f"plan was calibrated for {plan.model_class}; this model is {binding.transformer_class}")
     heads = {int(m.heads) for m in binding.modules}
     if heads != {plan.num_heads}:
-        problems.append(f"plan has {plan.num_heads} heads per layer; this model has {sorted(heads)}")
+        found = ", ".join(str(h) for h in sorted(heads))
+        problems.append(f"plan has {plan.num_heads} heads per layer; this model has {found}")
     if plan.num_layers != len(binding.modules):
         problems.append(
             f"plan has {plan.num_layers} self-attention layers; this model has {len(binding.modules)}"

@@ -57,7 +57,8 @@ class PAROProcessor(BoundProcessor):
     """Runs each self-attention layer with the plan's per-head orders and per-bucket block masks.
 
     `backend`: "auto" (the Triton kernels on CUDA where they fit the call: head dim 64 or 128, fp16 or
-    bf16; otherwise the torch reference, with a warning), "triton" or "torch".
+    bf16; otherwise the torch reference, with a warning on a GPU), "triton", "cuda" (the hand-scheduled sm_90a
+    kernels, H100/H200; the Triton kernels with a warning where they cannot run) or "torch".
     `on_mismatch`: "error" raises PlanError when the plan does not fit the model or the call;
     "dense" warns once and runs the model's own attention instead.
     `resident`: keep all masks on the GPU (True), stream them per layer (False), or decide by size.
