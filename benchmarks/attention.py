@@ -764,7 +764,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if args.summary and not args.table:
         parser.error("--summary goes with --table RESULTS.json")
     if not args.table:
-        from paroattn.pipelines.generate import folder_problem
+        from paroattn.pipelines.options import folder_problem
 
         if problem := folder_problem(args.out, "--out", keep=False):
             parser.error(problem)

@@ -171,7 +171,7 @@ def inspect(
         if outside:
             _fail(f"--heads {','.join(outside)} not in the plan ({plan.num_layers} layers x {plan.num_heads} heads): "
                   f"pass layer:head pairs with layer < {plan.num_layers} and head < {plan.num_heads}")
-        from .pipelines.generate import folder_problem
+        from .pipelines.options import folder_problem
 
         if problem := folder_problem(png, "--png folder"):
             _fail(problem)
@@ -241,19 +241,10 @@ def calibrate(
         save_expert_calibrations,
     )
     from .demo_model.pipeline import PROMPTS_FILE, is_demo_pipeline, prompts_problem
+    from .generate import indexed_family, load_pipeline, pipeline_folder_problem, size_fit_problem
     from .modes import mode_flags_problem
     from .pipelines import family_of, pipeline_experts, resolve_transformer
-    from .pipelines.generate import (
-        device_problem,
-        dtype_problem,
-        folder_problem,
-        indexed_family,
-        load_pipeline,
-        pipeline_folder_problem,
-        seed_problem,
-        size_fit_problem,
-        size_problem,
-    )
+    from .pipelines.options import device_problem, dtype_problem, folder_problem, seed_problem, size_problem
     from .pipelines.registry import SUPPORTED
     from .plan import bucket_edges_problem
     from .selection import METRICS
@@ -472,7 +463,7 @@ def bench(
     if backend not in ("auto", "triton", "cuda"):
         _fail(f"--backend {backend!r} is not one of auto, triton, cuda: pass one of them")
     if out is not None:
-        from .pipelines.generate import folder_problem
+        from .pipelines.options import folder_problem
 
         if out.suffix != ".json" or out.is_dir():
             _fail(f"--out {out}: pass the path of a .json file to write, e.g. {out.with_suffix('.json').name}")
@@ -552,7 +543,7 @@ def generate(
     import torch.distributed as dist
 
     from .errors import PlanError
-    from .pipelines.generate import generate as run_generate
+    from .generate import generate as run_generate
 
     try:
         result = run_generate(

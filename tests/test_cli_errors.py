@@ -133,7 +133,7 @@ def test_generate_writes_a_gif_for_a_video_model(tmp_path):
     import imageio.v2 as imageio
     import numpy as np
 
-    from paroattn.pipelines.generate import _write
+    from paroattn.generate import _write
 
     pixels = np.random.default_rng(0).random((3, 8, 8, 3), dtype=np.float32)
     path = _write(pixels, tmp_path / "v.gif", video=True, fps=8)
@@ -264,7 +264,7 @@ def test_inspect_png_finds_the_stats_file_beside_the_plan(tmp_path, monkeypatch)
     ("--ulysses", "0", ["--ulysses 0", "number of GPUs >= 1"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
-    import paroattn.pipelines.generate as generate
+    import paroattn.generate as generate
 
     saved_tiny_flux(tmp_path)
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
@@ -346,7 +346,7 @@ def test_calibrate_reports_dense_steps_the_captured_schedule_cannot_pay_for(tmp_
 def no_model_loads(monkeypatch):
     """Make any model load fail the test: the checks must come first."""
     import paroattn.demo_model.model as demo_model
-    import paroattn.pipelines.generate as generate
+    import paroattn.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(demo_model, "load_demo_pipeline", lambda *a, **k: pytest.fail("loaded the demo model"))

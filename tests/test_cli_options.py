@@ -43,7 +43,7 @@ def arguments(command: str) -> list[str]:
 
 def no_model_loads(monkeypatch):
     import paroattn.demo_model.model as demo_model
-    import paroattn.pipelines.generate as generate
+    import paroattn.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(demo_model, "load_demo_pipeline", lambda *a, **k: pytest.fail("loaded the demo model"))
@@ -216,7 +216,7 @@ FLUX = ("FluxPipeline", {"_class_name": "FluxTransformer2DModel", "patch_size": 
     (FLUX, 1000, None),  # image pipelines resize to their multiple themselves
 ])
 def test_a_height_the_model_cannot_take_is_refused_from_its_configs(tmp_path, monkeypatch, configs, height, problem):
-    from paroattn.pipelines.generate import size_fit_problem
+    from paroattn.generate import size_fit_problem
 
     folder = pipeline_configs(tmp_path / "model", *configs)
     found = size_fit_problem(folder, height, None, None)
@@ -230,7 +230,7 @@ def test_a_height_the_model_cannot_take_is_refused_from_its_configs(tmp_path, mo
 
 
 def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
-    from paroattn.pipelines.generate import size_fit_problem
+    from paroattn.generate import size_fit_problem
 
     unknown_vae = pipeline_configs(tmp_path / "model", WAN[0], WAN[1], {"_class_name": "SomeOtherVAE"})
     assert size_fit_problem(unknown_vae, 471, 471, 81) is None
@@ -238,7 +238,7 @@ def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
 
 
 def test_generate_default_output_never_replaces_an_earlier_one(tmp_path):
-    from paroattn.pipelines.generate import default_output
+    from paroattn.pipelines.options import default_output
 
     assert default_output(True, folder=tmp_path) == tmp_path / "out.mp4"
     assert default_output(False, folder=tmp_path) == tmp_path / "out.png"

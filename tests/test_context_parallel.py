@@ -329,7 +329,7 @@ def _refusals(rank: int) -> dict:
 
 def _generate(rank: int, folder: Path) -> dict:
     """`paro generate --ulysses 2` of a tiny FLUX pipeline against the same generation on one process."""
-    from paroattn.pipelines import generate as generate_module
+    from paroattn import generate as generate_module
 
     written = []
     write = generate_module._write

@@ -30,8 +30,8 @@ from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.cli import app
+from paroattn.generate import plan_fit_problem
 from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
-from paroattn.pipelines.generate import plan_fit_problem
 from paroattn.plan import load_plans, model_fingerprint
 
 PIPELINE_LAYOUT = TokenLayout(0, 3, 4, 4, suffix=HUNYUAN_TEXT)

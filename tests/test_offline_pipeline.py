@@ -59,7 +59,7 @@ def test_paro_commands_load_it_as_the_demo_runs_it(folder):
     """The folder generates exactly what `paro demo`'s pipeline generates from the same seed."""
     from paroattn.demo_model.demo import sample
     from paroattn.demo_model.model import load_demo_pipeline
-    from paroattn.pipelines.generate import load_pipeline
+    from paroattn.generate import load_pipeline
 
     size = {"num_frames": 2, "height": 16, "width": 16}
     loaded, _ = sample(load_pipeline(folder, device="cpu"), [PROMPT], steps=2, seed=3, size=size)
@@ -106,7 +106,7 @@ def test_a_shipped_plan_runs_on_it_at_another_size(folder, tmp_path):
     (["--frames", "65"], ["--frames 65", "--frames 64 or less"]),
 ])
 def test_a_size_the_model_cannot_take_is_refused_before_it_loads(folder, tmp_path, monkeypatch, args, fragments):
-    import paroattn.pipelines.generate as generate
+    import paroattn.generate as generate
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     result = invoke(["generate", folder, "--prompt", PROMPT, "--out", tmp_path / "x.gif", *args])
     assert_clean_failure(result, *fragments)
@@ -162,7 +162,7 @@ def test_calibrate_reads_the_folders_own_prompts_by_default(folder, tmp_path):
 
 
 def test_prompts_outside_the_vocabulary_are_refused_before_it_loads(folder, tmp_path, monkeypatch):
-    import paroattn.pipelines.generate as generate
+    import paroattn.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     result = invoke(["generate", folder, "--prompt", "a cat surfing", "--out", tmp_path / "x.gif"])

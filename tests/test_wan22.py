@@ -35,8 +35,8 @@ from paroattn.calibrate.driver import (
     save_expert_calibrations,
 )
 from paroattn.cli import app
+from paroattn.generate import plan_fit_problem
 from paroattn.pipelines import apply, layout_for, pipeline_experts, self_attention_layers
-from paroattn.pipelines.generate import plan_fit_problem
 from paroattn.plan import expert_plan_path, load_plans, model_fingerprint
 
 PAIR_LAYOUT = TokenLayout(0, 3, 4, 4)  # 9 frames of 64 x 64, VAE 8 in space

@@ -169,7 +169,7 @@ def sample(pipe, prompts: list[str], *, steps: int = DEFAULT_STEPS, seed: int = 
 
 def compare(dense: np.ndarray, other: np.ndarray) -> dict[str, float]:
     """Mean over videos of PSNR (dB), SSIM and cosine similarity vs dense; videos [B, F, H, W, 3]."""
-    from ..pipelines.generate import compare_pixels
+    from ..metrics import compare_pixels
 
     per_video = [compare_pixels(d, o) for d, o in zip(dense, other)]
     return {key: float(np.mean([m[key] for m in per_video])) for key in per_video[0]}
@@ -395,7 +395,7 @@ def demo_problem(*, density: float, qk: str, pv: str, steps: int, num_prompts: i
     loads."""
     from ..attention import BACKENDS
     from ..modes import mode_flags_problem
-    from ..pipelines.generate import backend_device_problem, device_problem, seed_problem
+    from ..pipelines.options import backend_device_problem, device_problem, seed_problem
 
     if problem := mode_flags_problem(qk, pv):
         return problem
@@ -424,7 +424,7 @@ def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: s
     `calibration_steps`: steps of the calibration of a density that was not shipped (default: `steps`).
     `progress`: step bars for the dense and PARO passes and the calibration (on stderr). Every option is checked
     before anything is written; a run that fails removes the folder it made."""
-    from ..pipelines.generate import folder_problem
+    from ..pipelines.options import folder_problem
 
     if problem := demo_problem(density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
                                backend=backend, device=device, height=height, width=width, frames=frames):

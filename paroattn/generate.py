@@ -6,8 +6,6 @@ Kept apart from the CLI so tests and notebooks can call `generate(...)` and read
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -18,169 +16,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import PlanError
-from ..plan import Plan, load_plans
-from .base import TEXT_WHOLE, pixel_scale_of
-from .registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
+from .errors import PlanError
+from .metrics import compare_pixels
+from .pipelines.base import TEXT_WHOLE, pixel_scale_of
+from .pipelines.options import (
+    backend_device_problem,
+    default_output,
+    device_problem,
+    dtype_problem,
+    linear_option_problem,
+    option_problem,
+    output_problem,
+    seed_problem,
+    size_problem,
+)
+from .pipelines.registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
+from .plan import Plan, load_plans
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15, "skyreels_v2": 24, "wan_vace": 16, "hunyuan_video15": 24,
         "ltx": 25, "ltx2": 24}
-# what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
-VIDEO_SUFFIXES = (".mp4", ".gif")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-
-
-def folder_problem(folder: str | Path, what: str, *, keep: bool = True) -> str | None:
-    """Why files cannot be written into `folder`, or None. Creates the folder when missing and probes it
-    with a temporary file; folders it created are removed again when the probe fails, or always when
-    `keep` is False, so that a failed check leaves nothing behind."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        return f"{what} {folder} is an existing file, not a folder: pass a folder path"
-    missing = []
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        return f"{what} {folder} cannot be created: {existing} is a file, not a folder; pass another path"
-    ok = False
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-        ok = True
-    except OSError as exc:
-        return f"{what} {folder} is not writable ({exc.strerror or exc}): pass a folder you can write to"
-    finally:
-        if not (ok and keep):
-            for created in missing:  # innermost first
-                try:
-                    created.rmdir()
-                except OSError:
-                    break
-    return None
-
-
-def output_problem(out: str | Path, video: bool | None = None) -> str | None:
-    """Why `paro generate --out` cannot be written, or None: its extension (`video` None: either kind)
-    and its folder (probed without leaving anything behind)."""
-    out = Path(out)
-    suffix = out.suffix.lower()
-    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES if video is False else VIDEO_SUFFIXES + IMAGE_SUFFIXES
-    if suffix not in allowed:
-        kind = "a video model" if video else "an image model" if video is False else "paro generate"
-        return (f"--out {out}: {kind} writes {', '.join(allowed)}, not {suffix or 'a file without extension'}; "
-                f"pass --out with one of those extensions")
-    if out.is_dir():
-        return f"--out {out} is a folder: pass a file path such as {out / ('out' + allowed[0])}"
-    if out.exists() and not os.access(out, os.W_OK):
-        return f"--out {out} exists and is not writable: pass another path"
-    return folder_problem(out.parent, "--out folder", keep=False)
-
-
-def default_output(video: bool, compare: bool = False, folder: Path = Path(".")) -> Path:
-    """Where `paro generate` without --out writes: out.mp4 (out.png for images), or out-2.mp4, out-3.mp4, ...
-    when that (or, with --compare, its `_dense` twin) exists, so that no run replaces an earlier one's output."""
-    suffix = ".mp4" if video else ".png"
-    n = 1
-    while True:
-        path = folder / (f"out{suffix}" if n == 1 else f"out-{n}{suffix}")
-        dense = path.with_name(path.stem + "_dense" + path.suffix)
-        if not path.exists() and not (compare and dense.exists()):
-            return path
-        n += 1
-
-
-def option_problem(backend: str, on_mismatch: str) -> str | None:
-    """Why `backend` or `on_mismatch` is not a valid choice, or None."""
-    from ..attention import BACKENDS
-    from .plan_fit import ON_MISMATCH
-
-    if backend not in BACKENDS:
-        return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"
-    if on_mismatch not in ON_MISMATCH:
-        return f"--on-mismatch {on_mismatch!r} is not one of {', '.join(ON_MISMATCH)}: pass one of them"
-    return None
-
-
-DTYPES = ("bfloat16", "float16", "float32")
-
-
-def device_problem(device: str | None) -> str | None:
-    """Why `--device` cannot run here, or None (None: CUDA when present, else the CPU)."""
-    if device is None:
-        return None
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cuda", "cpu"):
-        return f"--device {device!r} is not a device paroattn runs on: pass cuda, cuda:N or cpu"
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        return (f"--device {device}: this machine has no CUDA GPU that torch can use: pass --device cpu, or leave "
-                "--device out")
-    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        return (f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0: pass "
-                "one of them")
-    return None
-
-
-def dtype_problem(dtype: str | None) -> str | None:
-    """Why `--dtype` is not a model dtype, or None (None: bfloat16 on CUDA, float32 on the CPU)."""
-    if dtype is None or dtype in DTYPES:
-        return None
-    return f"--dtype {dtype!r} is not a model dtype: pass one of {', '.join(DTYPES)}"
-
-
-def backend_device_problem(backend: str, device: str | None) -> str | None:
-    """Why `--backend` cannot run on `device` (None: CUDA when present), or None: the Triton kernels need a
-    CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1, which tests use)."""
-    on_cuda = device.startswith("cuda") if device is not None else torch.cuda.is_available()
-    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("--backend triton runs the Triton kernels, which need a CUDA GPU; this run is on the CPU: pass "
-                "--backend auto (or torch), which runs the torch reference op there")
-    if backend == "cuda" and not on_cuda:
-        return ("--backend cuda runs the sm_90a CUDA kernels, which need an H100/H200 GPU; this run is on the CPU: "
-                "pass --backend auto (or torch), which runs the torch reference op there")
-    return None
-
-
-def linear_option_problem(linear: str | None, device: str | None, dtype: str | None) -> str | None:
-    """Why `--linear` cannot run with `--device` / `--dtype` (None: their defaults), or None; needs no model."""
-    if linear is None:
-        return None
-    from ..linear import LINEAR_MODES, linear_problem
-
-    if linear not in LINEAR_MODES:
-        return f"--linear {linear!r} is not one of {', '.join(LINEAR_MODES)}: pass --linear fp8, or leave it out"
-    if dtype is not None and dtype != "bfloat16":
-        return (f"--linear fp8 quantizes bfloat16 weights (per-row scales take no other dtype) and --dtype is {dtype}: "
-                "pass --dtype bfloat16, or leave --dtype out")
-    if problem := linear_problem(linear, device):
-        return problem.replace("linear='fp8'", "--linear fp8").replace("leave linear out", "leave --linear out")
-    return None
-
-
-def size_problem(**sizes: int | None) -> str | None:
-    """Why one of `--height`, `--width`, `--frames`, `--steps` (given as keywords) is out of range, or None
-    (None: the pipeline's default)."""
-    for name, value in sizes.items():
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            what = "denoising steps" if name == "steps" else "frames" if name == "frames" else "pixels"
-            return f"{flag} {value}: pass a number of {what} >= 1 (or leave {flag} out for the pipeline's default)"
-    return None
-
-
-def seed_problem(seed: int) -> str | None:
-    """Why `--seed` is not a seed torch's generators take, or None."""
-    if not 0 <= seed < 2**64:
-        return f"--seed {seed}: pass a seed from 0 to 2**64 - 1"
-    return None
-
-
 def indexed_family(model_dir: str | Path):
     """The adapter of the family whose transformer class `model_dir/model_index.json` names, or None (no such
     file, or a class no adapter lists: the loaded pipeline decides then). Lets options that depend on the
@@ -211,7 +66,7 @@ def _vae_factors(model_dir: Path) -> tuple[int | None, int | None]:
     """(spatial, temporal) compression of the pipeline's VAE as its pipeline class computes them, read from
     `vae/config.json` for the VAEs whose config states them (Wan's, HunyuanVideo's, CogVideoX's); (None, None)
     where the config does not tell. The demo model's pipeline has no VAE: (1, 1)."""
-    from ..demo_model.pipeline import is_demo_pipeline
+    from .demo_model.pipeline import is_demo_pipeline
 
     if is_demo_pipeline(model_dir):
         return 1, 1
@@ -301,10 +156,10 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if problem := device_problem(device) or dtype_problem(dtype):
         raise ValueError(problem)
-    from ..demo_model.pipeline import is_demo_pipeline
+    from .demo_model.pipeline import is_demo_pipeline
 
     if is_demo_pipeline(model_dir):  # `paro demo-pipeline`'s folder: a pipeline class of this package
-        from ..demo_model.model import load_demo_pipeline
+        from .demo_model.model import load_demo_pipeline
 
         pipe = load_demo_pipeline(model_dir, device=device, dtype=getattr(torch, dtype))
         pipe.set_progress_bar_config(disable=False)  # as any other pipeline shows its steps
@@ -333,7 +188,7 @@ def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend
     if ulysses <= 1 or family.ulysses_text != TEXT_WHOLE:
         yield
         return
-    from . import apply
+    from .pipelines import apply
 
     handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense")
     try:
@@ -375,20 +230,6 @@ def _write(pixels: np.ndarray, path: Path, video: bool, fps: int) -> Path:
 
         Image.fromarray((pixels[0].clip(0, 1) * 255).round().astype(np.uint8)).save(path)
     return path
-
-
-def compare_pixels(dense: np.ndarray, sparse: np.ndarray) -> dict[str, float]:
-    """PSNR (dB, data range 1), SSIM (torchmetrics, per frame, averaged) and cosine similarity."""
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
-
-    a = torch.from_numpy(dense).permute(0, 3, 1, 2).double()
-    b = torch.from_numpy(sparse).permute(0, 3, 1, 2).double()
-    cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-    return {
-        "psnr_db": float(peak_signal_noise_ratio(b, a, data_range=1.0)),
-        "ssim": float(structural_similarity_index_measure(b, a, data_range=1.0)),
-        "cosine": float(cosine),
-    }
 
 
 def _default_size(pipe, transformer, call: dict) -> dict | None:
@@ -437,9 +278,9 @@ def _call_layout(pipe, transformer, family, call: dict):
 def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
     """Why `plan` (an expert pair: the list of its plans) does not fit the pipeline's transformers or the size
     of `call` (what `apply` and the first forward would raise), or None; runs no model step."""
-    from . import expert_plans
-    from .base import CallInputs
-    from .processor import PAROProcessor
+    from .pipelines import expert_plans
+    from .pipelines.base import CallInputs
+    from .pipelines.processor import PAROProcessor
 
     pairs, problems = expert_plans(pipe, plan)
     if problems:
@@ -512,8 +353,8 @@ def generate(
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
     writes the outputs, the others return {"rank": r}."""
-    from . import apply
-    from .context_parallel import enable_ulysses, join_process_group, sequence_problem, ulysses_problem
+    from .pipelines import apply
+    from .pipelines.context_parallel import enable_ulysses, join_process_group, sequence_problem, ulysses_problem
 
     # every option and the output path are checked before the model loads
     if compare and plan is None and linear is None:
@@ -534,7 +375,7 @@ def generate(
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
-    from ..demo_model.pipeline import PROMPTS_FILE, prompts_problem
+    from .demo_model.pipeline import PROMPTS_FILE, prompts_problem
 
     if problem := prompts_problem(model_dir, [prompt]):
         raise ValueError(f"--prompt: {problem}; e.g. the prompts of {Path(model_dir) / PROMPTS_FILE}")

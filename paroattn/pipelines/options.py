@@ -1,0 +1,165 @@
+"""The checks of what a generation or a demo run is asked for, made before a model loads: output folders and
+paths, devices, dtypes, backends, seeds, sizes and the fp8 linear option. Each returns None or one sentence that
+names the option as typed and what to pass."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+# what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
+VIDEO_SUFFIXES = (".mp4", ".gif")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def folder_problem(folder: str | Path, what: str, *, keep: bool = True) -> str | None:
+    """Why files cannot be written into `folder`, or None. Creates the folder when missing and probes it
+    with a temporary file; folders it created are removed again when the probe fails, or always when
+    `keep` is False, so that a failed check leaves nothing behind."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{what} {folder} is an existing file, not a folder: pass a folder path"
+    missing = []
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{what} {folder} cannot be created: {existing} is a file, not a folder; pass another path"
+    ok = False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+        ok = True
+    except OSError as exc:
+        return f"{what} {folder} is not writable ({exc.strerror or exc}): pass a folder you can write to"
+    finally:
+        if not (ok and keep):
+            for created in missing:  # innermost first
+                try:
+                    created.rmdir()
+                except OSError:
+                    break
+    return None
+
+
+def output_problem(out: str | Path, video: bool | None = None) -> str | None:
+    """Why `paro generate --out` cannot be written, or None: its extension (`video` None: either kind)
+    and its folder (probed without leaving anything behind)."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES if video is False else VIDEO_SUFFIXES + IMAGE_SUFFIXES
+    if suffix not in allowed:
+        kind = "a video model" if video else "an image model" if video is False else "paro generate"
+        return (f"--out {out}: {kind} writes {', '.join(allowed)}, not {suffix or 'a file without extension'}; "
+                f"pass --out with one of those extensions")
+    if out.is_dir():
+        return f"--out {out} is a folder: pass a file path such as {out / ('out' + allowed[0])}"
+    if out.exists() and not os.access(out, os.W_OK):
+        return f"--out {out} exists and is not writable: pass another path"
+    return folder_problem(out.parent, "--out folder", keep=False)
+
+
+def default_output(video: bool, compare: bool = False, folder: Path = Path(".")) -> Path:
+    """Where `paro generate` without --out writes: out.mp4 (out.png for images), or out-2.mp4, out-3.mp4, ...
+    when that (or, with --compare, its `_dense` twin) exists, so that no run replaces an earlier one's output."""
+    suffix = ".mp4" if video else ".png"
+    n = 1
+    while True:
+        path = folder / (f"out{suffix}" if n == 1 else f"out-{n}{suffix}")
+        dense = path.with_name(path.stem + "_dense" + path.suffix)
+        if not path.exists() and not (compare and dense.exists()):
+            return path
+        n += 1
+
+
+def option_problem(backend: str, on_mismatch: str) -> str | None:
+    """Why `backend` or `on_mismatch` is not a valid choice, or None."""
+    from ..attention import BACKENDS
+    from .plan_fit import ON_MISMATCH
+
+    if backend not in BACKENDS:
+        return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"
+    if on_mismatch not in ON_MISMATCH:
+        return f"--on-mismatch {on_mismatch!r} is not one of {', '.join(ON_MISMATCH)}: pass one of them"
+    return None
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def device_problem(device: str | None) -> str | None:
+    """Why `--device` cannot run here, or None (None: CUDA when present, else the CPU)."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cuda", "cpu"):
+        return f"--device {device!r} is not a device paroattn runs on: pass cuda, cuda:N or cpu"
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        return (f"--device {device}: this machine has no CUDA GPU that torch can use: pass --device cpu, or leave "
+                "--device out")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        return (f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0: pass "
+                "one of them")
+    return None
+
+
+def dtype_problem(dtype: str | None) -> str | None:
+    """Why `--dtype` is not a model dtype, or None (None: bfloat16 on CUDA, float32 on the CPU)."""
+    if dtype is None or dtype in DTYPES:
+        return None
+    return f"--dtype {dtype!r} is not a model dtype: pass one of {', '.join(DTYPES)}"
+
+
+def backend_device_problem(backend: str, device: str | None) -> str | None:
+    """Why `--backend` cannot run on `device` (None: CUDA when present), or None: the Triton kernels need a
+    CUDA GPU (or Triton's interpreter, TRITON_INTERPRET=1, which tests use)."""
+    on_cuda = device.startswith("cuda") if device is not None else torch.cuda.is_available()
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("--backend triton runs the Triton kernels, which need a CUDA GPU; this run is on the CPU: pass "
+                "--backend auto (or torch), which runs the torch reference op there")
+    if backend == "cuda" and not on_cuda:
+        return ("--backend cuda runs the sm_90a CUDA kernels, which need an H100/H200 GPU; this run is on the CPU: "
+                "pass --backend auto (or torch), which runs the torch reference op there")
+    return None
+
+
+def linear_option_problem(linear: str | None, device: str | None, dtype: str | None) -> str | None:
+    """Why `--linear` cannot run with `--device` / `--dtype` (None: their defaults), or None; needs no model."""
+    if linear is None:
+        return None
+    from ..linear import LINEAR_MODES, linear_problem
+
+    if linear not in LINEAR_MODES:
+        return f"--linear {linear!r} is not one of {', '.join(LINEAR_MODES)}: pass --linear fp8, or leave it out"
+    if dtype is not None and dtype != "bfloat16":
+        return (f"--linear fp8 quantizes bfloat16 weights (per-row scales take no other dtype) and --dtype is {dtype}: "
+                "pass --dtype bfloat16, or leave --dtype out")
+    if problem := linear_problem(linear, device):
+        return problem.replace("linear='fp8'", "--linear fp8").replace("leave linear out", "leave --linear out")
+    return None
+
+
+def size_problem(**sizes: int | None) -> str | None:
+    """Why one of `--height`, `--width`, `--frames`, `--steps` (given as keywords) is out of range, or None
+    (None: the pipeline's default)."""
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            what = "denoising steps" if name == "steps" else "frames" if name == "frames" else "pixels"
+            return f"{flag} {value}: pass a number of {what} >= 1 (or leave {flag} out for the pipeline's default)"
+    return None
+
+
+def seed_problem(seed: int) -> str | None:
+    """Why `--seed` is not a seed torch's generators take, or None."""
+    if not 0 <= seed < 2**64:
+        return f"--seed {seed}: pass a seed from 0 to 2**64 - 1"
+    return None
