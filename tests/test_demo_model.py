@@ -116,13 +116,17 @@ def test_shipped_plans_fit_the_shipped_model(demo_pipe):
 
 def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(demo_pipe):
     """The demo model has no VAE: the mismatch message and the recalibration command give its
-    sizes in pixels and frames as the pipeline takes them (not through a video VAE's 8x / 4x)."""
+    sizes in pixels and frames as the pipeline takes them (not through a video VAE's 8x / 4x). The shipped plans
+    derive masks for any size; one without axis profiles (format version 1) serves its own size only."""
+    import dataclasses
+
     from paroattn import PlanError
     from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path
     from paroattn.pipelines import apply, layout_for
 
     assert layout_for(demo_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)
-    plan = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0]))  # 8 frames of 32x32
+    shipped = Plan.load(shipped_plan_path(SHIPPED_DENSITIES[0]))  # 8 frames of 32x32
+    plan = dataclasses.replace(shipped, profiles=None, format_version=1)
     with apply(demo_pipe, plan, backend="torch"):
         with pytest.raises(PlanError) as error:
             _small_run(demo_pipe)  # 2 frames of 16x16
