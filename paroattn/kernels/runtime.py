@@ -6,8 +6,8 @@ Per device (`runtime_of(device)`):
   eager call decides its kernel with one dict lookup; where a call may run the sm90 CUDA kernel, deciding it
   builds (or loads) that kernel first, as an explicit step whose outcome is a fact of the `Call`;
 - workspaces: the buffer sets the kernels write and read back (`Buffers`), reused per stream and
-  `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than the rest of
-  a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
+  `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than
+  the rest of a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
 - orders: device copies of host `orders` tensors;
 - the sm90 CUDA kernels built and loaded on the device (`cuda_kernel`), or why they could not be.

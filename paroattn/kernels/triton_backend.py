@@ -64,7 +64,8 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, q=None, 
     k_mean = v_amax = placeholder = buffers.placeholder
     if stats is not None:
         statistics.compute(k, v, stats, key_mean_stride(N, height, width), qk != "bf16", pv != "bf16",
-                           PROCESS.launcher(_statistics_kernel), None if key is None else (key, stats.split, stats.aligned))
+                           PROCESS.launcher(_statistics_kernel),
+                           None if key is None else (key, stats.split, stats.aligned))
         k_mean = stats.k_mean if qk != "bf16" else placeholder
         v_amax = stats.v_amax if pv != "bf16" else placeholder
     nq = -(-N // bq) if q is not None else 0
