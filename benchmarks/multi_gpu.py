@@ -5,7 +5,9 @@ parallelism, dense vs PARO (each GPU runs its contiguous slice of the plan's hea
     python benchmarks/multi_gpu.py --models wan-1.3b --out RESULTS.json     # N = 1: one GPU, no parallelism
     ... --check      # every mode under Ulysses N against the same mode on one GPU, same plan and inputs
     ... --modes "dense,paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced"    # a subset (dense is always run)
-    ... --baseline ONE_GPU.json     # the one-GPU times from an N = 1 run of the same models and modes (not run again)
+    ... --baseline ONE_GPU.json ... # the one-GPU times from N = 1 runs (or --check runs) of the models (not run again)
+    ... --outputs DIR   # N = 1: save each mode's output there; N > 1: compare with those saved (a check without
+                        # running one GPU again; the balanced mode only where it was balanced for the same N)
     python benchmarks/multi_gpu.py --smoke [--models ...] [--out ...]    # tiny models on CPU (also under torchrun)
     python benchmarks/multi_gpu.py --table RESULTS.json ...   # markdown tables of results files (no GPU)
 
@@ -236,13 +238,13 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
                 row["alltoall_share"] = slowest(profiled["alltoall_s"] / profiled["step_s"], device, gpus)
                 row["attention_s_per_gpu"] = every(profiled["attention_s"], device, gpus)
         out = None
-        if args.check:
+        if args.check or args.outputs:
             with torch.no_grad():
                 out = transformer(**inputs)[0].float().cpu()
         if handle is not None:
             row["mask_gpu_mib"] = handle.stats().get("gpu_bytes", 0) / 2**20  # this process's masks
             handle.remove()
-        if outputs is not None and out is not None:
+        if outputs is not None and out is not None and label in outputs:
             reference = outputs[label]
             error = (out - reference).abs().max()
             row["check_max_abs"] = float(error)
@@ -253,14 +255,36 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
     return results
 
 
-def baseline_rows(path: Path | None, label: str) -> dict:
-    """{mode: one-GPU row} of model `label` in the results file of an N = 1 run, or {}."""
-    if path is None:
-        return {}
-    data = json.loads(path.read_text())
-    if data["info"]["gpus"] != 1:
-        raise SystemExit(f"--baseline {path}: a one-GPU run's results are expected; it holds {data['info']['gpus']} GPUs'")
-    return {row["mode"]: row for row in data["rows"] if row["model"] == label}
+def baseline_times(paths: list[Path], label: str) -> dict[str, float]:
+    """{mode: one-GPU step seconds} of model `label` from results files: an N = 1 run's step times, or the one-GPU
+    times that a run over several GPUs measured itself (`--check`, or no `--baseline`). The first file naming a mode
+    wins."""
+    times: dict[str, float] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        key = "step_s" if data["info"]["gpus"] == 1 else "step_s_1gpu"
+        for row in data["rows"]:
+            if row["model"] == label and key in row:
+                times.setdefault(row["mode"], row[key])
+    return times
+
+
+def output_path(directory: Path, label: str, mode: str, balance_for: int) -> Path:
+    """Where the one-GPU output of (`label`, `mode`) is saved; a balanced plan depends on the GPUs it was balanced
+    for, so its file names them."""
+    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode == BALANCED else "")
+    return directory / ("".join(c if c.isalnum() or c in "-." else "_" for c in name) + ".pt")
+
+
+def saved_outputs(directory: Path | None, label: str, modes, balance_for: int) -> dict | None:
+    """{mode: output} saved by an N = 1 run with `--outputs` (modes without a file are left out), or None."""
+    if directory is None:
+        return None
+    found = {}
+    for mode in modes:
+        if (path := output_path(directory, label, mode, balance_for)).is_file():
+            found[mode] = torch.load(path)
+    return found
 
 
 def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[dict]:
@@ -278,23 +302,31 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
     if rank == 0:
         print(f"[{label}] built in {time.perf_counter() - t0:.1f} s: {heads} heads, {layout} ({layout.seq_len} tokens), "
               f"{world} GPU(s)" + (", chunks of unequal length (ulysses_anything)" if uneven else ""), flush=True)
-    given = baseline_rows(args.baseline, label)
-    if given and (missing := sorted(args.modes - given.keys())):
-        raise SystemExit(f"--baseline {args.baseline} lacks {label}'s modes {', '.join(missing)}: run them on one GPU")
+    given = baseline_times(args.baseline, label) if args.baseline else {}
+    if args.baseline and (missing := sorted(args.modes - given.keys())):
+        raise SystemExit(f"--baseline {' '.join(map(str, args.baseline))} lacks {label}'s modes {', '.join(missing)}: "
+                         "run them on one GPU")
     one, plans = {}, {}
     if not given and (rank == 0 or world == 1):  # the one-GPU baseline, on rank 0 alone
         one = run_modes(transformer, inputs, layout, args, device, block, backend, 1, None, plans, world)
+        if world == 1 and args.outputs:
+            args.outputs.mkdir(parents=True, exist_ok=True)
+            for mode, (_, out) in one.items():
+                torch.save(out, output_path(args.outputs, label, mode, world))
     if world > 1:
         dist.barrier()
         enable_ulysses(transformer, world, uneven=uneven)
-        reference = {mode: out for mode, (_, out) in one.items()} if args.check and rank == 0 else None
+        reference = None
+        if rank == 0:
+            reference = ({mode: out for mode, (_, out) in one.items()} if args.check
+                         else saved_outputs(args.outputs, label, args.modes, world))
         parallel = run_modes(transformer, inputs, layout, args, device, block, backend, world, reference, plans, world)
     else:
         parallel = one
     rows = []
     if rank != 0:
         return rows
-    one_s = {mode: row["step_s"] for mode, row in given.items()} or {mode: row["step_s"] for mode, (row, _) in one.items()}
+    one_s = given or {mode: row["step_s"] for mode, (row, _) in one.items()}
     dense_n = parallel["dense"][0]["step_s"]
     for mode, (row, _) in parallel.items():
         row = {"model": label, "heads": heads, "tokens": layout.seq_len, "uneven": uneven, **row,
@@ -350,8 +382,11 @@ def main(argv=None):
     parser.add_argument("--head-spread", type=float, default=0.35,
                         help="sigma of the log-normal spread of the plans' per-head densities (0: all alike)")
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="results of an N = 1 run of the same models and modes: its one-GPU times are used")
+    parser.add_argument("--baseline", type=Path, nargs="+", default=None,
+                        help="results files with the one-GPU times of the same models and modes (N = 1 runs, or runs "
+                             "that measured them with --check): those times are used")
+    parser.add_argument("--outputs", type=Path, default=None,
+                        help="N = 1: save each mode's output in this folder; N > 1: compare with the outputs saved there")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written by rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, torch backend: checks the script")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
@@ -390,7 +425,7 @@ def main(argv=None):
             "block": [16 if args.smoke else args.query_block, 16 if args.smoke else 64],
             "parallelism": f"diffusers ContextParallelConfig(ulysses_degree={world})" if world > 1 else "none"}
     if args.baseline is not None:
-        info["baseline"] = args.baseline.name
+        info["baseline"] = [path.name for path in args.baseline]
     if device.type == "cuda":
         info.update(e2e.environment())
         import triton
@@ -404,7 +439,7 @@ def main(argv=None):
         if rank == 0 and args.out:
             args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     if rank == 0:
-        check = "  max abs err   rel err" if args.check else ""
+        check = "  max abs err   rel err" if any("check_max_abs" in r for r in rows) else ""
         print(f"\nmodel                   mode                           GPUs  step ms  vs dense  1-GPU ms  scaling"
               f"  peak GiB  NCCL  attn imbalance{check}")
         for r in rows:

@@ -33,6 +33,27 @@ def test_multi_gpu_smoke_run_writes_rows_its_table_reads(tmp_path):
     assert "| paro d=0.2 int8+fp8 balanced |" in table and "multi.json" in table and "head densities spread" in table
 
 
+def test_multi_gpu_compares_with_one_gpu_outputs_saved_by_another_run(tmp_path):
+    # one process saves its outputs and times; two processes (gloo) read both instead of running one GPU again
+    modes, saved = "paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced", tmp_path / "outputs"
+    one = run_script("--smoke", "--iters", "1", "--modes", modes, "--outputs", str(saved), "--out",
+                     str(tmp_path / "one.json"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert len(list(saved.glob("*.pt"))) == 3
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(ROOT / "benchmarks" / "multi_gpu.py"), "--smoke", "--iters", "1", "--modes", modes,
+                          "--outputs", str(saved), "--baseline", str(tmp_path / "one.json"), "--out",
+                          str(tmp_path / "two.json")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "two.json").read_text())["rows"]}
+    one_rows = {r["mode"]: r for r in json.loads((tmp_path / "one.json").read_text())["rows"]}
+    assert {mode: r["step_s_1gpu"] for mode, r in rows.items()} == {m: r["step_s"] for m, r in one_rows.items()}
+    # the same step in fp32 on two processes: equal to the saved one; the balanced plan was balanced for one GPU
+    # there and for two here, so it is not compared
+    assert rows["dense"]["check_max_abs"] < 1e-5 and rows["paro d=0.2 int8+fp8"]["check_max_abs"] < 1e-5
+    assert "check_max_abs" not in rows["paro d=0.2 int8+fp8 balanced"]
+
+
 def test_multi_gpu_refuses_an_unknown_mode():
     result = run_script("--smoke", "--modes", "d=0.3")
     assert result.returncode != 0 and "--modes d=0.3: expected some of dense" in result.stderr
