@@ -251,6 +251,8 @@ def step_inputs(name: str, transformer, device, dtype, smoke: bool, text_tokens:
         return {"hidden_states": rand(1, side * side, 128), "encoder_hidden_states": rand(1, 512, 15360),
                 "timestep": torch.full((1,), 0.9, device=device), "guidance": torch.full((1,), 4.0, device=device),
                 "img_ids": img_ids[None], "txt_ids": txt_ids[None], "return_dict": False}
+    if name != "flux":
+        raise ValueError(f"no step inputs for model {name!r}: expected one of {', '.join(CONFIGS)}")
     img_ids = torch.zeros(64, 64, 3, device=device)
     img_ids[..., 1] = torch.arange(64, device=device)[:, None]
     img_ids[..., 2] = torch.arange(64, device=device)[None, :]

@@ -82,3 +82,16 @@ def test_calibration_cost_tiny_run_measures_both_models(tmp_path):
         ("tiny-cogvideox", 2, "8 + 3x8x8"), ("tiny-wan", 2, "3x8x8")]
     for r in records:
         assert 0 < r["achieved_density"] < 1 and r["extrapolated"]["transformer_calls"] == 2 * r["calls_per_step"]
+
+
+def test_multi_gpu_models_are_models_the_step_benchmark_builds():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e
+    import multi_gpu
+    import pytest
+    import torch
+
+    assert {key for key, _ in multi_gpu.MODELS.values()} <= set(e2e.CONFIGS)
+    # a name without step inputs of its own is refused, never handed another model's inputs
+    with pytest.raises(ValueError, match="no step inputs for model 'wan-14b'"):
+        e2e.step_inputs("wan-14b", None, "cpu", torch.float32, smoke=False)
