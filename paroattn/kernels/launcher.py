@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import contextmanager
 
 import torch
 from triton.runtime import driver
@@ -263,6 +264,40 @@ class LaunchSequence:
             launcher.raw_launches += 1
         LaunchSequence.replayed_calls += 1
         return True
+
+
+class LaunchSequences:
+    """The launch sequences recorded into one set of buffers (whose addresses are `owned`), by the key of the call
+    that recorded each: everything its launches depend on besides the addresses of the call's own tensors (the
+    caller's promise, as a `CachedLauncher` key is). At most `limit`: all are dropped when one more comes. The
+    caller keeps this with the buffers."""
+
+    def __init__(self, state: LaunchState, owned: set[int], limit: int):
+        self.state = state
+        self.owned = owned
+        self.limit = limit
+        self._sequences: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def replay(self, key, slots: tuple, stream: int | None = None) -> bool:
+        """Launch the sequence recorded for `key` with `slots` in their places (`LaunchSequence.replay`); False
+        (nothing launched) where none was recorded or it declines."""
+        sequence = self._sequences.get(key)
+        return sequence is not None and sequence.replay(slots, stream)
+
+    @contextmanager
+    def recording(self, key, slots: tuple, replayable: bool = True):
+        """`with sequences.recording(key, slots):` records the launches made in its scope and keeps their sequence
+        for `key` (`LaunchSequence.build`), to replay for the next call of that key. None is kept (the next call
+        records again) where a launch cannot be replayed, or where the caller says the sequence cannot be
+        (`replayable` False)."""
+        with self.state.recording() as records:
+            yield
+        if len(self._sequences) >= self.limit:
+            self._sequences.clear()
+        self._sequences[key] = LaunchSequence.build(self.state, records, slots, self.owned) if replayable else None
 
 
 class CachedLauncher:

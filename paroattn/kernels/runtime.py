@@ -29,7 +29,7 @@ import torch
 
 from . import dispatch
 from .block_lists import ActiveBlocks
-from .launcher import LaunchState
+from .launcher import LaunchSequences, LaunchState
 from .statistics import Statistics
 
 WORKSPACES = 4  # buffer sets kept per device; the oldest goes beyond, its memory back to torch's allocator
@@ -54,17 +54,17 @@ class Buffers:
     rotated: tuple[torch.Tensor, torch.Tensor] | None = None
     statistics: Statistics | None = None
     descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
-    # the launches of earlier calls into this set, by what they depend on (`launch`); None: a set of one
-    # call (a graph capture, the custom op), which records nothing
-    sequences: dict | None = None
+    # the launches of earlier calls into this set (`launcher.LaunchSequences`); None: a set of one call (a graph
+    # capture, the custom op), which records nothing
+    sequences: LaunchSequences | None = None
+    addresses: set[int] = field(init=False)  # where this set's buffers (its placeholder included) live
 
-    def addresses(self) -> set[int]:
-        """Where this set's buffers (its placeholder included) live."""
+    def __post_init__(self):
         tensors = [self.kq, self.k_scale, self.vq, self.qq, self.q_scale, self.placeholder, *(self.rotated or ())]
         if self.statistics is not None:
             stats = self.statistics
             tensors += [stats.k_mean, stats.v_amax, stats.k_partial, stats.v_partial, stats.arrivals]
-        return {t.data_ptr() for t in tensors}
+        self.addresses = {t.data_ptr() for t in tensors}
 
 
 def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
@@ -198,20 +198,18 @@ class Runtime:
         prologue writes the buffers only after the previous call's kernels read them; a call on another
         stream gets its own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
         B, H, N, D = plan.shape
-        launch = plan.launch
         rotary = plan.rotary is not None
-        if stream is None:
-            return allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv, launch.q_tma,
-                            rotary)
-        key = (stream, launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
+        key = (stream, plan.launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
         kept = self.workspaces
-        buffers = kept.get(key)
+        buffers = kept.get(key) if stream is not None else None
         if buffers is None:
-            buffers = kept[key] = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
-                                           launch.q_tma, rotary)
-            buffers.sequences = {}
-            while len(kept) > WORKSPACES:
-                kept.popitem(last=False)
+            buffers = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
+                               plan.launch.q_tma, rotary)
+            if stream is not None:
+                buffers.sequences = LaunchSequences(PROCESS.launches, buffers.addresses, SEQUENCES)
+                kept[key] = buffers
+                while len(kept) > WORKSPACES:
+                    kept.popitem(last=False)
         elif len(kept) > 1:
             kept.move_to_end(key)
         return buffers

@@ -122,7 +122,7 @@ def launch(kernel, maps: tuple[TensorMap, TensorMap, TensorMap], qq, q_scale, kq
            counts, indices, schedule, *, N: int, prefix: int, frames: int, height: int, width: int, sm_scale: float,
            key_mask: torch.Tensor | None = None) -> None:
     """`kernel` (`build`'s) with the tensor maps of the buffers it reads (`tensor_maps(qq, kq, vq)`): attention
-    over the prologue's buffers (`triton_backend.prepare_kv` with q and bq=128, bk=64) into
+    over the prologue's buffers (`launch.prepare_kv` with q and bq=128, bk=64) into
     `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
     `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
     `key_mask` bool [B, suffix], False at padded keys of the tokens after the grid."""
