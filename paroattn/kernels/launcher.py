@@ -23,7 +23,8 @@ buffers; an encoding is kept while its descriptor lives). Anything else takes th
 A `LaunchSequence` goes one step further for a caller that makes the same launches call after call into
 buffers it keeps: the launches of one call are recorded (`Recording`) with their arguments ready for the
 C function, and a later call with the same key replays them with its own tensors put in their places,
-none of the callers' Python between the launches run again.
+none of the callers' Python between the launches run again. `LaunchSequences` keeps the sequences recorded
+into one set of buffers, by key: `replay(key, ...)`, else `with recording(key, ...):` the call's launches.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Per device (`runtime_of(device)`):
 - decisions: `dispatch.resolve` per call key (`decide`, the one place that builds a `dispatch.Call`), so an
   eager call decides its kernel with one dict lookup; where a call may run the sm90 CUDA kernel, deciding it
   builds (or loads) that kernel first, as an explicit step whose outcome is a fact of the `Call`;
-- workspaces: the buffer sets the kernels write and read back (`Buffers`), reused per stream and
-  `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than
-  the rest of a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
+- workspaces: the buffer sets the kernels write and read back (`Buffers`, built by `allocate` and nowhere else),
+  reused per stream and `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost
+  more host time than the rest of a call. Each set keeps the launch sequences recorded into it
+  (`launcher.LaunchSequences`), keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
 - orders: device copies of host `orders` tensors;
 - the sm90 CUDA kernels built and loaded on the device (`cuda_kernel`), or why they could not be.
@@ -193,10 +194,11 @@ class Runtime:
         return self.cuda_kernels[(head_dim, dtype)]
 
     def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
-        """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape (a
-        fresh set while a graph is captured: stream None). Calls on one stream run in order, so a call's
-        prologue writes the buffers only after the previous call's kernels read them; a call on another
-        stream gets its own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
+        """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape, with the launch
+        sequences recorded into it; a fresh set, which records nothing, while a graph is captured (stream None).
+        Calls on one stream run in order, so a call's prologue writes the buffers only after the previous call's
+        kernels read them; a call on another stream gets its own set. While a CUDA graph is captured, each call
+        allocates (from the graph's pool)."""
         B, H, N, D = plan.shape
         rotary = plan.rotary is not None
         key = (stream, plan.launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
