@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from paroattn import bench, paro_attention  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
 from paroattn.bench import LABELS, SHAPES, environment_line, input_sets, kernel_of, median_ms, read_results  # noqa: E402,E501
-from paroattn.kernels import dispatch, runtime, triton_backend  # noqa: E402
+from paroattn.kernels import dispatch, launch, runtime  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 from paroattn.kernels.dispatch import Launch  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
@@ -352,8 +352,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             with_q = isinstance(decision, Launch) and decision.q_tma
 
             def prologue(q, k, v, qk=qk, pv=pv, with_q=with_q):
-                return triton_backend.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height,
-                                                 layout.width, block_k, qk, pv, q if with_q else None, block_q)
+                buffers = runtime.allocate(*k.shape, k.dtype, k.device, block_q, block_k, qk, pv, with_q)
+                return launch.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height, layout.width,
+                                         block_k, qk, pv, buffers, q if with_q else None, block_q)
 
             ms, err = _try(lambda: timer(prologue, sets, warmup, rep))
             results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})

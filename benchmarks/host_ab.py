@@ -41,8 +41,9 @@ def import_other(checkout: Path):
     """The other checkout's `paroattn` as the package `paroattn_other` (a copy; its imports are relative)."""
     root = Path(tempfile.mkdtemp())
     shutil.copytree(checkout / "paroattn", root / OTHER, ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    backend = root / OTHER / "kernels" / "triton_backend.py"
-    backend.write_text(backend.read_text().replace('"paroattn::', f'"{OTHER}::'))  # one op name per library
+    for source in (root / OTHER / "kernels").glob("*.py"):  # one op name per library
+        if '"paroattn::' in (text := source.read_text()):
+            source.write_text(text.replace('"paroattn::', f'"{OTHER}::'))
     sys.path.insert(0, str(root))
     import importlib
 

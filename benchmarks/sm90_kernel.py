@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paroattn.bench import SHAPES  # noqa: E402
 from paroattn.kernels import sm90  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
+from paroattn.kernels.launch import prepare_kv  # noqa: E402
 from paroattn.kernels.runtime import allocate  # noqa: E402
-from paroattn.kernels.triton_backend import prepare_kv  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """`paro_attention`: the one functional op that processors, calibration checks and benchmarks call.
 Its contract is the function's docstring; `kernels/reference.py` is its definition in torch, and every
 kernel must agree with it. Which kernel runs a call is decided in one place, `kernels.dispatch.resolve`
-(`decide` below asks it, eager or traced, through the device's runtime); `kernels.op.run` executes the
+(`decide` below asks it, eager or traced, through the device's runtime); `kernels.launch.run` executes the
 decision.
 """
 
@@ -305,9 +305,9 @@ def paro_attention(
         if isinstance(decision, Launch) and decision.backend != "torch":
             if decision.warning:  # a kernel asked for could not run (once per call site)
                 warn(decision.warning, stacklevel=2)
-            from .kernels import op  # defining the kernels takes seconds: imported on first use
+            from .kernels import launch  # defining the kernels takes seconds: imported on first use
 
-            return op.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
+            return launch.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
                           sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision)
         reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
         if backend in ("triton", "cuda"):
@@ -316,6 +316,4 @@ def paro_attention(
             warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
-    return paro_attention_reference(
-        q, k, v, layout, orders.to(q.device), block_mask.to(q.device), bq, bk, qk, pv, sm_scale, rotary, suffix_mask
-    )
+    return paro_attention_reference(q, k, v, layout, orders, block_mask, bq, bk, qk, pv, sm_scale, rotary, suffix_mask)

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from paroattn import paro_attention
 from paroattn.attention import decide
-from paroattn.kernels import dispatch, triton_backend
+from paroattn.kernels import dispatch
+from paroattn.kernels import launch as launches
+from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.kernels.runtime import runtime_of
 
 
 def launch(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
            cos=None, sin=None, key_mask=None, out=None, reuse_buffers=True, backend="triton"):
-    """`triton_backend.launch` of the kernel that `backend` decides for this call on q's device."""
+    """`kernels.launch.launch` of the kernel that `backend` decides for this call on q's device, on the lists
+    `counts`, `indices`, `schedule`."""
     decision = decide(q, bq, bk, qk, pv, backend, key_mask=key_mask is not None, rotary=cos is not None)
-    return triton_backend.launch(runtime_of(q.device), decision, q, k, v, orders, counts, indices, schedule, prefix,
-                                 frames, height, width, bq, bk, qk, pv, sm_scale, cos, sin, key_mask, out=out,
-                                 reuse_buffers=reuse_buffers)
+    blocks = ActiveBlocks(counts, indices, -(-q.shape[2] // bk), schedule)
+    return launches.launch(decision, q, k, v, orders, blocks, prefix, frames, height, width, bq, bk, qk, pv, sm_scale,
+                           cos, sin, key_mask, out=out, reuse_buffers=reuse_buffers)
 
 
 def sm90_attention(q, k, v, *, layout, orders, block_mask, qk="int8", pv="fp8", sm_scale=None, suffix_mask=None):

@@ -16,8 +16,8 @@ import kernel_calls  # noqa: E402
 
 from paroattn import TokenLayout, paro_attention  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
+from paroattn.kernels import launch, runtime  # noqa: E402
 from paroattn.kernels import launcher as launcher_module  # noqa: E402
-from paroattn.kernels import op, runtime, triton_backend  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.kernels.runtime import PROCESS, runtime_of  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
@@ -143,7 +143,7 @@ def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     # the reused set holds what a fresh set (as while a CUDA graph is captured) gets from this call
     B, _, N, _ = first[0].shape
     fresh = runtime.allocate(B, H, N, D, DTYPE, first[0].device, BLOCK, BLOCK, qk, pv, write_q=False)
-    triton_backend.prepare_kv(*first[1:], orders, *GRID, BLOCK, qk, pv, buffers=fresh)
+    launch.prepare_kv(*first[1:], orders, *GRID, BLOCK, qk, pv, fresh)
     for name in ("kq", "k_scale", "vq"):
         assert torch.equal(getattr(fresh, name), getattr(buffers, name)), name
     reference = paro_attention(*first, layout=LAYOUT, orders=orders, block_mask=mask, block_size=BLOCK, qk=qk,
@@ -374,7 +374,7 @@ def test_the_custom_op_keeps_no_buffer_set():
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=15)
     args = (q, k, v, torch.tensor([2, 4], dtype=torch.int32, device=DEVICE), blocks.counts, blocks.indices,
             blocks.schedule, *GRID, BLOCK, BLOCK, "int8", "bf16", 1 / math.sqrt(D))
-    through_op = op.block_sparse_attention(*args, decide(q, BLOCK, BLOCK, "int8", "bf16", "triton").encode())
+    through_op = launch.block_sparse_attention(*args, decide(q, BLOCK, BLOCK, "int8", "bf16", "triton").encode())
     assert not workspaces()
     assert torch.equal(through_op, kernel_calls.launch(*args))
     assert len(workspaces()) == 1

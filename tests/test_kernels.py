@@ -29,7 +29,7 @@ import triton.language as tl  # noqa: E402
 
 from paroattn import PAROInputError, TokenLayout, paro_attention  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
-from paroattn.kernels import dispatch, op, runtime, triton_backend  # noqa: E402
+from paroattn.kernels import dispatch, launch, runtime  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks, heaviest_first  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 
@@ -214,8 +214,9 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
     q, k, v = make_inputs(2, H, N, D, dtype=torch.bfloat16, seq_major=True, seed=21)
     k = k * 3.0 + 2.0  # keys with a large common offset, as DiT keys have
     orders = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
-    kq, k_scale, vq, v_amax, qq, q_scale = triton_backend.prepare_kv(
-        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, q, bq)
+    buffers = runtime.allocate(2, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q=True)
+    kq, k_scale, vq, v_amax, qq, q_scale = launch.prepare_kv(
+        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, buffers, q, bq)
     stride = reference.key_mean_stride(N, layout.height, layout.width)
     assert stride == 7  # the largest stride coprime with 8 x 6 that keeps >= 16 of 149 tokens
     stats = statistics.Statistics(2, H, N, D, k.device)
@@ -308,9 +309,9 @@ def test_custom_op_schema_and_fake_tensor():
     args = (q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, layout.prefix, layout.frames,
             layout.height, layout.width, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", 0.125,
             decide(q, SMALL_BLOCK, SMALL_BLOCK, "int8", "fp8", "triton").encode())
-    torch.library.opcheck(op.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(launch.block_sparse_attention, args, test_utils=("test_schema", "test_faketensor"))
     rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
-    torch.library.opcheck(op.block_sparse_attention, args + rotary,
+    torch.library.opcheck(launch.block_sparse_attention, args + rotary,
                           test_utils=("test_schema", "test_faketensor"))
 
 

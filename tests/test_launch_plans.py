@@ -175,6 +175,46 @@ def test_pinned_configs_in_turn_on_the_gpu():
         runtime.set_kernel_config(*key, None)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's test")
+def test_each_kernel_is_keyed_by_the_plan_and_the_alignment_of_what_it_reads(cpu_call, monkeypatch):
+    """The key `launch` gives each Triton kernel's `CachedLauncher` holds the call's plan and the 16-byte alignment
+    of the tensors that kernel reads: a call whose v is not 16-byte aligned gets other keys for the kernels that
+    read v (the statistics and the K/V prologue) and the same keys for those that do not (the RoPE pass, and the
+    attention kernel, which reads the prologue's copy of V)."""
+    from paroattn.kernels import launcher
+
+    q, k, v, kwargs = cpu_call
+    B, H, N, D = v.shape
+    storage = torch.empty(v.numel() + 1, dtype=v.dtype)
+    shifted = storage[1:].view(B, N, H, D).transpose(1, 2)  # v's strides, 2 bytes past an aligned address
+    shifted.copy_(v)
+    assert v.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 == 2
+    angles = torch.rand(N - LAYOUT.prefix, D, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(kwargs, rotary=(angles.cos(), angles.sin()))
+    keys, spied = {}, launcher.CachedLauncher.__call__
+
+    def spy(self, key, *args, **options):
+        keys[self.kernel.__name__] = key
+        return spied(self, key, *args, **options)
+
+    monkeypatch.setattr(launcher.CachedLauncher, "__call__", spy)
+
+    def call(values):
+        keys.clear()
+        out = paro_attention(q, k, values, **kwargs, backend="triton")
+        return out, ran("cpu"), dict(keys)
+
+    out, plan, aligned_v = fresh(lambda: call(v))
+    out_shifted, plan_shifted, shifted_v = fresh(lambda: call(shifted))
+    assert torch.equal(out, out_shifted) and plan == plan_shifted
+    assert set(aligned_v) == {"_rotate_kernel", "_statistics_kernel", "_kv_prologue_kernel", "_attention_kernel"}
+    assert all(aligned_v[kernel][0] == plan.kernel_key for kernel in ("_rotate_kernel", "_kv_prologue_kernel",
+                                                                      "_attention_kernel"))
+    for kernel, reads_v in (("_rotate_kernel", False), ("_statistics_kernel", True), ("_kv_prologue_kernel", True),
+                            ("_attention_kernel", False)):
+        assert (aligned_v[kernel] != shifted_v[kernel]) == reads_v, kernel
+
+
 def test_every_launch_cache_is_keyed_by_the_decided_launch():
     """A buffer set kept for one kernel is not handed to a call of another: the runtime keys sets by plan."""
     device_runtime = runtime.Runtime(torch.device("cpu"))

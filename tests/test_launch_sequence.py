@@ -1,6 +1,7 @@
 """`launcher.LaunchSequence` on recorded launches of stand-in kernels (CPU): which arguments become the
-next call's tensors, which stay fixed, and when a sequence refuses to record or to replay. The GPU tests
-of `tests/test_host_path.py` run it on the real kernels."""
+next call's tensors, which stay fixed, and when a sequence refuses to record or to replay; and
+`launcher.LaunchSequences`, the sequences a buffer set keeps by key. The GPU tests of
+`tests/test_host_path.py` run them on the real kernels."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from paroattn.kernels import launcher  # noqa: E402
-from paroattn.kernels.launcher import LaunchSequence, LaunchState  # noqa: E402
+from paroattn.kernels.launcher import LaunchSequence, LaunchSequences, LaunchState  # noqa: E402
 
 STATE = LaunchState()  # the launchers' shared state (the process keeps one: `runtime.PROCESS.launches`)
 
@@ -115,3 +116,37 @@ def test_recordings_are_per_thread():
         STATE.record("this thread's")
     STATE.record("outside the recording")
     assert records == ["this thread's"]
+
+
+def test_a_buffer_sets_sequences_are_kept_by_key(current):
+    """`LaunchSequences`: the launches made in a recording's scope are kept for its key and replayed for a later
+    call of that key only. A recording the caller marks not replayable, or whose launches raised, keeps nothing
+    (the next call of its key records again); one key more than the limit drops them all."""
+    calls = []
+    buffer = torch.zeros(4)
+    entry, fake = FakeEntry(calls), FakeLauncher()
+    sequences = LaunchSequences(STATE, owned={buffer.data_ptr()}, limit=2)
+
+    def launches(slots):  # what one call launches: a kernel on its own tensor and the set's buffer
+        STATE.record((fake, entry, (3,), (slots[0], buffer, 5)))
+
+    first, second = (torch.zeros(2),), (torch.zeros(2),)
+    assert not sequences.replay("a", first)
+    with sequences.recording("a", first):
+        launches(first)
+    assert calls == [] and len(sequences) == 1  # a recording keeps what ran; it launches nothing itself
+    assert sequences.replay("a", second, stream=5)
+    head = ("function", False, False, None, None, "metadata", None, None, None)
+    assert calls == [(3, 1, 1, 5, *head, second[0].data_ptr(), buffer.data_ptr(), 5)]
+    assert not sequences.replay("b", second)
+    with sequences.recording("b", first, replayable=False):
+        launches(first)
+    assert not sequences.replay("b", second)
+    with pytest.raises(RuntimeError), sequences.recording("c", first):
+        launches(first)
+        raise RuntimeError("a launch failed")
+    assert not sequences.replay("c", second)
+    with sequences.recording("c", first):  # a third key: the first two go
+        launches(first)
+    assert len(sequences) == 1 and not sequences.replay("a", second) and sequences.replay("c", second)
+    assert len(calls) == 2

@@ -274,20 +274,18 @@ def test_nan_reaches_the_outputs_the_contract_names():
 @requires_sm90
 @pytest.mark.gpu
 def test_nvrtc_failure_gives_a_reason_and_no_result(monkeypatch, tmp_path):
-    from paroattn.kernels.sm90 import runtime
-
     def broken(*args, **kwargs):
-        raise runtime.KernelLoadError("NVRTC could not compile paro_attention_int8_fp8: injected failure")
+        raise sm90.KernelLoadError("NVRTC could not compile paro_attention_int8_fp8: injected failure")
 
     monkeypatch.setenv("PAROATTN_CACHE", str(tmp_path))  # an empty cache: the compile must run
-    monkeypatch.setattr(runtime, "_nvrtc_compile", broken)
+    monkeypatch.setattr(sm90, "_nvrtc_compile", broken)
     device = torch.device("cuda", torch.cuda.current_device())
     device_runtime = runtime_of(device)
     device_runtime.clear()
     try:
         reason = device_runtime.build_cuda_kernel(64, torch.float16)
         assert reason is not None and "injected failure" in reason and "could not be built" in reason
-        with pytest.raises(runtime.KernelLoadError, match="injected failure"):
+        with pytest.raises(sm90.KernelLoadError, match="injected failure"):
             device_runtime.cuda_kernel(64, torch.float16)
     finally:
         device_runtime.clear()
@@ -300,10 +298,9 @@ def test_disk_cache_serves_a_second_process(tmp_path):
     script = textwrap.dedent("""
         import torch
         from paroattn.kernels import sm90
-        from paroattn.kernels.sm90 import runtime
         calls = []
-        original = runtime._nvrtc_compile
-        runtime._nvrtc_compile = lambda *a: calls.append(1) or original(*a)
+        original = sm90._nvrtc_compile
+        sm90._nvrtc_compile = lambda *a: calls.append(1) or original(*a)
         sm90.build(64, torch.bfloat16, torch.device("cuda", 0))
         print("nvrtc calls", len(calls))
         """)
@@ -435,13 +432,12 @@ def test_op_falls_back_to_triton_with_one_warning_when_the_build_fails(monkeypat
 
     from paroattn import paro_attention
     from paroattn.kernels import runtime as op_runtime
-    from paroattn.kernels.sm90 import runtime
 
     def broken(*args, **kwargs):
-        raise runtime.KernelLoadError("NVRTC could not compile paro_attention_int8_fp8: injected failure")
+        raise sm90.KernelLoadError("NVRTC could not compile paro_attention_int8_fp8: injected failure")
 
     monkeypatch.setenv("PAROATTN_CACHE", str(tmp_path))
-    monkeypatch.setattr(runtime, "_nvrtc_compile", broken)
+    monkeypatch.setattr(sm90, "_nvrtc_compile", broken)
     op_runtime.clear()
     try:
         B, H, layout, D = 1, 2, TokenLayout(0, 3, 17, 23), 128

@@ -1,6 +1,6 @@
 """Triton kernels of the PARO op: the K/V prologue and the block-sparse attention kernel.
 
-The torch reference beside them (`reference.py`) is their definition; `triton_backend.py` launches
+The torch reference beside them (`reference.py`) is their definition; `launch.py` launches
 them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
 1. statistics (torch reductions, only in the modes that need them): the per-(b, h) mean of K over

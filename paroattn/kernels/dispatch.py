@@ -176,7 +176,7 @@ class LaunchPlan(NamedTuple):
     """Everything one call's launches depend on besides the addresses of its tensors: the decided kernel
     (`launch`, with its config), the geometry, modes and dtype, the strides of q, k, v and out, the RoPE tables'
     and the key mask's shapes and strides, and the active-block lists' width and dtypes. Built once per eager
-    call (`triton_backend.launch`) and once per call of the compiled graph's custom op; every cache of the
+    call (`launch.launch`) and once per call of the compiled graph's custom op; every cache of the
     launches derives its key from it (the buffer set, each launcher's compiled kernel, the recorded launch
     sequence), so what was kept for one kernel or config is never used for another. A tuple: it is hashed on
     every eager call."""

@@ -13,7 +13,7 @@ warp specialization does not apply to it. Here the roles are split by hand, as F
   i-1's P V product and runs block i's softmax while the P V product is still on the tensor cores;
   the two warpgroups, running independently, fill each other's gaps.
 
-The inputs are the prologue's buffers (`triton_backend.prepare_kv`): K and V reordered and contiguous,
+The inputs are the prologue's buffers (`launch.prepare_kv`): K and V reordered and contiguous,
 so every tile is one descriptor load; the consumers gather their query rows from the caller's q. Its
 definition is the same as the Triton kernel's (`reference.py`), and the tests compare the two on the
 GPU; the Triton interpreter cannot run Gluon. (Integer QK with fp8 PV stays on the Triton kernel: a

@@ -23,13 +23,15 @@ buffers; an encoding is kept while its descriptor lives). Anything else takes th
 A `LaunchSequence` goes one step further for a caller that makes the same launches call after call into
 buffers it keeps: the launches of one call are recorded (`Recording`) with their arguments ready for the
 C function, and a later call with the same key replays them with its own tensors put in their places,
-none of the callers' Python between the launches run again.
+none of the callers' Python between the launches run again. `LaunchSequences` keeps the sequences recorded
+into one set of buffers, by key: `replay(key, ...)`, else `with recording(key, ...):` the call's launches.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from contextlib import contextmanager
 
 import torch
 from triton.runtime import driver
@@ -263,6 +265,40 @@ class LaunchSequence:
             launcher.raw_launches += 1
         LaunchSequence.replayed_calls += 1
         return True
+
+
+class LaunchSequences:
+    """The launch sequences recorded into one set of buffers (whose addresses are `owned`), by the key of the call
+    that recorded each: everything its launches depend on besides the addresses of the call's own tensors (the
+    caller's promise, as a `CachedLauncher` key is). At most `limit`: all are dropped when one more comes. The
+    caller keeps this with the buffers."""
+
+    def __init__(self, state: LaunchState, owned: set[int], limit: int):
+        self.state = state
+        self.owned = owned
+        self.limit = limit
+        self._sequences: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def replay(self, key, slots: tuple, stream: int | None = None) -> bool:
+        """Launch the sequence recorded for `key` with `slots` in their places (`LaunchSequence.replay`); False
+        (nothing launched) where none was recorded or it declines."""
+        sequence = self._sequences.get(key)
+        return sequence is not None and sequence.replay(slots, stream)
+
+    @contextmanager
+    def recording(self, key, slots: tuple, replayable: bool = True):
+        """`with sequences.recording(key, slots):` records the launches made in its scope and keeps their sequence
+        for `key` (`LaunchSequence.build`), to replay for the next call of that key. None is kept (the next call
+        records again) where a launch cannot be replayed, or where the caller says the sequence cannot be
+        (`replayable` False)."""
+        with self.state.recording() as records:
+            yield
+        if len(self._sequences) >= self.limit:
+            self._sequences.clear()
+        self._sequences[key] = LaunchSequence.build(self.state, records, slots, self.owned) if replayable else None
 
 
 class CachedLauncher:

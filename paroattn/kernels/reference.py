@@ -149,11 +149,12 @@ def paro_attention_reference(
     suffix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k, v: [B, H, N, D]; orders [H]; block_mask bool [H, ceil(N/bq), ceil(N/bk)] in reordered
-    coordinates; rotary: RoPE tables (cos, sin) [S, D] for the last S tokens of q and k (`apply_rotary`),
+    coordinates (both on any device: they are read on q's); rotary: RoPE tables (cos, sin) [S, D] for the last S tokens of q and k (`apply_rotary`),
     applied before everything else; suffix_mask: bool [B, layout.suffix], False where a suffix token is
     padding, a key no query attends (on top of the block mask). Returns [B, H, N, D] in q's dtype and
     original token order."""
     B, H, N, D = q.shape
+    orders, block_mask = orders.to(q.device), block_mask.to(q.device)
     key_valid = None if suffix_mask is None else valid_keys(suffix_mask, N)  # [B, N], same in both orders
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)

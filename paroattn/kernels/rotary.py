@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import CachedLauncher, aligned
+from .launcher import CachedLauncher
 
 _BLOCK_N = 32  # with 8 heads per program and 4 warps: the fastest of a sweep on the three models (H200)
 _NUM_WARPS = 4
@@ -84,11 +84,13 @@ def heads_per_program(blocks: int, batch: int, heads: int) -> int:
 
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              out: tuple[torch.Tensor, torch.Tensor] | None = None, launcher: CachedLauncher | None = None):
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, launcher: CachedLauncher | None = None,
+              key=None):
     """q, k [B, H, N, D] (any strides) with RoPE on their last S tokens (cos, sin: float32 [S, D]), as
     new contiguous tensors (or written into `out`, two contiguous [B, H, N, D] tensors of q's dtype):
-    `reference.apply_rotary` of each. `launcher`: the process's `CachedLauncher` of the kernel (the runtime's);
-    None launches it in full."""
+    `reference.apply_rotary` of each. `launcher`: the process's `CachedLauncher` of the kernel (None: a full
+    launch), `key` the launch's key there (None: a full launch), which must hold q's shape and dtype, q's and k's
+    strides, S, the strides of cos and sin, and the alignment of q, k, cos, sin and `out`."""
     B, H, N, D = q.shape
     if out is None:
         q_out = torch.empty(B, H, N, D, dtype=q.dtype, device=q.device)
@@ -105,6 +107,5 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if launcher is None:
         _rotate_kernel[grid](*args, **constexprs, num_warps=_NUM_WARPS)
     else:
-        key = (q.shape, q.dtype, q.stride(), k.stride(), cos.shape[0], aligned(q, k, cos, sin, q_out, k_out))
         launcher(key, grid, args, constexprs, num_warps=_NUM_WARPS)
     return q_out, k_out

@@ -5,9 +5,10 @@ Per device (`runtime_of(device)`):
 - decisions: `dispatch.resolve` per call key (`decide`, the one place that builds a `dispatch.Call`), so an
   eager call decides its kernel with one dict lookup; where a call may run the sm90 CUDA kernel, deciding it
   builds (or loads) that kernel first, as an explicit step whose outcome is a fact of the `Call`;
-- workspaces: the buffer sets the kernels write and read back (`Buffers`), reused per stream and
-  `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost more host time than
-  the rest of a call. Each set keeps the launch sequences recorded into it, keyed by the call's `LaunchPlan`;
+- workspaces: the buffer sets the kernels write and read back (`Buffers`, built by `allocate` and nowhere else),
+  reused per stream and `LaunchPlan` (`workspace`): allocating them and building their descriptors would cost
+  more host time than the rest of a call. Each set keeps the launch sequences recorded into it
+  (`launcher.LaunchSequences`), keyed by the call's `LaunchPlan`;
 - mask lists: active-block lists built from bool masks, reused while a mask is unchanged (`lists_of`);
 - orders: device copies of host `orders` tensors;
 - the sm90 CUDA kernels built and loaded on the device (`cuda_kernel`), or why they could not be.
@@ -29,7 +30,7 @@ import torch
 
 from . import dispatch
 from .block_lists import ActiveBlocks
-from .launcher import LaunchState
+from .launcher import LaunchSequences, LaunchState
 from .statistics import Statistics
 
 WORKSPACES = 4  # buffer sets kept per device; the oldest goes beyond, its memory back to torch's allocator
@@ -54,17 +55,17 @@ class Buffers:
     rotated: tuple[torch.Tensor, torch.Tensor] | None = None
     statistics: Statistics | None = None
     descriptors: dict = field(default_factory=dict)  # built once per buffer set, by the launch that reads them
-    # the launches of earlier calls into this set, by what they depend on (`launch`); None: a set of one
-    # call (a graph capture, the custom op), which records nothing
-    sequences: dict | None = None
+    # the launches of earlier calls into this set (`launcher.LaunchSequences`); None: a set of one call (a graph
+    # capture, the custom op), which records nothing
+    sequences: LaunchSequences | None = None
+    addresses: set[int] = field(init=False)  # where this set's buffers (its placeholder included) live
 
-    def addresses(self) -> set[int]:
-        """Where this set's buffers (its placeholder included) live."""
+    def __post_init__(self):
         tensors = [self.kq, self.k_scale, self.vq, self.qq, self.q_scale, self.placeholder, *(self.rotated or ())]
         if self.statistics is not None:
             stats = self.statistics
             tensors += [stats.k_mean, stats.v_amax, stats.k_partial, stats.v_partial, stats.arrivals]
-        return {t.data_ptr() for t in tensors}
+        self.addresses = {t.data_ptr() for t in tensors}
 
 
 def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
@@ -193,25 +194,24 @@ class Runtime:
         return self.cuda_kernels[(head_dim, dtype)]
 
     def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
-        """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape (a
-        fresh set while a graph is captured: stream None). Calls on one stream run in order, so a call's
-        prologue writes the buffers only after the previous call's kernels read them; a call on another
-        stream gets its own set. While a CUDA graph is captured, each call allocates (from the graph's pool)."""
+        """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape, with the launch
+        sequences recorded into it; a fresh set, which records nothing, while a graph is captured (stream None).
+        Calls on one stream run in order, so a call's prologue writes the buffers only after the previous call's
+        kernels read them; a call on another stream gets its own set. While a CUDA graph is captured, each call
+        allocates (from the graph's pool)."""
         B, H, N, D = plan.shape
-        launch = plan.launch
         rotary = plan.rotary is not None
-        if stream is None:
-            return allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv, launch.q_tma,
-                            rotary)
-        key = (stream, launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
+        key = (stream, plan.launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
         kept = self.workspaces
-        buffers = kept.get(key)
+        buffers = kept.get(key) if stream is not None else None
         if buffers is None:
-            buffers = kept[key] = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
-                                           launch.q_tma, rotary)
-            buffers.sequences = {}
-            while len(kept) > WORKSPACES:
-                kept.popitem(last=False)
+            buffers = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
+                               plan.launch.q_tma, rotary)
+            if stream is not None:
+                buffers.sequences = LaunchSequences(PROCESS.launches, buffers.addresses, SEQUENCES)
+                kept[key] = buffers
+                while len(kept) > WORKSPACES:
+                    kept.popitem(last=False)
         elif len(kept) > 1:
             kept.move_to_end(key)
         return buffers

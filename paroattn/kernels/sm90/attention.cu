@@ -2,7 +2,7 @@
 //
 // A CTA is one warpgroup. It computes 64 query rows (one half of a 128-row block of the lists) of one
 // (batch, head) against the block's active 64-key blocks, reading the K/V (and Q) prologue's outputs
-// (`triton_backend.prepare_kv`) through TMA tensor maps built on the host:
+// (`launch.prepare_kv`) through TMA tensor maps built on the host:
 //   QQ  int8 [B*H, NQ*128, D]   reordered queries, per query block scale QScale [B*H, NQ]
 //   KQ  int8 [B*H, N_PAD, D]    reordered keys minus K smoothing's mean, per key block scale KScale [B*H, NK]
 //   VQ  e4m3 [B*H, D, N_PAD]    reordered values, transposed, divided by their per-channel scale
