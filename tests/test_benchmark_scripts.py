@@ -95,3 +95,17 @@ def test_multi_gpu_models_are_models_the_step_benchmark_builds():
     # a name without step inputs of its own is refused, never handed another model's inputs
     with pytest.raises(ValueError, match="no step inputs for model 'wan-14b'"):
         e2e.step_inputs("wan-14b", None, "cpu", torch.float32, smoke=False)
+
+
+def test_demo_model_balance_quality_runs_balanced_plans(tmp_path):
+    out = tmp_path / "balance.jsonl"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_model_balance_quality.py"), "--densities",
+                             "0.2", "--gpus", "2", "--eval-prompts", "1", "--steps", "1", "--seeds", "0",
+                             "--device", "cpu", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["density"], r["gpus"]) for r in rows] == [(0.2, 1), (0.2, 2)]
+    # the shipped plan's slices differ in blocks, so balancing moves blocks and the video changes
+    assert rows[1]["block_imbalance_unbalanced"] > 0.05
+    assert rows[0]["psnr_db"] != rows[1]["psnr_db"]
