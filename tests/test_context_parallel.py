@@ -37,7 +37,12 @@ from paroattn.pipelines import (
     pipeline_experts,
     self_attention_layers,
 )
-from paroattn.pipelines.context_parallel import context_parallel_plan, sequence_problem, ulysses_problem
+from paroattn.pipelines.context_parallel import (
+    context_parallel_plan,
+    enable_ulysses,
+    sequence_problem,
+    ulysses_problem,
+)
 from paroattn.plan import model_fingerprint
 
 WORLD = 2
@@ -50,6 +55,10 @@ PAIR_STEPS = 4  # two on each expert
 # paroattn gives (CogVideoX and HunyuanVideo: the text whole on every GPU)
 ULYSSES_FAMILIES = ("wan", "flux", "flux2", "qwen_image", "ltx", "ltx2", "cogvideox", "hunyuan_video", "hunyuan_video15",
                     "skyreels_v2", "wan_vace")
+
+
+# the families of Wan's blocks, whose own attention under Ulysses gives one process's output bit for bit
+WAN_BLOCKS = ("wan", "skyreels_v2", "wan_vace")
 
 
 def make_plan(transformer, inputs, *, seed=3, heads=HEADS, density=0.5) -> Plan:
@@ -76,9 +85,8 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("ring", "ulysses"))
 
 
-def _enable_ulysses(transformer, **options) -> None:
-    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD)), **options),
-                                   cp_plan=context_parallel_plan(transformer))
+def _enable_ulysses(transformer) -> None:
+    enable_ulysses(transformer, WORLD)  # enable_parallelism with the family's plan, then the adapter's settings
 
 
 def dense_plan(transformer, inputs) -> Plan:
@@ -114,6 +122,8 @@ def _ulysses_family(family: str, rank: int) -> dict:
     own = [run(transformer, inputs) for inputs in calls]  # the model's own attention, on this process alone
     plan, single = _one_process_then_ulysses(transformer, calls)
     found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single, "own": own}
+    if family in WAN_BLOCKS:  # the model's own attention under Ulysses, no PARO anywhere
+        found["own_ulysses"] = [run(transformer, inputs) for inputs in calls]
     with apply(transformer, dense_plan(transformer, calls[0]), backend="torch"):
         found["dense"] = [run(transformer, inputs) for inputs in calls]
     with apply(transformer, plan, backend="torch") as handle:  # after enable_parallelism: copied from the original
@@ -417,6 +427,15 @@ def ranks(tmp_path_factory):
                 process.kill()
             pytest.fail(f"the {WORLD} processes did not finish within {JOIN_TIMEOUT_S} s")
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("family", WAN_BLOCKS)
+def test_own_attention_under_ulysses_is_one_process_bit_for_bit(ranks, family):
+    # SkyReels-V2's processor would gather the whole text from every GPU as cross-attention keys (N copies of it):
+    # the same result up to rounding, so only bit equality shows that each GPU attends its own queries to the text
+    for found in ranks:
+        for own, parallel in zip(found[family]["own"], found[family]["own_ulysses"], strict=True):
+            assert torch.equal(parallel, own)
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)

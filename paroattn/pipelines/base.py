@@ -244,6 +244,10 @@ class FamilyAdapter:
         `ContextParallelModelPlan` format): the model's own `_cp_plan` unless the adapter gives one."""
         return getattr(type(transformer), "_cp_plan", None)
 
+    def after_enable_parallelism(self, transformer) -> None:
+        """Set what `enable_parallelism` gets wrong for this family and a context-parallel plan cannot say (nothing
+        by default); `context_parallel.enable_ulysses` and `paroattn.apply` under context parallelism call it."""
+
     def ulysses_problem(self, transformer) -> str | None:
         """Why this transformer cannot run under its context-parallel plan (a configuration the plan does not
         split correctly), or None."""

@@ -401,10 +401,14 @@ def enable_ulysses(transformer, degree: int, uneven: bool = False) -> None:
     """`transformer.enable_parallelism` with `ContextParallelConfig(ulysses_degree=degree)` over every process of the
     group and the family's context-parallel plan (`context_parallel_plan`), on a mesh of the transformer's device
     type (diffusers would build a CUDA one). `uneven`: `ulysses_anything`, chunks of unequal length where the degree
-    does not divide a token count."""
+    does not divide a token count. Then what the family's adapter sets after `enable_parallelism`
+    (`FamilyAdapter.after_enable_parallelism`: SkyReels-V2's cross-attention kept on each GPU)."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(transformer.device.type, (1, degree), mesh_dim_names=("ring", "ulysses"))
     config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh, ulysses_anything=uneven)
     transformer.enable_parallelism(config=config, cp_plan=context_parallel_plan(transformer))
+    from .registry import require_family
+
+    require_family(transformer).after_enable_parallelism(transformer)

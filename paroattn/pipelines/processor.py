@@ -115,6 +115,7 @@ class PAROProcessor(BoundProcessor):
             if context_parallel_config(config) is None:  # what enable_parallelism recorded on the model (CogVideoX's
                 config = getattr(binding.transformer, "_parallel_config", None)  # processors take no config)
             if context_parallel_config(config) is not None:  # enable_parallelism came first
+                binding.family.after_enable_parallelism(binding.transformer)
                 problem = model_problem(binding.transformer, binding.family)
                 if problem is not None and (self.on_mismatch == "error" or binding.family.ulysses_text == TEXT_WHOLE):
                     self.unbind(binding)

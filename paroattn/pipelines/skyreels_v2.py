@@ -14,7 +14,8 @@ model's own attention with on_mismatch="dense").
 Several GPUs: diffusers 0.42.1 has no context-parallel plan for SkyReels-V2; `context_parallel_plan` gives Wan's
 (the video split at the first block, the RoPE with it, the output gathered after the final projection), with the
 per-frame timesteps of diffusion forcing split with their frames: a GPU's chunk of the video is then whole frames
-only when the GPUs divide the latent frame count, which such calls need.
+only when the GPUs divide the latent frame count, which such calls need. The cross-attention runs on each GPU's
+own queries against the whole text (`after_enable_parallelism`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class SkyReelsV2Adapter(WanAdapter):
         # diffusion forcing's timesteps [B, F] (one per latent frame) split with the frames; [B] ones are left whole
         plan[""] = {"timestep": ContextParallelInput(split_dim=1, expected_dims=2)}
         return plan
+
+    def after_enable_parallelism(self, transformer) -> None:
+        # diffusers' SkyReels-V2 processor hands its parallel config to the cross-attention too (Wan's hands it None
+        # there), so every GPU's copy of the whole text would be gathered as keys: N copies of each text token, the
+        # same result up to rounding for N times the work and an exchange per layer. Each GPU attends its own
+        # queries to the text instead, as under Wan.
+        for block in transformer.blocks:
+            if hasattr(block.attn2.processor, "_parallel_config"):
+                block.attn2.processor._parallel_config = None
 
     def ulysses_call_problem(self, transformer, inputs: CallInputs, degree: int) -> str | None:
         timestep, layout = inputs.timestep, inputs.layout
