@@ -5,6 +5,7 @@ not first on a GPU machine."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,15 @@ def test_demo_model_balance_quality_runs_balanced_plans(tmp_path):
     # the shipped plan's slices differ in blocks, so balancing moves blocks and the video changes
     assert rows[1]["block_imbalance_unbalanced"] > 0.05
     assert rows[0]["psnr_db"] != rows[1]["psnr_db"]
+
+
+def test_multi_gpu_table_script_smoke_run(tmp_path):
+    # the phases of the 4-GPU table with the shrunk Wan: one process, then two (gloo), compared with the first
+    env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1"}
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "multi_gpu_table.sh")], capture_output=True, text=True,
+                            timeout=900, cwd=ROOT, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "two-a.json").read_text())["rows"]}
+    assert rows["dense"]["gpus"] == 2 and rows["dense"]["check_max_abs"] == 0.0
+    assert rows["paro d=0.2 int8+fp8"]["check_max_abs"] == 0.0
+    assert "| paro d=0.2 int8+fp8 balanced |" in result.stdout
