@@ -3,7 +3,7 @@
 The torch reference beside them (`reference.py`) is their definition; `launch.py` launches
 them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 
-1. statistics (torch reductions, only in the modes that need them): the per-(b, h) mean of K over
+1. statistics (`statistics.py`, one Triton kernel, only in the modes that need them): the per-(b, h) mean of K over
    every s-th token, s <= 16 (`reference.key_smoothing_mean`, which K smoothing subtracts, for
    int8/int4 QK; a sample of >= 2048 tokens reads 1/s of K) and the per-channel max |V| (fp8/int8
    PV, one pass over V; the scale max(amax, eps) / qmax is formed where it is used).
