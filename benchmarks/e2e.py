@@ -448,10 +448,9 @@ def kernel_class(name: str) -> str:
     return "matmul" if MATMUL_KERNELS.search(name) else "other"
 
 
-def profiled_split(fn, inputs, top: int = 25) -> dict:
-    """One profiled step of `fn` (CUDA activity only): its wall time, the GPU time of attention, matrix-multiply
-    and other kernels (`kernel_class`), and the `top` kernels by GPU time with their class, so the split can be
-    checked by name."""
+def kernel_seconds(fn, inputs) -> tuple[float, dict[str, float]]:
+    """One profiled call `fn(**inputs)` under no_grad (CUDA activity only): its wall seconds, and the GPU seconds
+    of each kernel that ran, by name."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -465,6 +464,14 @@ def profiled_split(fn, inputs, top: int = 25) -> dict:
         seconds = getattr(event, "self_device_time_total", 0.0) / 1e6
         if seconds > 0:
             kernels[event.key] = kernels.get(event.key, 0.0) + seconds
+    return wall, kernels
+
+
+def profiled_split(fn, inputs, top: int = 25) -> dict:
+    """One profiled step of `fn` (`kernel_seconds`): its wall time, the GPU time of attention, matrix-multiply
+    and other kernels (`kernel_class`), and the `top` kernels by GPU time with their class, so the split can be
+    checked by name."""
+    wall, kernels = kernel_seconds(fn, inputs)
     split = {"profiled_wall_s": wall, "attention_s": 0.0, "matmul_s": 0.0, "other_s": 0.0}
     for kernel, seconds in kernels.items():
         split[kernel_class(kernel) + "_s"] += seconds

@@ -162,17 +162,10 @@ def every(value: float, device, gpus: int) -> list[float]:
 def profiled_step(transformer, inputs) -> dict:
     """One profiled step on this process's GPU: its wall seconds and seconds in NCCL kernels, in the all-to-alls
     (NCCL's send/receive kernels) and in attention kernels (`ATTENTION_KERNELS`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        transformer(**inputs)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+    seconds, kernels = e2e.kernel_seconds(transformer, inputs)
     found = {"step_s": seconds, "nccl_s": 0.0, "alltoall_s": 0.0, "attention_s": 0.0}
-    for event in prof.key_averages():
-        name, device_s = event.key.lower(), getattr(event, "self_device_time_total", 0.0) / 1e6
+    for kernel, device_s in kernels.items():
+        name = kernel.lower()
         if "nccl" in name:
             found["nccl_s"] += device_s
             if "sendrecv" in name or "alltoall" in name:

@@ -12,21 +12,18 @@ QK_MODES = ("bf16", "int8", "int4")
 PV_MODES = ("bf16", "fp8", "int8")
 
 
+def _wrong_modes(qk: str, pv: str, say) -> list[str]:
+    """`say(name, value, modes)` for each of qk and pv that is not one of its modes."""
+    return [say(name, value, modes) for name, value, modes in (("qk", qk, QK_MODES), ("pv", pv, PV_MODES))
+            if value not in modes]
+
+
 def modes_problem(qk: str, pv: str) -> str | None:
     """Why (qk, pv) is not a pair of modes, or None. Callers raise it as their own error type."""
-    wrong = []
-    if qk not in QK_MODES:
-        wrong.append(f"qk={qk!r} is not one of {QK_MODES}")
-    if pv not in PV_MODES:
-        wrong.append(f"pv={pv!r} is not one of {PV_MODES}")
-    return "; ".join(wrong) or None
+    return "; ".join(_wrong_modes(qk, pv, lambda name, value, modes: f"{name}={value!r} is not one of {modes}")) or None
 
 
 def mode_flags_problem(qk: str, pv: str) -> str | None:
     """`modes_problem` as the command line says it, naming the flags `--qk` and `--pv`, or None."""
-    wrong = []
-    if qk not in QK_MODES:
-        wrong.append(f"--qk {qk!r} is not one of {', '.join(QK_MODES)}")
-    if pv not in PV_MODES:
-        wrong.append(f"--pv {pv!r} is not one of {', '.join(PV_MODES)}")
+    wrong = _wrong_modes(qk, pv, lambda name, value, modes: f"--{name} {value!r} is not one of {', '.join(modes)}")
     return "; ".join(wrong) + ": pass one of them" if wrong else None

@@ -30,6 +30,16 @@ def assert_clean_failure(result, *fragments):
         assert fragment in errors[0], result.output
 
 
+def assert_failure_after_loading(result, *fragments):
+    """`assert_clean_failure` for an error found once the pipeline has loaded: its loading bars may come first, the
+    one `error: ...` line is last."""
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
+    for fragment in fragments:
+        assert fragment in errors[0], result.output
+
+
 def files_under(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*"))
 
@@ -279,11 +289,7 @@ def test_calibrate_rejects_dense_layers_the_model_lacks_before_capture(tmp_path,
     monkeypatch.setattr(driver, "calibrate_experts", lambda *a, **k: pytest.fail("captured"))
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--dense-layers", "0,9"])
     # the layer count is known once the pipeline has loaded (its loading bars come before the error)
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
-    for fragment in ("--dense-layers 0,9", "has 3 attention layers", "0..2", "-3..-1"):
-        assert fragment in errors[0], result.output
+    assert_failure_after_loading(result, "--dense-layers 0,9", "has 3 attention layers", "0..2", "-3..-1")
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -293,11 +299,7 @@ def test_calibrate_rejects_gpus_the_heads_do_not_split_over_before_capture(tmp_p
     saved_tiny_flux(tmp_path)
     monkeypatch.setattr(driver, "capture_experts", lambda *a, **k: pytest.fail("captured"))
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--ulysses", "3"])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
-    for fragment in ("ulysses=3", "2 heads per layer", "3 does not divide 2", "(1, 2)"):
-        assert fragment in errors[0], result.output
+    assert_failure_after_loading(result, "ulysses=3", "2 heads per layer", "3 does not divide 2", "(1, 2)")
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -486,11 +488,7 @@ def test_calibrate_rejects_figure_layers_the_model_lacks_before_capture(tmp_path
     saved_tiny_flux(tmp_path)
     monkeypatch.setattr(driver, "calibrate_experts", lambda *a, **k: pytest.fail("captured"))
     result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "out.safetensors", "--figure-layers", "0,7"])
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
-    for fragment in ("--figure-layers 0,7", "has 3 attention layers", "not layer 7", "0..2"):
-        assert fragment in errors[0], result.output
+    assert_failure_after_loading(result, "--figure-layers 0,7", "has 3 attention layers", "not layer 7", "0..2")
     assert not (tmp_path / "out.safetensors").exists()
 
 
