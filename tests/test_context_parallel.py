@@ -205,6 +205,14 @@ def _chunk(x: torch.Tensor, layout: TokenLayout, text: str, rank: int, dim: int)
     return torch.cat(mine, dim=dim)
 
 
+def _local_output(inputs, groups: int, per_gpu: int) -> torch.Tensor:
+    """What `_exchange`'s attention gives back to a GPU's chunk: v * (1 + the first head of its group) - q per head,
+    the group counted within each GPU's slice of the heads."""
+    q, _, v = inputs
+    first = torch.tensor([(h % per_gpu) // (per_gpu // groups) * (per_gpu // groups) for h in range(q.shape[1])])
+    return v * (1 + first.view(1, -1, 1, 1)) - q
+
+
 def _exchange(rank: int) -> dict:
     """`UlyssesShard`'s exchanges on their own: each GPU's chunk -> its heads over the whole sequence and back, and the
     rotary tables (over the whole chunk, or CogVideoX's: all of it but the text before the grid)."""
@@ -221,14 +229,29 @@ def _exchange(rank: int) -> dict:
         g = torch.Generator().manual_seed(case)
         whole = torch.randn(2, HEADS, layout.seq_len, 8, generator=g)
         mine = slice(*shard.heads)
-        local = _chunk(whole, layout, text, rank, dim=2).transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D]
-        gathered = shard.gather_heads(local, split)
-        scattered = shard.scatter_heads(gathered, split)
+        inputs = tuple(_chunk(x, layout, text, rank, dim=2).transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D]
+                       for x in (whole, whole.roll(1, dims=1), whole.flip(2)))  # q, k, v of different heads and tokens
+        found[case] = {"uneven": uneven and not split.equal,
+                       "default_groups": shard.groups}
+        for groups in (1, 2):  # all heads at once; then one group per head, pipelined
+            seen = []
+
+            def attention(q, k, v, heads):
+                seen.append((heads, q.clone(), k.clone(), v.clone()))
+                return v * (1 + heads[0]) - q  # the output of each group's heads, which must come back in place
+
+            out = shard.attend(inputs, split, attention, groups=groups)
+            q, k, v = (x[:, mine] for x in (whole, whole.roll(1, dims=1), whole.flip(2)))
+            expected = [((h0, h1), q[:, h0:h1], k[:, h0:h1], v[:, h0:h1])
+                        for h0, h1 in [(i * 2 // groups, (i + 1) * 2 // groups) for i in range(groups)]]
+            found[case][groups] = {
+                "gather": len(seen) == groups and all(a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+                                                      for a, b in zip(seen, expected)),
+                "scatter": torch.equal(out, _local_output(inputs, groups, HEADS // WORLD)),
+                "layout": out.transpose(1, 2).is_contiguous()}
         tables = torch.randn(layout.seq_len, 8, generator=g), torch.randn(layout.seq_len, 8, generator=g)
         rotary = shard.gather_rotary(tuple(_chunk(t, layout, text, rank, dim=0) for t in tables), split)
-        found[case] = {"uneven": uneven and not split.equal,
-                       "gather": torch.equal(gathered, whole[:, mine]), "scatter": torch.equal(scattered, local),
-                       "rotary": all(torch.equal(a, b) for a, b in zip(rotary, tables, strict=True))}
+        found[case]["rotary"] = all(torch.equal(a, b) for a, b in zip(rotary, tables, strict=True))
         if text == "whole" and layout.prefix:  # tables of the grid only, after the text (CogVideoX)
             grid = tuple(t[layout.prefix:] for t in tables)
             mine_grid = tuple(t.tensor_split(WORLD)[rank] for t in grid)
@@ -326,6 +349,12 @@ def _refusals(rank: int) -> dict:
             transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=WORLD, mesh=_mesh((WORLD, 1))))
         except PlanError as exc:
             found["ring"] = str(exc)
+    enabled = tiny_transformer("wan", heads=HEADS)
+    _enable_ulysses(enabled)
+    try:  # 3 groups of the 2 heads each GPU runs
+        apply(enabled, make_plan(enabled, tiny_forward_inputs(enabled)), backend="torch", exchange_groups=3)
+    except ValueError as exc:
+        found["groups"] = str(exc)
     lone = tiny_transformer("flux", heads=HEADS)
     inputs = tiny_forward_inputs(lone)
     lone.set_attn_processor(PAROProcessor(make_plan(lone, inputs), backend="torch"))
@@ -492,7 +521,9 @@ def test_the_exchange_gives_each_gpu_its_heads_of_the_whole_sequence_and_back(ra
     layout, text = EXCHANGE_CASES[case]
     for found in ranks:
         found = found["exchange"][case]
-        assert found["gather"] and found["scatter"] and found["rotary"], found
+        for groups in (1, 2):
+            assert found[groups]["gather"] and found[groups]["scatter"] and found[groups]["layout"], (groups, found)
+        assert found["rotary"] and found["default_groups"] == 2  # the 2 heads of each GPU, one by one
         assert found.get("grid_rotary", True)
     # the cases with token counts two GPUs do not divide ran the exchange of unequal chunks
     assert ranks[0]["exchange"][case]["uneven"] == any(n % WORLD for n in (layout.grid_tokens, layout.suffix,
@@ -531,6 +562,12 @@ def test_fullgraph_compile_under_ulysses_equals_one_process_with_one_graph(ranks
 def test_ring_attention_is_refused_with_what_to_do(ranks):
     for found in ranks:
         assert "ring_degree=2" in found["ring"] and "ContextParallelConfig(ulysses_degree=2)" in found["ring"]
+
+
+def test_exchange_groups_that_do_not_divide_a_gpus_heads_are_refused_with_the_choices(ranks):
+    for found in ranks:
+        assert "exchange_groups=3" in found["groups"] and "2 heads" in found["groups"]
+        assert "use one of 1, 2" in found["groups"]
 
 
 def test_lone_processor_must_be_bound_before_a_parallel_forward(ranks):

@@ -107,3 +107,14 @@ class ActiveBlocks:
     def pin_memory(self) -> ActiveBlocks:
         return ActiveBlocks(self.counts.pin_memory(), self.indices.pin_memory(), self.num_key_blocks,
                             self.schedule.pin_memory())
+
+
+def head_range(mask, start: int, stop: int):
+    """Heads `start`..`stop - 1` of a bool block mask [H, nq, nk] or of `ActiveBlocks`, as views (the mask itself when
+    that is all of its heads)."""
+    if start == 0 and stop == mask.shape[0]:
+        return mask
+    if isinstance(mask, ActiveBlocks):
+        return ActiveBlocks(mask.counts[start:stop], mask.indices[start:stop], mask.num_key_blocks,
+                            mask.schedule[start:stop])
+    return mask[start:stop]

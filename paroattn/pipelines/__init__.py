@@ -255,7 +255,7 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
 
 def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str = "auto", on_mismatch: str = "error",
           *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True, balance_ranks: int = 1,
-          linear: str | None = None) -> PAROHandle:
+          exchange_groups: int | None = None, linear: str | None = None) -> PAROHandle:
     """Run every self-attention layer of the pipeline's transformer with `plan` (a `Plan`); for a pipeline with
     an expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
     Returns a handle (also a context manager) whose `remove()` restores the original processors bit-exactly.
@@ -271,7 +271,8 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
     and "cuda" (the sm_90a kernels; both need a CUDA GPU: refused here on a machine without one) or "torch".
     Raises PlanError when a plan was made for another model class, config, head or layer count, or expert
     (with on_mismatch="dense": warns and runs that transformer's own attention). `resident`, `prefetch_slots`,
-    `fuse_rope`, `balance_ranks` (the masks balanced over that many GPUs under Ulysses): see PAROProcessor.
+    `fuse_rope`, `balance_ranks` (the masks balanced over that many GPUs under Ulysses), `exchange_groups` (the
+    groups of heads the Ulysses exchange is pipelined over): see PAROProcessor.
 
     `linear="fp8"`: the linear layers of every transformer's blocks also run in fp8 (torchao; which layers and
     why: `paroattn.linear`), with `plan=None` beside the model's own attention. It is refused, before anything
@@ -311,7 +312,7 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
                 processor = PAROProcessor(expert_plan, backend=backend, on_mismatch=on_mismatch, resident=resident,
                                           prefetch_slots=prefetch_slots,
                                           pixel_scale=pixel_scale_of(pipe_or_transformer, family), fuse_rope=fuse_rope,
-                                          balance_ranks=balance_ranks)
+                                          balance_ranks=balance_ranks, exchange_groups=exchange_groups)
                 binding = processor.bind(transformer)
                 if binding.static_problem:  # on_mismatch="dense" and a plan that does not fit: its own attention
                     processor.unbind(binding)

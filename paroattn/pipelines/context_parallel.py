@@ -7,16 +7,18 @@ attention processor. The model's own processors hand it to `dispatch_attention_f
 exchanges q, k, v all-to-all from [B, S/N, H, D] to [B, S, H/N, D] (GPU r keeps heads r*H/N .. (r+1)*H/N - 1), runs
 the backend, and exchanges the output back.
 
-PARO does the same exchange around `paro_attention` itself (`UlyssesShard.gather_heads` / `scatter_heads`)
-rather than through the dispatcher, because:
+PARO does the same exchange around `paro_attention` itself (`UlyssesShard.attend`) rather than through the
+dispatcher, because:
 - the dispatcher's backends are a closed enum, and its op callback sees neither the layer, the bucket, nor the
   token layout that pick the orders and masks;
 - the exchange concatenates the chunks rank by rank. For Wan (video tokens only, split at the first block) that
   is the model's own order; Flux splits its text and image tokens separately, so GPU r holds
   [text_r ; image_r] and the concatenation is [text_0 ; image_0 ; text_1 ; image_1 ; ...]. Dense attention does
   not care (queries and keys are permuted alike); PARO's per-head orders and block masks are defined on
-  [text ; image grid], so `gather_heads` puts the tokens back in that order (and `scatter_heads` the output
-  back in the GPUs' order) in the copy the exchange makes anyway;
+  [text ; image grid], so the exchange puts the tokens back in that order (and the output back in the GPUs'
+  order) in the copy it makes anyway;
+- it overlaps the exchange with attention: a GPU's heads go in groups, and group g's attention runs while the
+  other groups' all-to-alls are in flight (q, k and v of a group in one all-to-all);
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
 take at most 1/N of the plan's memory.
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..layout import TokenLayout
 from ..plan import Plan
@@ -195,12 +198,33 @@ def sequence_problem(layout: TokenLayout, degree: int, text: str = TEXT_SPLIT, u
     return SequenceSplit.of(layout, degree, text).problem(layout, uneven)
 
 
+# the most groups of heads a GPU's exchange is pipelined over by default: more groups hide more of the all-to-all
+# behind attention, but each is a smaller transfer and a smaller kernel launch
+EXCHANGE_GROUPS = 4
+
+
+def default_exchange_groups(heads_per_gpu: int) -> int:
+    """The groups of heads the exchange is pipelined over by default: the most, up to `EXCHANGE_GROUPS`, that divide
+    a GPU's heads evenly."""
+    return max(g for g in range(1, EXCHANGE_GROUPS + 1) if heads_per_gpu % g == 0)
+
+
+def exchange_groups_problem(heads_per_gpu: int, groups) -> str | None:
+    """Why `groups` cannot split a GPU's `heads_per_gpu` heads into equal groups, or None."""
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and heads_per_gpu % groups == 0:
+        return None
+    divisors = [g for g in range(1, heads_per_gpu + 1) if heads_per_gpu % g == 0]
+    return (f"exchange_groups={groups!r}: each GPU runs {heads_per_gpu} heads, which go in equal groups; use one of "
+            f"{', '.join(map(str, divisors))} (or None for {default_exchange_groups(heads_per_gpu)})")
+
+
 class UlyssesShard:
     """One GPU's share of the heads under Ulysses: its rank and group, its slice of the plan, and the all-to-all
     exchanges between the GPUs' sequence chunks and its heads over the whole sequence. `text`: how the family's
-    context-parallel plan spreads its text (`TEXT_SPLIT` or `TEXT_WHOLE`)."""
+    context-parallel plan spreads its text (`TEXT_SPLIT` or `TEXT_WHOLE`); `groups`: the groups of heads the
+    exchange is pipelined over (`attend`; None: `default_exchange_groups`)."""
 
-    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT):
+    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT, groups: int | None = None):
         mesh = cp_config._ulysses_mesh
         if mesh is None:
             raise RuntimeError(
@@ -214,6 +238,9 @@ class UlyssesShard:
         self.group = mesh.get_group()
         heads = plan.num_heads // self.degree
         self.heads = (self.rank * heads, (self.rank + 1) * heads)
+        if groups is not None and (problem := exchange_groups_problem(heads, groups)):
+            raise ValueError(problem)
+        self.groups = groups or default_exchange_groups(heads)
         self.plan = plan.head_slice(*self.heads)
         self._splits: dict[TokenLayout, SequenceSplit] = {}
         self._rotary_source: tuple | None = None  # the local tables last gathered (held: `is` cannot match a new one)
@@ -241,62 +268,92 @@ class UlyssesShard:
         return None
 
     # -- the exchanges ------------------------------------------------------------------------------------------
-    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
-        """All-to-all over dim 0 of `send` [degree, ...]: chunk i goes to GPU i; chunk j of the result came from j."""
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.group)
-        return received
+    def attend(self, tensors: tuple[torch.Tensor, ...], split: SequenceSplit, attention, groups: int | None = None):
+        """`attention` on this GPU's heads over the whole sequence, from and back to this GPU's chunk.
 
-    def _exchange_uneven(self, send: torch.Tensor, send_counts: list[int], receive_counts: list[int]) -> torch.Tensor:
-        """All-to-all of flat `send`, `send_counts[i]` elements to GPU i, `receive_counts[j]` elements from GPU j."""
-        received = send.new_empty(sum(receive_counts))
-        dist.all_to_all_single(received, send, output_split_sizes=receive_counts, input_split_sizes=send_counts,
-                               group=self.group)
-        return received
+        `tensors` (q, k, v) [B, H, S_r, D] of this GPU's chunk; `attention(q, k, v, heads)` gets [B, h, S, D] of the
+        heads `heads` (a (start, stop) range of this GPU's slice) in [prefix ; grid ; suffix] order and returns their
+        output [B, h, S, D]. The slice goes in `groups` groups of heads (default `self.groups`), and every group's
+        all-to-all is issued before the first is waited for: group g's attention runs while the inputs of the groups
+        after it and the output of the one before are in flight, so only the first group's inputs and the last
+        one's output wait on the network. Returns [B, H, S_r, D], a view of a [B, S_r, H, D] tensor (the layout the
+        processors' output projections read)."""
+        groups = groups or self.groups
+        per_gpu = tensors[0].shape[1] // self.degree
+        if per_gpu % groups:
+            raise ValueError(f"{groups} exchange groups do not divide the {per_gpu} heads of each GPU")
+        size = per_gpu // groups
+        ranges = [(g * size, (g + 1) * size) for g in range(groups)]
+        inbound = [self._send_inputs(tensors, split, heads) for heads in ranges]
+        outbound = [self._send_output(attention(*self._place_inputs(received, tensors, split, heads), heads), split)
+                    for heads, received in zip(ranges, inbound)]
+        batch, _, local, dim = tensors[0].shape
+        result = None
+        for heads, received in zip(ranges, outbound):
+            if result is None:
+                result = received.new_empty(batch, local, self.degree, per_gpu, dim)
+            self._place_output(received, result, heads)
+        return result.view(batch, local, self.degree * per_gpu, dim).transpose(1, 2)
 
-    def gather_heads(self, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        """[B, H, S_r, D] of this GPU's chunk -> [B, H/N, S, D] of its heads over the whole sequence in
-        [prefix ; grid ; suffix] order."""
-        batch, heads, local, dim = x.shape
-        n, rank, (whole_start, whole) = self.degree, self.rank, split.whole
-        per_gpu = heads // n
-        first = whole if split.whole_first else 0  # where the exchanged tokens start in the chunk
-        ex = split.exchanged(rank)
-        send = x[:, :, first:first + ex].unflatten(1, (n, per_gpu)).transpose(0, 1).contiguous()  # [N, B, H/N, ex, D]
-        out = x.new_empty(batch, per_gpu, split.seq_len, dim)
+    def _exchange(self, send: torch.Tensor, send_counts: list[int] | None = None,
+                  receive_counts: list[int] | None = None) -> torch.Tensor:
+        """All-to-all over dim 0 of `send` [degree, ...] (chunk i to GPU i; chunk j of the result came from GPU j), or
+        of flat `send` by counts of elements. Issued, not waited for: torch's functional collective waits at the
+        result's first use, so the work queued in between overlaps the transfer (and it traces under compile)."""
+        return funcol.all_to_all_single(send, receive_counts, send_counts, self.group)
+
+    def _send_inputs(self, tensors, split: SequenceSplit, heads: tuple[int, int]) -> torch.Tensor:
+        """Issue the exchange of `tensors`' exchanged tokens, to each GPU j its heads `heads` of GPU j's slice: in
+        flight, [N (the GPU whose chunk it is), T, B, h, ex, D], or flat for chunks of unequal length."""
+        n, h0, h1 = self.degree, *heads
+        batch, all_heads, _, dim = tensors[0].shape
+        first = split.whole[1] if split.whole_first else 0  # where the exchanged tokens start in the chunk
+        ex = split.exchanged(self.rank)
+        send = torch.stack([x[:, :, first:first + ex].unflatten(1, (n, all_heads // n))[:, :, h0:h1].transpose(0, 1)
+                            for x in tensors], dim=1)  # one copy per tensor, one all-to-all for all of them
         if split.equal:
-            received = self._exchange(send)  # [N (the GPU whose chunk it is), B, H/N, ex, D]
+            return self._exchange(send)
+        counts = [len(tensors) * batch * (h1 - h0) * split.exchanged(j) * dim for j in range(n)]
+        return self._exchange(send.view(-1), [send[0].numel()] * n, counts)
+
+    def _place_inputs(self, received: torch.Tensor, tensors, split: SequenceSplit, heads: tuple[int, int]):
+        """`_send_inputs`' received chunks -> each tensor's heads `heads` over the whole sequence [B, h, S, D] in
+        [prefix ; grid ; suffix] order, with the text every GPU holds whole taken from this GPU's own chunk."""
+        n, rank, (whole_start, whole), (h0, h1) = self.degree, self.rank, split.whole, heads
+        count, (batch, all_heads, local, dim) = len(tensors), tensors[0].shape
+        out = tensors[0].new_empty(count, batch, h1 - h0, split.seq_len, dim)
+        if split.equal:
             offset = 0
             for start, sizes in split.runs:  # each GPU's piece of the run, in rank order, is the run
                 size = sizes[0]
                 if size:
-                    out[:, :, start:start + n * size].unflatten(2, (n, size)).copy_(
-                        received[:, :, :, offset:offset + size].permute(1, 2, 0, 3, 4))
+                    out[..., start:start + n * size, :].unflatten(3, (n, size)).copy_(
+                        received[..., offset:offset + size, :].permute(1, 2, 3, 0, 4, 5))
                 offset += size
         else:
-            counts = [batch * per_gpu * split.exchanged(j) * dim for j in range(n)]
-            received = self._exchange_uneven(send.view(-1), [send[0].numel()] * n, counts)
+            counts = [count * batch * (h1 - h0) * split.exchanged(j) * dim for j in range(n)]
             for j, piece in enumerate(received.split(counts)):
-                piece, offset = piece.view(batch, per_gpu, -1, dim), 0
+                piece, offset = piece.view(count, batch, h1 - h0, -1, dim), 0
                 for start, size in split.pieces(j):
-                    out[:, :, start:start + size].copy_(piece[:, :, offset:offset + size])
+                    out[..., start:start + size, :].copy_(piece[..., offset:offset + size, :])
                     offset += size
         if whole:  # every GPU holds the whole text: its own heads of it
             begin = 0 if split.whole_first else local - whole
-            out[:, :, whole_start:whole_start + whole].copy_(
-                x[:, rank * per_gpu:(rank + 1) * per_gpu, begin:begin + whole])
-        return out
+            mine = rank * (all_heads // n)
+            for t, x in enumerate(tensors):
+                out[t, :, :, whole_start:whole_start + whole].copy_(x[:, mine + h0:mine + h1, begin:begin + whole])
+        return out.unbind(0)
 
-    def scatter_heads(self, out: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        """The inverse of `gather_heads`: [B, H/N, S, D] of this GPU's heads -> [B, H, S_r, D] of its chunk (a view
-        of a [B, S_r, H, D] tensor, the layout the processors' output projections read). The whole text's output of
-        this GPU's heads goes to every GPU."""
-        batch, per_gpu, _, dim = out.shape
+    def _send_output(self, out: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        """Issue the exchange of a group's output [B, h, S, D] back to the GPUs whose chunks its tokens are (the whole
+        text's output of these heads to every GPU): in flight, [N (the GPU whose heads they are), B, h, S_r, D], or
+        flat for chunks of unequal length."""
+        batch, heads, _, dim = out.shape
         n, rank, (whole_start, whole) = self.degree, self.rank, split.whole
         first = whole if split.whole_first else 0
 
         def fill(piece: torch.Tensor, local: int, pieces) -> None:
-            """piece [..., B, H/N, local, D]: the chunk of the GPU(s) whose `pieces` these are, in chunk order."""
+            """piece [..., B, h, local, D]: the chunk of the GPU(s) whose `pieces` these are, in chunk order."""
             offset = first
             for start, size in pieces:
                 piece[..., offset:offset + size, :].copy_(out[:, :, start:start + size])
@@ -307,7 +364,7 @@ class UlyssesShard:
 
         local = split.local(rank)
         if split.equal:
-            send = out.new_empty(n, batch, per_gpu, local, dim)
+            send = out.new_empty(n, batch, heads, local, dim)
             offset = first
             for start, sizes in split.runs:
                 size = sizes[0]
@@ -317,19 +374,19 @@ class UlyssesShard:
                 offset += size
             if whole:
                 begin = 0 if split.whole_first else local - whole
-                send[:, :, :, begin:begin + whole].copy_(out[:, :, whole_start:whole_start + whole].expand(n, -1, -1,
-                                                                                                           -1, -1))
-            received = self._exchange(send)  # [N (the GPU whose heads they are), B, H/N, S_r, D]
-        else:
-            counts = [batch * per_gpu * split.local(j) * dim for j in range(n)]
-            send = out.new_empty(sum(counts))
-            for j, piece in enumerate(send.split(counts)):
-                fill(piece.view(batch, per_gpu, split.local(j), dim), split.local(j), split.pieces(j))
-            each = batch * per_gpu * local * dim
-            received = self._exchange_uneven(send, counts, [each] * n).view(n, batch, per_gpu, local, dim)
-        result = out.new_empty(batch, local, n, per_gpu, dim)
-        result.copy_(received.permute(1, 3, 0, 2, 4))
-        return result.view(batch, local, n * per_gpu, dim).transpose(1, 2)
+                send[:, :, :, begin:begin + whole].copy_(
+                    out[:, :, whole_start:whole_start + whole].expand(n, -1, -1, -1, -1))
+            return self._exchange(send)
+        counts = [batch * heads * split.local(j) * dim for j in range(n)]
+        send = out.new_empty(sum(counts))
+        for j, piece in enumerate(send.split(counts)):
+            fill(piece.view(batch, heads, split.local(j), dim), split.local(j), split.pieces(j))
+        return self._exchange(send, counts, [batch * heads * local * dim] * n)
+
+    def _place_output(self, received: torch.Tensor, result: torch.Tensor, heads: tuple[int, int]) -> None:
+        """`_send_output`'s received chunks -> heads `heads` of every GPU's slice in `result` [B, S_r, N, H/N, D]."""
+        (batch, local, n, _, dim), (h0, h1) = result.shape, heads
+        result[:, :, :, h0:h1].copy_(received.view(n, batch, h1 - h0, local, dim).permute(1, 3, 0, 2, 4))
 
     def gather_rotary(self, tables: tuple[torch.Tensor, torch.Tensor], split: SequenceSplit):
         """The op's rotary tables of this GPU's chunk -> those of the whole sequence in [prefix ; grid ; suffix]

@@ -31,6 +31,7 @@ import torch
 from ..attention import BACKENDS, Launch, decide, paro_attention, warn
 from ..balance import balance_plan, balance_problem
 from ..errors import PlanError
+from ..kernels.block_lists import head_range
 from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
@@ -39,7 +40,12 @@ from ..shapes import ShapePlans
 from . import plan_fit
 from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
-from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
+from .context_parallel import (
+    UlyssesShard,
+    context_parallel_config,
+    model_problem,
+    ulysses_problem,
+)
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
 
 
@@ -70,11 +76,14 @@ class PAROProcessor(BoundProcessor):
     `balance_ranks`: the number of GPUs the transformer runs on under Ulysses; each layer's blocks are spread evenly
     over their slices of the heads when the processor binds (`paroattn.balance`; on the model's device, from the
     plan's axis profiles; the budget unchanged). A plan calibrated balanced for that number is kept as it is.
+    `exchange_groups`: under Ulysses, the groups of heads each GPU's all-to-all exchange is pipelined over, so that
+    one group's attention runs while the others' exchanges are in flight; None picks the most, up to 4, that divide
+    a GPU's heads; 1 exchanges all of them at once.
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
                  resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale | None = None,
-                 fuse_rope: bool = True, balance_ranks: int = 1):
+                 fuse_rope: bool = True, balance_ranks: int = 1, exchange_groups: int | None = None):
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
@@ -85,7 +94,10 @@ class PAROProcessor(BoundProcessor):
         if not isinstance(balance_ranks, int) or (problem := ranks_problem(plan.num_heads, balance_ranks)):
             raise PlanError(f"balance_ranks={balance_ranks!r}: "
                             + (problem if isinstance(balance_ranks, int) else "expected a number of GPUs (an int)"))
+        if exchange_groups is not None and (type(exchange_groups) is not int or exchange_groups < 1):
+            raise ValueError(f"exchange_groups={exchange_groups!r}: expected a number of groups >= 1, or None")
         self.balance_ranks = balance_ranks
+        self.exchange_groups = exchange_groups
         self.plan = plan
         self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
         self.backend = backend
@@ -169,7 +181,8 @@ class PAROProcessor(BoundProcessor):
             family = binding.family
             problem = problem or model_problem(binding.transformer, family)
         if not self._parallel_refused(problem, family):
-            self._ulysses = UlyssesShard(cp_config, self.plan, family.ulysses_text if family is not None else "split")
+            self._ulysses = UlyssesShard(cp_config, self.plan, family.ulysses_text if family is not None else "split",
+                                         self.exchange_groups)
             if unbalanced := balance_problem(self.plan, degree):
                 warn(unbalanced, stacklevel=3)
 
@@ -313,10 +326,12 @@ class PAROProcessor(BoundProcessor):
         if problem := shard.local_problem(layout, call.q.shape[2], call.text_tokens):
             raise PlanError(problem)
         call = binding.family.rotate(call)
-        whole = dataclasses.replace(call, q=shard.gather_heads(call.q, split), k=shard.gather_heads(call.k, split),
-                                    v=shard.gather_heads(call.v, split))
-        out = binding.family.dense(attn, whole, attention_mask, self._attention_backend, None)
-        return shard.scatter_heads(out, split)
+
+        def attention(q, k, v, heads):
+            return binding.family.dense(attn, dataclasses.replace(call, q=q, k=k, v=v), attention_mask,
+                                        self._attention_backend, None)
+
+        return shard.attend((call.q, call.k, call.v), split, attention)
 
     def attend(self, binding, attn, layer, call, attention_mask):
         if binding.static_problem or binding.call_problem:
@@ -358,26 +373,30 @@ class PAROProcessor(BoundProcessor):
         orders, block_mask = masks.orders[layer], masks.get(bucket, layer)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
-        q, k, v, rotary = call.q, call.k, call.v, call.rotary
-        if shard is not None:  # this GPU's chunk of the sequence -> its heads over the whole sequence
+        rotary = call.rotary
+        if shard is not None:
             split = shard.split(layout)
-            q, k, v = (shard.gather_heads(x, split) for x in (q, k, v))
             if rotary is not None:
                 rotary = shard.gather_rotary(rotary, split)
-        out = paro_attention(
-            q, k, v,
-            layout=layout,
-            orders=orders,
-            block_mask=block_mask,
-            block_size=plan.block_size,
-            qk=plan.qk,
-            pv=plan.pv,
-            backend=self.backend,
-            rotary=rotary,
-            suffix_mask=suffix_mask,
-        )
-        if shard is not None:
-            out = shard.scatter_heads(out, split)
+
+        def attention(q, k, v, heads=(0, len(orders))):
+            """PARO on heads `heads` of this process's slice (all of them without Ulysses)."""
+            return paro_attention(
+                q, k, v,
+                layout=layout,
+                orders=orders[heads[0]:heads[1]],
+                block_mask=head_range(block_mask, *heads),
+                block_size=plan.block_size,
+                qk=plan.qk,
+                pv=plan.pv,
+                backend=self.backend,
+                rotary=rotary,
+                suffix_mask=suffix_mask,
+            )
+
+        # under Ulysses: this GPU's chunk of the sequence -> its heads over the whole sequence, group by group
+        out = attention(call.q, call.k, call.v) if shard is None else shard.attend((call.q, call.k, call.v), split,
+                                                                                   attention)
         if dense is None:
             # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
             # RoPE reads q and k before the model's own RoPE may rotate them in place)
