@@ -27,7 +27,9 @@ dense: the same exchange as PARO's), on one GPU the model's own processors.
 
 Modes: `e2e.py`'s (dense SDPA; PARO d=0.5 and 0.2, bf16 or int8 QK + fp8 PV) and "paro d=0.2 int8+fp8 balanced", the
 same plan balanced over the N GPUs when applied (`apply(..., balance_ranks=N)`: each layer's blocks spread evenly over
-the GPUs' slices of the heads, moved by the mass its axis profiles estimate). Plans are synthetic, all masks resident:
+the GPUs' slices of the heads, moved by the mass its axis profiles estimate), and that balanced plan with its
+exchange in one all-to-all per layer instead of pipelined over groups of heads ("... (one exchange)":
+`exchange_groups=1`, what the overlap gains; on one GPU it is the balanced mode). Plans are synthetic, all masks resident:
 random orders, banded and scattered masks whose density varies per head as calibrated plans' do (log-normal around the
 target, sigma `--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random
 axis profiles.
@@ -37,8 +39,8 @@ divides by; `--baseline` reads it instead), then all N processes run it under `C
 with the family's context-parallel plan; a step's time is the slowest process's median. Columns: step time, speedup over
 dense at the same N, scaling (one-GPU time / N-GPU time), peak GPU memory (the largest over processes), and, from one
 profiled step under Ulysses: the share of the step in NCCL kernels (the largest over processes; all-to-alls and the
-gathers of RoPE tables and output; a GPU waiting in an all-to-all for a slower one counts), the all-to-alls' share
-alone, and each GPU's time in attention kernels (PARO's or SDPA's), whose slowest over mean says how balanced the GPUs
+gathers of RoPE tables and output; a GPU waiting in an all-to-all for a slower one counts; pipelined exchanges run
+beside attention, so there the share is not time the step waits), the all-to-alls' share alone, and each GPU's time in attention kernels (PARO's or SDPA's), whose slowest over mean says how balanced the GPUs
 are. Weights and inputs are broadcast from rank 0, so every process computes the same step.
 """
 
@@ -67,6 +69,7 @@ from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.pipelines.base import TEXT_WHOLE  # noqa: E402
 from paroattn.pipelines.context_parallel import (  # noqa: E402
+    default_exchange_groups,
     enable_ulysses,
     join_process_group,
     sequence_problem,
@@ -86,12 +89,11 @@ MODELS = {
 }
 SMOKE_MODELS = ("wan-1.3b",)  # --smoke builds the shrunk Wan of e2e.py whatever the model
 BALANCED = "paro d=0.2 int8+fp8 balanced"
-# (label, density, qk, pv, balanced)
-MODE_SPECS = [(label, density, qk, pv, False) for label, density, qk, pv in e2e.MODES] + [(BALANCED, 0.2, "int8", "fp8",
-                                                                                           True)]
+ONE_EXCHANGE = "paro d=0.2 int8+fp8 balanced (one exchange)"
+# (label, density, qk, pv, balanced, exchange groups: None for the processor's default)
+MODE_SPECS = [(label, density, qk, pv, False, None) for label, density, qk, pv in e2e.MODES] + [
+    (BALANCED, 0.2, "int8", "fp8", True, None), (ONE_EXCHANGE, 0.2, "int8", "fp8", True, 1)]
 MODES = [spec[0] for spec in MODE_SPECS]
-# kernels of the attention itself (PARO's prologue, RoPE and attention kernels; SDPA's), by name in a profile
-ATTENTION_KERNELS = ("attention", "prologue", "rotate", "fmha", "flash", "sdpa")
 
 
 def build(name: str, device, dtype, smoke: bool):
@@ -161,7 +163,7 @@ def every(value: float, device, gpus: int) -> list[float]:
 
 def profiled_step(transformer, inputs) -> dict:
     """One profiled step on this process's GPU: its wall seconds and seconds in NCCL kernels, in the all-to-alls
-    (NCCL's send/receive kernels) and in attention kernels (`ATTENTION_KERNELS`)."""
+    (NCCL's send/receive kernels) and in attention kernels (`e2e.kernel_class`)."""
     seconds, kernels = e2e.kernel_seconds(transformer, inputs)
     found = {"step_s": seconds, "nccl_s": 0.0, "alltoall_s": 0.0, "attention_s": 0.0}
     for kernel, device_s in kernels.items():
@@ -170,7 +172,7 @@ def profiled_step(transformer, inputs) -> dict:
             found["nccl_s"] += device_s
             if "sendrecv" in name or "alltoall" in name:
                 found["alltoall_s"] += device_s
-        elif any(kernel in name for kernel in ATTENTION_KERNELS):
+        elif e2e.kernel_class(kernel) == "attention":
             found["attention_s"] += device_s
     return found
 
@@ -189,8 +191,12 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
     balances over (the run's N, on one GPU too)."""
     results = {}
     family = family_of(transformer)
-    for label, density, qk, pv, balanced in MODE_SPECS:
+    for label, density, qk, pv, balanced, groups in MODE_SPECS:
         if label not in args.modes:
+            continue
+        if gpus == 1 and groups is not None and balanced and BALANCED in results:  # no exchange on one GPU
+            row, out = results[BALANCED]
+            results[label] = ({**row, "mode": label}, out)
             continue
         handle = None
         if density is not None:
@@ -198,7 +204,8 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
             plan.qk, plan.pv = qk, pv
             start = time.perf_counter()
             handle = apply(transformer, plan, backend=backend, resident=True,
-                           balance_ranks=balance_for if balanced else 1)
+                           balance_ranks=balance_for if balanced else 1,
+                           exchange_groups=args.exchange_groups if groups is None else groups)
             handle.processor.prepare(handle.binding, device)
             balance_s = time.perf_counter() - start if balanced else None
         elif gpus > 1 and family.ulysses_text == TEXT_WHOLE:  # the model's attention through PARO's exchange
@@ -210,6 +217,9 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
             torch.cuda.reset_peak_memory_stats(device)
         seconds, _ = e2e.time_step(transformer, inputs, args.iters, device)
         row = {"mode": label, "gpus": gpus, "step_s": slowest(seconds, device, gpus)}
+        if gpus > 1 and handle is not None:
+            per_gpu = transformer.config.num_attention_heads // gpus
+            row["exchange_groups"] = groups or args.exchange_groups or default_exchange_groups(per_gpu)
         if balanced:
             row["balance_s"] = balance_s
         if density is not None:
@@ -253,13 +263,15 @@ def baseline_times(paths: list[Path], label: str) -> dict[str, float]:
         for row in data["rows"]:
             if row["model"] == label and key in row:
                 times.setdefault(row["mode"], row[key])
+    if BALANCED in times:  # on one GPU there is no exchange to pipeline: the same step
+        times.setdefault(ONE_EXCHANGE, times[BALANCED])
     return times
 
 
 def output_path(directory: Path, label: str, mode: str, balance_for: int) -> Path:
     """Where the one-GPU output of (`label`, `mode`) is saved; a balanced plan depends on the GPUs it was balanced
     for, so its file names them."""
-    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode == BALANCED else "")
+    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode in (BALANCED, ONE_EXCHANGE) else "")
     return directory / ("".join(c if c.isalnum() or c in "-." else "_" for c in name) + ".pt")
 
 
@@ -352,7 +364,8 @@ def table(paths: list[Path]) -> str:
             balance = (f"{r['attention_imbalance']:+.1%}" if "attention_imbalance" in r else "-") + (
                 f" ({r['block_imbalance']:+.1%})" if "block_imbalance" in r else "")
             model = f"{r['model']} ({r['tokens']}{', unequal chunks' if r.get('uneven') else ''})"
-            parts.append(f"| {model} | {r['mode']} | {r['step_s_1gpu'] * 1000:.1f} ms | "
+            mode = r["mode"] + (f" [{r['exchange_groups']} groups]" if r.get("exchange_groups", 1) > 1 else "")
+            parts.append(f"| {model} | {mode} | {r['step_s_1gpu'] * 1000:.1f} ms | "
                          f"{r['step_s'] * 1000:.1f} ms | {r['speedup_vs_dense']:.2f}x | {r['scaling']:.2f}x "
                          f"({r['scaling'] / n:.0%}) | {peak} | {masks} | {share} | {balance} | {check} |")
         parts.append("")
@@ -368,6 +381,9 @@ def main(argv=None):
     parser.add_argument("--query-block", type=int, default=128, help="query block of the plans (key blocks are 64)")
     parser.add_argument("--head-spread", type=float, default=0.35,
                         help="sigma of the log-normal spread of the plans' per-head densities (0: all alike)")
+    parser.add_argument("--exchange-groups", type=int, default=None,
+                        help="groups of heads each GPU's exchange is pipelined over in the PARO modes (default: the "
+                             "processor's; the '(one exchange)' mode always uses 1)")
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
     parser.add_argument("--baseline", type=Path, nargs="+", default=None,
                         help="results files with the one-GPU times of the same models and modes (N = 1 runs, or runs "
@@ -410,7 +426,8 @@ def main(argv=None):
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpus": world,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "head_spread": args.head_spread,
             "block": [16 if args.smoke else args.query_block, 16 if args.smoke else 64],
-            "parallelism": f"diffusers ContextParallelConfig(ulysses_degree={world})" if world > 1 else "none"}
+            "parallelism": f"diffusers ContextParallelConfig(ulysses_degree={world})" if world > 1 else "none",
+            "exchange_groups": args.exchange_groups or "default"}
     if args.baseline is not None:
         info["baseline"] = [path.name for path in args.baseline]
     if device.type == "cuda":
