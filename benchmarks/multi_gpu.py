@@ -28,8 +28,10 @@ dense: the same exchange as PARO's), on one GPU the model's own processors.
 Modes: `e2e.py`'s (dense SDPA; PARO d=0.5 and 0.2, bf16 or int8 QK + fp8 PV) and "paro d=0.2 int8+fp8 balanced", the
 same plan balanced over the N GPUs when applied (`apply(..., balance_ranks=N)`: each layer's blocks spread evenly over
 the GPUs' slices of the heads, moved by the mass its axis profiles estimate), and that balanced plan with its
-exchange in one all-to-all per layer instead of pipelined over groups of heads ("... (one exchange)":
-`exchange_groups=1`, what the overlap gains; on one GPU it is the balanced mode). Plans are synthetic, all masks resident:
+"paro d=0.2 int8+fp8 pipelined": the exchange pipelined over G groups of each GPU's heads (`exchange_groups=G`:
+`--pipeline-groups`, by default the most up to 4 that divide a GPU's heads) with the plan balanced over the N x G
+groups (each group's all-to-all waits for every GPU); on one GPU it is the balanced mode. Plans are synthetic, all
+masks resident:
 random orders, banded and scattered masks whose density varies per head as calibrated plans' do (log-normal around the
 target, sigma `--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random
 axis profiles.
@@ -69,7 +71,6 @@ from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.pipelines.base import TEXT_WHOLE  # noqa: E402
 from paroattn.pipelines.context_parallel import (  # noqa: E402
-    default_exchange_groups,
     enable_ulysses,
     join_process_group,
     sequence_problem,
@@ -89,10 +90,10 @@ MODELS = {
 }
 SMOKE_MODELS = ("wan-1.3b",)  # --smoke builds the shrunk Wan of e2e.py whatever the model
 BALANCED = "paro d=0.2 int8+fp8 balanced"
-ONE_EXCHANGE = "paro d=0.2 int8+fp8 balanced (one exchange)"
-# (label, density, qk, pv, balanced, exchange groups: None for the processor's default)
+PIPELINED = "paro d=0.2 int8+fp8 pipelined"
+# (label, density, qk, pv, balanced, pipelined)
 MODE_SPECS = [(label, density, qk, pv, False, None) for label, density, qk, pv in e2e.MODES] + [
-    (BALANCED, 0.2, "int8", "fp8", True, None), (ONE_EXCHANGE, 0.2, "int8", "fp8", True, 1)]
+    (BALANCED, 0.2, "int8", "fp8", True, False), (PIPELINED, 0.2, "int8", "fp8", True, True)]
 MODES = [spec[0] for spec in MODE_SPECS]
 
 
@@ -177,6 +178,12 @@ def profiled_step(transformer, inputs) -> dict:
     return found
 
 
+def pipeline_groups(heads_per_gpu: int, given: int | None = None) -> int:
+    """The groups of heads the pipelined mode exchanges a GPU's heads in: `given`, or the most up to 4 that divide
+    them."""
+    return given or max(g for g in range(1, 5) if heads_per_gpu % g == 0)
+
+
 def mode_plan(label: str, density: float, plans: dict, transformer, layout, block, args) -> Plan:
     """The synthetic plan of `density` (built once per density for every N: building a full-size one takes seconds)."""
     if density not in plans:
@@ -191,21 +198,22 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
     balances over (the run's N, on one GPU too)."""
     results = {}
     family = family_of(transformer)
-    for label, density, qk, pv, balanced, groups in MODE_SPECS:
+    for label, density, qk, pv, balanced, pipelined in MODE_SPECS:
         if label not in args.modes:
             continue
-        if gpus == 1 and groups is not None and balanced and BALANCED in results:  # no exchange on one GPU
+        if gpus == 1 and pipelined and BALANCED in results:  # no exchange on one GPU
             row, out = results[BALANCED]
             results[label] = ({**row, "mode": label}, out)
             continue
         handle = None
+        groups = pipeline_groups(transformer.config.num_attention_heads // balance_for, args.pipeline_groups) \
+            if pipelined else 1
         if density is not None:
             plan = mode_plan(label, density, plans, transformer, layout, block, args)
             plan.qk, plan.pv = qk, pv
             start = time.perf_counter()
             handle = apply(transformer, plan, backend=backend, resident=True,
-                           balance_ranks=balance_for if balanced else 1,
-                           exchange_groups=args.exchange_groups if groups is None else groups)
+                           balance_ranks=balance_for * groups if balanced else 1, exchange_groups=groups)
             handle.processor.prepare(handle.binding, device)
             balance_s = time.perf_counter() - start if balanced else None
         elif gpus > 1 and family.ulysses_text == TEXT_WHOLE:  # the model's attention through PARO's exchange
@@ -218,8 +226,7 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
         seconds, _ = e2e.time_step(transformer, inputs, args.iters, device)
         row = {"mode": label, "gpus": gpus, "step_s": slowest(seconds, device, gpus)}
         if gpus > 1 and handle is not None:
-            per_gpu = transformer.config.num_attention_heads // gpus
-            row["exchange_groups"] = groups or args.exchange_groups or default_exchange_groups(per_gpu)
+            row["exchange_groups"] = groups
         if balanced:
             row["balance_s"] = balance_s
         if density is not None:
@@ -264,14 +271,14 @@ def baseline_times(paths: list[Path], label: str) -> dict[str, float]:
             if row["model"] == label and key in row:
                 times.setdefault(row["mode"], row[key])
     if BALANCED in times:  # on one GPU there is no exchange to pipeline: the same step
-        times.setdefault(ONE_EXCHANGE, times[BALANCED])
+        times.setdefault(PIPELINED, times[BALANCED])
     return times
 
 
 def output_path(directory: Path, label: str, mode: str, balance_for: int) -> Path:
     """Where the one-GPU output of (`label`, `mode`) is saved; a balanced plan depends on the GPUs it was balanced
     for, so its file names them."""
-    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode in (BALANCED, ONE_EXCHANGE) else "")
+    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode == BALANCED else "")
     return directory / ("".join(c if c.isalnum() or c in "-." else "_" for c in name) + ".pt")
 
 
@@ -381,9 +388,9 @@ def main(argv=None):
     parser.add_argument("--query-block", type=int, default=128, help="query block of the plans (key blocks are 64)")
     parser.add_argument("--head-spread", type=float, default=0.35,
                         help="sigma of the log-normal spread of the plans' per-head densities (0: all alike)")
-    parser.add_argument("--exchange-groups", type=int, default=None,
-                        help="groups of heads each GPU's exchange is pipelined over in the PARO modes (default: the "
-                             "processor's; the '(one exchange)' mode always uses 1)")
+    parser.add_argument("--pipeline-groups", type=int, default=None,
+                        help="groups of heads each GPU's exchange is pipelined over in the pipelined mode (default: "
+                             "the most up to 4 that divide a GPU's heads)")
     parser.add_argument("--check", action="store_true", help="also compare each mode under Ulysses N with one GPU")
     parser.add_argument("--baseline", type=Path, nargs="+", default=None,
                         help="results files with the one-GPU times of the same models and modes (N = 1 runs, or runs "
@@ -427,7 +434,7 @@ def main(argv=None):
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "head_spread": args.head_spread,
             "block": [16 if args.smoke else args.query_block, 16 if args.smoke else 64],
             "parallelism": f"diffusers ContextParallelConfig(ulysses_degree={world})" if world > 1 else "none",
-            "exchange_groups": args.exchange_groups or "default"}
+            "pipeline_groups": args.pipeline_groups or "default"}
     if args.baseline is not None:
         info["baseline"] = [path.name for path in args.baseline]
     if device.type == "cuda":

@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-multi-gpu-results}"
-MODES="paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced,paro d=0.2 int8+fp8 balanced (one exchange)"
+MODES="paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced,paro d=0.2 int8+fp8 pipelined"
 ITERS="${ITERS:-1}"
 LOG="$OUT/multi_gpu_table.log"
 mkdir -p "$OUT/outputs"

@@ -138,6 +138,10 @@ def _ulysses_family(family: str, rank: int) -> dict:
         found["list_bytes"] = (list_bytes(processor.head_plan), list_bytes(plan))
     with apply(transformer, plan, backend="torch", fuse_rope=False):  # the model's own RoPE before the exchange
         found["unfused_rope"] = [run(transformer, inputs) for inputs in calls]
+    with apply(transformer, plan, backend="torch", exchange_groups=2):  # each GPU's 2 heads exchanged one by one
+        found["pipelined"] = [run(transformer, inputs) for inputs in calls]
+    with apply(transformer, dense_plan(transformer, calls[0]), backend="torch", exchange_groups=2):
+        found["dense_pipelined"] = [run(transformer, inputs) for inputs in calls]
 
     before = tiny_transformer(family, heads=HEADS)  # enable_parallelism cannot be called twice on one model
     with apply(before, plan, backend="torch"):  # before enable_parallelism: diffusers sets the processor's config
@@ -231,8 +235,7 @@ def _exchange(rank: int) -> dict:
         mine = slice(*shard.heads)
         inputs = tuple(_chunk(x, layout, text, rank, dim=2).transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D]
                        for x in (whole, whole.roll(1, dims=1), whole.flip(2)))  # q, k, v of different heads and tokens
-        found[case] = {"uneven": uneven and not split.equal,
-                       "default_groups": shard.groups}
+        found[case] = {"uneven": uneven and not split.equal, "default_groups": shard.groups}
         for groups in (1, 2):  # all heads at once; then one group per head, pipelined
             seen = []
 
@@ -468,7 +471,7 @@ def test_own_attention_under_ulysses_is_one_process_bit_for_bit(ranks, family):
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
-@pytest.mark.parametrize("order", ["after", "before", "unfused_rope"])
+@pytest.mark.parametrize("order", ["after", "before", "unfused_rope", "pipelined"])
 def test_paro_under_ulysses_equals_one_process(ranks, family, order):
     for found in ranks:
         for single, parallel in zip(found[family]["single"], found[family][order]):
@@ -483,8 +486,10 @@ def test_the_models_own_attention_through_paro_under_ulysses_equals_the_model(ra
     """A plan dense in every layer: the model's own attention on each GPU's heads (PARO's exchange for CogVideoX and
     HunyuanVideo, whose own processors cannot run under Ulysses; diffusers' dispatcher for the others)."""
     for found in ranks:
-        for own, parallel in zip(found[family]["own"], found[family]["dense"], strict=True):
+        for own, parallel, pipelined in zip(found[family]["own"], found[family]["dense"],
+                                            found[family]["dense_pipelined"], strict=True):
             torch.testing.assert_close(parallel, own, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(pipelined, own, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
@@ -523,7 +528,7 @@ def test_the_exchange_gives_each_gpu_its_heads_of_the_whole_sequence_and_back(ra
         found = found["exchange"][case]
         for groups in (1, 2):
             assert found[groups]["gather"] and found[groups]["scatter"] and found[groups]["layout"], (groups, found)
-        assert found["rotary"] and found["default_groups"] == 2  # the 2 heads of each GPU, one by one
+        assert found["rotary"] and found["default_groups"] == 1  # one exchange unless pipelining is asked for
         assert found.get("grid_rotary", True)
     # the cases with token counts two GPUs do not divide ran the exchange of unequal chunks
     assert ranks[0]["exchange"][case]["uneven"] == any(n % WORLD for n in (layout.grid_tokens, layout.suffix,

@@ -255,7 +255,7 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
 
 def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str = "auto", on_mismatch: str = "error",
           *, resident: bool | str = "auto", prefetch_slots: int = 3, fuse_rope: bool = True, balance_ranks: int = 1,
-          exchange_groups: int | None = None, linear: str | None = None) -> PAROHandle:
+          exchange_groups: int = 1, linear: str | None = None) -> PAROHandle:
     """Run every self-attention layer of the pipeline's transformer with `plan` (a `Plan`); for a pipeline with
     an expert pair (Wan 2.2 A14B), `plan` is the list of both experts' plans and each expert runs its own.
     Returns a handle (also a context manager) whose `remove()` restores the original processors bit-exactly.

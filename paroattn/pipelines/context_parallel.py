@@ -198,33 +198,22 @@ def sequence_problem(layout: TokenLayout, degree: int, text: str = TEXT_SPLIT, u
     return SequenceSplit.of(layout, degree, text).problem(layout, uneven)
 
 
-# the most groups of heads a GPU's exchange is pipelined over by default: more groups hide more of the all-to-all
-# behind attention, but each is a smaller transfer and a smaller kernel launch
-EXCHANGE_GROUPS = 4
-
-
-def default_exchange_groups(heads_per_gpu: int) -> int:
-    """The groups of heads the exchange is pipelined over by default: the most, up to `EXCHANGE_GROUPS`, that divide
-    a GPU's heads evenly."""
-    return max(g for g in range(1, EXCHANGE_GROUPS + 1) if heads_per_gpu % g == 0)
-
-
 def exchange_groups_problem(heads_per_gpu: int, groups) -> str | None:
     """Why `groups` cannot split a GPU's `heads_per_gpu` heads into equal groups, or None."""
     if isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and heads_per_gpu % groups == 0:
         return None
     divisors = [g for g in range(1, heads_per_gpu + 1) if heads_per_gpu % g == 0]
     return (f"exchange_groups={groups!r}: each GPU runs {heads_per_gpu} heads, which go in equal groups; use one of "
-            f"{', '.join(map(str, divisors))} (or None for {default_exchange_groups(heads_per_gpu)})")
+            f"{', '.join(map(str, divisors))}")
 
 
 class UlyssesShard:
     """One GPU's share of the heads under Ulysses: its rank and group, its slice of the plan, and the all-to-all
     exchanges between the GPUs' sequence chunks and its heads over the whole sequence. `text`: how the family's
     context-parallel plan spreads its text (`TEXT_SPLIT` or `TEXT_WHOLE`); `groups`: the groups of heads the
-    exchange is pipelined over (`attend`; None: `default_exchange_groups`)."""
+    exchange is pipelined over (`attend`)."""
 
-    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT, groups: int | None = None):
+    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT, groups: int = 1):
         mesh = cp_config._ulysses_mesh
         if mesh is None:
             raise RuntimeError(
@@ -238,9 +227,9 @@ class UlyssesShard:
         self.group = mesh.get_group()
         heads = plan.num_heads // self.degree
         self.heads = (self.rank * heads, (self.rank + 1) * heads)
-        if groups is not None and (problem := exchange_groups_problem(heads, groups)):
+        if problem := exchange_groups_problem(heads, groups):
             raise ValueError(problem)
-        self.groups = groups or default_exchange_groups(heads)
+        self.groups = groups
         self.plan = plan.head_slice(*self.heads)
         self._splits: dict[TokenLayout, SequenceSplit] = {}
         self._rotary_source: tuple | None = None  # the local tables last gathered (held: `is` cannot match a new one)

@@ -77,13 +77,14 @@ class PAROProcessor(BoundProcessor):
     over their slices of the heads when the processor binds (`paroattn.balance`; on the model's device, from the
     plan's axis profiles; the budget unchanged). A plan calibrated balanced for that number is kept as it is.
     `exchange_groups`: under Ulysses, the groups of heads each GPU's all-to-all exchange is pipelined over, so that
-    one group's attention runs while the others' exchanges are in flight; None picks the most, up to 4, that divide
-    a GPU's heads; 1 exchanges all of them at once.
+    one group's attention runs while the others' exchanges are in flight (1, the default: all heads in one exchange).
+    Each group's exchange waits for every GPU, so a step then pays the slowest GPU once per group: pipeline plans
+    balanced per group (`balance_ranks` = GPUs x groups), and measure; docs/notes/multi-gpu.md has what it gained.
     """
 
     def __init__(self, plan: Plan, *, backend: str = "auto", on_mismatch: str = "error",
                  resident: bool | str = "auto", prefetch_slots: int = 3, pixel_scale: PixelScale | None = None,
-                 fuse_rope: bool = True, balance_ranks: int = 1, exchange_groups: int | None = None):
+                 fuse_rope: bool = True, balance_ranks: int = 1, exchange_groups: int = 1):
         super().__init__()
         if not isinstance(plan, Plan):
             raise TypeError(f"PAROProcessor needs a paroattn.Plan, got {type(plan).__name__}: load one with Plan.load(path)")
@@ -94,8 +95,8 @@ class PAROProcessor(BoundProcessor):
         if not isinstance(balance_ranks, int) or (problem := ranks_problem(plan.num_heads, balance_ranks)):
             raise PlanError(f"balance_ranks={balance_ranks!r}: "
                             + (problem if isinstance(balance_ranks, int) else "expected a number of GPUs (an int)"))
-        if exchange_groups is not None and (type(exchange_groups) is not int or exchange_groups < 1):
-            raise ValueError(f"exchange_groups={exchange_groups!r}: expected a number of groups >= 1, or None")
+        if type(exchange_groups) is not int or exchange_groups < 1:
+            raise ValueError(f"exchange_groups={exchange_groups!r}: expected a number of groups of heads >= 1")
         self.balance_ranks = balance_ranks
         self.exchange_groups = exchange_groups
         self.plan = plan
