@@ -532,6 +532,7 @@ def generate(
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton, cuda (the sm_90a kernels) or torch"),
     on_mismatch: str = typer.Option("error", help="when the plan does not fit: error, or dense (warn and run the model's own attention)"),
     ulysses: int = typer.Option(1, help="split each generation over N GPUs (every supported model; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
+    exchange_groups: int = typer.Option(1, help="with --ulysses: pipeline each GPU's exchange over G groups of its heads, so one group's attention runs while the others' exchanges are in flight; pays off on long sequences with a plan balanced per group (`paro calibrate --ulysses` GPUs x G) and costs on short ones: docs/notes/multi-gpu.md"),
     linear: str | None = typer.Option(None, "--linear", help="fp8: the transformer blocks' linear layers in fp8 too (torchao: `pip install paroattn[fp8]`; a GPU of sm_89 or newer; bfloat16 weights), with or without --plan"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
@@ -549,7 +550,7 @@ def generate(
         result = run_generate(
             model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
-            ulysses=ulysses, linear=linear, log=typer.echo,
+            ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, log=typer.echo,
         )
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))

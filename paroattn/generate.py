@@ -341,6 +341,7 @@ def generate(
     backend: str = "auto",
     on_mismatch: str = "error",
     ulysses: int = 1,
+    exchange_groups: int = 1,
     linear: str | None = None,
     extra_call: dict | None = None,
     log: Callable[[str], None] = print,
@@ -352,15 +353,25 @@ def generate(
 
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
-    writes the outputs, the others return {"rank": r}."""
+    writes the outputs, the others return {"rank": r}. `exchange_groups`: the groups of heads each GPU's exchange is
+    pipelined over (`PAROProcessor`'s; with plans balanced per group: `paro calibrate --ulysses` GPUs x groups)."""
     from .pipelines import apply
-    from .pipelines.context_parallel import enable_ulysses, join_process_group, sequence_problem, ulysses_problem
+    from .pipelines.context_parallel import (
+        enable_ulysses,
+        exchange_groups_problem,
+        join_process_group,
+        sequence_problem,
+        ulysses_problem,
+    )
 
     # every option and the output path are checked before the model loads
     if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
     if ulysses < 1:
         raise ValueError(f"--ulysses {ulysses}: pass the number of GPUs (processes) to split each generation over")
+    if exchange_groups != 1 and (ulysses <= 1 or plan is None):
+        raise ValueError(f"--exchange-groups {exchange_groups} pipelines the exchange between GPUs of a PARO run: "
+                         "pass --ulysses N and --plan PLAN too, or leave it out")
     if problem := option_problem(backend, on_mismatch):
         raise ValueError(problem)
     if problem := size_problem(steps=steps, height=height, width=width, frames=frames):
@@ -397,6 +408,9 @@ def generate(
     for expert_plan in loaded_plans or []:
         if problem := ulysses_problem(expert_plan.num_heads, ulysses):
             raise PlanError(f"--ulysses {ulysses}: {problem}")
+        if exchange_groups != 1 and (problem := exchange_groups_problem(expert_plan.num_heads // ulysses,
+                                                                        exchange_groups)):
+            raise ValueError(f"--exchange-groups: {problem} ({expert_plan.num_heads} heads over {ulysses} GPUs)")
     if problem := _ulysses_plan_problem(indexed, loaded_plans, ulysses):
         raise ValueError(problem)
     rank = 0
@@ -462,11 +476,12 @@ def generate(
         log(f"dense run (the plan does not fit){linears}")
         if ulysses > 1 and family.ulysses_text == TEXT_WHOLE:
             handle = apply(pipe, [_all_dense(p) for p in loaded_plans], backend=backend, on_mismatch="dense",
-                           linear=linear)
+                           exchange_groups=exchange_groups, linear=linear)
         elif linear:
             handle = apply(pipe, None, linear=linear)
     elif loaded_plan is not None:
-        handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch, linear=linear)
+        handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch, exchange_groups=exchange_groups,
+                       linear=linear)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
             result["ran_dense"] = "the plan does not fit (see the warning above)"
         experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""

@@ -727,3 +727,23 @@ def test_paro_generate_ulysses_outside_torchrun_fails_before_loading(tmp_path, m
                                       "--out", str(tmp_path / "out.png")])
     assert result.exit_code == 2
     assert "torchrun --nproc-per-node 2" in result.output and "loading" not in result.output
+
+
+def test_paro_generate_exchange_groups_are_checked_before_loading(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paroattn.cli import app
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "model_index.json").write_text("{}")
+    transformer = tiny_transformer("wan", heads=HEADS)
+    make_plan(transformer, tiny_forward_inputs(transformer)).save(tmp_path / "plan.safetensors")
+    common = ["generate", str(tmp_path), "--prompt", "a cat", "--out", str(tmp_path / "out.png")]
+    alone = CliRunner().invoke(app, [*common, "--plan", str(tmp_path / "plan.safetensors"), "--exchange-groups", "2"])
+    assert alone.exit_code == 2 and "pass --ulysses N and --plan PLAN too" in alone.output
+    # 4 heads over 2 GPUs: 2 each, which 3 groups do not split
+    uneven = CliRunner().invoke(app, [*common, "--plan", str(tmp_path / "plan.safetensors"), "--ulysses", "2",
+                                      "--exchange-groups", "3"])
+    assert uneven.exit_code == 2 and "exchange_groups=3" in uneven.output and "use one of 1, 2" in uneven.output
+    assert "loading" not in alone.output + uneven.output
