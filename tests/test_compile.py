@@ -210,6 +210,46 @@ def test_every_layer_of_a_compiled_run_follows_the_plan(family):
 # -- dense flags -----------------------------------------------------------------------------------------
 
 
+def deep_wan(layers: int = 6):
+    """A tiny Wan with `layers` blocks: deep enough that a graph per block would show."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                 out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=layers,
+                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+
+@pytest.mark.parametrize(("dense", "graphs"), [(None, 1), ("layer", 6), ("bucket", 2)])
+def test_blocks_compiled_one_by_one_share_one_graph_and_match_eager(dense, graphs):
+    """Regional compilation (diffusers' `compile_repeated_blocks`, each block compiled on its own): every block reads
+    its layer from a buffer, a graph input, so one graph serves all 6 blocks through every bucket (a lookup keyed by
+    the module compiled one per block), equal to the eager PARO run. A plan with one layer dense everywhere (its
+    flag read on the host per layer) compiles a graph per block and stays equal; one with a bucket dense in every
+    layer (`--dense-steps`) two, the bucket's flag known from the eager pre-hook. Removing PARO leaves the blocks
+    as they were: no buffer, nothing in the state dict."""
+    assert_crosses_buckets()
+    transformer = deep_wan()
+    state = set(transformer.state_dict())
+    plan = sparse_plan(transformer)
+    if dense == "layer":
+        plan.dense[:, 2] = True
+    elif dense == "bucket":
+        plan.dense[1, :] = True
+    calls = forward_calls(transformer)
+    counter = CompileCounterWithBackend("aot_eager")
+    with apply(transformer, plan, backend="torch"), torch.no_grad():
+        assert set(transformer.state_dict()) == state
+        eager = [transformer(**inputs)[0] for inputs in calls]
+        transformer.compile_repeated_blocks(fullgraph=True, backend=counter)
+        compiled = [transformer(**inputs)[0] for inputs in calls]
+    for got, want, t in zip(compiled, eager, TIMESTEPS, strict=True):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m, t=t: f"t={t}: {m}")
+    assert counter.frame_count == graphs
+    assert not any("paro" in name for name, _ in transformer.named_buffers())
+    assert not any(hasattr(m, "paro_other_attention") for m in transformer.modules())
+
+
 def test_dense_flags_static_per_layer_and_by_bucket():
     """Wan, 2 layers: layer 0 dense in every bucket (a host branch in the graph), layer 1 dense in bucket 0
     only (both results computed, the bucket's kept by `torch.where`): equal to eager, one compile."""

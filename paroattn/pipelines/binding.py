@@ -35,11 +35,14 @@ class Binding:
         self.transformer_ref = weakref.ref(transformer)
         self.keys = family.self_attention_layers(transformer)
         self.modules = [transformer.get_submodule(key[: -len(".processor")]) for key in self.keys]
+        self.others: list = []  # the transformer's other attention modules (Wan's attn2), which PARO delegates
         self.transformer_class = type(transformer).__name__
         self.static_problem: str | None = None
         self.inputs: CallInputs | None = None
         self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
         self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
+        self._bucket_constants: dict[tuple[str, int], torch.Tensor] = {}
+        self.bucket_dense: bool | None = None  # the host bucket's dense flag where it is every layer's
         self.call_problem: str | None = None
         # by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80"); `eager_masks` is
         # the key of the store the current eager forward reads (one at a time: eager forwards drop the others
@@ -72,6 +75,16 @@ class Binding:
         self.inputs = inputs
         if self.installed():
             self.processor.begin_forward(self, inputs)
+
+    def bucket_constant(self, bucket: int, device: torch.device) -> torch.Tensor:
+        """The 0-dim int64 tensor of `bucket` on `device`, made once (an eager forward hands it to the blocks that
+        torch.compile compiled one by one, as a graph input rather than a Python number each graph would
+        specialize on)."""
+        key = (str(device), bucket)
+        constant = self._bucket_constants.get(key)
+        if constant is None:
+            constant = self._bucket_constants[key] = torch.tensor(bucket, dtype=torch.int64, device=device)
+        return constant
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -106,6 +119,18 @@ class Binding:
     def close(self) -> None:
         self.tracker.remove()
         self.drop_masks()
+        for module in self.modules:
+            module._buffers.pop(LAYER_BUFFER, None)
+        for module in self.others:
+            module.__dict__.pop(OTHER_ATTENTION, None)
+
+
+# each self-attention module bound to a processor holds its layer index as a non-persistent buffer (it moves with
+# the module, is no part of its state dict, and is dropped when the binding closes), and each other attention
+# module a mark: traced calls read these, the same in every block, instead of looking the module up, which would
+# make every block's graph its own
+LAYER_BUFFER = "paro_layer"
+OTHER_ATTENTION = "paro_other_attention"
 
 
 class BoundProcessor:
@@ -144,11 +169,17 @@ class BoundProcessor:
         binding = Binding(self, transformer, require_family(transformer))
         for layer, module in enumerate(binding.modules):
             self._entries[module] = (binding, layer)
+            if LAYER_BUFFER not in module._buffers:
+                device = next(module.parameters(), torch.empty(0)).device
+                module.register_buffer(LAYER_BUFFER, torch.tensor(layer, dtype=torch.int64, device=device),
+                                       persistent=False)
         # the other attention modules (Wan's attn2) are known up front too, so a traced forward of a lone
         # processor finds every module it is called for without writing to `_entries` (a recompile)
         for module in transformer.modules():
             if hasattr(module, "processor") and module not in self._entries:
                 self._entries[module] = (binding, None)
+                setattr(module, OTHER_ATTENTION, True)
+                binding.others.append(module)
                 try:  # and their default processors (made on first use otherwise, which raises what this hides)
                     binding.add_delegate(module)
                 except Exception:
@@ -170,6 +201,26 @@ class BoundProcessor:
 
     def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
         pass
+
+    def layer_tensors(self) -> bool:
+        """Whether traced calls may take their layer as a tensor (`_traced_entry`): the processor reads nothing per
+        layer that must be known on the host."""
+        return False
+
+    def _traced_entry(self, attn):
+        """(binding, layer) of a call torch.compile traces. A lookup keyed by the module makes dynamo guard on the
+        module's identity, so each block compiled on its own (regional compilation, diffusers'
+        `compile_repeated_blocks`) would get a graph per layer, past dynamo's recompile limit for a deep model.
+        With one binding and `layer_tensors`, the layer is the module's `paro_layer` buffer instead, a graph input,
+        and the binding's other attention modules (Wan's attn2) carry a mark: one graph serves every block.
+        Otherwise the lookup."""
+        if len(self._bindings) == 1 and self.layer_tensors():
+            layer = attn._buffers.get(LAYER_BUFFER)
+            if layer is not None:
+                return self._bindings[0], layer
+            if attn.__dict__.get(OTHER_ATTENTION, False):
+                return self._bindings[0], None
+        return self._entry(attn)
 
     def _entry(self, attn):
         entry = self._entries.get(attn)
@@ -225,7 +276,7 @@ class BoundProcessor:
         # `encoder_hidden_states_mask` (Qwen-Image's text padding) is named so that the legacy `Attention.forward`
         # passes it: it drops the keywords a processor's signature lacks. A module that passes a sixth argument
         # positionally (LTX-2's key_rotary_emb) finds it there too, and its default processor gets it back.
-        binding, layer = self._entry(attn)
+        binding, layer = self._traced_entry(attn) if torch.compiler.is_compiling() else self._entry(attn)
         if layer is None or not binding.family.is_self_attention(attn, encoder_hidden_states):
             sixth = () if encoder_hidden_states_mask is None else (encoder_hidden_states_mask,)
             return binding.delegate(attn)(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,

@@ -168,10 +168,24 @@ class MaskStore:
         }
 
     # -- use ---------------------------------------------------------------------------------
-    def dense_flag(self, bucket: torch.Tensor | int, layer: int) -> bool | None:
+    def dense_flag(self, bucket: torch.Tensor | int, layer: torch.Tensor | int) -> bool | None:
         """Whether the plan runs the model's own attention for (bucket, layer), known on the host: for a
-        bucket on the device, None when the flag depends on it (then `is_dense` picks on the device)."""
+        bucket on the device, None when the flag depends on it (then `is_dense` picks on the device). A layer on
+        the device (regional compilation) needs every layer's flag alike (`uniform_layers`)."""
+        if isinstance(layer, torch.Tensor):
+            if not self.uniform_layers:
+                raise RuntimeError("a layer index on the device needs a plan whose layers' dense flags are alike")
+            return self.layer_dense[0]
         return self.layer_dense[layer] if isinstance(bucket, torch.Tensor) else self.dense_flags[bucket][layer]
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same dense flag per bucket (then nothing per layer is needed on the host)."""
+        return len(set(self.layer_dense)) <= 1
+
+    def layer_orders(self, layer: torch.Tensor | int) -> torch.Tensor:
+        """int32 [H]: the orders of `layer` (an int, or a 0-dim device tensor)."""
+        return self.orders[layer] if isinstance(layer, int) else self.orders.index_select(0, layer.reshape(1))[0]
 
     def is_dense(self, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
         """0-dim bool tensor: whether the plan runs the model's own attention for (bucket, layer)."""
@@ -189,7 +203,7 @@ class MaskStore:
         tensor, or ActiveBlocks."""
         if self.streaming:
             return self._get_streamed(bucket, layer)
-        if isinstance(bucket, torch.Tensor):
+        if isinstance(bucket, torch.Tensor) or isinstance(layer, torch.Tensor):
             return self._select(bucket, layer)
         view = self._views.get((bucket, layer))
         if view is None:
@@ -203,10 +217,16 @@ class MaskStore:
                             self.num_key_blocks, self._pick(self.schedule, bucket, layer))
 
     @staticmethod
-    def _pick(t: torch.Tensor, bucket: torch.Tensor | int, layer: int) -> torch.Tensor:
-        if isinstance(bucket, int):
+    def _pick(t: torch.Tensor, bucket: torch.Tensor | int, layer: torch.Tensor | int) -> torch.Tensor:
+        """t[bucket, layer] of a [buckets, layers, ...] tensor, either index an int or a 0-dim device tensor (one
+        entry gathered, not a bucket's or a layer's worth)."""
+        if isinstance(bucket, int) and isinstance(layer, int):
             return t[bucket, layer]
-        return t[:, layer].index_select(0, bucket.reshape(1)).squeeze(0)
+        if isinstance(layer, int):
+            return t[:, layer].index_select(0, bucket.reshape(1)).squeeze(0)
+        if isinstance(bucket, int):
+            return t[bucket].index_select(0, layer.reshape(1)).squeeze(0)
+        return t.flatten(0, 1).index_select(0, (bucket * t.shape[1] + layer).reshape(1)).squeeze(0)
 
     def next_layer(self, bucket: int, layer: int) -> int | None:
         layers = self._sparse_layers[bucket]

@@ -16,7 +16,11 @@ would make a second graph); nothing either does reads a tensor on the host:
   depends on the bucket computes both the model's attention and PARO and keeps one with `torch.where`
   (twice the attention work for such layers, and only when traced; calibration never makes such plans);
 - the side-stream mask streaming of eager runs (a strategy of the same store) is not traced: a plan too
-  large to keep resident is refused with a message (pass resident=True, or run eagerly).
+  large to keep resident is refused with a message (pass resident=True, or run eagerly);
+- where only the blocks are compiled (diffusers' `compile_repeated_blocks`), the pre-hook runs eagerly and hands
+  the graphs the bucket as a constant device tensor, and each call reads its layer from its module's buffer
+  (`BoundProcessor._traced_entry`), so that one graph serves every block; a plan whose layers' dense flags
+  differ reads them per layer on the host, a graph per block.
 A lone processor must be bound before it is traced (`paroattn.apply`, `processor.bind(transformer)`, or
 one eager forward): the frame walk cannot be traced. Flux's image grid is taken from the plan when the
 token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a host read.
@@ -40,12 +44,7 @@ from ..shapes import ShapePlans
 from . import plan_fit
 from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
-from .context_parallel import (
-    UlyssesShard,
-    context_parallel_config,
-    model_problem,
-    ulysses_problem,
-)
+from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
 from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
 
 
@@ -100,6 +99,11 @@ class PAROProcessor(BoundProcessor):
         self.balance_ranks = balance_ranks
         self.exchange_groups = exchange_groups
         self.plan = plan
+        # every layer with the same dense flags: traced calls then take their layer as a tensor (`_traced_entry`);
+        # each bucket's flag where it is every layer's (the dense flags are the same at every size and head slice)
+        flags = plan.dense.tolist()
+        self._uniform_layers = len({tuple(layer) for layer in zip(*flags)}) <= 1
+        self._bucket_dense = tuple(row[0] if len(set(row)) == 1 else None for row in flags)
         self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
         self.backend = backend
         self.on_mismatch = on_mismatch
@@ -216,6 +220,9 @@ class PAROProcessor(BoundProcessor):
             binding.bucket = None
         else:
             binding.bucket = self.plan.bucket_of(inputs.timestep_1000())
+            if isinstance(inputs.timestep, torch.Tensor):  # for blocks compiled on their own (`_traced_bucket`)
+                binding.bucket_index = binding.bucket_constant(binding.bucket, inputs.timestep.device)
+        binding.bucket_dense = None if binding.bucket is None else self._bucket_dense[binding.bucket]
         if self._ulysses is not None and (problem := binding.family.ulysses_call_problem(
                 binding.transformer, inputs, self._ulysses.degree)):
             raise PlanError(problem)  # diffusers cannot split this call: the model's own attention would fail too
@@ -302,10 +309,14 @@ class PAROProcessor(BoundProcessor):
         device = torch.device(device)
         return binding.masks[self.masks_key(binding, device, traced)]
 
+    def layer_tensors(self) -> bool:
+        return self._uniform_layers
+
     def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
         """The bucket of the forward being traced: a 0-dim device tensor computed from the timestep tensor by
         the first layer that asks (the pre-hook is a frame of its own, whose tensors would be a graph of its
-        own), or the host bucket of a Python-number timestep."""
+        own), or the host bucket of a Python-number timestep. Where only the blocks are compiled, the eager
+        pre-hook has set it already, to the host bucket's constant tensor."""
         inputs = binding.inputs
         if not isinstance(inputs.timestep, torch.Tensor):
             return binding.bucket
@@ -343,13 +354,16 @@ class PAROProcessor(BoundProcessor):
         # block size, modes and dense flags are the same at every size of a plan; orders and masks come from
         # the store of the forward's size
         plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the layer may be a 0-dim device tensor (`_traced_entry`)
             masks = binding.masks[_prepare_masks(binding.token, str(call.q.device))]
             bucket = self._traced_bucket(binding)
         else:
             masks, bucket = binding.masks[self.masks_key(binding, call.q.device)], binding.bucket
-        # a Python bool; None only when traced and the flag depends on a bucket known on the device alone
+        # a Python bool; None only when traced and the flag depends on a bucket known on the device alone (blocks
+        # compiled on their own know it from the eager pre-hook: `bucket_dense`)
         dense = masks.dense_flag(bucket, layer)
+        if dense is None and binding.bucket_dense is not None:
+            dense = binding.bucket_dense
         if dense is True:
             return self.dense(binding, attn, call, attention_mask)
         suffix_mask = None
@@ -371,7 +385,7 @@ class PAROProcessor(BoundProcessor):
                 f"({layout.seq_len} tokens, {layout.prefix} text): the call does not follow the "
                 f"{binding.family.name} token layout"
             )
-        orders, block_mask = masks.orders[layer], masks.get(bucket, layer)
+        orders, block_mask = masks.layer_orders(layer), masks.get(bucket, layer)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
         rotary = call.rotary
