@@ -36,7 +36,9 @@ time with masks streamed per layer (side stream, 3 slots) minus the time with al
 
 With --compile, each model runs instead dense and PARO (d=0.2 int8 QK + fp8 PV; --compile-densities for
 more) eagerly and under `torch.compile(transformer, ...)` for each named setting ("default": no options,
-"fullgraph": fullgraph=True, "reduce-overhead": fullgraph=True with whole-transformer CUDA graphs), in one
+"fullgraph": fullgraph=True, "reduce-overhead": fullgraph=True with whole-transformer CUDA graphs,
+"regional": each repeated block compiled on its own with fullgraph=True, diffusers' `compile_repeated_blocks`,
+a fraction of the compile time), in one
 run: the first call (compile included) is reported apart from the median step after it (with CUDA graphs,
 after the second call too, which records them), and each compiled output, dense and PARO, is compared
 with the eager output of the same model and inputs (max |difference| over max |eager output|).
@@ -406,7 +408,24 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 
 
 COMPILE_SETTINGS = {"default": {}, "fullgraph": {"fullgraph": True},
-                    "reduce-overhead": {"fullgraph": True, "mode": "reduce-overhead"}}
+                    "reduce-overhead": {"fullgraph": True, "mode": "reduce-overhead"},
+                    "regional": {"fullgraph": True}}  # each repeated block compiled on its own (`compile_blocks`)
+
+
+def compile_blocks(transformer, **options):
+    """Regional compilation, as diffusers' `compile_repeated_blocks` does it (each block of the model's
+    `_repeated_blocks` classes compiled on its own; CogVideoX names none: its `transformer_blocks`' class), in
+    place; returns what undoes it."""
+    names = getattr(transformer, "_repeated_blocks", None) or [type(transformer.transformer_blocks[0]).__name__]
+    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    for block in blocks:
+        block.compile(**options)
+
+    def undo():
+        for block in blocks:
+            block._compiled_call_impl = None
+
+    return undo
 
 
 def time_first_and_steps(fn, inputs, iters: int, device, untimed: int = 0) -> tuple[float, float, list[float],
@@ -538,13 +557,21 @@ def bench_compiled(name: str, args, device, dtype) -> list[dict]:
     def compiled_rows(label, density, linear, reference=None):
         for setting in settings:
             torch._dynamo.reset()
+            undo = None
             try:
-                run(label, density, linear, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]),
-                    reference)
+                if setting == "regional":
+                    undo = compile_blocks(transformer, **COMPILE_SETTINGS[setting])
+                    run(label, density, linear, setting, transformer, reference)
+                else:
+                    run(label, density, linear, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]),
+                        reference)
             except Exception as exc:  # one setting that fails must not hide the others
                 print(f"  {label:36s} {setting:15s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
                 rows.append({"model": LABELS[name], "mode": label, "compile": setting, "step_s": nan,
                              "speedup": nan, "error": str(exc)[:2000]})
+            finally:
+                if undo is not None:
+                    undo()
             torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":

@@ -8,6 +8,7 @@
 #        WHICH: bf16 (dense, PARO d=0.2 int8+fp8), fp8 (the same two with fp8 linear layers), or one mode:
 #        dense, dense-fp8, paro, paro-fp8 (HunyuanVideo 720p: one mode per call, its step is 30 s eager)
 #        MODEL: wan (Wan2.1-1.3B), wan-14b-720p, cogvideox, hunyuan, flux
+#        HOW=regional compiles each block on its own (a fraction of fullgraph's compile time); default fullgraph
 #
 # Wheels (diffusers, torchao, ...) are installed from $WHEELS (default .whl) into /tmp/site when missing there.
 # Results go to $OUT (default ./fp8-linear-results); the last lines printed are a short table of this call's
@@ -15,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-fp8-linear-results}"
+HOW="${HOW:-fullgraph}"  # the step's compile setting (benchmarks/e2e.py --compile): fullgraph, or regional
 WHEELS="${WHEELS:-.whl}"
 mkdir -p "$OUT"
 if [ ! -d /tmp/site/torchao ]; then
@@ -56,11 +58,11 @@ step)
         paro-fp8) modes="paro d=0.2 int8+fp8 + fp8 linear" ;;
         *) echo "pass bf16, fp8, dense, dense-fp8, paro or paro-fp8, not $3" >&2; exit 2 ;;
     esac
-    json="$OUT/e2e-fp8-linear-$model-$3.json"
+    json="$OUT/e2e-fp8-linear-$model-$3-$HOW.json"
     # 128-query blocks: the kernels' fast tiles at head dim 128 (CogVideoX's 64: its own 64 x 64 is used below)
     query_block=128
     [ "$model" = cogvideox ] && query_block=64
-    python3 benchmarks/e2e.py --models "$model" --compile fullgraph --linear fp8 --modes "$modes" --profile \
+    python3 benchmarks/e2e.py --models "$model" --compile "$HOW" --linear fp8 --modes "$modes" --profile \
         --no-eager --iters 2 --query-block "$query_block" --json "$json" > "$OUT/e2e-$model-$3.log" 2>&1
     status=$?
     grep -E "^\[|^  |Error" "$OUT/e2e-$model-$3.log" | tail -20

@@ -60,6 +60,17 @@ def test_multi_gpu_refuses_an_unknown_mode():
     assert result.returncode != 0 and "--modes d=0.3: expected some of dense" in result.stderr
 
 
+def test_e2e_regional_compile_rows_match_eager(tmp_path):
+    """--compile regional (each block compiled on its own, as diffusers' compile_repeated_blocks does), dense and PARO
+    on the shrunk Wan with inductor: each row's output within 1e-4 of its eager run."""
+    out = tmp_path / "regional.json"
+    result = run_script("--smoke", "--compile", "regional", "--iters", "1", "--json", str(out), script="e2e.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["mode"], r["compile"]): r for r in json.loads(out.read_text())["rows"]}
+    for mode in ("dense", "paro d=0.2 int8+fp8"):
+        assert rows[(mode, "regional")]["max_error_vs_eager"] < 1e-4 and "error" not in rows[(mode, "regional")]
+
+
 def test_e2e_smoke_run_writes_rows_its_table_reads(tmp_path):
     out = tmp_path / "e2e.json"
     result = run_script("--smoke", "--iters", "1", "--modes", "dense,paro d=0.2 int8+fp8", "--resident-only",
