@@ -340,6 +340,11 @@ def _compiled(rank: int) -> dict:
         compiled = torch.compile(transformer, fullgraph=True, backend=counter)
         found["compiled"] = [run(compiled, inputs) for inputs in calls]
     found["graphs"] = counter.frame_count
+    torch._dynamo.reset()
+    with apply(transformer, plan, backend="torch", exchange_groups=2):  # the pipelined exchange, traced
+        run(transformer, calls[0])
+        compiled = torch.compile(transformer, fullgraph=True, backend="aot_eager")
+        found["compiled_pipelined"] = [run(compiled, inputs) for inputs in calls]
     return found
 
 
@@ -559,8 +564,10 @@ def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
 def test_fullgraph_compile_under_ulysses_equals_one_process_with_one_graph(ranks):
     for found in ranks:
         found = found["compiled"]
-        for single, compiled in zip(found["single"], found["compiled"], strict=True):
+        for single, compiled, pipelined in zip(found["single"], found["compiled"], found["compiled_pipelined"],
+                                               strict=True):
             torch.testing.assert_close(compiled, single, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pipelined, single, rtol=1e-5, atol=1e-5)
         assert found["graphs"] == 1  # both buckets, no recompile
 
 
