@@ -277,10 +277,8 @@ class UlyssesShard:
         outbound = [self._send_output(attention(*self._place_inputs(received, tensors, split, heads), heads), split)
                     for heads, received in zip(ranges, inbound)]
         batch, _, local, dim = tensors[0].shape
-        result = None
+        result = outbound[0].new_empty(batch, local, self.degree, per_gpu, dim)  # of the attention's dtype
         for heads, received in zip(ranges, outbound):
-            if result is None:
-                result = received.new_empty(batch, local, self.degree, per_gpu, dim)
             self._place_output(received, result, heads)
         return result.view(batch, local, self.degree * per_gpu, dim).transpose(1, 2)
 

@@ -175,13 +175,14 @@ class MaskStore:
         if isinstance(layer, torch.Tensor):
             if not self.uniform_layers:
                 raise RuntimeError("a layer index on the device needs a plan whose layers' dense flags are alike")
-            return self.layer_dense[0]
+            layer = 0
         return self.layer_dense[layer] if isinstance(bucket, torch.Tensor) else self.dense_flags[bucket][layer]
 
     @property
     def uniform_layers(self) -> bool:
-        """Whether every layer has the same dense flag per bucket (then nothing per layer is needed on the host)."""
-        return len(set(self.layer_dense)) <= 1
+        """Whether every layer has the same dense flag in each bucket (then nothing per layer is needed on the
+        host)."""
+        return len(set(zip(*self.dense_flags))) <= 1
 
     def layer_orders(self, layer: torch.Tensor | int) -> torch.Tensor:
         """int32 [H]: the orders of `layer` (an int, or a 0-dim device tensor)."""
