@@ -9,6 +9,8 @@
 #        dense, dense-fp8, paro, paro-fp8 (HunyuanVideo 720p: one mode per call, its step is 30 s eager)
 #        MODEL: wan (Wan2.1-1.3B), wan-14b-720p, cogvideox, hunyuan, flux
 #        HOW=regional compiles each block on its own (a fraction of fullgraph's compile time); default fullgraph
+#   HOW=regional bash benchmarks/fp8_linear_gpu.sh table  # every model's four modes, the models spread over the
+#        host's GPUs (one process per GPU at a time, longest first), each model's log and JSON in $OUT
 #
 # Wheels (diffusers, torchao, ...) are installed from $WHEELS (default .whl) into /tmp/site when missing there.
 # Results go to $OUT (default ./fp8-linear-results); the last lines printed are a short table of this call's
@@ -49,14 +51,15 @@ quality)
     ;;
 step)
     model="${2:?pass a model: wan, wan-14b-720p, cogvideox, hunyuan, flux}"
-    case "${3:?pass bf16, fp8, dense, dense-fp8, paro or paro-fp8}" in
+    case "${3:?pass all, bf16, fp8, dense, dense-fp8, paro or paro-fp8}" in
+        all) modes="dense,dense + fp8 linear,paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 + fp8 linear" ;;
         bf16) modes="dense,paro d=0.2 int8+fp8" ;;
         fp8) modes="dense + fp8 linear,paro d=0.2 int8+fp8 + fp8 linear" ;;
         dense) modes="dense" ;;
         dense-fp8) modes="dense + fp8 linear" ;;
         paro) modes="paro d=0.2 int8+fp8" ;;
         paro-fp8) modes="paro d=0.2 int8+fp8 + fp8 linear" ;;
-        *) echo "pass bf16, fp8, dense, dense-fp8, paro or paro-fp8, not $3" >&2; exit 2 ;;
+        *) echo "pass all, bf16, fp8, dense, dense-fp8, paro or paro-fp8, not $3" >&2; exit 2 ;;
     esac
     json="$OUT/e2e-fp8-linear-$model-$3-$HOW.json"
     # 128-query blocks: the kernels' fast tiles at head dim 128 (CogVideoX's 64: its own 64 x 64 is used below)
@@ -69,8 +72,24 @@ step)
     python3 benchmarks/e2e.py --table "$json"
     exit $status
     ;;
+table)
+    export OUT HOW WHEELS
+    models=(hunyuan wan-14b-720p cogvideox wan flux)  # longest first
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+    for lane in $(seq 0 $((gpus - 1))); do
+        (
+            for i in "${!models[@]}"; do
+                if [ $((i % gpus)) -eq "$lane" ]; then
+                    CUDA_VISIBLE_DEVICES=$lane bash "$PWD/benchmarks/fp8_linear_gpu.sh" step "${models[$i]}" all > "$OUT/lane-$lane-${models[$i]}.log" 2>&1
+                fi
+            done
+        ) &
+    done
+    wait
+    python3 benchmarks/e2e.py --table "$OUT"/e2e-fp8-linear-*-all-"$HOW".json --merge
+    ;;
 *)
-    echo "unknown part $part: pass tests, quality or step MODEL bf16|fp8" >&2
+    echo "unknown part $part: pass tests, quality, step MODEL WHICH or table" >&2
     exit 2
     ;;
 esac
