@@ -39,9 +39,11 @@ import functools
 import json
 import math
 import re
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,12 +92,24 @@ MODE_LABELS = {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8 QK", ("int8", "
                ("int8", "int8"): "int8 QK + int8 PV", ("int4", "fp8"): "int4 QK + fp8 PV"}
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, env: dict | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True)
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True,
+                             env=env)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
+
+
+def work_tree_hash() -> str | None:
+    """The git tree hash of the files as they are on disk (tracked and untracked, ignored ones left out), through a
+    scratch index: a copy of the code synced onto a machine whose git metadata lags says "HEAD+changes", and this
+    names the commit that ran instead, as the one whose tree it is (`git log --format='%h %T'`)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        if _git("add", "-A", "--", ".", env=env) is None:
+            return None
+        return _git("write-tree", env=env)
 
 
 def environment() -> dict:
@@ -107,6 +121,8 @@ def environment() -> dict:
     if top and Path(top).resolve() == REPO and (commit := _git("rev-parse", "--short", "HEAD")):
         dirty = _git("status", "--porcelain", "--untracked-files=no")
         env["commit"] = commit + ("+changes" if dirty else "")
+        if dirty and (tree := work_tree_hash()):
+            env["tree"] = tree
     return env
 
 
