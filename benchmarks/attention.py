@@ -38,8 +38,8 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import os
+import re
 import statistics
 import subprocess
 import sys

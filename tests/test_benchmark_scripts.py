@@ -133,3 +133,28 @@ def test_multi_gpu_table_script_smoke_run(tmp_path):
     assert rows["dense"]["gpus"] == 2 and rows["dense"]["check_max_abs"] == 0.0
     assert rows["paro d=0.2 int8+fp8"]["check_max_abs"] == 0.0
     assert "| paro d=0.2 int8+fp8 balanced |" in result.stdout
+
+
+def test_work_tree_hash_names_the_commit_whose_files_ran(tmp_path, monkeypatch):
+    """The environment of a results file on a machine whose git metadata lags the synced files: the tree hash of
+    the files on disk is the tree of the commit that holds them, and changes with any file, untracked ones too."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(attention, "REPO", tmp_path)
+    assert attention.work_tree_hash() == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    (tmp_path / "new.py").write_text("b = 1\n")
+    changed = attention.work_tree_hash()
+    assert changed != git("rev-parse", "HEAD^{tree}")
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert changed == git("rev-parse", "HEAD^{tree}")
