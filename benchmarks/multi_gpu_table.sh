@@ -35,15 +35,19 @@ else
     fi
 fi
 
+FAILED="$OUT/failed.txt"  # one line per run that failed (runs in the background cannot hand back a status)
+rm -f "$FAILED"
+failed() { echo "$1 failed: see $LOG" | tee -a "$FAILED" >&2; }
+
 one_gpu() {  # GPU, models (comma-separated), results file
     CUDA_VISIBLE_DEVICES=$1 python3 benchmarks/multi_gpu.py "${extra[@]}" --models "$2" --iters "$ITERS" \
-        --modes "$MODES" --outputs "$OUT/outputs" --out "$OUT/$3" 2>&1 | sed -u "s/^/[$3] /" >> "$LOG"
+        --modes "$MODES" --outputs "$OUT/outputs" --out "$OUT/$3" 2>&1 | sed -u "s/^/[$3] /" >> "$LOG" || failed "$3"
 }
 
 ulysses() {  # GPUs, port, N, models, results file
     CUDA_VISIBLE_DEVICES=$1 torchrun --nproc-per-node "$3" --master-port "$2" benchmarks/multi_gpu.py "${extra[@]}" \
         --models "$4" --iters "$ITERS" --modes "$MODES" --outputs "$OUT/outputs" --baseline "$OUT"/one-*.json \
-        --out "$OUT/$5" 2>&1 | sed -u "s/^/[$5] /" >> "$LOG"
+        --out "$OUT/$5" 2>&1 | sed -u "s/^/[$5] /" >> "$LOG" || failed "$5"
 }
 
 # phase 1: model i on GPU i mod 4 (on the CPU: one after the other)
@@ -83,3 +87,6 @@ for file in "$OUT"/two-*.json "$OUT"/four.json; do
         python3 benchmarks/multi_gpu.py --table "$file"
     fi
 done
+if [ -f "$FAILED" ]; then
+    exit 1
+fi

@@ -158,3 +158,12 @@ def test_work_tree_hash_names_the_commit_whose_files_ran(tmp_path, monkeypatch):
     git("add", "-A")
     git("commit", "-qm", "two")
     assert changed == git("rev-parse", "HEAD^{tree}")
+
+
+def test_multi_gpu_table_script_fails_when_a_run_fails(tmp_path):
+    # its runs go to the background and to a log: a failed one must still fail the script, and say where to look
+    env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "MODELS": "no-such-model"}
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "multi_gpu_table.sh")], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 1
+    assert "one-0.json failed: see" in result.stderr and "two-a.json failed: see" in result.stderr
