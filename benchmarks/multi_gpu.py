@@ -27,14 +27,12 @@ dense: the same exchange as PARO's), on one GPU the model's own processors.
 
 Modes: `e2e.py`'s (dense SDPA; PARO d=0.5 and 0.2, bf16 or int8 QK + fp8 PV) and "paro d=0.2 int8+fp8 balanced", the
 same plan balanced over the N GPUs when applied (`apply(..., balance_ranks=N)`: each layer's blocks spread evenly over
-the GPUs' slices of the heads, moved by the mass its axis profiles estimate), and that balanced plan with its
-"paro d=0.2 int8+fp8 pipelined": the exchange pipelined over G groups of each GPU's heads (`exchange_groups=G`:
-`--pipeline-groups`, by default the most up to 4 that divide a GPU's heads) with the plan balanced over the N x G
-groups (each group's all-to-all waits for every GPU); on one GPU it is the balanced mode. Plans are synthetic, all
-masks resident:
-random orders, banded and scattered masks whose density varies per head as calibrated plans' do (log-normal around the
-target, sigma `--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random
-axis profiles.
+the GPUs' slices of the heads, moved by the mass its axis profiles estimate), and "paro d=0.2 int8+fp8 pipelined":
+the exchange pipelined over G groups of each GPU's heads (`exchange_groups=G`: `--pipeline-groups`, by default the
+most up to 4 that divide a GPU's heads) with the plan balanced over the N x G groups (each group's all-to-all waits
+for every GPU); on one GPU it is the balanced mode. Plans are synthetic, all masks resident: random orders, banded
+and scattered masks whose density varies per head as calibrated plans' do (log-normal around the target, sigma
+`--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random axis profiles.
 
 N is WORLD_SIZE. With N > 1, rank 0 first runs every mode alone on its GPU (the one-GPU time the scaling column
 divides by; `--baseline` reads it instead), then all N processes run it under `ContextParallelConfig(ulysses_degree=N)`
@@ -42,8 +40,9 @@ with the family's context-parallel plan; a step's time is the slowest process's 
 dense at the same N, scaling (one-GPU time / N-GPU time), peak GPU memory (the largest over processes), and, from one
 profiled step under Ulysses: the share of the step in NCCL kernels (the largest over processes; all-to-alls and the
 gathers of RoPE tables and output; a GPU waiting in an all-to-all for a slower one counts; pipelined exchanges run
-beside attention, so there the share is not time the step waits), the all-to-alls' share alone, and each GPU's time in attention kernels (PARO's or SDPA's), whose slowest over mean says how balanced the GPUs
-are. Weights and inputs are broadcast from rank 0, so every process computes the same step.
+beside attention, so there the share is not time the step waits), the all-to-alls' share alone, and each GPU's
+time in attention kernels (PARO's or SDPA's), whose slowest over mean says how balanced the GPUs are. Weights and
+inputs are broadcast from rank 0, so every process computes the same step.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ SMOKE_MODELS = ("wan-1.3b",)  # --smoke builds the shrunk Wan of e2e.py whatever
 BALANCED = "paro d=0.2 int8+fp8 balanced"
 PIPELINED = "paro d=0.2 int8+fp8 pipelined"
 # (label, density, qk, pv, balanced, pipelined)
-MODE_SPECS = [(label, density, qk, pv, False, None) for label, density, qk, pv in e2e.MODES] + [
+MODE_SPECS = [(label, density, qk, pv, False, False) for label, density, qk, pv in e2e.MODES] + [
     (BALANCED, 0.2, "int8", "fp8", True, False), (PIPELINED, 0.2, "int8", "fp8", True, True)]
 MODES = [spec[0] for spec in MODE_SPECS]
 
