@@ -46,6 +46,16 @@ def _list_width(plan: Plan) -> int:
     return max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
 
 
+def common_flag(flags) -> bool | None:
+    """The flag every entry of `flags` holds, or None where they differ."""
+    return flags[0] if len(set(flags)) == 1 else None
+
+
+def layers_alike(dense_flags) -> bool:
+    """Whether every layer of a plan's dense flags [buckets][layers] has the same flag in each bucket."""
+    return len(set(zip(*dense_flags))) <= 1
+
+
 class MaskStore:
     def __init__(
         self,
@@ -68,7 +78,7 @@ class MaskStore:
         self.dense = plan.dense.to(self.device)
         self.dense_flags = tuple(tuple(bool(x) for x in row) for row in plan.dense.tolist())
         # per layer: True when dense in every bucket, False in none, None when it depends on the bucket
-        self.layer_dense = tuple(flags[0] if len(set(flags)) == 1 else None for flags in zip(*self.dense_flags))
+        self.layer_dense = tuple(common_flag(flags) for flags in zip(*self.dense_flags))
         self.num_key_blocks = plan.block_mask.shape[-1]
         self.hits = self.misses = self.copies = 0
         self.traced = False  # a graph traced by torch.compile reads this store's tensors (it must stay)
@@ -182,7 +192,7 @@ class MaskStore:
     def uniform_layers(self) -> bool:
         """Whether every layer has the same dense flag in each bucket (then nothing per layer is needed on the
         host)."""
-        return len(set(zip(*self.dense_flags))) <= 1
+        return layers_alike(self.dense_flags)
 
     def layer_orders(self, layer: torch.Tensor | int) -> torch.Tensor:
         """int32 [H]: the orders of `layer` (an int, or a 0-dim device tensor)."""

@@ -45,7 +45,7 @@ from . import plan_fit
 from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
-from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, list_bytes
+from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, common_flag, layers_alike, list_bytes
 
 
 @torch._dynamo.assume_constant_result
@@ -102,8 +102,8 @@ class PAROProcessor(BoundProcessor):
         # every layer with the same dense flags: traced calls then take their layer as a tensor (`_traced_entry`);
         # each bucket's flag where it is every layer's (the dense flags are the same at every size and head slice)
         flags = plan.dense.tolist()
-        self._uniform_layers = len({tuple(layer) for layer in zip(*flags)}) <= 1
-        self._bucket_dense = tuple(row[0] if len(set(row)) == 1 else None for row in flags)
+        self._uniform_layers = layers_alike(flags)
+        self._bucket_dense = tuple(common_flag(row) for row in flags)
         self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
         self.backend = backend
         self.on_mismatch = on_mismatch
