@@ -181,8 +181,9 @@ def test_run_writes_results_its_table_reads(tmp_path, monkeypatch):
     args = ["--shapes", "short", "--modes", "bf16+bf16,int8+fp8", "--densities", "1.0,0.5"]
     first, second = invoke(args), invoke(args)
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
-    written = sorted(tmp_path.glob("paro-bench-*.json"))
-    assert len(written) == 2 and written[1].stem.endswith("-2")  # the second run did not replace the first
+    # the second run did not replace the first ("-2" sorts before ".json": order by name length)
+    written = sorted(tmp_path.glob("paro-bench-*.json"), key=lambda path: (len(path.name), path.name))
+    assert len(written) == 2 and written[1].stem == written[0].stem + "-2", written
     results = read_results(written[0])
     rows = rows_of(table(results))
     assert set(rows) == {"short sequence paro-bf16-bf16", "short sequence paro-int8-fp8"}
