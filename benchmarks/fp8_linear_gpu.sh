@@ -6,9 +6,10 @@
 #   bash benchmarks/fp8_linear_gpu.sh quality               # QUALITY.md rows: fp8 linear alone, with PARO d=0.5, 0.2
 #   bash benchmarks/fp8_linear_gpu.sh step MODEL WHICH      # e2e.py --compile fullgraph --profile, one model:
 #        WHICH: bf16 (dense, PARO d=0.2 int8+fp8), fp8 (the same two with fp8 linear layers), or one mode:
-#        dense, dense-fp8, paro, paro-fp8 (HunyuanVideo 720p: one mode per call, its step is 30 s eager)
+#        dense, dense-fp8, paro, paro-fp8 (HunyuanVideo 720p's four modes: about 8 minutes regional on an H200)
 #        MODEL: wan (Wan2.1-1.3B), wan-14b-720p, cogvideox, hunyuan, flux
-#        HOW=regional compiles each block on its own (a fraction of fullgraph's compile time); default fullgraph
+#        HOW=regional compiles each block on its own (a fraction of fullgraph's compile time), HOW=reduce-overhead
+#        the whole transformer under CUDA graphs; default fullgraph
 #   HOW=regional bash benchmarks/fp8_linear_gpu.sh table  # every model's four modes, the models spread over the
 #        host's GPUs (one process per GPU at a time, longest first), each model's log and JSON in $OUT
 #
@@ -18,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-fp8-linear-results}"
-HOW="${HOW:-fullgraph}"  # the step's compile setting (benchmarks/e2e.py --compile): fullgraph, or regional
+HOW="${HOW:-fullgraph}"  # the step's compile setting (benchmarks/e2e.py --compile): fullgraph, regional or reduce-overhead
 WHEELS="${WHEELS:-.whl}"
 mkdir -p "$OUT"
 if [ ! -d /tmp/site/torchao ]; then
@@ -79,7 +80,10 @@ table)
     for lane in $(seq 0 $((gpus - 1))); do
         (
             for i in "${!models[@]}"; do
-                if [ $((i % gpus)) -eq "$lane" ]; then
+                # back and forth over the GPUs: the second round's longest joins the first round's shortest
+                round=$((i / gpus)) slot=$((i % gpus))
+                [ $((round % 2)) -eq 1 ] && slot=$((gpus - 1 - slot))
+                if [ "$slot" -eq "$lane" ]; then
                     CUDA_VISIBLE_DEVICES=$lane bash "$PWD/benchmarks/fp8_linear_gpu.sh" step "${models[$i]}" all > "$OUT/lane-$lane-${models[$i]}.log" 2>&1
                 fi
             done
