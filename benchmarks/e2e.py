@@ -413,11 +413,11 @@ COMPILE_SETTINGS = {"default": {}, "fullgraph": {"fullgraph": True},
 
 
 def compile_blocks(transformer, **options):
-    """Regional compilation, as diffusers' `compile_repeated_blocks` does it (each block of the model's
-    `_repeated_blocks` classes compiled on its own; CogVideoX names none: its `transformer_blocks`' class), in
-    place; returns what undoes it."""
-    names = getattr(transformer, "_repeated_blocks", None) or [type(transformer.transformer_blocks[0]).__name__]
-    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    """Regional compilation, as diffusers' `compile_repeated_blocks` does it (each of the model's repeated blocks
+    compiled on its own: `paroattn.generate.repeated_blocks`), in place; returns what undoes it."""
+    from paroattn.generate import repeated_blocks
+
+    blocks = repeated_blocks(transformer)
     for block in blocks:
         block.compile(**options)
 

@@ -534,6 +534,7 @@ def generate(
     ulysses: int = typer.Option(1, help="split each generation over N GPUs (every supported model; heads per GPU under diffusers' Ulysses context parallelism): launch with `torchrun --nproc-per-node N --no-python paro generate ... --ulysses N`; rank 0 writes the outputs"),
     exchange_groups: int = typer.Option(1, help="with --ulysses: pipeline each GPU's exchange over G groups of its heads, so one group's attention runs while the others' exchanges are in flight; pays off on long sequences with a plan balanced per group (`paro calibrate --ulysses` GPUs x G) and costs on short ones: docs/notes/multi-gpu.md"),
     linear: str | None = typer.Option(None, "--linear", help="fp8: the transformer blocks' linear layers in fp8 too (torchao: `pip install paroattn[fp8]`; a GPU of sm_89 or newer; bfloat16 weights), with or without --plan"),
+    compile_mode: str | None = typer.Option(None, "--compile", help="compile the transformer before each run (default: eager): blocks (each repeated block on its own, diffusers' regional compilation: the fastest to compile), whole (one graph) or graphs (one graph under CUDA graphs: for short steps such as FLUX.1-dev's); each run's time includes compiling"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
 ) -> None:
@@ -550,7 +551,7 @@ def generate(
         result = run_generate(
             model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
-            ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, log=typer.echo,
+            ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, compile_mode=compile_mode, log=typer.echo,
         )
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))

@@ -21,6 +21,7 @@ from .metrics import compare_pixels
 from .pipelines.base import TEXT_WHOLE, pixel_scale_of
 from .pipelines.options import (
     backend_device_problem,
+    compile_option_problem,
     default_output,
     device_problem,
     dtype_problem,
@@ -181,7 +182,7 @@ def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str
 
 
 @contextmanager
-def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend: str):
+def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend: str, resident: bool | str):
     """Dense runs: the model's own attention as it is, or, under Ulysses for families whose text every GPU holds
     whole (CogVideoX, HunyuanVideo: their own processors cannot run there), through PARO's processor, which does
     the exchange, with every layer of the plans flagged dense (the model's attention call, nothing of the plan)."""
@@ -190,11 +191,52 @@ def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend
         return
     from .pipelines import apply
 
-    handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense")
+    handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense", resident=resident)
     try:
         yield
     finally:
         handle.remove()
+
+
+# what `--compile` passes torch.compile (tests run the same code through a backend that compiles in seconds)
+COMPILE_BACKEND = "inductor"
+
+
+def repeated_blocks(transformer) -> list[torch.nn.Module]:
+    """The blocks diffusers' regional compilation compiles one by one: the modules of the classes the model names in
+    `_repeated_blocks` (CogVideoX names none: its `transformer_blocks`' class)."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    if not names and len(getattr(transformer, "transformer_blocks", ())):
+        names = {type(transformer.transformer_blocks[0]).__name__}
+    blocks = [module for module in transformer.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(f"--compile blocks: {type(transformer).__name__} names no repeated blocks to compile one by "
+                         "one: pass --compile whole")
+    return blocks
+
+
+@contextmanager
+def _compiled(pipe, how: str | None):
+    """Each denoising transformer of `pipe` compiled as `how` says (None: eager) for the run inside, then as it was:
+    "blocks" each repeated block on its own (diffusers' regional compilation: a graph per kind of block, a
+    fraction of the whole transformer's compile time), "whole" the transformer in one graph, "graphs" the transformer under CUDA graphs. Graphs are
+    traced at the first call, so the processors are set first; dynamo's caches are reset after."""
+    if how is None:
+        yield
+        return
+    modules = [module for _, transformer in pipeline_experts(pipe)
+               for module in (repeated_blocks(transformer) if how == "blocks" else [transformer])]
+    options = {"fullgraph": True, "backend": COMPILE_BACKEND}
+    if how == "graphs":
+        options["mode"] = "reduce-overhead"
+    try:
+        for module in modules:
+            module.compile(**options)
+        yield
+    finally:
+        for module in modules:
+            module._compiled_call_impl = None
+        torch._dynamo.reset()
 
 
 def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
@@ -343,6 +385,7 @@ def generate(
     ulysses: int = 1,
     exchange_groups: int = 1,
     linear: str | None = None,
+    compile_mode: str | None = None,
     extra_call: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -350,6 +393,8 @@ def generate(
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
     `linear="fp8"`: the transformer blocks' linear layers in fp8 as well (`paroattn.linear`); without a plan, beside
     the model's own attention (then "paro_s" is that run's time, and `compare` measures it against bf16).
+    `compile_mode`: each run's transformers compiled first, "blocks", "whole" or "graphs" (`_compiled`); the masks are
+    then kept on the GPU (streamed masks run eagerly only), and each run's time includes its compiling.
 
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
@@ -381,6 +426,8 @@ def generate(
     if problem := backend_device_problem(backend, device):
         raise ValueError(problem)
     if problem := linear_option_problem(linear, device, dtype):
+        raise ValueError(problem)
+    if problem := compile_option_problem(compile_mode, device, ulysses):
         raise ValueError(problem)
     if out is not None and (problem := output_problem(out)):
         raise ValueError(problem)
@@ -463,9 +510,13 @@ def generate(
                 raise PlanError(mismatch + " (or pass --on-mismatch dense to run the model's own attention)")
             log(f"warning: {mismatch}; running the model's own attention (--on-mismatch dense)")
             result["ran_dense"] = mismatch
+    if compile_mode:
+        log(f"compiling the transformer{'s' if len(pipeline_experts(pipe)) > 1 else ''} ({compile_mode}) at each run's "
+            "first step: its time includes that")
+    resident = True if compile_mode else "auto"  # streamed masks run eagerly only
     if compare:
         log("dense run (the model's own attention)")
-        with _own_attention(pipe, family, loaded_plans, ulysses, backend):
+        with _own_attention(pipe, family, loaded_plans, ulysses, backend, resident), _compiled(pipe, compile_mode):
             dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
         if rank == 0:
@@ -476,12 +527,12 @@ def generate(
         log(f"dense run (the plan does not fit){linears}")
         if ulysses > 1 and family.ulysses_text == TEXT_WHOLE:
             handle = apply(pipe, [_all_dense(p) for p in loaded_plans], backend=backend, on_mismatch="dense",
-                           exchange_groups=exchange_groups, linear=linear)
+                           exchange_groups=exchange_groups, linear=linear, resident=resident)
         elif linear:
             handle = apply(pipe, None, linear=linear)
     elif loaded_plan is not None:
         handle = apply(pipe, loaded_plans, backend=backend, on_mismatch=on_mismatch, exchange_groups=exchange_groups,
-                       linear=linear)
+                       linear=linear, resident=resident)
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
             result["ran_dense"] = "the plan does not fit (see the warning above)"
         experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""
@@ -493,7 +544,8 @@ def generate(
     else:
         log("dense run (no plan)")
     try:
-        pixels, seconds = _run(pipe, prompt, call, seed)
+        with _compiled(pipe, compile_mode):
+            pixels, seconds = _run(pipe, prompt, call, seed)
     finally:
         if handle is not None:
             result["masks"] = handle.stats()
@@ -501,6 +553,8 @@ def generate(
     result["paro_s" if loaded_plan is not None or linear else "dense_s"] = seconds
     if linear:
         result["linear"] = linear
+    if compile_mode:
+        result["compile"] = compile_mode
     if ulysses > 1:
         result["ulysses"] = ulysses
         if rank != 0:  # every process holds the same output; rank 0 writes it

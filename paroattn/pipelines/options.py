@@ -1,6 +1,6 @@
 """The checks of what a generation or a demo run is asked for, made before a model loads: output folders and
-paths, devices, dtypes, backends, seeds, sizes and the fp8 linear option. Each returns None or one sentence that
-names the option as typed and what to pass."""
+paths, devices, dtypes, backends, seeds, sizes, the fp8 linear option and compilation. Each returns None or one
+sentence that names the option as typed and what to pass."""
 
 from __future__ import annotations
 
@@ -144,6 +144,27 @@ def linear_option_problem(linear: str | None, device: str | None, dtype: str | N
                 "pass --dtype bfloat16, or leave --dtype out")
     if problem := linear_problem(linear, device):
         return problem.replace("linear='fp8'", "--linear fp8").replace("leave linear out", "leave --linear out")
+    return None
+
+
+# `paro generate --compile`: how each denoising transformer is compiled before its run
+COMPILE_MODES = ("blocks", "whole", "graphs")
+
+
+def compile_option_problem(mode: str | None, device: str | None, ulysses: int = 1) -> str | None:
+    """Why `--compile` cannot run on `device` (None: CUDA when present) with `--ulysses`, or None; needs no model."""
+    if mode is None:
+        return None
+    if mode not in COMPILE_MODES:
+        return (f"--compile {mode!r} is not one of {', '.join(COMPILE_MODES)}: pass --compile blocks (the "
+                "fastest to compile), or leave it out to run eagerly")
+    if ulysses > 1:
+        return (f"--compile {mode} with --ulysses is not supported: diffusers' context-parallel hooks need an eager "
+                "forward before the first compiled one (README, several GPUs); leave one of them out")
+    on_cuda = device.startswith("cuda") if device is not None else torch.cuda.is_available()
+    if mode == "graphs" and not on_cuda:
+        return ("--compile graphs captures CUDA graphs, which need a CUDA GPU; this run is on the CPU: pass "
+                "--compile blocks or whole")
     return None
 
 
