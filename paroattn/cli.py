@@ -561,14 +561,16 @@ def generate(
     if "rank" in result:  # another process of a --ulysses run: rank 0 reports
         return
     what = ("PARO" if plan is not None else "dense") + (f" + {linear} linear" if linear else "")
+    compiled = f" (compiled: {compile_mode}, compiling included)" if compile_mode else ""
     if "dense_path" in result:
-        typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['dense_path']}")
+        typer.echo(f"dense: {result['dense_s']:.2f} s{compiled} -> {result['dense_path']}")
     if "paro_s" in result and result.get("ran_dense"):
-        typer.echo(f"dense (the plan did not fit, --on-mismatch dense): {result['paro_s']:.2f} s -> {result['path']}")
+        typer.echo(f"dense (the plan did not fit, --on-mismatch dense): {result['paro_s']:.2f} s{compiled} -> "
+                   f"{result['path']}")
     elif "paro_s" in result:
-        typer.echo(f"{what}: {result['paro_s']:.2f} s -> {result['path']}")
+        typer.echo(f"{what}: {result['paro_s']:.2f} s{compiled} -> {result['path']}")
     else:
-        typer.echo(f"dense: {result['dense_s']:.2f} s -> {result['path']}")
+        typer.echo(f"dense: {result['dense_s']:.2f} s{compiled} -> {result['path']}")
     if result.get("masks"):
         masks = result["masks"]
         parts = [masks] if "gpu_bytes" in masks else [m for m in masks.values() if m]  # an expert pair: by expert

@@ -90,3 +90,13 @@ def test_compiled_generation_equals_eager_with_one_graph_per_run(folder, tmp_pat
     assert counter.frame_count == 2
     whole = ["conv3d" in str(graph.code) or "convolution" in str(graph.code) for graph in counter.graphs]
     assert whole == [how == "whole"] * 2
+
+
+def test_the_command_says_its_times_include_compiling(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(generation, "COMPILE_BACKEND", "aot_eager")
+    result = invoke(["generate", folder, "--prompt", PROMPT, "--steps", "1", "--height", "16", "--width", "16",
+                     "--frames", "2", "--device", "cpu", "--compile", "blocks", "--out", tmp_path / "x.gif"])
+    assert result.exit_code == 0, result.output
+    assert "compiling the transformer (blocks) at each run's first step" in result.output
+    # the progress bar's carriage returns share a line with the report
+    assert "dense: " in result.output and "s (compiled: blocks, compiling included) -> " in result.output
