@@ -57,11 +57,17 @@ def test_blocks_are_the_models_repeated_blocks(family, kinds):
 @pytest.mark.parametrize("how", ["blocks", "whole", "graphs"])
 def test_every_expert_is_compiled_for_the_run_and_restored_after(how, monkeypatch):
     monkeypatch.setattr(generation, "COMPILE_BACKEND", "eager")
+    options = []
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda module, **kwargs: options.append(kwargs) or compile_module(module, **kwargs))
     pipe = tiny_pipeline("wan2.2")
     experts = [pipe.transformer, pipe.transformer_2]
     compiled = [list(generation.repeated_blocks(t)) if how == "blocks" else [t] for t in experts]
     with generation._compiled(pipe, how):
         assert all(m._compiled_call_impl is not None for modules in compiled for m in modules)
+        mode = {"mode": "reduce-overhead"} if how == "graphs" else {}
+        assert options == [{"fullgraph": True, "backend": "eager", **mode}] * sum(map(len, compiled))
         others = [m for t in experts for m in t.modules() if not any(m is c for mods in compiled for c in mods)]
         assert all(getattr(m, "_compiled_call_impl", None) is None for m in others)
     assert all(m._compiled_call_impl is None for t in experts for m in t.modules())
