@@ -82,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts,
 from attention import environment  # noqa: E402
 
 from paroattn import Plan, TokenLayout  # noqa: E402
+from paroattn.generate import compiled  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.plan import model_fingerprint  # noqa: E402
@@ -409,23 +410,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 
 COMPILE_SETTINGS = {"default": {}, "fullgraph": {"fullgraph": True},
                     "reduce-overhead": {"fullgraph": True, "mode": "reduce-overhead"},
-                    "regional": {"fullgraph": True}}  # each repeated block compiled on its own (`compile_blocks`)
-
-
-def compile_blocks(transformer, **options):
-    """Regional compilation, as diffusers' `compile_repeated_blocks` does it (each of the model's repeated blocks
-    compiled on its own: `paroattn.generate.repeated_blocks`), in place; returns what undoes it."""
-    from paroattn.generate import repeated_blocks
-
-    blocks = repeated_blocks(transformer)
-    for block in blocks:
-        block.compile(**options)
-
-    def undo():
-        for block in blocks:
-            block._compiled_call_impl = None
-
-    return undo
+                    "regional": {"fullgraph": True}}  # each repeated block on its own (`paroattn.generate.compiled`)
 
 
 def time_first_and_steps(fn, inputs, iters: int, device, untimed: int = 0) -> tuple[float, float, list[float],
@@ -507,7 +492,7 @@ def profiled_split(fn, inputs, top: int = 25) -> dict:
 
 
 def split_of(row: dict) -> dict[str, float]:
-    """A profiled row's GPU seconds per class (attention, matmul, other, idle), its top kernels classed by today's
+    """A profiled row's GPU seconds per class (attention, matmul, other, idle), its top kernels classed by the current
     `kernel_class`: rows stored under an earlier classifier are read the same way (kernels past the top few keep
     their stored class; each is shorter than the last of the top)."""
     split = {key: row[key + "_s"] for key in ("attention", "matmul", "other", "idle")}
@@ -576,11 +561,10 @@ def bench_compiled(name: str, args, device, dtype) -> list[dict]:
     def compiled_rows(label, density, linear, reference=None):
         for setting in settings:
             torch._dynamo.reset()
-            undo = None
             try:
-                if setting == "regional":
-                    undo = compile_blocks(transformer, **COMPILE_SETTINGS[setting])
-                    run(label, density, linear, setting, transformer, reference)
+                if setting == "regional":  # as `paro generate --compile blocks` does it, undone after
+                    with compiled(transformer, "blocks"):
+                        run(label, density, linear, setting, transformer, reference)
                 else:
                     run(label, density, linear, setting, torch.compile(transformer, **COMPILE_SETTINGS[setting]),
                         reference)
@@ -588,9 +572,6 @@ def bench_compiled(name: str, args, device, dtype) -> list[dict]:
                 print(f"  {label:36s} {setting:15s} FAILED: {str(exc).splitlines()[0][:200]}", flush=True)
                 rows.append({"model": LABELS[name], "mode": label, "compile": setting, "step_s": nan,
                              "speedup": nan, "error": str(exc)[:2000]})
-            finally:
-                if undo is not None:
-                    undo()
             torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":

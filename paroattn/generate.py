@@ -216,7 +216,7 @@ def repeated_blocks(transformer) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def _compiled(pipe, how: str | None):
+def compiled(pipe, how: str | None):
     """Each denoising transformer of `pipe` compiled as `how` says (None: eager) for the run inside, then as it was:
     "blocks" each repeated block on its own (diffusers' regional compilation: a graph per kind of block, a
     fraction of the whole transformer's compile time), "whole" the transformer in one graph, "graphs" the transformer under CUDA graphs. Graphs are
@@ -393,7 +393,7 @@ def generate(
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
     `linear="fp8"`: the transformer blocks' linear layers in fp8 as well (`paroattn.linear`); without a plan, beside
     the model's own attention (then "paro_s" is that run's time, and `compare` measures it against bf16).
-    `compile_mode`: each run's transformers compiled first, "blocks", "whole" or "graphs" (`_compiled`); the masks are
+    `compile_mode`: each run's transformers compiled first, "blocks", "whole" or "graphs" (`compiled`); the masks are
     then kept on the GPU (streamed masks run eagerly only), and each run's time includes its compiling.
 
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
@@ -516,7 +516,7 @@ def generate(
     resident = True if compile_mode else "auto"  # streamed masks run eagerly only
     if compare:
         log("dense run (the model's own attention)")
-        with _own_attention(pipe, family, loaded_plans, ulysses, backend, resident), _compiled(pipe, compile_mode):
+        with _own_attention(pipe, family, loaded_plans, ulysses, backend, resident), compiled(pipe, compile_mode):
             dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
         dense_path = out.with_name(out.stem + "_dense" + out.suffix)
         if rank == 0:
@@ -544,7 +544,7 @@ def generate(
     else:
         log("dense run (no plan)")
     try:
-        with _compiled(pipe, compile_mode):
+        with compiled(pipe, compile_mode):
             pixels, seconds = _run(pipe, prompt, call, seed)
     finally:
         if handle is not None:

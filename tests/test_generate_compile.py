@@ -64,7 +64,7 @@ def test_every_expert_is_compiled_for_the_run_and_restored_after(how, monkeypatc
     pipe = tiny_pipeline("wan2.2")
     experts = [pipe.transformer, pipe.transformer_2]
     compiled = [list(generation.repeated_blocks(t)) if how == "blocks" else [t] for t in experts]
-    with generation._compiled(pipe, how):
+    with generation.compiled(pipe, how):
         assert all(m._compiled_call_impl is not None for modules in compiled for m in modules)
         mode = {"mode": "reduce-overhead"} if how == "graphs" else {}
         assert options == [{"fullgraph": True, "backend": "eager", **mode}] * sum(map(len, compiled))

@@ -497,7 +497,7 @@ def test_kernel_classes_and_compiled_variants():
     }
     for kind, kernels in names.items():
         assert [e2e.kernel_class(k) for k in kernels] == [kind] * len(kernels), kind
-    # a row stored under an earlier classifier is read with today's: its top kernels move, the rest stay
+    # a row stored under an earlier classifier is read with the current one: its top kernels move, the rest stay
     row = {"attention_s": 0.5, "matmul_s": 0.3, "other_s": 0.1, "idle_s": 0.01,
            "top_kernels": [["nvjet_sm90_qqtst_128x128", 0.2, "matmul"],
                            ["triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_7", 0.08, "matmul"],
