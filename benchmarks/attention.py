@@ -203,6 +203,7 @@ def _host_overhead(call, sets, calls=200) -> dict:
 
 SM90_KERNEL = "sm90-cuda"  # the "kernel" of rows the sm_90a CUDA family ran (paroattn.kernels.sm90)
 FA3_KERNEL = "flash-attention-3"
+SAGE2_KERNEL_SOURCE = Path("csrc/qattn/qk_int_sv_f8_cuda_sm90.cu")  # what --sage2 builds
 
 
 def _fa3_methods(sets):
@@ -230,7 +231,7 @@ def _fa3_methods(sets):
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False, sage2=None) -> dict:
 
     timer = _graph_ms if graph else median_ms
 
@@ -244,17 +245,27 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "timing": "cuda-graph replay" if graph else "do_bench (eager calls, L2 flushed)",
         "fa3": fa3,
         "sm90": sm90,
+        "sage2": None,
         "rows": [],
         "sweep": [],
         "prologue": [],
         "host": {},
     }
-    try:
-        from sageattention import sageattn  # noqa: F401
+    anchor = None
+    if sage2:  # its build imports the checkout's sageattention package, in place of an installed one
+        import sage2_anchor
 
-        have_sage = True
-    except Exception:
+        anchor = sage2_anchor.build(sage2)
+        results["sage2"] = {"checkout": str(sage2), "commit": _git_commit_of(sage2),
+                            "whole_call": anchor.package is not None}
         have_sage = False
+    else:
+        try:
+            from sageattention import sageattn  # noqa: F401
+
+            have_sage = True
+        except Exception:
+            have_sage = False
     results["sageattn"] = "importable" if have_sage else "not importable"
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
@@ -307,6 +318,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                     row["speedup_vs_sdpa"] = sdpa_ms / ms
             methods = None
             torch.cuda.empty_cache()
+        if anchor is not None:
+            _time_sage2(record, timer, anchor, sets, sdpa_ms, warmup, rep)
         if have_sage:
             from sageattention import sageattn
 
@@ -359,6 +372,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                         row["speedup_vs_sdpa"] = sdpa_ms / ms
                 if sm90:
                     _time_sm90(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv, density,
+                               actual, sdpa_ms, warmup, rep)
+                    _time_auto(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv, density,
                                actual, sdpa_ms, warmup, rep)
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
@@ -438,6 +453,68 @@ def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, densi
         row["speedup_vs_sdpa"] = sdpa_ms / ms
 
 
+def _time_auto(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep):
+    """One "paro-auto-{qk}-{pv}" row: the op call as a user makes it (`backend="auto"`), the kernel the runtime
+    decides for it, and which explicit backend's output it reproduces bit for bit (what actually ran)."""
+    method = f"paro-auto-{qk}-{pv}"
+
+    def paro(q, k, v, backend="auto"):
+        return paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
+                              block_size=block, backend=backend)
+
+    def ran():
+        q, k, v = sets[0]
+        auto = paro(q, k, v)
+        for backend in ("cuda", "triton"):
+            explicit, _ = _try(lambda backend=backend: paro(q, k, v, backend))
+            if explicit is not None and torch.equal(auto, explicit):
+                return backend
+        return "neither"
+
+    decision = decide(sets[0][0], *block, qk, pv, "auto")
+    ms, err = _try(lambda: timer(paro, sets, warmup, rep))
+    row = record(method, density, ms, err, mask_density=actual, kernel=getattr(decision, "kernel", None),
+                 launch=_describe(decision))
+    row["same_output_as"], _ = _try(ran)
+    if sdpa_ms and ms:
+        row["speedup_vs_sdpa"] = sdpa_ms / ms
+
+
+def _time_sage2(record, timer, anchor, sets, sdpa_ms, warmup, rep):
+    """SageAttention2's sm90 path, dense: "sage2-sm90-kernel" (its kernel alone on inputs quantized outside the
+    timing) and "sage2-sm90" (its whole call, quantization included), each with its distance to SDPA's output."""
+    reference = F.scaled_dot_product_attention(*sets[0]).float()
+
+    def distance(out):
+        return float((out.float() - reference).norm() / reference.norm())
+
+    calls = [anchor.kernel_call(*args) for args in sets]
+    fn, kernel_sets = calls[0][0], [args for _, args in calls]
+    ms, err = _try(lambda: timer(fn, kernel_sets, warmup, rep))
+    row = record("sage2-sm90-kernel", 1.0, ms, err, kernel="sageattention2-sm90")
+    row["rel_err_vs_sdpa"], _ = _try(lambda: distance(fn(*kernel_sets[0])))
+    if sdpa_ms and ms:
+        row["speedup_vs_sdpa"] = sdpa_ms / ms
+    calls = kernel_sets = None
+    torch.cuda.empty_cache()
+    if anchor.package is None:
+        return
+    ms, err = _try(lambda: timer(anchor.whole_call, sets, warmup, rep))
+    row = record("sage2-sm90", 1.0, ms, err, kernel="sageattention2-sm90")
+    row["rel_err_vs_sdpa"], _ = _try(lambda: distance(anchor.whole_call(*sets[0])))
+    if sdpa_ms and ms:
+        row["speedup_vs_sdpa"] = sdpa_ms / ms
+
+
+def _git_commit_of(folder) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
 def _write(results: dict, out_dir) -> Path | None:
     if out_dir is None:
         return None
@@ -448,6 +525,7 @@ def _write(results: dict, out_dir) -> Path | None:
     suffix += "-graph" if results.get("timing", "").startswith("cuda-graph") else ""
     suffix += "-sm90-cuda" if results.get("sm90") else ""
     suffix += "-fa3" if results.get("fa3") else ""
+    suffix += "-sage2" if results.get("sage2") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -684,6 +762,43 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
     return "\n".join(lines)
 
 
+def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
+    """Per model, speedups over SDPA default (cuDNN) of the dense anchors (FA3 bf16 and FP8, SageAttention2's
+    kernel alone and its whole call) and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
+    `backend="auto"` runs it (with the kernel it ran), at each density of the file: the op table beside its peers."""
+    shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
+    qk, pv = mode
+    paro_methods = [(f"paro-{qk}-{pv}", "paro Triton"), (f"paro-sm90-{qk}-{pv}", "paro CUDA"),
+                    (f"paro-auto-{qk}-{pv}", "paro auto")]
+    densities = sorted({r["density"] for r in results["rows"] if r["method"] == paro_methods[0][0]}, reverse=True)
+    anchors = [("fa3-bf16", "FA3 bf16"), ("fa3-fp8", "FA3 FP8"), ("sage2-sm90-kernel", "SageAttention2 kernel"),
+               ("sage2-sm90", "SageAttention2 call")]
+    at = " / ".join(f"d={d:g}" for d in densities)
+    lines = [environment_line(results), "",
+             "| model | SDPA default | " + " | ".join(label for _, label in anchors) + " | "
+             + " | ".join(f"{label}: {at}" for _, label in paro_methods) + " | auto ran |",
+             "|---" * (len(anchors) + len(paro_methods) + 3) + "|"]
+    for shape in shapes:
+        rows = [r for r in results["rows"] if r["shape"] == shape]
+        sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default" and r["ms"]), None)
+
+        def speedup(method, density=1.0, rows=rows, sdpa=sdpa):
+            r = next((x for x in rows if x["method"] == method and x["density"] == density), None)
+            if r is None:
+                return "not run"
+            return f"{sdpa / r['ms']:.2f}x" if r["ms"] and sdpa else "failed"
+
+        cells = [LABELS.get(shape, shape), f"{_ms(sdpa)} ms" if sdpa else "n/a"]
+        cells += [speedup(method) for method, _ in anchors]
+        cells += [" / ".join(speedup(method, d) for d in densities) for method, _ in paro_methods]
+        auto = [r for r in rows if r["method"] == paro_methods[2][0]]
+        ran = sorted({f"{kernel_of(r)} ({r['same_output_as']})" if r.get("same_output_as") else kernel_of(r)
+                      for r in auto})
+        cells.append(", ".join(ran) if ran else "not run")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad argument in one line (`error: <prog>: ...`) with exit code 2."""
 
@@ -750,10 +865,16 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="also time FlashAttention-3 bf16 and FP8 (dense; needs the optional fa3-fwd wheel)")
     parser.add_argument("--sm90", action="store_true",
                         help="also time the sm_90a CUDA kernels (128 x 64 blocks, int8/int4 QK + fp8 PV)")
+    parser.add_argument("--sage2", metavar="CHECKOUT", type=Path,
+                        help="also time SageAttention2's sm90 kernel alone and its whole call (dense), built from a "
+                        "checkout of its source (benchmarks/sage2_anchor.py; nvcc and ninja on the machine)")
     parser.add_argument("--table", metavar="JSON", nargs="+",
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     parser.add_argument("--summary", action="store_true",
                         help="with --table: per model, bf16 and int8+fp8 at d = 1 / 0.5 / 0.2 vs SDPA, and the host time")
+    parser.add_argument("--anchors", action="store_true",
+                        help="with --table: int8+fp8 per model beside cuDNN, FA3 and SageAttention2, and the kernel "
+                        "backend='auto' ran")
     parser.add_argument("--host", action="store_true",
                         help="host time per eager call (lists, RoPE, bool masks) vs CUDA-graph replay, and exit")
     args = parser.parse_args(argv)
@@ -780,6 +901,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
             parser.error(f"--table {path} {exc}: pass a results JSON written by this benchmark")
     if args.summary and not args.table:
         parser.error("--summary goes with --table RESULTS.json")
+    if args.anchors and not args.table:
+        parser.error("--anchors goes with --table RESULTS.json")
+    if args.sage2 and not (args.sage2 / SAGE2_KERNEL_SOURCE).is_file():
+        parser.error(f"--sage2 {args.sage2}: no {SAGE2_KERNEL_SOURCE} there; pass a checkout of "
+                     "github.com/thu-ml/SageAttention")
     if not args.table:
         from paroattn.pipelines.options import folder_problem
 
@@ -805,6 +931,8 @@ def run_arguments(args: argparse.Namespace) -> dict:
         for path, results in zip(args.table, files):
             if "host_rows" in results:
                 print(f"`{Path(path).name}`: " + host_table(results) + "\n")
+            elif args.anchors:
+                print(f"`{Path(path).name}`: " + anchor_table(results, shapes) + "\n")
             elif args.summary:
                 print(f"`{Path(path).name}`: " + summary_table(results, shapes, modes, densities) + "\n")
             else:
@@ -825,6 +953,7 @@ def run_arguments(args: argparse.Namespace) -> dict:
         graph=args.graph,
         fa3=args.fa3,
         sm90=args.sm90,
+        sage2=args.sage2,
     )
 
 

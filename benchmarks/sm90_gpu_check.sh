@@ -12,7 +12,7 @@ SHAPES=${SHAPES:-cogvideox-5b,wan2.1-1.3b,wan2.1-14b-720p,flux.1-dev}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [[ -n ${SAGE:-} && $STAGES == *bench* ]]; then  # SageAttention2's build (about 95 s) beside the tests
-  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import sm90_kernel; sm90_kernel.build_sageattention(__import__('pathlib').Path('$SAGE'))" \
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import sage2_anchor; sage2_anchor.build('$SAGE')" \
     > "$OUT/sage_build.log" 2>&1 &
 fi
 if [[ $STAGES == *tests* ]]; then

@@ -1,7 +1,8 @@
 """The sm_90a CUDA kernel alone (its prologue outside the timing) beside its dense peers on the same shape:
 cuDNN SDPA (bf16), FlashAttention-3 FP8's forward (`fa3-fwd`, when importable) and SageAttention2's sm90 kernel
-(INT8 QK, FP8 PV with fp32 two-level accumulation; built from a checkout of its source with `--sageattention`).
-The peers are their kernels alone on inputs already quantized and laid out as they want them, dense.
+(INT8 QK, FP8 PV with fp32 two-level accumulation; built from a checkout of its source with `--sageattention`,
+benchmarks/sage2_anchor.py). The peers are their kernels alone on inputs already quantized and laid out as they
+want them, dense.
 
     python benchmarks/sm90_kernel.py --shapes wan2.1-1.3b,cogvideox-5b --densities 1.0,0.2 \\
         --sageattention SageAttention/ --out sm90.json
@@ -15,11 +16,10 @@ NAME@SOURCE.cu:KEY=VALUE,... to compile another source with the family's launch.
 another implementation of the family's `launch` (e.g. an earlier version of `paroattn.kernels.sm90` copied
 under another name) on the same buffers. Each output is compared with the first variant's (relative L2), so a
 faster variant that computes something else shows. Times: median of CUDA-event-timed launches, no L2 flush
-(the kernels read K/V many times per call). TOPS: 4 * active query-key pairs * D over the time.
-
-SageAttention2 is built with torch.utils.cpp_extension from its csrc/qattn/pybind_sm90.cpp and
-qk_int_sv_f8_cuda_sm90.cu (nvcc, ninja, about 95 s), linked with -lcuda (a libcuda.so link to the driver's
-libcuda.so.1 is made in the build folder); it is timed, never shipped.
+(the kernels read K/V many times per call), each sample CALLS_PER_SAMPLE launches back to back, so the host's
+launch work hides behind the GPU's (one launch per sample would count it for sub-millisecond kernels, more for a
+launch through Python and ctypes than through a compiled extension). TOPS: 4 * active query-key pairs * D over the
+time.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import sage2_anchor  # noqa: E402  (beside this script)
 
 from paroattn.bench import SHAPES  # noqa: E402
 from paroattn.kernels import sm90  # noqa: E402
@@ -55,17 +56,22 @@ def parse_variant(text: str) -> tuple[str, str | None, dict[str, int]]:
     return name, Path(source).read_text() if source else None, defines
 
 
+CALLS_PER_SAMPLE = 4
+
+
 def median_ms(fn, calls: int) -> float:
+    """Median over `calls` samples of the time per launch of CALLS_PER_SAMPLE launches queued back to back."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(calls):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(CALLS_PER_SAMPLE):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / CALLS_PER_SAMPLE)
     return statistics.median(times)
 
 
@@ -90,44 +96,6 @@ def fa3_fp8_ms(q, k, v, calls: int) -> float | None:
     return median_ms(lambda: flash_attn_func(qf, kf, vf, q_descale=ones, k_descale=ones, v_descale=ones), calls)
 
 
-def build_sageattention(checkout: Path):
-    """SageAttention2's sm90 extension compiled from `checkout` (a clone of thu-ml/SageAttention)."""
-    import ctypes
-    import os
-
-    from torch.utils import cpp_extension
-
-    build = Path(tempfile.gettempdir()) / "sage-sm90-build"  # a second call loads what the first built
-    build.mkdir(exist_ok=True)
-    if not (build / "libcuda.so").exists():  # -lcuda wants libcuda.so: the driver's library, wherever it is
-        ctypes.CDLL("libcuda.so.1")
-        driver = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                      if "libcuda.so" in line)
-        os.symlink(driver, build / "libcuda.so")
-    csrc = checkout / "csrc" / "qattn"
-    return cpp_extension.load(
-        name="_qattn_sm90", sources=[str(csrc / "pybind_sm90.cpp"), str(csrc / "qk_int_sv_f8_cuda_sm90.cu")],
-        extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
-                           "-U__CUDA_NO_HALF_CONVERSIONS__", "-gencode", "arch=compute_90a,code=sm_90a"],
-        extra_ldflags=[f"-L{build}", "-lcuda"], build_directory=str(build), verbose=False)
-
-
-def sage2_ms(module, B, H, N, D, calls: int, generator) -> float:
-    """SageAttention2's `qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf` alone, [B, H, N, D] layout, per-thread
-    Q/K scales, on random int8 Q/K and e4m3 V (its key axis padded to 128), dense."""
-    q = torch.randint(-100, 100, (B, H, N, D), dtype=torch.int8, device="cuda", generator=generator)
-    k = torch.randint(-100, 100, (B, H, N, D), dtype=torch.int8, device="cuda", generator=generator)
-    n_pad = -(-N // 128) * 128
-    v = torch.randn(B, H, D, n_pad, device="cuda", generator=generator).to(torch.float8_e4m3fn)
-    q_scale = torch.full((B, H, -(-N // 64) * 32), 1e-3, device="cuda")
-    k_scale = torch.full((B, H, -(-N // 128) * 4), 1e-3, device="cuda")
-    v_scale = torch.ones(B, H, D, device="cuda")
-    o = torch.empty(B, H, N, D, dtype=torch.bfloat16, device="cuda")
-    per_thread, hnd = 3, 1
-    return median_ms(lambda: module.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
-        q, k, v, o, q_scale, k_scale, v_scale, hnd, 0, per_thread, 1 / math.sqrt(D), 0), calls)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="wan2.1-1.3b,cogvideox-5b")
@@ -141,7 +109,7 @@ def main() -> None:
     args = p.parse_args()
     variants = [parse_variant(v) for v in (args.variant or ["default:"])]
     family_defines, family_source = sm90.defines, sm90.source
-    sage = build_sageattention(args.sageattention) if args.sageattention else None
+    sage = sage2_anchor.build(args.sageattention) if args.sageattention else None
     rows, peers = [], {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
@@ -151,13 +119,13 @@ def main() -> None:
         orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
         nq, nk = -(-N // 128), -(-N // 64)
         dense_pairs = 4.0 * B * H * N * N * D
+        sage_fn, sage_args = sage.kernel_call(q, k, v) if sage is not None else (None, None)
         if args.profile:
-            if sage is not None:
-                for _ in range(4):
-                    sage2_ms(sage, B, H, N, D, 1, g)
+            for _ in range(4 if sage is not None else 0):
+                sage_fn(*sage_args)
         else:
             found = {"cudnn_bf16_ms": cudnn_ms(q, k, v, args.calls), "fa3_fp8_ms": fa3_fp8_ms(q, k, v, args.calls),
-                     "sage2_ms": sage2_ms(sage, B, H, N, D, args.calls, g) if sage is not None else None}
+                     "sage2_ms": median_ms(lambda: sage_fn(*sage_args), args.calls) if sage is not None else None}
             found.update({name.replace("_ms", "_tops"): dense_pairs / (ms * 1e-3) / 1e12
                           for name, ms in list(found.items()) if ms})
             peers[shape] = found

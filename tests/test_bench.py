@@ -189,3 +189,61 @@ def test_run_writes_results_its_table_reads(tmp_path, monkeypatch):
     assert set(rows) == {"short sequence paro-bf16-bf16", "short sequence paro-int8-fp8"}
     assert all(r["ms"] > 0 for r in results["rows"]) and all(r["kernel"] != "-" for r in results["rows"][1:])
     assert rows_of(first.output) == rows
+
+
+def _attention_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_benchmark", ROOT / "benchmarks" / "attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_anchor_table_sets_paro_beside_its_peers_and_names_what_auto_ran():
+    """--table --anchors: each model's speedups over SDPA of FA3, SageAttention2 (kernel and whole call) and paro's
+    int8+fp8 on each kernel and as auto ran it, density by density; what a file did not time says so."""
+    rows = [{"shape": "wan2.1-1.3b", "B": 1, "H": 12, "N": 32760, "D": 128, "method": method, "density": density,
+             "ms": ms, **extra}
+            for method, density, ms, extra in [
+                ("sdpa-default", 1.0, 12.0, {}), ("fa3-fp8", 1.0, 8.0, {}), ("sage2-sm90-kernel", 1.0, 7.5, {}),
+                ("sage2-sm90", 1.0, 8.0, {}), ("paro-int8-fp8", 1.0, 10.0, {}), ("paro-int8-fp8", 0.2, 2.0, {}),
+                ("paro-sm90-int8-fp8", 1.0, 8.0, {"kernel": "sm90-cuda"}),
+                ("paro-sm90-int8-fp8", 0.2, 1.5, {"kernel": "sm90-cuda"}),
+                ("paro-auto-int8-fp8", 1.0, 8.0, {"kernel": "sm90-cuda", "same_output_as": "cuda"}),
+                ("paro-auto-int8-fp8", 0.2, None, {"kernel": "sm90-cuda", "same_output_as": "cuda"})]]
+    rows.append({**rows[0], "shape": "flux.1-dev", "N": 4608, "ms": 0.5})
+    text = _attention_benchmark().anchor_table({"gpu": "NVIDIA H200", "rows": rows})
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].split("|")[1:-1]]
+    wan = dict(zip(header, [c.strip() for c in lines[1].split("|")[1:-1]]))
+    assert wan["SDPA default"] == "12.00 ms" and wan["FA3 FP8"] == "1.50x" and wan["FA3 bf16"] == "not run"
+    assert wan["SageAttention2 kernel"] == "1.60x" and wan["SageAttention2 call"] == "1.50x"
+    assert wan["paro Triton: d=1 / d=0.2"] == "1.20x / 6.00x" and wan["paro CUDA: d=1 / d=0.2"] == "1.50x / 8.00x"
+    assert wan["paro auto: d=1 / d=0.2"] == "1.50x / failed" and wan["auto ran"] == "sm90-cuda (cuda)"
+    flux = dict(zip(header, [c.strip() for c in lines[2].split("|")[1:-1]]))
+    assert flux["model"] == "FLUX.1-dev" and flux["auto ran"] == "not run"
+    assert flux["paro CUDA: d=1 / d=0.2"] == "not run / not run"
+
+
+def test_full_benchmark_refuses_a_sage2_folder_without_its_source_and_anchors_without_a_file(tmp_path):
+    for args, fragment in [(["--sage2", str(tmp_path)], "thu-ml/SageAttention"),
+                           (["--anchors"], "--anchors goes with --table")]:
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), *args],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
+
+
+def test_sage2_anchor_orders_v_keys_as_its_transpose_kernel_stores_them():
+    """SageAttention2's transpose_pad_permute kernel stores key m of every 16 at row (m / 8) * 2 + ((m / 2) % 4) * 4
+    + m % 2; the anchor's V^T must hold the same keys at the same places or its kernel computes another product."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sage2_anchor
+
+    keys = torch.arange(48, dtype=torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 1, 48)
+    stored = sage2_anchor._permute_keys(keys).view(torch.uint8).flatten().tolist()
+    for m in range(48):
+        within = m % 16
+        assert stored[m - within + (within // 8) * 2 + ((within // 2) % 4) * 4 + within % 2] == m
