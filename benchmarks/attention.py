@@ -507,12 +507,18 @@ def _time_sage2(record, timer, anchor, sets, sdpa_ms, warmup, rep):
 
 
 def _git_commit_of(folder) -> str | None:
+    """The commit of a checkout that is its own git work tree; None for an exported copy (inside another work tree
+    git would name that tree's commit)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True)
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(folder).resolve():
+            return None
+        return git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip()
 
 
 def _write(results: dict, out_dir) -> Path | None:
@@ -792,8 +798,8 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
         cells += [speedup(method) for method, _ in anchors]
         cells += [" / ".join(speedup(method, d) for d in densities) for method, _ in paro_methods]
         auto = [r for r in rows if r["method"] == paro_methods[2][0]]
-        ran = sorted({f"{kernel_of(r)} ({r['same_output_as']})" if r.get("same_output_as") else kernel_of(r)
-                      for r in auto})
+        ran = sorted({f"{kernel_of(r)}, output equal to backend='{r['same_output_as']}'"
+                      if r.get("same_output_as") in ("cuda", "triton") else kernel_of(r) for r in auto})
         cells.append(", ".join(ran) if ran else "not run")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

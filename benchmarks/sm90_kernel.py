@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sage2_anchor  # noqa: E402  (beside this script)
 
-from paroattn.bench import SHAPES  # noqa: E402
+from paroattn.bench import SHAPES, environment  # noqa: E402
 from paroattn.kernels import sm90  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 from paroattn.kernels.launch import prepare_kv  # noqa: E402
@@ -176,8 +176,9 @@ def main() -> None:
                       + (f" {row['speedup_vs_cudnn']:.2f}x cuDNN" if "speedup_vs_cudnn" in row else ""), flush=True)
     sm90.defines, sm90.source = family_defines, family_source
     if args.out and rows:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "timing": "median of CUDA-event-timed launches, no L2 flush",
+        args.out.write_text(json.dumps({**environment(),
+                                        "timing": f"median of CUDA-event-timed samples of {CALLS_PER_SAMPLE} launches "
+                                                  "back to back, no L2 flush",
                                         "peers_dense": peers, "rows": rows}, indent=1))
 
 

@@ -220,7 +220,7 @@ def test_anchor_table_sets_paro_beside_its_peers_and_names_what_auto_ran():
     assert wan["SDPA default"] == "12.00 ms" and wan["FA3 FP8"] == "1.50x" and wan["FA3 bf16"] == "not run"
     assert wan["SageAttention2 kernel"] == "1.60x" and wan["SageAttention2 call"] == "1.50x"
     assert wan["paro Triton: d=1 / d=0.2"] == "1.20x / 6.00x" and wan["paro CUDA: d=1 / d=0.2"] == "1.50x / 8.00x"
-    assert wan["paro auto: d=1 / d=0.2"] == "1.50x / failed" and wan["auto ran"] == "sm90-cuda (cuda)"
+    assert wan["paro auto: d=1 / d=0.2"] == "1.50x / failed" and wan["auto ran"] == "sm90-cuda, output equal to backend='cuda'"
     flux = dict(zip(header, [c.strip() for c in lines[2].split("|")[1:-1]]))
     assert flux["model"] == "FLUX.1-dev" and flux["auto ran"] == "not run"
     assert flux["paro CUDA: d=1 / d=0.2"] == "not run / not run"
