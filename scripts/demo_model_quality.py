@@ -102,7 +102,35 @@ def parse_args(argv=None):
                    help="capture once as --ship does and write its axis profiles into the plans in this folder, "
                         "keeping their orders, masks and stats files (what the quality summary measured); then stop")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
+    p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
+                   help="study only, with --backend torch: integer Q (and K) quantized with one scale per token "
+                        "instead of one per block (what finer scales in the kernels would buy)")
     return p.parse_args(argv)
+
+
+# which of Q and K the torch reference quantizes per token under --qk-scales (the kernels: one scale per block)
+QK_SCALES = {"block": (), "token-q": ("q",), "token-qk": ("q", "k")}
+
+
+def quantize_per_token(tensors: tuple[str, ...]):
+    """A stand-in for `reference.quantize_per_block` that gives the named tensors one scale per token. The reference
+    quantizes Q with the query block, then K with the key block; the stand-in tells them apart by call order and
+    returns per-token values already multiplied by their scales, with block scales of 1, so the reference's
+    dequantization (row scale x key scale) leaves them as they are."""
+    from itertools import count
+
+    from paroattn.kernels import reference
+
+    per_block, calls = reference.quantize_per_block, count()
+
+    def quantize(x, block, qmax):
+        if ("q", "k")[next(calls) % 2] not in tensors:
+            return per_block(x, block, qmax)
+        values, scale = reference.quantize_symmetric(x, dim=2, qmax=qmax)
+        B, N, _ = x.shape
+        return values * scale, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
+
+    return quantize
 
 
 def parse_grid(spec: str) -> list[tuple[float, str, str]]:
@@ -148,6 +176,12 @@ def summary(values: list[float]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     start_time = time.perf_counter()
+    if args.qk_scales != "block":
+        if args.backend != "torch":
+            raise SystemExit(f"--qk-scales {args.qk_scales} changes the torch reference only: add --backend torch")
+        from paroattn.kernels import reference
+
+        reference.quantize_per_block = quantize_per_token(QK_SCALES[args.qk_scales])
     args.out.mkdir(parents=True, exist_ok=True)
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
     for linear in {variant_arguments(variant).get("linear") for _, _, variant in rows_spec} - {None}:
@@ -266,6 +300,7 @@ def main(argv=None) -> int:
         "layout": str(next(iter(captures.values())).layout) if captures else None,
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
+        "qk_scales": args.qk_scales,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
         "calibration": {k: v for k, v in {**vars(demo.study_config(args.calibration_steps)),
                                           **vars(demo.study_selection(0.5))}.items()

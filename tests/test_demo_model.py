@@ -200,3 +200,26 @@ def test_local_init_makes_each_head_local_along_its_own_axes():
                 ratio = float((attention * near).sum() / near.sum() / ((attention * far).sum() / far.sum()))
                 where = f"layer {layer} head {head} ({''.join(pattern)}) axis {axis}: near/far {ratio:.2f}"
                 assert (ratio > 3.0) if axis in pattern else (ratio < 1.5), where
+
+
+def test_quality_study_scales_the_named_tensors_per_token():
+    """--qk-scales token-q: the reference's Q gets one scale per token, its K keeps one per block (they alternate,
+    Q first); the values come back dequantized with block scales of 1, so the reference computes q k^T from them."""
+    from paroattn.kernels import reference
+
+    spec = importlib.util.spec_from_file_location("demo_model_quality", ROOT / "scripts" / "demo_model_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    quantize = module.quantize_per_token(module.QK_SCALES["token-q"])
+    x = torch.randn(2, 200, 64, generator=torch.Generator().manual_seed(0))
+    x[:, ::7] *= 0.01  # quiet tokens: a block scale leaves them few levels, their own scale all 255
+    q_values, q_scale = quantize(x, 128, 127.0)
+    assert q_scale.shape == (2, 2) and bool((q_scale == 1).all())
+    row_error = (q_values - x).abs().amax(dim=2)
+    assert bool((row_error <= x.abs().amax(dim=2) / 254 * 1.001).all())
+    block_values, block_scale = reference.quantize_per_block(x, 128, 127.0)
+    assert float((q_values - x).norm()) < 0.9 * float((block_values * block_scale.repeat_interleave(128, 1)[:, :200, None]
+                                                          - x).norm())
+    k_values, k_scale = quantize(x, 64, 127.0)  # the second call: K, per block as the kernels quantize it
+    expected = reference.quantize_per_block(x, 64, 127.0)
+    assert torch.equal(k_values, expected[0]) and torch.equal(k_scale, expected[1])
