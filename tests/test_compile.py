@@ -35,7 +35,7 @@ from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from paroattn import Plan, TokenLayout, paro_attention
-from paroattn.kernels import reference
+from paroattn.kernels import reference, runtime
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.pipelines import PAROProcessor, apply, family_of, self_attention_layers
 from paroattn.pipelines.prefetch import MaskStore
@@ -431,6 +431,27 @@ def test_triton_backend_compiles_once_with_resident_lists():
     assert counter.frame_count == 1
 
 
+def test_compiled_calls_keep_one_buffer_set_and_replay_its_launches():
+    """The custom op of a compiled graph takes the stream's kept buffer set, as eager calls do: after compiled calls
+    alone, the device's runtime holds the set, its launches recorded by the first call and replayed by the others,
+    and the outputs equal a fresh eager run's (the default stream; CUDA-graph trees warm up on a stream of their
+    own, test_triton_fullgraph_and_cuda_graphs_on_the_gpu)."""
+    transformer, plan = triton_model()
+    calls = [on_device(c) for c in forward_calls(transformer, [980.0, 700.0])]
+    with apply(transformer, plan, backend="triton", resident=True), torch.no_grad():
+        runtime.clear()
+        compiled = torch.compile(transformer, fullgraph=True, backend="aot_eager")
+        got = [compiled(**inputs)[0] for inputs in calls + calls]
+        kept = runtime.runtime_of(torch.device(DEVICE)).workspaces
+        assert len(kept) == 1, list(kept)
+        (buffers,) = kept.values()
+        assert buffers.sequences is not None and len(buffers.sequences) >= 1
+        runtime.clear()
+        want = [transformer(**inputs)[0] for inputs in calls + calls]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_streamed_masks_are_refused_under_compile():
     """resident=False asks for masks streamed per layer on a side stream, which cannot be traced: the error
     says to pass resident=True or to run without torch.compile."""
@@ -477,6 +498,9 @@ def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode, qk, pv):
     got, want = compiled_run(plan)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["inductor"]["cudagraph_skips"]
+    # buffer sets are kept for the default stream only: none from the CUDA-graph trees' warm-up stream
+    kept = runtime.runtime_of(torch.device("cuda")).workspaces
+    assert kept and {key[0] for key in kept} == {torch.cuda.default_stream().cuda_stream}, list(kept)
     scale = max(float(w.float().abs().max()) for w in want)
     error = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want, strict=True)) / scale
     assert error < 2e-2  # bf16: inductor rounds the ops fused around the kernel differently
@@ -489,6 +513,37 @@ def test_triton_fullgraph_and_cuda_graphs_on_the_gpu(family, mode, qk, pv):
             assert difference < 1e-4
         else:
             assert difference > 1e-3
+
+
+@pytest.mark.gpu
+def test_compiled_calls_on_a_side_stream_allocate_per_call():
+    """Off the default stream the compiled op keeps no buffer set (it cannot tell a user's side stream from the
+    CUDA-graph trees' warm-up stream, whose memory the trees hand out again); on it, one set is kept. Both give the
+    eager outputs."""
+    transformer = tiny_transformer("wan", dtype=torch.bfloat16, head_dim=128).cuda()
+    inputs = on_device(tiny_forward_inputs(transformer, frames=4, height=32, width=32), "cuda")
+    plan = Plan.synthetic(
+        layout=family_of(transformer).call_inputs(transformer, inputs).layout,
+        num_layers=len(self_attention_layers(transformer)), num_heads=transformer.config.num_attention_heads,
+        density=0.4, orders="random", num_buckets=1, block_size=64, qk="int8", pv="fp8",
+        model_class=type(transformer).__name__, model_fingerprint=model_fingerprint(transformer.config))
+    with apply(transformer, plan, backend="triton"), torch.no_grad():
+        runtime.clear()
+        want = transformer(**inputs)[0]
+        runtime.clear()
+        compiled = torch.compile(transformer, fullgraph=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = compiled(**inputs)[0]
+        torch.cuda.current_stream().wait_stream(side)
+        kept = runtime.runtime_of(torch.device("cuda")).workspaces
+        assert not kept, list(kept)
+        on_default = compiled(**inputs)[0]
+        assert len(kept) == 1
+    scale = float(want.float().abs().max())
+    for got in (on_side, on_default):
+        assert float((got.float() - want.float()).abs().max()) / scale < 2e-2
 
 
 @pytest.mark.gpu

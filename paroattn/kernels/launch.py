@@ -109,12 +109,21 @@ def block_sparse_attention(
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
     float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens) with the kernel decided while
     the graph was traced (`dispatch.Launch.encode`). One opaque node for torch.compile; its output has q's
-    shape, dtype and strides. Its buffers are allocated per call: with mode="reduce-overhead", the CUDA-graph
-    trees run the op's warm-up calls in their graphs' memory pool and reuse that memory, where a kept buffer
-    set would live."""
+    shape, dtype and strides. On the device's default stream it takes the stream's kept buffer set, as an eager
+    call does (allocating a set and recording its launches anew costs 90-160 us of host time per call,
+    docs/notes/host-overhead.md); elsewhere it allocates one per call. With mode="reduce-overhead" the CUDA-graph
+    trees run the op's warm-up calls on a stream of their own, allocating from their graphs' memory pool, whose
+    memory they hand out again: a set kept from there would be overwritten."""
     blocks = ActiveBlocks(counts, indices, -(-q.shape[2] // bk), schedule)
     return launch(PROCESS.launch_of(launch_code), q, k, v, orders, blocks, prefix, frames, height, width, bq, bk, qk,
-                  pv, sm_scale, cos, sin, key_mask, reuse_buffers=False)
+                  pv, sm_scale, cos, sin, key_mask, reuse_buffers=on_default_stream(q.device))
+
+
+def on_default_stream(device: torch.device) -> bool:
+    """Whether work for `device` goes to its default stream now (always, off CUDA)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.current_stream(device).cuda_stream == torch.cuda.default_stream(device).cuda_stream
 
 
 @block_sparse_attention.register_fake

@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - no CUDA backend: the Python launcher o
 RAW_LAUNCH_FORMAT = "iiiKKppOOOOOO"
 
 # encodings of descriptors kept per launch entry; beyond this many, the entry's are dropped (callers that
-# make descriptors per call, as the custom op does, would otherwise grow it without bound)
+# make descriptors per call, as the custom op does off the default stream, would otherwise grow it without bound)
 DESCRIPTOR_ENCODINGS = 64
 
 
