@@ -1,13 +1,15 @@
 """The full attention kernel benchmark, of which `paro bench` is the short form: SDPA (default and flash),
 flex_attention with the same block mask, sageattn (if importable), FlashAttention-3 bf16 and FP8 (`--fa3`, the
-optional `fa3-fwd` wheel), and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
-on the same lists), at the attention shapes of CogVideoX-5B, Wan2.1-1.3B, Wan2.1-14B 720p and FLUX.1-dev (and a
-short 1024-token sequence); tile sweeps that pin the fastest config (`--sweep`), the host time of a call
-(`--host`) and the markdown tables of BENCHMARKS.md (`--table ... --summary`).
+optional `fa3-fwd` wheel), SageAttention2's sm90 kernel and whole call (`--sage2 CHECKOUT`, built from its source by
+benchmarks/sage2_anchor.py), and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
+on the same lists, and the op as `backend="auto"` runs it), at the attention shapes of CogVideoX-5B, Wan2.1-1.3B,
+Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence); tile sweeps that pin the fastest config
+(`--sweep`), the host time of a call (`--host`) and the markdown tables of BENCHMARKS.md (`--table ... --summary`).
 
     python benchmarks/attention.py [--shapes cogvideox-5b,flux.1-dev] [--sweep] [--rope] [--graph] [--fa3] [--sm90]
     python benchmarks/attention.py --table RESULTS.json [...]             # every method's table (no GPU)
     python benchmarks/attention.py --table RESULTS.json [...] --summary   # bf16 and int8+fp8 per model (no GPU)
+    python benchmarks/attention.py --table RESULTS.json --anchors         # int8+fp8 beside FA3 and SageAttention2
     python benchmarks/attention.py --host                                 # host time per call vs CUDA-graph replay
 
 The JSON goes to `--out`, by default benchmarks/results/.
@@ -92,9 +94,9 @@ MODE_LABELS = {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8 QK", ("int8", "
                ("int8", "int8"): "int8 QK + int8 PV", ("int4", "fp8"): "int4 QK + fp8 PV"}
 
 
-def _git(*args: str, env: dict | None = None) -> str | None:
+def _git(*args: str, env: dict | None = None, folder: Path = REPO) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True,
+        out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=True,
                              env=env)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -509,16 +511,10 @@ def _time_sage2(record, timer, anchor, sets, sdpa_ms, warmup, rep):
 def _git_commit_of(folder) -> str | None:
     """The commit of a checkout that is its own git work tree; None for an exported copy (inside another work tree
     git would name that tree's commit)."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(folder).resolve():
-            return None
-        return git("rev-parse", "HEAD")
-    except (OSError, subprocess.SubprocessError):
+    top = _git("rev-parse", "--show-toplevel", folder=folder)
+    if top is None or Path(top).resolve() != Path(folder).resolve():
         return None
+    return _git("rev-parse", "HEAD", folder=folder)
 
 
 def _write(results: dict, out_dir) -> Path | None:

@@ -110,10 +110,10 @@ def block_sparse_attention(
     float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens) with the kernel decided while
     the graph was traced (`dispatch.Launch.encode`). One opaque node for torch.compile; its output has q's
     shape, dtype and strides. On the device's default stream it takes the stream's kept buffer set, as an eager
-    call does (allocating a set and recording its launches anew costs 90-160 us of host time per call,
-    docs/notes/host-overhead.md); elsewhere it allocates one per call. With mode="reduce-overhead" the CUDA-graph
-    trees run the op's warm-up calls on a stream of their own, allocating from their graphs' memory pool, whose
-    memory they hand out again: a set kept from there would be overwritten."""
+    call does (a new set per call, its launches recorded anew, cost 210-260 us more host time per call at
+    FLUX.1-dev: docs/notes/host-overhead.md); elsewhere it allocates one per call. With mode="reduce-overhead" the
+    CUDA-graph trees run the op's warm-up calls on a stream of their own, allocating from their graphs' memory
+    pool, whose memory they hand out again: a set kept from there would be overwritten."""
     blocks = ActiveBlocks(counts, indices, -(-q.shape[2] // bk), schedule)
     return launch(PROCESS.launch_of(launch_code), q, k, v, orders, blocks, prefix, frames, height, width, bq, bk, qk,
                   pv, sm_scale, cos, sin, key_mask, reuse_buffers=on_default_stream(q.device))
