@@ -103,20 +103,23 @@ def parse_args(argv=None):
                         "keeping their orders, masks and stats files (what the quality summary measured); then stop")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
-                   help="study only, with --backend torch: integer Q (and K) quantized with one scale per token "
-                        "instead of one per block (what finer scales in the kernels would buy)")
+                   help="study only, with --backend torch: integer Q (and K) quantized with finer scales than the "
+                        "kernels' one per block: per token, or K per thread group (QK_SCALES)")
     return p.parse_args(argv)
 
 
-# which of Q and K the torch reference quantizes per token under --qk-scales (the kernels: one scale per block)
-QK_SCALES = {"block": (), "token-q": ("q",), "token-qk": ("q", "k")}
+# how the torch reference quantizes Q and K under --qk-scales (the kernels: one scale per block of each): per token,
+# or K per "thread group", the keys of a 64-key block that one thread of the sm_90a kernel's accumulator holds
+# (columns 8a + 2t + e, a < 8, e < 2: 16 keys per group t < 4), which that kernel could scale at no cost per score
+QK_SCALES = {"block": {}, "token-q": {"q": "token"}, "token-qk": {"q": "token", "k": "token"},
+             "token-q-thread-k": {"q": "token", "k": "thread"}}
 
 
-def quantize_per_token(tensors: tuple[str, ...]):
-    """A stand-in for `reference.quantize_per_block` that gives the named tensors one scale per token. The reference
-    quantizes Q with the query block, then K with the key block; the stand-in tells them apart by call order and
-    returns per-token values already multiplied by their scales, with block scales of 1, so the reference's
-    dequantization (row scale x key scale) leaves them as they are."""
+def finer_qk_scales(scales: dict[str, str]):
+    """A stand-in for `reference.quantize_per_block` with the finer scales `scales` names ({"q"/"k": "token" or
+    "thread"}). The reference quantizes Q with the query block, then K with the key block; the stand-in tells them
+    apart by call order and returns the values already multiplied by their scales, with block scales of 1, so the
+    reference's dequantization (row scale x key scale) leaves them as they are."""
     from itertools import count
 
     from paroattn.kernels import reference
@@ -124,11 +127,21 @@ def quantize_per_token(tensors: tuple[str, ...]):
     per_block, calls = reference.quantize_per_block, count()
 
     def quantize(x, block, qmax):
-        if ("q", "k")[next(calls) % 2] not in tensors:
+        granularity = scales.get(("q", "k")[next(calls) % 2])
+        if granularity is None:
             return per_block(x, block, qmax)
-        values, scale = reference.quantize_symmetric(x, dim=2, qmax=qmax)
-        B, N, _ = x.shape
-        return values * scale, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
+        B, N, D = x.shape
+        if granularity == "token":
+            values, scale = reference.quantize_symmetric(x, dim=2, qmax=qmax)
+            dequantized = values * scale
+        else:  # the key block's 4 thread groups: key 8a + 2t + e of the block in group t
+            nb = -(-N // block)
+            padded = torch.zeros(B, nb * block, D, dtype=x.dtype, device=x.device)
+            padded[:, :N] = x
+            groups = padded.view(B, nb, block // 8, 4, 2, D)
+            values, scale = reference.quantize_symmetric(groups, dim=(2, 4, 5), qmax=qmax)
+            dequantized = (values * scale).view(B, nb * block, D)[:, :N]
+        return dequantized, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
 
     return quantize
 
@@ -181,7 +194,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--qk-scales {args.qk_scales} changes the torch reference only: add --backend torch")
         from paroattn.kernels import reference
 
-        reference.quantize_per_block = quantize_per_token(QK_SCALES[args.qk_scales])
+        reference.quantize_per_block = finer_qk_scales(QK_SCALES[args.qk_scales])
     args.out.mkdir(parents=True, exist_ok=True)
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
     for linear in {variant_arguments(variant).get("linear") for _, _, variant in rows_spec} - {None}:

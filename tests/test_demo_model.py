@@ -210,7 +210,7 @@ def test_quality_study_scales_the_named_tensors_per_token():
     spec = importlib.util.spec_from_file_location("demo_model_quality", ROOT / "scripts" / "demo_model_quality.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    quantize = module.quantize_per_token(module.QK_SCALES["token-q"])
+    quantize = module.finer_qk_scales(module.QK_SCALES["token-q"])
     x = torch.randn(2, 200, 64, generator=torch.Generator().manual_seed(0))
     x[:, ::7] *= 0.01  # quiet tokens: a block scale leaves them few levels, their own scale all 255
     q_values, q_scale = quantize(x, 128, 127.0)
@@ -223,3 +223,24 @@ def test_quality_study_scales_the_named_tensors_per_token():
     k_values, k_scale = quantize(x, 64, 127.0)  # the second call: K, per block as the kernels quantize it
     expected = reference.quantize_per_block(x, 64, 127.0)
     assert torch.equal(k_values, expected[0]) and torch.equal(k_scale, expected[1])
+
+
+def test_quality_study_scales_k_per_thread_group():
+    """--qk-scales token-q-thread-k: K's keys 8a + 2t + e of each 64-key block share one scale per t (what one thread
+    of the sm_90a kernel holds), a key block whose group 1 is loud and the rest quiet keeps the quiet keys fine."""
+    spec = importlib.util.spec_from_file_location("demo_model_quality", ROOT / "scripts" / "demo_model_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    quantize = module.finer_qk_scales(module.QK_SCALES["token-q-thread-k"])
+    q = torch.randn(1, 100, 64, generator=torch.Generator().manual_seed(1))
+    quantize(q, 128, 127.0)  # the first call is Q's
+    k = torch.randn(1, 100, 64, generator=torch.Generator().manual_seed(2)) * 0.01
+    loud = torch.tensor([8 * a + 2 * 1 + e for a in range(8) for e in range(2)])
+    k[:, loud] *= 100.0
+    k_values, k_scale = quantize(k, 64, 127.0)
+    assert bool((k_scale == 1).all())
+    quiet = torch.ones(100, dtype=torch.bool)
+    quiet[loud] = False
+    group_bound = k[:, :64][:, quiet[:64]].abs().max() / 254 * 1.001  # a quiet group's own step
+    assert float((k_values - k)[:, :64][:, quiet[:64]].abs().max()) <= float(group_bound)
+    assert float((k_values - k)[:, loud].abs().max()) <= float(k[:, loud].abs().max()) / 254 * 1.001
