@@ -94,9 +94,10 @@ MODE_LABELS = {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8 QK", ("int8", "
                ("int8", "int8"): "int8 QK + int8 PV", ("int4", "fp8"): "int4 QK + fp8 PV"}
 
 
-def _git(*args: str, env: dict | None = None, folder: Path = REPO) -> str | None:
+def _git(*args: str, env: dict | None = None, folder: Path | None = None) -> str | None:
+    """git's output in `folder` (this checkout by default), or None where git fails."""
     try:
-        out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10, check=True,
+        out = subprocess.run(["git", "-C", str(folder or REPO), *args], capture_output=True, text=True, timeout=10, check=True,
                              env=env)
     except (OSError, subprocess.SubprocessError):
         return None
