@@ -21,17 +21,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import attention  # noqa: E402  (beside this script)
+
 from paroattn import paro_attention  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
 from paroattn.bench import SHAPES, environment  # noqa: E402
 from paroattn.kernels import launch  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
-from paroattn.masks import synthetic_block_mask  # noqa: E402
 
 CALLS = 60  # per batch: few enough that the launch queue never fills behind the sleep
 
 
 def host_us(fn) -> float:
+    """Host time per call of one batch of CALLS calls issued behind a sleeping GPU (`attention.host_us` takes the
+    best of 5 batches from an idle one): each round gives one sample of the median."""
     torch.cuda.synchronize()
     torch.cuda._sleep(int(1e9))
     start = time.perf_counter()
@@ -49,14 +52,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    B, H, layout, D = SHAPES[args.shape]
-    N = layout.seq_len
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    orders = torch.randint(0, 6, (H,), generator=torch.Generator().manual_seed(1))
-    mask = synthetic_block_mask(H, -(-N // 128), -(-N // 64), args.density, generator=torch.Generator().manual_seed(2))
+    layout, (q, k, v), mask, device_orders, _ = attention.host_inputs(args.shape, args.density,
+                                                                      torch.Generator(device="cuda").manual_seed(0))
+    N, D = q.shape[2], q.shape[3]
+    orders = device_orders.cpu()  # as a caller passes them
     blocks = ActiveBlocks.from_mask(mask).to("cuda")
-    device_orders = orders.to("cuda", torch.int32)
     geometry = (layout.prefix, layout.frames, layout.height, layout.width, 128, 64, "int8", "fp8", D ** -0.5)
     rows = []
     for backend in ("cuda", "triton"):

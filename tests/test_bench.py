@@ -191,13 +191,10 @@ def test_run_writes_results_its_table_reads(tmp_path, monkeypatch):
     assert rows_of(first.output) == rows
 
 
-def _attention_benchmark():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("attention_benchmark", ROOT / "benchmarks" / "attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _benchmark(name: str):
+    """benchmarks/NAME.py, imported as its sibling scripts import it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return __import__(name)
 
 
 def test_anchor_table_sets_paro_beside_its_peers_and_names_what_auto_ran():
@@ -213,7 +210,7 @@ def test_anchor_table_sets_paro_beside_its_peers_and_names_what_auto_ran():
                 ("paro-auto-int8-fp8", 1.0, 8.0, {"kernel": "sm90-cuda", "same_output_as": "cuda"}),
                 ("paro-auto-int8-fp8", 0.2, None, {"kernel": "sm90-cuda", "same_output_as": "cuda"})]]
     rows.append({**rows[0], "shape": "flux.1-dev", "N": 4608, "ms": 0.5})
-    text = _attention_benchmark().anchor_table({"gpu": "NVIDIA H200", "rows": rows})
+    text = _benchmark("attention").anchor_table({"gpu": "NVIDIA H200", "rows": rows})
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     header = [c.strip() for c in lines[0].split("|")[1:-1]]
     wan = dict(zip(header, [c.strip() for c in lines[1].split("|")[1:-1]]))
@@ -239,11 +236,8 @@ def test_sage2_anchor_orders_v_keys_as_its_transpose_kernel_stores_them():
     + m % 2; the anchor's V^T must hold the same keys at the same places or its kernel computes another product."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sage2_anchor
-
     keys = torch.arange(48, dtype=torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 1, 48)
-    stored = sage2_anchor._permute_keys(keys).view(torch.uint8).flatten().tolist()
+    stored = _benchmark("sage2_anchor")._permute_keys(keys).view(torch.uint8).flatten().tolist()
     for m in range(48):
         within = m % 16
         assert stored[m - within + (within // 8) * 2 + ((within // 2) % 4) * 4 + within % 2] == m

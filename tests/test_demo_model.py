@@ -135,11 +135,16 @@ def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(demo_p
     assert "--height 16 --width 16 --frames 2" in message, message
 
 
-def _training_script():
-    spec = importlib.util.spec_from_file_location("train_demo_model", ROOT / "scripts" / "train_demo_model.py")
+def _script(name: str):
+    """scripts/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _training_script():
+    return _script("train_demo_model")
 
 
 def _train(out: Path, ckpt: Path, *extra: str) -> None:
@@ -207,9 +212,7 @@ def test_quality_study_scales_the_named_tensors_per_token():
     Q first); the values come back dequantized with block scales of 1, so the reference computes q k^T from them."""
     from paroattn.kernels import reference
 
-    spec = importlib.util.spec_from_file_location("demo_model_quality", ROOT / "scripts" / "demo_model_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("demo_model_quality")
     quantize = module.finer_qk_scales(module.QK_SCALES["token-q"])
     x = torch.randn(2, 200, 64, generator=torch.Generator().manual_seed(0))
     x[:, ::7] *= 0.01  # quiet tokens: a block scale leaves them few levels, their own scale all 255
@@ -228,9 +231,7 @@ def test_quality_study_scales_the_named_tensors_per_token():
 def test_quality_study_scales_k_per_thread_group():
     """--qk-scales token-q-thread-k: K's keys 8a + 2t + e of each 64-key block share one scale per t (what one thread
     of the sm_90a kernel holds), a key block whose group 1 is loud and the rest quiet keeps the quiet keys fine."""
-    spec = importlib.util.spec_from_file_location("demo_model_quality", ROOT / "scripts" / "demo_model_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("demo_model_quality")
     quantize = module.finer_qk_scales(module.QK_SCALES["token-q-thread-k"])
     q = torch.randn(1, 100, 64, generator=torch.Generator().manual_seed(1))
     quantize(q, 128, 127.0)  # the first call is Q's
