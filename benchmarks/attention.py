@@ -55,9 +55,10 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from paroattn import bench, paro_attention  # noqa: E402
+from paroattn import paro_attention  # noqa: E402
+from paroattn.app import bench  # noqa: E402
+from paroattn.app.bench import LABELS, SHAPES, environment_line, input_sets, kernel_of, median_ms, read_results  # noqa: E402,E501
 from paroattn.attention import decide  # noqa: E402
-from paroattn.bench import LABELS, SHAPES, environment_line, input_sets, kernel_of, median_ms, read_results  # noqa: E402,E501
 from paroattn.kernels import dispatch, launch, runtime  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 from paroattn.kernels.dispatch import Launch  # noqa: E402
@@ -910,7 +911,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--sage2 {args.sage2}: no {SAGE2_KERNEL_SOURCE} there; pass a checkout of "
                      "github.com/thu-ml/SageAttention")
     if not args.table:
-        from paroattn.pipelines.options import folder_problem
+        from paroattn.app.options import folder_problem
 
         if problem := folder_problem(args.out, "--out", keep=False):
             parser.error(problem)

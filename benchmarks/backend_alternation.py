@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attention  # noqa: E402  (beside this script)
 
 from paroattn import paro_attention  # noqa: E402
-from paroattn.bench import SHAPES, environment, input_sets, median_ms  # noqa: E402
+from paroattn.app.bench import SHAPES, environment, input_sets, median_ms  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attention  # noqa: E402  (beside this script)
 
 from paroattn import paro_attention  # noqa: E402
+from paroattn.app.bench import SHAPES, environment  # noqa: E402
 from paroattn.attention import decide  # noqa: E402
-from paroattn.bench import SHAPES, environment  # noqa: E402
 from paroattn.kernels import launch  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 

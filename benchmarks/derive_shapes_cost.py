@@ -1,4 +1,4 @@
-"""What deriving a plan's masks for a new size costs (`paroattn.shapes.derive_plan`): once per size,
+"""What deriving a plan's masks for a new size costs (`paroattn.plan.shapes.derive_plan`): once per size,
 when a plan first meets it. Default shape: Wan2.1-14B at 720p (40 layers x 40 heads, 21x45x80 latent grid,
 128x64 blocks, 6 timestep buckets), random axis profiles and orders (the cost does not depend on their values).
 
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import Plan, TokenLayout
-from paroattn.selection import build_masks
-from paroattn.shapes import derive_plan, layer_block_masses, offset_weights, order_kept_mass
+from paroattn.plan.selection import build_masks
+from paroattn.plan.shapes import derive_plan, layer_block_masses, offset_weights, order_kept_mass
 
 
 def main(argv=None) -> int:

@@ -82,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling scripts,
 from attention import environment  # noqa: E402
 
 from paroattn import Plan, TokenLayout  # noqa: E402
-from paroattn.generate import compiled  # noqa: E402
+from paroattn.app.generate import compiled  # noqa: E402
 from paroattn.masks import synthetic_block_mask  # noqa: E402
 from paroattn.pipelines import apply, family_of, self_attention_layers  # noqa: E402
 from paroattn.plan import model_fingerprint  # noqa: E402
@@ -410,7 +410,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict]:
 
 COMPILE_SETTINGS = {"default": {}, "fullgraph": {"fullgraph": True},
                     "reduce-overhead": {"fullgraph": True, "mode": "reduce-overhead"},
-                    "regional": {"fullgraph": True}}  # each repeated block on its own (`paroattn.generate.compiled`)
+                    "regional": {"fullgraph": True}}  # each repeated block on its own (`paroattn.app.generate.compiled`)
 
 
 def time_first_and_steps(fn, inputs, iters: int, device, untimed: int = 0) -> tuple[float, float, list[float],

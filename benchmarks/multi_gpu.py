@@ -229,7 +229,7 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
         if balanced:
             row["balance_s"] = balance_s
         if density is not None:
-            from paroattn.balance import rank_imbalance
+            from paroattn.plan.balance import rank_imbalance
 
             # in blocks, of the plan the processor runs: the slowest GPU's attention over the mean GPU's, minus one
             row["block_imbalance"] = float(rank_imbalance(handle.processor.plan, balance_for).max())

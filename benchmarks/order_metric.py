@@ -30,7 +30,7 @@ from paroattn import TokenLayout  # noqa: E402
 from paroattn.calibrate.block_stats import block_stats  # noqa: E402
 from paroattn.calibrate.synthetic import planted_qk  # noqa: E402
 from paroattn.kernels.reference import paro_attention_reference  # noqa: E402
-from paroattn.selection import (  # noqa: E402
+from paroattn.plan.selection import (  # noqa: E402
     block_entries,
     build_masks,
     incoherence,

@@ -323,8 +323,8 @@ def attention_replaced(fn):
 def demo_model_step(density: float = 0.5, sigma: float = 0.5, seed: int = 0):
     """(pipe, plan, forward): the bundled demo pipeline, its shipped plan of `density`, and forward()
     -> the transformer's velocity at noise level `sigma` on a rendered training video (B = 1, its caption)."""
+    from paroattn.app.demo import shipped_plan_path
     from paroattn.demo_model.data import make_batch
-    from paroattn.demo_model.demo import shipped_plan_path
     from paroattn.demo_model.model import load_demo_pipeline
     from paroattn.plan import Plan
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sage2_anchor  # noqa: E402  (beside this script)
 
-from paroattn.bench import SHAPES, environment  # noqa: E402
+from paroattn.app.bench import SHAPES, environment  # noqa: E402
 from paroattn.kernels import sm90  # noqa: E402
 from paroattn.kernels.block_lists import ActiveBlocks  # noqa: E402
 from paroattn.kernels.launch import prepare_kv  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 from paroattn import PlanError, paro_attention
 from paroattn.attention import Launch, decide
 from paroattn.pipelines.prefetch import MaskStore
-from paroattn.shapes import ShapePlans
+from paroattn.plan.shapes import ShapePlans
 
 from .families import CallGeometry, Family
 

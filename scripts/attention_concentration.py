@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.demo_model.demo import CALIBRATION_PROMPTS
+from paroattn.app.demo import CALIBRATION_PROMPTS
 from paroattn.demo_model.model import load_demo_pipeline
 from paroattn.pipelines import capture_attention, self_attention_layers
 

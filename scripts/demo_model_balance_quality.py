@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import Plan
-from paroattn.balance import rank_imbalance
-from paroattn.demo_model import demo
+from paroattn.app import demo
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.pipelines import apply
+from paroattn.plan.balance import rank_imbalance
 
 
 def main(argv=None) -> int:

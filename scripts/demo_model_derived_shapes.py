@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
+from paroattn.app import demo
 from paroattn.calibrate.driver import capture, plan_from_stats
-from paroattn.demo_model import demo
 from paroattn.demo_model.model import load_demo_pipeline
 from paroattn.pipelines import apply, layout_for
 

@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
+from paroattn.app import demo
 from paroattn.calibrate.driver import capture, plan_from_stats
-from paroattn.demo_model import demo
 from paroattn.demo_model.model import load_demo_pipeline
-from paroattn.shapes import derive_plan, layer_block_masses, offset_weights
+from paroattn.plan.shapes import derive_plan, layer_block_masses, offset_weights
 
 
 def kept_mass(plan, acc) -> float:

@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
-from paroattn.balance import rank_imbalance
+from paroattn.app import demo
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
-from paroattn.demo_model import demo
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.pipelines import apply
+from paroattn.plan.balance import rank_imbalance
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
 # calibration variants: SelectionConfig options on top of the shipped calibration (demo.study_selection);

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paroattn.demo_model import demo
+from paroattn.app import demo
 from paroattn.demo_model.data import COLORS, color_centroids, parse_caption, render
 from paroattn.demo_model.model import load_demo_pipeline
 

@@ -14,14 +14,14 @@ PACKAGE = Path(paroattn.__file__).parent
 
 # lowest first; a module belongs to the longest prefix that names it
 LAYERS = [
-    ("paroattn.errors", "paroattn.layout", "paroattn.masks", "paroattn.modes", "paroattn.metrics"),
+    ("paroattn.errors", "paroattn.layout", "paroattn.masks", "paroattn.modes", "paroattn.metrics", "paroattn.files"),
     ("paroattn.kernels",),
     ("paroattn.attention",),
-    ("paroattn.plan", "paroattn.selection", "paroattn.shapes", "paroattn.balance"),
-    ("paroattn.pipelines", "paroattn.linear", "paroattn.summary"),
+    ("paroattn.plan",),
+    ("paroattn.pipelines", "paroattn.linear"),
     ("paroattn.calibrate",),
     ("paroattn.demo_model",),
-    ("paroattn.cli", "paroattn.generate", "paroattn.bench", "paroattn.__init__"),
+    ("paroattn.app", "paroattn.__init__"),
 ]
 
 

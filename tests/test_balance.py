@@ -1,4 +1,4 @@
-"""Balanced GPUs under Ulysses (`paroattn.balance`, `selection.balance_layer`): each (bucket, layer)'s blocks spread
+"""Balanced GPUs under Ulysses (`paroattn.plan.balance`, `selection.balance_layer`): each (bucket, layer)'s blocks spread
 evenly over the GPUs' contiguous slices of the heads, the layer's (and the bucket's) budget unchanged, the blocks
 moved chosen by attention mass; given at calibration (`SelectionConfig(ulysses=N)`), or when a plan is applied
 (`balance_plan`, `PAROProcessor(balance_ranks=N)`), and kept by plans derived for other sizes. A plan balanced for N
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from paroattn import Plan, PlanError, TokenLayout
-from paroattn.balance import balance_plan, balance_problem, rank_imbalance
-from paroattn.selection import BALANCED_RANKS, balance_layer, forced_blocks, rank_blocks
+from paroattn.plan.balance import balance_plan, balance_problem, rank_imbalance
+from paroattn.plan.selection import BALANCED_RANKS, balance_layer, forced_blocks, rank_blocks
 
 LAYOUT = TokenLayout(0, 4, 8, 8)  # 256 tokens: 16 x 16 blocks of 16
 
@@ -113,7 +113,7 @@ def test_balancing_refuses_head_counts_it_cannot_split_and_plans_without_profile
 
 
 def test_plans_derived_for_other_sizes_keep_the_balance():
-    from paroattn.shapes import derive_plan
+    from paroattn.plan.shapes import derive_plan
 
     plan = skewed_plan()
     other = TokenLayout(0, 6, 8, 8)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from paroattn.bench import read_results, table
-from paroattn.cli import app
+from paroattn.app.bench import read_results, table
+from paroattn.app.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

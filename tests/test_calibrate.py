@@ -12,7 +12,7 @@ from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.block_stats_reference import block_stats_naive, block_stats_torch
 from paroattn.calibrate.synthetic import innermost_axis, planted_qk
 from paroattn.layout import reorder_index
-from paroattn.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
+from paroattn.plan.selection import build_masks, forced_blocks, kept_mass_fraction, pool_query_blocks
 
 # the Triton statistics kernel runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,7 +299,7 @@ def test_kept_mass_fraction_counts_the_best_blocks():
 
 
 def test_paper_metric_scores_block_sparsity_as_a_benefit_and_incoherence_as_a_cost():
-    from paroattn.selection import order_scores
+    from paroattn.plan.selection import order_scores
 
     # order 0 is the most block-sparse and the most incoherent: -0.5 * 0.5 + 0.5 * 1.2 / 3.2 = -0.0625
     sparse, incoherent = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([1.2, 1.0, 1.0])
@@ -458,7 +458,7 @@ def test_cli_calibrate_then_inspect_png(tmp_path):
     from tiny_models import tiny_pipeline
     from typer.testing import CliRunner
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     model_dir = tmp_path / "tiny-wan"
     tiny_pipeline("wan").save_pretrained(model_dir)

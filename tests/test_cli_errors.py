@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from paroattn import Plan, TokenLayout
-from paroattn.cli import app
+from paroattn.app.cli import app
 
 runner = CliRunner()
 
@@ -143,7 +143,7 @@ def test_generate_writes_a_gif_for_a_video_model(tmp_path):
     import imageio.v2 as imageio
     import numpy as np
 
-    from paroattn.generate import _write
+    from paroattn.app.generate import _write
 
     pixels = np.random.default_rng(0).random((3, 8, 8, 3), dtype=np.float32)
     path = _write(pixels, tmp_path / "v.gif", video=True, fps=8)
@@ -274,7 +274,7 @@ def test_inspect_png_finds_the_stats_file_beside_the_plan(tmp_path, monkeypatch)
     ("--ulysses", "0", ["--ulysses 0", "number of GPUs >= 1"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
-    import paroattn.generate as generate
+    import paroattn.app.generate as generate
 
     saved_tiny_flux(tmp_path)
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
@@ -347,8 +347,8 @@ def test_calibrate_reports_dense_steps_the_captured_schedule_cannot_pay_for(tmp_
 
 def no_model_loads(monkeypatch):
     """Make any model load fail the test: the checks must come first."""
+    import paroattn.app.generate as generate
     import paroattn.demo_model.model as demo_model
-    import paroattn.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(demo_model, "load_demo_pipeline", lambda *a, **k: pytest.fail("loaded the demo model"))

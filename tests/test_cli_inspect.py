@@ -1,7 +1,7 @@
 from typer.testing import CliRunner
 
 from paroattn import Plan, TokenLayout
-from paroattn.cli import app
+from paroattn.app.cli import app
 
 runner = CliRunner()
 

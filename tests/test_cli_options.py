@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from paroattn.cli import app
+from paroattn.app.cli import app
 
 COMMANDS = ["calibrate", "generate", "inspect", "demo", "demo-pipeline"]
 
@@ -42,8 +42,8 @@ def arguments(command: str) -> list[str]:
 
 
 def no_model_loads(monkeypatch):
+    import paroattn.app.generate as generate
     import paroattn.demo_model.model as demo_model
-    import paroattn.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(demo_model, "load_demo_pipeline", lambda *a, **k: pytest.fail("loaded the demo model"))
@@ -100,7 +100,7 @@ def test_calibrate_help_explains_its_terms():
 
 def test_a_library_warning_prints_as_one_line(tmp_path, monkeypatch):
     """A warning raised while a command runs reads `warning: ...`, without Python's source line."""
-    import paroattn.demo_model.demo as demo
+    import paroattn.app.demo as demo
 
     def warns(*args, **kwargs):
         warnings.warn("something to know\nacross two lines", UserWarning, stacklevel=1)
@@ -116,7 +116,7 @@ def test_a_library_warning_prints_as_one_line(tmp_path, monkeypatch):
 # -- paro demo: defaults, density 1, sizes ----------------------------------------------------------
 
 def test_default_out_dir_never_names_an_existing_folder(tmp_path):
-    from paroattn.demo_model.demo import default_out_dir
+    from paroattn.app.demo import default_out_dir
 
     assert default_out_dir(tmp_path) == tmp_path / "paro-demo"
     (tmp_path / "paro-demo").mkdir()
@@ -126,7 +126,7 @@ def test_default_out_dir_never_names_an_existing_folder(tmp_path):
 
 
 def test_two_demo_runs_without_out_dir_write_two_folders(tmp_path, monkeypatch):
-    import paroattn.demo_model.demo as demo
+    import paroattn.app.demo as demo
 
     written = []
 
@@ -173,7 +173,7 @@ def test_the_demo_runs_at_the_size_asked_for_and_labels_what_it_computed(full_de
 
 
 def test_an_unshipped_density_says_how_it_is_calibrated(tmp_path):
-    from paroattn.demo_model.demo import run_demo
+    from paroattn.app.demo import run_demo
 
     lines = []
     run_demo(tmp_path, density=0.4, steps=2, num_prompts=1, height=16, width=16, frames=2, device="cpu",
@@ -216,7 +216,7 @@ FLUX = ("FluxPipeline", {"_class_name": "FluxTransformer2DModel", "patch_size": 
     (FLUX, 1000, None),  # image pipelines resize to their multiple themselves
 ])
 def test_a_height_the_model_cannot_take_is_refused_from_its_configs(tmp_path, monkeypatch, configs, height, problem):
-    from paroattn.generate import size_fit_problem
+    from paroattn.app.generate import size_fit_problem
 
     folder = pipeline_configs(tmp_path / "model", *configs)
     found = size_fit_problem(folder, height, None, None)
@@ -230,7 +230,7 @@ def test_a_height_the_model_cannot_take_is_refused_from_its_configs(tmp_path, mo
 
 
 def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
-    from paroattn.generate import size_fit_problem
+    from paroattn.app.generate import size_fit_problem
 
     unknown_vae = pipeline_configs(tmp_path / "model", WAN[0], WAN[1], {"_class_name": "SomeOtherVAE"})
     assert size_fit_problem(unknown_vae, 471, 471, 81) is None
@@ -238,7 +238,7 @@ def test_configs_that_do_not_tell_leave_the_size_to_the_pipeline(tmp_path):
 
 
 def test_generate_default_output_never_replaces_an_earlier_one(tmp_path):
-    from paroattn.pipelines.options import default_output
+    from paroattn.app.options import default_output
 
     assert default_output(True, folder=tmp_path) == tmp_path / "out.mp4"
     assert default_output(False, folder=tmp_path) == tmp_path / "out.png"

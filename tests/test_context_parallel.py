@@ -266,7 +266,7 @@ def _exchange(rank: int) -> dict:
 def _balance_warning(rank: int) -> dict:
     """A plan balanced for 3 GPUs (6 heads), run under Ulysses 2: correct output, and a warning saying the GPUs' work
     differs; one balanced for 2 runs without it."""
-    from paroattn.balance import balance_plan
+    from paroattn.plan.balance import balance_plan
 
     transformer = tiny_transformer("wan", heads=6)
     inputs = tiny_forward_inputs(transformer)
@@ -376,7 +376,7 @@ def _refusals(rank: int) -> dict:
 
 def _generate(rank: int, folder: Path) -> dict:
     """`paro generate --ulysses 2` of a tiny FLUX pipeline against the same generation on one process."""
-    from paroattn import generate as generate_module
+    from paroattn.app import generate as generate_module
 
     written = []
     write = generate_module._write
@@ -725,7 +725,7 @@ def test_generate_ulysses_outside_torchrun_says_how_to_launch(tmp_path, monkeypa
 def test_paro_generate_ulysses_outside_torchrun_fails_before_loading(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -739,7 +739,7 @@ def test_paro_generate_ulysses_outside_torchrun_fails_before_loading(tmp_path, m
 def test_paro_generate_exchange_groups_are_checked_before_loading(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

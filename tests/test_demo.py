@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from paroattn.cli import app
-from paroattn.demo_model.demo import GIF_SCALE, LABEL_HEIGHT, difference_gain, side_by_side
+from paroattn.app.cli import app
+from paroattn.app.demo import GIF_SCALE, LABEL_HEIGHT, difference_gain, side_by_side
 
 STEPS = 2
 
@@ -36,7 +36,7 @@ def demo_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dense_videos():
     """The demo pipeline and its dense videos of the first demo prompt at seeds 0 and 1 (STEPS steps)."""
-    from paroattn.demo_model.demo import EVAL_PROMPTS, sample
+    from paroattn.app.demo import EVAL_PROMPTS, sample
     from paroattn.demo_model.model import load_demo_pipeline
 
     pipe = load_demo_pipeline()
@@ -50,14 +50,14 @@ def dense_videos():
 def seed_floor(dense_videos):
     """PSNR of the dense video against the dense video of another seed, same prompt and steps: what any
     plausible video of this prompt scores. A PARO video of the same seed must be far closer than that."""
-    from paroattn.demo_model.demo import compare
+    from paroattn.app.demo import compare
 
     _, dense, other = dense_videos
     return compare(dense, other)["psnr_db"]
 
 
 def test_demo_records_the_run_in_strict_json(demo_run):
-    from paroattn.demo_model.demo import EVAL_PROMPTS, shipped_plan_path
+    from paroattn.app.demo import EVAL_PROMPTS, shipped_plan_path
     from paroattn.plan import Plan
 
     out, result = demo_run
@@ -111,7 +111,7 @@ def test_demo_writes_a_labelled_gif_and_attention_pictures(demo_run):
 
 def test_demo_prints_the_shipped_quality_summary_as_it_is(demo_run):
     """The line on what lower densities cost is the shipped summary's, whatever its numbers."""
-    from paroattn.demo_model.demo import QUALITY_SUMMARY, density_cost_line
+    from paroattn.app.demo import QUALITY_SUMMARY, density_cost_line
 
     out, result = demo_run
     summary = json.loads(QUALITY_SUMMARY.read_text())
@@ -128,8 +128,8 @@ def test_demo_defaults_are_a_shipped_plan_close_to_dense(dense_videos, seed_floo
     covers the shipped densities."""
     import inspect
 
-    from paroattn.cli import demo as cli_demo
-    from paroattn.demo_model import demo
+    from paroattn.app import demo
+    from paroattn.app.cli import demo as cli_demo
 
     pipe, dense, _ = dense_videos
     plan, path, _ = demo.resolve_plan(pipe, demo.DEFAULT_DENSITY, demo.DEFAULT_QK, demo.DEFAULT_PV, log=lambda _: None)
@@ -148,7 +148,7 @@ def test_demo_defaults_are_a_shipped_plan_close_to_dense(dense_videos, seed_floo
 
 
 def test_density_cost_line_reads_the_summary(tmp_path):
-    from paroattn.demo_model.demo import density_cost_line
+    from paroattn.app.demo import density_cost_line
 
     assert density_cost_line(tmp_path / "missing.json") is None
     path = tmp_path / "summary.json"
@@ -161,7 +161,7 @@ def test_density_cost_line_reads_the_summary(tmp_path):
 
 
 def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
-    from paroattn.demo_model.demo import run_demo
+    from paroattn.app.demo import run_demo
     from paroattn.plan import Plan
 
     lines = []
@@ -181,7 +181,7 @@ def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
 
 def test_metrics_of_identical_videos_are_written_as_json(tmp_path):
     """Identical videos have an infinite PSNR; metrics.json holds null there, not Infinity (not JSON)."""
-    from paroattn.demo_model.demo import _finite
+    from paroattn.app.demo import _finite
 
     report = {"metrics": {"psnr_db": float("inf"), "ssim": 1.0}, "per_prompt": [{"psnr_db": float("nan")}]}
     text = json.dumps(_finite(report), allow_nan=False)
@@ -242,9 +242,9 @@ def test_difference_gain_keeps_the_panel_below_white():
 def test_shipped_plans_hold_axis_profiles_and_serve_other_sizes(density):
     """The shipped plans are in the current format, with the axis profiles that derive masks for any size."""
     from paroattn import TokenLayout
-    from paroattn.demo_model.demo import shipped_plan_path
+    from paroattn.app.demo import shipped_plan_path
     from paroattn.plan import FORMAT_VERSION, Plan
-    from paroattn.shapes import derive_plan
+    from paroattn.plan.shapes import derive_plan
 
     plan = Plan.load(shipped_plan_path(density))
     assert plan.format_version == FORMAT_VERSION and plan.profiles is not None

@@ -99,7 +99,7 @@ def test_paro_runs_through_the_wan_processors_of_the_demo_model(demo_pipe):
 
 
 def test_shipped_plans_fit_the_shipped_model(demo_pipe):
-    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path, study_selection
+    from paroattn.app.demo import SHIPPED_DENSITIES, shipped_plan_path, study_selection
 
     transformer = demo_pipe.transformer
     for density in SHIPPED_DENSITIES:
@@ -121,7 +121,7 @@ def test_a_plan_for_another_size_names_pixel_sizes_of_a_pixel_space_model(demo_p
     import dataclasses
 
     from paroattn import PlanError
-    from paroattn.demo_model.demo import SHIPPED_DENSITIES, shipped_plan_path
+    from paroattn.app.demo import SHIPPED_DENSITIES, shipped_plan_path
     from paroattn.pipelines import apply, layout_for
 
     assert layout_for(demo_pipe, height=32, width=32, frames=8) == TokenLayout(0, 8, 16, 16)

@@ -31,7 +31,7 @@ from tiny_models import (
 from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
-from paroattn.cli import app
+from paroattn.app.cli import app
 from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
 from paroattn.plan import model_fingerprint
 

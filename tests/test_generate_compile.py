@@ -13,9 +13,9 @@ from test_offline_pipeline import PROMPT, invoke
 from tiny_models import tiny_pipeline, tiny_transformer
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import paroattn.generate as generation
-from paroattn.demo_model.demo import shipped_plan_path
-from paroattn.pipelines.options import compile_option_problem
+import paroattn.app.generate as generation
+from paroattn.app.demo import shipped_plan_path
+from paroattn.app.options import compile_option_problem
 
 SMALL = dict(height=16, width=16, frames=2, steps=2)  # 2 x 8 x 8 = 128 tokens
 

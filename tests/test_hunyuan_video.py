@@ -29,8 +29,8 @@ from tiny_models import (
 from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
-from paroattn.cli import app
-from paroattn.generate import plan_fit_problem
+from paroattn.app.cli import app
+from paroattn.app.generate import plan_fit_problem
 from paroattn.pipelines import apply, family_of, layout_for, self_attention_layers
 from paroattn.plan import load_plans, model_fingerprint
 

@@ -155,7 +155,7 @@ def test_generate_refuses_linear_before_the_model_loads(tmp_path):
     """`paro generate --linear`: one line, exit 2, before the (missing) model folder is even looked at."""
     from test_cli_errors import assert_clean_failure
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     def invoke(*args):
         return CliRunner().invoke(app, ["generate", str(tmp_path / "no-model"), "--prompt", "a cat", *args])

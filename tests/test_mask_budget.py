@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paroattn.selection import build_masks, dilate, forced_blocks
+from paroattn.plan.selection import build_masks, dilate, forced_blocks
 
 
 def skewed_mass(L=4, H=2, nb=16, seed=0):
@@ -151,7 +151,7 @@ def test_dense_steps_keep_the_leading_buckets_dense_and_the_step_weighted_mean_o
 
 def test_dense_steps_that_spend_the_budget_are_refused():
     from paroattn.calibrate.config import SelectionConfig
-    from paroattn.selection import bucket_densities, leading_buckets
+    from paroattn.plan.selection import bucket_densities, leading_buckets
 
     acc = bucket_accumulator()
     # 0.15 of the steps rounds up to bucket 0, which holds 0.2 of them: all of density 0.2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from paroattn.cli import app
+from paroattn.app.cli import app
 
 SMALL = ["--height", "16", "--width", "16", "--frames", "2"]  # 2 x 8 x 8 = 128 tokens: seconds on a CPU
 PROMPT = "red circle moving left quickly, cloudy background"
@@ -57,9 +57,9 @@ def test_the_folder_is_a_diffusers_pipeline_of_the_shipped_model(folder):
 
 def test_paro_commands_load_it_as_the_demo_runs_it(folder):
     """The folder generates exactly what `paro demo`'s pipeline generates from the same seed."""
-    from paroattn.demo_model.demo import sample
+    from paroattn.app.demo import sample
+    from paroattn.app.generate import load_pipeline
     from paroattn.demo_model.model import load_demo_pipeline
-    from paroattn.generate import load_pipeline
 
     size = {"num_frames": 2, "height": 16, "width": 16}
     loaded, _ = sample(load_pipeline(folder, device="cpu"), [PROMPT], steps=2, seed=3, size=size)
@@ -90,7 +90,7 @@ def test_calibrate_inspect_and_generate_run_on_it(folder, tmp_path):
 def test_a_shipped_plan_runs_on_it_at_another_size(folder, tmp_path):
     """The shipped plans hold axis profiles: at a size they were not calibrated for they derive masks (once,
     with a one-line notice), instead of asking for a calibration."""
-    from paroattn.demo_model.demo import shipped_plan_path
+    from paroattn.app.demo import shipped_plan_path
 
     result = invoke(["generate", folder, "--plan", shipped_plan_path(0.5), "--prompt", PROMPT, "--steps", "1",
                      "--out", tmp_path / "x.gif", "--device", "cpu", *SMALL])
@@ -106,7 +106,7 @@ def test_a_shipped_plan_runs_on_it_at_another_size(folder, tmp_path):
     (["--frames", "65"], ["--frames 65", "--frames 64 or less"]),
 ])
 def test_a_size_the_model_cannot_take_is_refused_before_it_loads(folder, tmp_path, monkeypatch, args, fragments):
-    import paroattn.generate as generate
+    import paroattn.app.generate as generate
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     result = invoke(["generate", folder, "--prompt", PROMPT, "--out", tmp_path / "x.gif", *args])
     assert_clean_failure(result, *fragments)
@@ -153,7 +153,7 @@ def test_a_plan_of_another_model_names_the_size_asked_for_and_the_folder(folder,
 
 def test_calibrate_reads_the_folders_own_prompts_by_default(folder, tmp_path):
     from paroattn import Plan
-    from paroattn.demo_model.demo import CALIBRATION_PROMPTS
+    from paroattn.app.demo import CALIBRATION_PROMPTS
 
     plan = tmp_path / "p.safetensors"
     result = invoke(["calibrate", folder, "--out", plan, "--steps", "1", "--num-prompts", "1", "--device", "cpu", *SMALL])
@@ -162,7 +162,7 @@ def test_calibrate_reads_the_folders_own_prompts_by_default(folder, tmp_path):
 
 
 def test_prompts_outside_the_vocabulary_are_refused_before_it_loads(folder, tmp_path, monkeypatch):
-    import paroattn.generate as generate
+    import paroattn.app.generate as generate
 
     monkeypatch.setattr(generate, "load_pipeline", lambda *a, **k: pytest.fail("loaded the model"))
     result = invoke(["generate", folder, "--prompt", "a cat surfing", "--out", tmp_path / "x.gif"])

@@ -259,7 +259,7 @@ def test_call_at_another_size(model, change):
 def test_a_plan_with_axis_profiles_runs_at_another_size(model, change, monkeypatch):
     """A plan that holds axis profiles derives its masks for another size, once: a full-density one equals the
     model's own attention there, a sparse one runs its own masks."""
-    import paroattn.shapes as shapes
+    import paroattn.plan.shapes as shapes
 
     name, transformer, inputs, reference = model
     if change == "frames" and name == "flux":
@@ -458,7 +458,7 @@ def test_generate_command_compare(tmp_path, family, suffix):
     if suffix == ".mp4":
         pytest.importorskip("imageio_ffmpeg")  # a dependency; absent on the GPU machine, which has no registry
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     kwargs = saved_tiny_pipeline(family, tmp_path)
     args = ["generate", str(tmp_path / "model"), "--prompt", "a cat runs", "--plan", str(tmp_path / "plan.safetensors"),
@@ -481,7 +481,7 @@ def test_generate_command_compare(tmp_path, family, suffix):
 def test_generate_command_reports_a_plan_that_does_not_fit(tmp_path):
     from typer.testing import CliRunner
 
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     saved_tiny_pipeline("flux", tmp_path)
     result = CliRunner().invoke(app, ["generate", str(tmp_path / "model"), "--prompt", "a cat", "--plan",

@@ -1,4 +1,4 @@
-"""One plan, many sizes: axis profiles measured at calibration give the masks of other grids (`paroattn/shapes.py`).
+"""One plan, many sizes: axis profiles measured at calibration give the masks of other grids (`paroattn/plan/shapes.py`).
 
 The oracle: heads with planted, asymmetric locality (a Gaussian in the offset along each axis, shifted along
 some), whose exact block masses on any grid come from `block_stats`. A plan calibrated at one size must,
@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import paroattn.shapes as shapes
+import paroattn.plan.shapes as shapes
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.calibrate.accumulate import StatsAccumulator
 from paroattn.calibrate.block_stats import block_stats
 from paroattn.calibrate.config import CaptureConfig, SelectionConfig
 from paroattn.calibrate.driver import CapturedStats, plan_from_stats
-from paroattn.selection import build_masks
-from paroattn.shapes import ProfileAccumulator, ShapePlans, derive_plan, offset_mass, offset_weights
+from paroattn.plan.selection import build_masks
+from paroattn.plan.shapes import ProfileAccumulator, ShapePlans, derive_plan, offset_mass, offset_weights
 
 CALIBRATED = TokenLayout(0, 4, 6, 8)
 OTHERS = [TokenLayout(0, 4, 10, 12), TokenLayout(0, 6, 6, 8), TokenLayout(0, 3, 4, 6)]  # larger, more frames, smaller
@@ -225,7 +225,7 @@ def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path
     from typer.testing import CliRunner
 
     from paroattn import apply
-    from paroattn.cli import app
+    from paroattn.app.cli import app
 
     pipe = tiny_pipeline("wan")
     model_dir = tmp_path / "tiny-wan"

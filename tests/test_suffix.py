@@ -151,7 +151,7 @@ def test_suffix_mask_is_checked():
 
 
 def test_calibrated_masks_keep_every_block_that_holds_suffix_text():
-    from paroattn.selection import build_masks, forced_blocks
+    from paroattn.plan.selection import build_masks, forced_blocks
 
     layout = TokenLayout(0, 2, 3, 4, suffix=21)  # 45 tokens: text from token 24, in blocks 1 and 2
     n = -(-layout.seq_len // BLOCK)
@@ -175,7 +175,7 @@ def test_a_plan_with_a_suffix_round_trips(tmp_path):
 
 def test_inspect_summary_names_the_suffix_and_the_expert():
     from paroattn import Plan
-    from paroattn.summary import describe_plan
+    from paroattn.plan.summary import describe_plan
 
     plan = Plan.synthetic(layout=TokenLayout(0, 2, 3, 4, suffix=21), num_layers=1, num_heads=2, density=0.5,
                           block_size=BLOCK)

@@ -28,14 +28,14 @@ from tiny_models import (
 from typer.testing import CliRunner
 
 from paroattn import Plan, PlanError, TokenLayout
+from paroattn.app.cli import app
+from paroattn.app.generate import plan_fit_problem
 from paroattn.calibrate.config import CaptureConfig, SelectionConfig
 from paroattn.calibrate.driver import (
     calibrate_experts,
     capture,
     save_expert_calibrations,
 )
-from paroattn.cli import app
-from paroattn.generate import plan_fit_problem
 from paroattn.pipelines import apply, layout_for, pipeline_experts, self_attention_layers
 from paroattn.plan import expert_plan_path, load_plans, model_fingerprint
 

@@ -15,12 +15,12 @@ Options, one record per stage, each checked when made (`config.py`). Stages (one
 hosts feed directly),
 block statistics of softmax(QK^T) for every candidate order (`block_stats.py`, Triton, with the
 torch reference in `block_stats_reference.py`), averaging over prompts and steps per timestep bucket
-(`accumulate.py`), order metrics and masks under one global budget (`paroattn/selection.py`, shared with the plans derived for
+(`accumulate.py`), order metrics and masks under one global budget (`paroattn/plan/selection.py`, shared with the plans derived for
 other sizes), figures
 (`figures.py`). `synthetic.py` plants locality in q, k for tests and the metric study.
 """
 
-from ..selection import METRICS, build_masks, order_scores
+from ..plan.selection import METRICS, build_masks, order_scores
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
 from .config import CaptureConfig, ConfigError, SelectionConfig

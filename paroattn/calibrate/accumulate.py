@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..selection import (
+from ..plan.selection import (
     balance_masks,
     block_entries,
     bucket_densities,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..modes import modes_problem
 from ..plan import bucket_edges_problem, default_bucket_edges
-from ..selection import METRICS
+from ..plan.selection import METRICS
 
 
 class ConfigError(ValueError):

@@ -23,7 +23,7 @@ import torch
 
 from ..layout import ORDERS
 from ..plan import Plan, expert_plan_path
-from ..selection import BALANCED_RANKS, ranks_problem
+from ..plan.selection import BALANCED_RANKS, ranks_problem
 from .accumulate import CalibrationResult
 from .config import CaptureConfig, SelectionConfig
 from .recorder import CapturedStats, StatsRecorder
@@ -169,7 +169,7 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
     `density` is the mean over denoising steps (`stats.bucket_steps` weigh the buckets); `dense_steps`: the
     leading buckets holding that share of the steps are flagged dense in every layer, their masks full, the
     other buckets sparser; `shared_budget`: one budget over all buckets; `ulysses` > 1: each layer's blocks spread
-    evenly over that many GPUs' slices of the heads (`paroattn.balance`). The plan records the buckets kept
+    evenly over that many GPUs' slices of the heads (`paroattn.plan.balance`). The plan records the buckets kept
     dense and each bucket's density (`info["dense_buckets"]`, `info["bucket_density"]`), and the GPUs it is
     balanced for (`info["balanced_ranks"]`)."""
     selection = selection if selection is not None else SelectionConfig()

@@ -30,7 +30,7 @@ import torch
 
 from ..layout import ORDERS, TokenLayout
 from ..plan import bucket_index, model_config_record, model_fingerprint
-from ..shapes import ProfileAccumulator, offset_mass
+from ..plan.shapes import ProfileAccumulator, offset_mass
 from .accumulate import StatsAccumulator
 from .block_stats import block_stats
 from .config import CaptureConfig

@@ -3,8 +3,9 @@ project on procedural videos, so PARO can be measured offline and on a CPU on at
 learned rather than random.
 
 - `model.py`: the model classes, `load_demo_pipeline` and its shipped weights (`assets/`);
-- `data.py`: the renderer of its training videos and their captions;
-- `demo.py`: `paro demo` (dense vs PARO on it) and the helpers of the quality study (QUALITY.md).
+- `data.py`: the renderer of its training videos, their captions, and the prompts of its calibration and
+  quality study;
+- `pipeline.py`: its pipeline written as a folder that `from_pretrained` and `paro calibrate` read.
 
-`model` and `demo` load diffusers; import the submodules directly (`from paroattn.demo_model.model import ...`).
+`paro demo` is built on it (`paroattn.app.demo`). `model` loads diffusers; import the submodules directly (`from paroattn.demo_model.model import ...`).
 """

@@ -265,3 +265,30 @@ def make_batch(seed: int, index: int, batch: int, frames: int = 8, height: int =
     g = batch_generator(seed, index)
     spec = sample_spec(batch, g)
     return render(spec, g, frames, height, width, device), spec.captions()
+
+
+# prompts of the demo model's calibration and of its quality study (QUALITY.md)
+CALIBRATION_PROMPTS = [
+    "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
+    "white ring moving up slowly and blue triangle moving left quickly, zoom in, plain background",
+]
+# more calibration prompts, for measuring what more of them buys (QUALITY.md); none is an evaluation prompt
+MORE_CALIBRATION_PROMPTS = [
+    "blue square moving down quickly, pan right, dotted background",
+    "orange ring rotating slowly and white circle moving left slowly, cloudy background",
+    "cyan triangle moving up quickly, zoom out, cloudy background",
+    "magenta square moving left slowly and yellow triangle rotating quickly, pan down, plain background",
+    "green ring moving right slowly, zoom in, dotted background",
+    "red triangle rotating quickly and cyan circle moving up slowly, plain background",
+]
+# the fixed evaluation set of QUALITY.md, held out from calibration; the demo uses the first --num-prompts
+EVAL_PROMPTS = [
+    "yellow square moving right slowly, pan up, dotted background",
+    "magenta circle rotating quickly and cyan ring moving down slowly, cloudy background",
+    "orange triangle moving left quickly, zoom out, plain background",
+    "green circle moving up quickly and red square moving right slowly, pan right, dotted background",
+    "white triangle moving down slowly, pan left, cloudy background",
+    "blue ring moving right quickly and orange square moving up slowly, zoom in, dotted background",
+    "red square rotating slowly, pan down, plain background",
+    "cyan circle moving left slowly and magenta triangle moving down quickly, cloudy background",
+]

@@ -63,7 +63,7 @@ def prompts_problem(model_dir: str | Path, prompts: list[str]) -> str | None:
 def target_problem(directory: str | Path) -> str | None:
     """Why the pipeline folder cannot be written at `directory`, or None: it must not exist yet (or be an empty
     folder), so that nothing of an earlier one is overwritten, and its parent must be writable."""
-    from ..pipelines.options import folder_problem
+    from ..files import folder_problem
 
     directory = Path(directory)
     if str(directory).strip() in ("", "."):
@@ -78,8 +78,8 @@ def target_problem(directory: str | Path) -> str | None:
 def write_demo_pipeline(directory: str | Path) -> Path:
     """Write the demo model's pipeline folder at `directory` (a new or empty folder) and return its path. The
     folder is assembled beside it and renamed into place, so an interrupted run leaves nothing behind."""
-    from ..pipelines.options import folder_problem
-    from .demo import CALIBRATION_PROMPTS
+    from ..files import folder_problem
+    from .data import CALIBRATION_PROMPTS
 
     directory = Path(directory)
     if problem := target_problem(directory):

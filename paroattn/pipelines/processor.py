@@ -33,14 +33,14 @@ import dataclasses
 import torch
 
 from ..attention import BACKENDS, Launch, decide, paro_attention, warn
-from ..balance import balance_plan, balance_problem
 from ..errors import PlanError
 from ..kernels.block_lists import head_range
 from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
-from ..selection import BALANCED_RANKS, ranks_problem
-from ..shapes import ShapePlans
+from ..plan.balance import balance_plan, balance_problem
+from ..plan.selection import BALANCED_RANKS, ranks_problem
+from ..plan.shapes import ShapePlans
 from . import plan_fit
 from .base import TEXT_WHOLE, CallInputs, PixelScale
 from .binding import Binding, BoundProcessor
@@ -73,7 +73,7 @@ class PAROProcessor(BoundProcessor):
     or apply the RoPE first with the model's own code, as the default processor does (False: slower, the
     models' code is a chain of float32 kernels; for A/B).
     `balance_ranks`: the number of GPUs the transformer runs on under Ulysses; each layer's blocks are spread evenly
-    over their slices of the heads when the processor binds (`paroattn.balance`; on the model's device, from the
+    over their slices of the heads when the processor binds (`paroattn.plan.balance`; on the model's device, from the
     plan's axis profiles; the budget unchanged). A plan calibrated balanced for that number is kept as it is.
     `exchange_groups`: under Ulysses, the groups of heads each GPU's all-to-all exchange is pipelined over, so that
     one group's attention runs while the others' exchanges are in flight (1, the default: all heads in one exchange).
@@ -150,7 +150,7 @@ class PAROProcessor(BoundProcessor):
 
     # -- context parallelism -----------------------------------------------------------------
     def _balance(self, binding: Binding) -> None:
-        """Balance the plan over `balance_ranks` GPUs on the bound transformer's device, once (`paroattn.balance`)."""
+        """Balance the plan over `balance_ranks` GPUs on the bound transformer's device, once (`paroattn.plan.balance`)."""
         if self.balance_ranks <= 1 or int(self.plan.info.get(BALANCED_RANKS) or 1) == self.balance_ranks:
             return
         transformer = binding.transformer

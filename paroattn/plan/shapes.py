@@ -32,9 +32,9 @@ from dataclasses import replace
 
 import torch
 
-from .errors import PlanError
-from .layout import ORDERS, TokenLayout
-from .plan import Plan
+from ..errors import PlanError
+from ..layout import ORDERS, TokenLayout
+from .model import Plan
 from .selection import BALANCED_RANKS, balance_masks, build_masks, forced_blocks, kept_mass_fraction
 
 AXES = "FHW"

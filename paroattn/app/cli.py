@@ -13,8 +13,8 @@ from pathlib import Path
 import typer
 from typer.core import TyperCommand
 
+from ..pipelines.registry import SUPPORTED_MODELS
 from .bench import DENSITIES, MODEL_SHAPES, MODES, SHAPES
-from .pipelines.registry import SUPPORTED_MODELS
 
 # click's UsageError as the installed typer raises it (newer typer releases vendor their own click)
 _UsageError = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
@@ -117,7 +117,7 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
 
-        from . import __version__
+        from .. import __version__
 
         try:
             installed = version("paroattn")
@@ -157,9 +157,9 @@ def inspect(
     heads: str = typer.Option("0:0,0:1", help="layer:head pairs to draw with --png"),
 ) -> None:
     """Print a readable summary of a plan."""
-    from .errors import PlanError
-    from .plan import Plan
-    from .summary import describe_plan
+    from ..errors import PlanError
+    from ..plan import Plan
+    from ..plan.summary import describe_plan
 
     try:
         plan = Plan.load(plan_path)
@@ -171,13 +171,13 @@ def inspect(
         if outside:
             _fail(f"--heads {','.join(outside)} not in the plan ({plan.num_layers} layers x {plan.num_heads} heads): "
                   f"pass layer:head pairs with layer < {plan.num_layers} and head < {plan.num_heads}")
-        from .pipelines.options import folder_problem
+        from .options import folder_problem
 
         if problem := folder_problem(png, "--png folder"):
             _fail(problem)
     typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
     if png is not None:
-        from .calibrate.figures import draw_plan_heads
+        from ..calibrate.figures import draw_plan_heads
 
         for path in draw_plan_heads(plan, pairs, png, plan_path=plan_path):
             typer.echo(f"wrote {path}")
@@ -232,23 +232,23 @@ def calibrate(
 
     Runs on one GPU (or, slowly, the CPU); the plan it writes also serves generations split over several GPUs
     (`paro generate --ulysses N`). What each option costs in quality: QUALITY.md."""
-    from .calibrate.config import CaptureConfig, ConfigError, SelectionConfig
-    from .calibrate.driver import (
+    from ..calibrate.config import CaptureConfig, ConfigError, SelectionConfig
+    from ..calibrate.driver import (
         calibrate_sizes,
         default_prompts_file,
         describe_result,
         read_prompts,
         save_expert_calibrations,
     )
-    from .demo_model.pipeline import PROMPTS_FILE, is_demo_pipeline, prompts_problem
+    from ..demo_model.pipeline import PROMPTS_FILE, is_demo_pipeline, prompts_problem
+    from ..modes import mode_flags_problem
+    from ..pipelines import family_of, pipeline_experts, resolve_transformer
+    from ..pipelines.registry import SUPPORTED
+    from ..plan import bucket_edges_problem
+    from ..plan.selection import METRICS
+    from ..plan.summary import describe_plan
     from .generate import indexed_family, load_pipeline, pipeline_folder_problem, size_fit_problem
-    from .modes import mode_flags_problem
-    from .pipelines import family_of, pipeline_experts, resolve_transformer
-    from .pipelines.options import device_problem, dtype_problem, folder_problem, seed_problem, size_problem
-    from .pipelines.registry import SUPPORTED
-    from .plan import bucket_edges_problem
-    from .selection import METRICS
-    from .summary import describe_plan
+    from .options import device_problem, dtype_problem, folder_problem, seed_problem, size_problem
 
     # every option, the model folder, the prompts file and the output path are checked before anything loads
     _check(pipeline_folder_problem(model_dir))
@@ -330,8 +330,8 @@ def calibrate(
     if frames is not None and not family.is_video:
         _fail(f"--frames is for video models; {type(transformer).__name__} makes images: leave --frames out")
     if layers_to_keep_dense or layers_for_figures:  # the first point the layer count is known; before any capture
-        from .pipelines import self_attention_layers
-        from .selection import dense_layer_indices
+        from ..pipelines import self_attention_layers
+        from ..plan.selection import dense_layer_indices
 
         num_layers = len(self_attention_layers(transformer))
         try:
@@ -463,7 +463,7 @@ def bench(
     if backend not in ("auto", "triton", "cuda"):
         _fail(f"--backend {backend!r} is not one of auto, triton, cuda: pass one of them")
     if out is not None:
-        from .pipelines.options import folder_problem
+        from .options import folder_problem
 
         if out.suffix != ".json" or out.is_dir():
             _fail(f"--out {out}: pass the path of a .json file to write, e.g. {out.with_suffix('.json').name}")
@@ -482,7 +482,7 @@ def bench(
 
 def _bench_list(option: str, text: str) -> list:
     """The items of `paro bench`'s --shapes, --modes or --densities; exits naming the option on a bad one."""
-    from .modes import PV_MODES, QK_MODES, modes_problem
+    from ..modes import PV_MODES, QK_MODES, modes_problem
 
     takes, example = {"--shapes": (f"shape names of {', '.join(SHAPES)}", "cogvideox-5b,flux.1-dev"),
                       "--modes": (f"qk+pv pairs (qk: {', '.join(QK_MODES)}; pv: {', '.join(PV_MODES)})",
@@ -544,7 +544,7 @@ def generate(
     speed needs the Triton kernels, which need a CUDA GPU."""
     import torch.distributed as dist
 
-    from .errors import PlanError
+    from ..errors import PlanError
     from .generate import generate as run_generate
 
     try:
@@ -608,8 +608,8 @@ def demo(
 
     Runs on the CPU or a CUDA GPU; nothing is downloaded. `paro demo-pipeline DIR` writes the same model as a
     diffusers pipeline folder, to try the other commands on."""
-    from .demo_model.demo import run_demo
-    from .errors import PlanError
+    from ..errors import PlanError
+    from .demo import run_demo
 
     try:  # run_demo checks every option and the output folder before the model loads
         run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,
@@ -630,7 +630,7 @@ def demo_pipeline(
 
     It is the pipeline `paro demo` runs: 8 frames of 32x32 pixels by default, prompts made of the words of its
     captions (prompts.txt). In Python, `paroattn.demo_model.model.DemoVideoPipeline.from_pretrained(DIR)` loads it."""
-    from .demo_model.pipeline import PROMPTS_FILE, write_demo_pipeline
+    from ..demo_model.pipeline import PROMPTS_FILE, write_demo_pipeline
 
     try:
         path = write_demo_pipeline(directory)

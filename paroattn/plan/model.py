@@ -5,7 +5,7 @@ masks [buckets, L, H, nq, nk] bit-packed, 8x smaller), `density` float32 [bucket
 `dense` uint8 [buckets, L] (1 = run that layer with the model's own attention in that bucket).
 Everything else is JSON in the safetensors metadata under the key "paroattn_plan". No pickle.
 
-Format version 2 adds what lets one plan serve other generation sizes (`paroattn/shapes.py`): the axis
+Format version 2 adds what lets one plan serve other generation sizes (`paroattn/plan/shapes.py`): the axis
 profiles `profile_f`, `profile_h`, `profile_w` float32 [buckets, L, H, 2n-1] (attention mass by offset along
 each grid axis), and the plans of further calibrated sizes (`extra_shapes`), each stored as the tensors
 above prefixed `shape<i>.` with its layout and mask shape in the metadata. Version 1 files still load; they
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import PlanError
-from .layout import ORDERS, TokenLayout
-from .masks import block_sizes, mask_shape, synthetic_block_mask
-from .modes import modes_problem
+from ..errors import PlanError
+from ..layout import ORDERS, TokenLayout
+from ..masks import block_sizes, mask_shape, synthetic_block_mask
+from ..modes import modes_problem
 
 FORMAT_VERSION = 2
 PROFILE_TENSORS = ("profile_f", "profile_h", "profile_w")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .layout import TokenLayout
+from ..layout import TokenLayout
 
 SDPA = "sdpa-default"
 # name: (B, H, layout, D)
@@ -85,10 +85,10 @@ def run(shapes=MODEL_SHAPES, modes=MODES, densities=DENSITIES, block=(64, 64), b
     """Time SDPA once per shape and paro per density and mode; the rows name the kernel that ran each call."""
     import torch.nn.functional as F
 
-    from .attention import decide, paro_attention
-    from .kernels.block_lists import ActiveBlocks
-    from .kernels.dispatch import Launch
-    from .masks import synthetic_block_mask
+    from ..attention import decide, paro_attention
+    from ..kernels.block_lists import ActiveBlocks
+    from ..kernels.dispatch import Launch
+    from ..masks import synthetic_block_mask
 
     results = {**environment(), "block": list(block), "backend": backend,
                "timing": "do_bench (eager calls, L2 flushed)", "rows": []}
@@ -147,7 +147,7 @@ def read_results(path: Path) -> dict:
 def kernel_of(row: dict) -> str:
     """The kernel that ran a row. Files written before rows named it record the Triton kernel's config, whose
     `warp_specialized` flag sent a call to the warp-specialized Gluon kernel."""
-    from .kernels.dispatch import GLUON, TRITON
+    from ..kernels.dispatch import GLUON, TRITON
 
     if row.get("kernel"):
         return row["kernel"]

@@ -26,8 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from .errors import PlanError
-from .plan import Plan
+from ..errors import PlanError
+from .model import Plan
 from .selection import BALANCED_RANKS, balance_layer, forced_blocks, rank_blocks, ranks_problem
 from .shapes import layer_block_masses, offset_weights
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..demo_model.data import CALIBRATION_PROMPTS, EVAL_PROMPTS, MORE_CALIBRATION_PROMPTS  # noqa: F401
+from ..demo_model.model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 from ..plan import Plan
-from .model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 
 PLANS_DIR = ASSETS / "plans"
 # PSNR / SSIM by density on the held-out prompts, written with the plans by scripts/demo_model_quality.py --ship
@@ -39,30 +40,6 @@ SHIPPED_DENSITIES = (0.5, 0.3, 0.2, 0.15, 0.1)
 # benchmarks/results/quality-reference-local-heads-h100-heldout.jsonl). bf16, not int8 QK + fp8 PV: on a
 # CPU the torch reference op emulates their quantization exactly, and that is much slower than dense attention
 DEFAULT_DENSITY, DEFAULT_QK, DEFAULT_PV = 0.5, "bf16", "bf16"
-CALIBRATION_PROMPTS = [
-    "red circle moving right quickly and green square rotating slowly, pan left, cloudy background",
-    "white ring moving up slowly and blue triangle moving left quickly, zoom in, plain background",
-]
-# more calibration prompts, for measuring what more of them buys (QUALITY.md); none is an evaluation prompt
-MORE_CALIBRATION_PROMPTS = [
-    "blue square moving down quickly, pan right, dotted background",
-    "orange ring rotating slowly and white circle moving left slowly, cloudy background",
-    "cyan triangle moving up quickly, zoom out, cloudy background",
-    "magenta square moving left slowly and yellow triangle rotating quickly, pan down, plain background",
-    "green ring moving right slowly, zoom in, dotted background",
-    "red triangle rotating quickly and cyan circle moving up slowly, plain background",
-]
-# the fixed evaluation set of QUALITY.md, held out from calibration; the demo uses the first --num-prompts
-EVAL_PROMPTS = [
-    "yellow square moving right slowly, pan up, dotted background",
-    "magenta circle rotating quickly and cyan ring moving down slowly, cloudy background",
-    "orange triangle moving left quickly, zoom out, plain background",
-    "green circle moving up quickly and red square moving right slowly, pan right, dotted background",
-    "white triangle moving down slowly, pan left, cloudy background",
-    "blue ring moving right quickly and orange square moving up slowly, zoom in, dotted background",
-    "red square rotating slowly, pan down, plain background",
-    "cyan circle moving left slowly and magenta triangle moving down quickly, cloudy background",
-]
 QUANT_MODES = {  # label -> (qk, pv)
     "bf16": ("bf16", "bf16"),
     "int8 QK": ("int8", "bf16"),
@@ -309,7 +286,7 @@ def precision_label(mode: str, dtype: torch.dtype) -> str:
 
 def demo_size(height: int | None = None, width: int | None = None, frames: int | None = None) -> dict:
     """num_frames / height / width of a demo run, the model's (VIDEO_SHAPE) where not given."""
-    from .model import VIDEO_SHAPE
+    from ..demo_model.model import VIDEO_SHAPE
 
     return {"num_frames": frames if frames is not None else VIDEO_SHAPE["num_frames"],
             "height": height if height is not None else VIDEO_SHAPE["height"],
@@ -320,7 +297,7 @@ def demo_size_problem(height: int | None, width: int | None, frames: int | None)
     """Why the demo model cannot generate this size, or None (None: the model's own). It denoises pixels in
     patches of 1 x 2 x 2 (frames x pixels) and its RoPE tables cover `rope_max_seq_len` patches along each axis:
     heights and widths are even and at most twice that, frames at most that."""
-    from .model import TRANSFORMER_CONFIG, VIDEO_SHAPE
+    from ..demo_model.model import TRANSFORMER_CONFIG, VIDEO_SHAPE
 
     patch, rope = TRANSFORMER_CONFIG["patch_size"], TRANSFORMER_CONFIG["rope_max_seq_len"]
     for flag, value, step in (("--height", height, patch[1]), ("--width", width, patch[2]),
@@ -395,7 +372,7 @@ def demo_problem(*, density: float, qk: str, pv: str, steps: int, num_prompts: i
     loads."""
     from ..attention import BACKENDS
     from ..modes import mode_flags_problem
-    from ..pipelines.options import backend_device_problem, device_problem, seed_problem
+    from .options import backend_device_problem, device_problem, seed_problem
 
     if problem := mode_flags_problem(qk, pv):
         return problem
@@ -424,7 +401,7 @@ def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: s
     `calibration_steps`: steps of the calibration of a density that was not shipped (default: `steps`).
     `progress`: step bars for the dense and PARO passes and the calibration (on stderr). Every option is checked
     before anything is written; a run that fails removes the folder it made."""
-    from ..pipelines.options import folder_problem
+    from .options import folder_problem
 
     if problem := demo_problem(density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
                                backend=backend, device=device, height=height, width=width, frames=frames):
@@ -462,7 +439,7 @@ def _finite(value):
 
 def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, backend, size, heads,
               calibration_steps, log, progress) -> dict:
-    from .model import load_demo_pipeline
+    from ..demo_model.model import load_demo_pipeline
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

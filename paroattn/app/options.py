@@ -5,46 +5,15 @@ sentence that names the option as typed and what to pass."""
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..files import folder_problem  # noqa: F401  (re-exported: the commands' checks)
+
 # what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
 VIDEO_SUFFIXES = (".mp4", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-
-
-def folder_problem(folder: str | Path, what: str, *, keep: bool = True) -> str | None:
-    """Why files cannot be written into `folder`, or None. Creates the folder when missing and probes it
-    with a temporary file; folders it created are removed again when the probe fails, or always when
-    `keep` is False, so that a failed check leaves nothing behind."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        return f"{what} {folder} is an existing file, not a folder: pass a folder path"
-    missing = []
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        return f"{what} {folder} cannot be created: {existing} is a file, not a folder; pass another path"
-    ok = False
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-        ok = True
-    except OSError as exc:
-        return f"{what} {folder} is not writable ({exc.strerror or exc}): pass a folder you can write to"
-    finally:
-        if not (ok and keep):
-            for created in missing:  # innermost first
-                try:
-                    created.rmdir()
-                except OSError:
-                    break
-    return None
 
 
 def output_problem(out: str | Path, video: bool | None = None) -> str | None:
@@ -80,7 +49,7 @@ def default_output(video: bool, compare: bool = False, folder: Path = Path("."))
 def option_problem(backend: str, on_mismatch: str) -> str | None:
     """Why `backend` or `on_mismatch` is not a valid choice, or None."""
     from ..attention import BACKENDS
-    from .plan_fit import ON_MISMATCH
+    from ..pipelines.plan_fit import ON_MISMATCH
 
     if backend not in BACKENDS:
         return f"--backend {backend!r} is not one of {', '.join(BACKENDS)}: pass one of them"

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import PlanError
-from .metrics import compare_pixels
-from .pipelines.base import TEXT_WHOLE, pixel_scale_of
-from .pipelines.options import (
+from ..errors import PlanError
+from ..metrics import compare_pixels
+from ..pipelines.base import TEXT_WHOLE, pixel_scale_of
+from ..pipelines.registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
+from ..plan import Plan, load_plans
+from .options import (
     backend_device_problem,
     compile_option_problem,
     default_output,
@@ -31,8 +33,6 @@ from .pipelines.options import (
     seed_problem,
     size_problem,
 )
-from .pipelines.registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
-from .plan import Plan, load_plans
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15, "skyreels_v2": 24, "wan_vace": 16, "hunyuan_video15": 24,
@@ -67,7 +67,7 @@ def _vae_factors(model_dir: Path) -> tuple[int | None, int | None]:
     """(spatial, temporal) compression of the pipeline's VAE as its pipeline class computes them, read from
     `vae/config.json` for the VAEs whose config states them (Wan's, HunyuanVideo's, CogVideoX's); (None, None)
     where the config does not tell. The demo model's pipeline has no VAE: (1, 1)."""
-    from .demo_model.pipeline import is_demo_pipeline
+    from ..demo_model.pipeline import is_demo_pipeline
 
     if is_demo_pipeline(model_dir):
         return 1, 1
@@ -157,10 +157,10 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if problem := device_problem(device) or dtype_problem(dtype):
         raise ValueError(problem)
-    from .demo_model.pipeline import is_demo_pipeline
+    from ..demo_model.pipeline import is_demo_pipeline
 
     if is_demo_pipeline(model_dir):  # `paro demo-pipeline`'s folder: a pipeline class of this package
-        from .demo_model.model import load_demo_pipeline
+        from ..demo_model.model import load_demo_pipeline
 
         pipe = load_demo_pipeline(model_dir, device=device, dtype=getattr(torch, dtype))
         pipe.set_progress_bar_config(disable=False)  # as any other pipeline shows its steps
@@ -189,7 +189,7 @@ def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend
     if ulysses <= 1 or family.ulysses_text != TEXT_WHOLE:
         yield
         return
-    from .pipelines import apply
+    from ..pipelines import apply
 
     handle = apply(pipe, [_all_dense(p) for p in plans], backend=backend, on_mismatch="dense", resident=resident)
     try:
@@ -320,9 +320,9 @@ def _call_layout(pipe, transformer, family, call: dict):
 def plan_fit_problem(pipe, plan: Plan | list[Plan], call: dict) -> str | None:
     """Why `plan` (an expert pair: the list of its plans) does not fit the pipeline's transformers or the size
     of `call` (what `apply` and the first forward would raise), or None; runs no model step."""
-    from .pipelines import expert_plans
-    from .pipelines.base import CallInputs
-    from .pipelines.processor import PAROProcessor
+    from ..pipelines import expert_plans
+    from ..pipelines.base import CallInputs
+    from ..pipelines.processor import PAROProcessor
 
     pairs, problems = expert_plans(pipe, plan)
     if problems:
@@ -400,8 +400,8 @@ def generate(
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
     writes the outputs, the others return {"rank": r}. `exchange_groups`: the groups of heads each GPU's exchange is
     pipelined over (`PAROProcessor`'s; with plans balanced per group: `paro calibrate --ulysses` GPUs x groups)."""
-    from .pipelines import apply
-    from .pipelines.context_parallel import (
+    from ..pipelines import apply
+    from ..pipelines.context_parallel import (
         enable_ulysses,
         exchange_groups_problem,
         join_process_group,
@@ -433,7 +433,7 @@ def generate(
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
-    from .demo_model.pipeline import PROMPTS_FILE, prompts_problem
+    from ..demo_model.pipeline import PROMPTS_FILE, prompts_problem
 
     if problem := prompts_problem(model_dir, [prompt]):
         raise ValueError(f"--prompt: {problem}; e.g. the prompts of {Path(model_dir) / PROMPTS_FILE}")

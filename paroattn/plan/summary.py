@@ -5,8 +5,8 @@ from __future__ import annotations
 import textwrap
 from collections import Counter
 
-from .layout import ORDERS
-from .plan import Plan
+from ..layout import ORDERS
+from .model import Plan
 
 SHOWN_PROMPTS = 3
 PROMPT_WIDTH = 100  # characters of a prompt's line
