@@ -1,7 +1,8 @@
 """The full attention kernel benchmark, of which `paro bench` is the short form: SDPA (default and flash),
 flex_attention with the same block mask, sageattn (if importable), FlashAttention-3 bf16 and FP8 (`--fa3`, the
 optional `fa3-fwd` wheel), SageAttention2's sm90 kernel and whole call (`--sage2 CHECKOUT`, built from its source by
-benchmarks/sage2_anchor.py), and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
+benchmarks/sage2_anchor.py), Sol-Attn, the calibration-free block-sparse attention of comfy-kitchen and ComfyUI, at
+each density (`--sol`, benchmarks/sol_anchor.py), and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
 on the same lists, and the op as `backend="auto"` runs it), at the attention shapes of CogVideoX-5B, Wan2.1-1.3B,
 Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence); tile sweeps that pin the fastest config
 (`--sweep`), the host time of a call (`--host`) and the markdown tables of BENCHMARKS.md (`--table ... --summary`).
@@ -235,7 +236,8 @@ def _fa3_methods(sets):
 
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
-        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False, sage2=None) -> dict:
+        block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False, sage2=None,
+        sol=False) -> dict:
 
     timer = _graph_ms if graph else median_ms
 
@@ -250,6 +252,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "fa3": fa3,
         "sm90": sm90,
         "sage2": None,
+        "sol": None,
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -271,6 +274,12 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         except Exception:
             have_sage = False
     results["sageattn"] = "importable" if have_sage else "not importable"
+    sol_missing = None
+    if sol:
+        import sol_anchor
+
+        sol_missing = sol_anchor.available()
+        results["sol"] = {"comfy_kitchen": _version_of("comfy-kitchen"), "unavailable": sol_missing}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
         B, H, layout, D = SHAPES[name]
@@ -336,6 +345,8 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             mask = synthetic_block_mask(H, nq, nk, density, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
             actual = float(mask.float().mean())
+            if sol and density < 1.0:
+                _time_sol(record, timer, sets, density, sdpa_ms, sol_missing, warmup, rep)
             if flex and D == 64:
                 # flex_attention gave wrong results at D=64 and, at density <= 0.3, an illegal
                 # memory access that kills the process: not run there
@@ -484,6 +495,40 @@ def _time_auto(record, timer, sets, layout, orders, blocks, block, qk, pv, densi
         row["speedup_vs_sdpa"] = sdpa_ms / ms
 
 
+def _time_sol(record, timer, sets, density, sdpa_ms, missing, warmup, rep):
+    """Two rows at top-k `density`: "sol-attn" (with its pooled tail, as ComfyUI's node runs it) and
+    "sol-attn-notail", each timed on inputs already laid out (B, T, H, D) as its kernels take them (as FA3's rows),
+    with the fraction of blocks it computed exactly on the first input set and its distance to SDPA's output."""
+    import sol_anchor
+
+    D = sets[0][0].shape[-1]
+    if missing or D != 128:
+        record("sol-attn", density, None, missing or f"Sol-Attn's kernels take head dim 128 only, not {D}")
+        return
+    sol_sets = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets[:2]]
+    reference = F.scaled_dot_product_attention(*sets[0]).float()
+    exact = sol_anchor.exact_block_density(sol_sets[0][0], sol_sets[0][1], density)
+    for method, tail in (("sol-attn", True), ("sol-attn-notail", False)):
+        fn = sol_anchor.call(density, tail)
+        ms, err = _try(lambda fn=fn: timer(fn, sol_sets, warmup, rep))
+        row = record(method, density, ms, err, kernel="comfy-kitchen-sol-attn", exact_block_density=exact)
+        row["rel_err_vs_sdpa"], _ = _try(
+            lambda fn=fn: float((fn(*sol_sets[0]).float().transpose(1, 2) - reference).norm() / reference.norm()))
+        if sdpa_ms and ms:
+            row["speedup_vs_sdpa"] = sdpa_ms / ms
+    sol_sets = None
+    torch.cuda.empty_cache()
+
+
+def _version_of(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _time_sage2(record, timer, anchor, sets, sdpa_ms, warmup, rep):
     """SageAttention2's sm90 path, dense: "sage2-sm90-kernel" (its kernel alone on inputs quantized outside the
     timing) and "sage2-sm90" (its whole call, quantization included), each with its distance to SDPA's output."""
@@ -530,6 +575,7 @@ def _write(results: dict, out_dir) -> Path | None:
     suffix += "-sm90-cuda" if results.get("sm90") else ""
     suffix += "-fa3" if results.get("fa3") else ""
     suffix += "-sage2" if results.get("sage2") else ""
+    suffix += "-sol" if results.get("sol") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -768,7 +814,7 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
 
 def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
     """Per model, speedups over SDPA default (cuDNN) of the dense anchors (FA3 bf16 and FP8, SageAttention2's
-    kernel alone and its whole call) and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
+    kernel alone and its whole call), of Sol-Attn at top-k = each density below 1 where the file has it, and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
     `backend="auto"` runs it (with the kernel it ran), at each density of the file: the op table beside its peers."""
     shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
     qk, pv = mode
@@ -778,10 +824,14 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
     anchors = [("fa3-bf16", "FA3 bf16"), ("fa3-fp8", "FA3 FP8"), ("sage2-sm90-kernel", "SageAttention2 kernel"),
                ("sage2-sm90", "SageAttention2 call")]
     at = " / ".join(f"d={d:g}" for d in densities)
+    sparse = [(method, label) for method, label in (("sol-attn", "Sol-Attn"), ("sol-attn-notail", "Sol-Attn, no tail"))
+              if any(r["method"] == method for r in results["rows"])]
+    sparse_at = " / ".join(f"d={d:g}" for d in densities if d < 1.0)
     lines = [environment_line(results), "",
              "| model | SDPA default | " + " | ".join(label for _, label in anchors) + " | "
+             + "".join(f"{label}: {sparse_at} | " for _, label in sparse)
              + " | ".join(f"{label}: {at}" for _, label in paro_methods) + " | auto ran |",
-             "|---" * (len(anchors) + len(paro_methods) + 3) + "|"]
+             "|---" * (len(anchors) + len(sparse) + len(paro_methods) + 3) + "|"]
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]
         sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default" and r["ms"]), None)
@@ -794,6 +844,7 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
 
         cells = [LABELS.get(shape, shape), f"{_ms(sdpa)} ms" if sdpa else "n/a"]
         cells += [speedup(method) for method, _ in anchors]
+        cells += [" / ".join(speedup(method, d) for d in densities if d < 1.0) for method, _ in sparse]
         cells += [" / ".join(speedup(method, d) for d in densities) for method, _ in paro_methods]
         auto = [r for r in rows if r["method"] == paro_methods[2][0]]
         ran = sorted({f"{kernel_of(r)}, output equal to backend='{r['same_output_as']}'"
@@ -872,6 +923,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--sage2", metavar="CHECKOUT", type=Path,
                         help="also time SageAttention2's sm90 kernel alone and its whole call (dense), built from a "
                         "checkout of its source (benchmarks/sage2_anchor.py; nvcc and ninja on the machine)")
+    parser.add_argument("--sol", action="store_true",
+                        help="also time Sol-Attn (comfy-kitchen's calibration-free block-sparse attention) at top-k "
+                        "= each density below 1, with and without its pooled tail (benchmarks/sol_anchor.py)")
     parser.add_argument("--table", metavar="JSON", nargs="+",
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     parser.add_argument("--summary", action="store_true",
@@ -958,6 +1012,7 @@ def run_arguments(args: argparse.Namespace) -> dict:
         fa3=args.fa3,
         sm90=args.sm90,
         sage2=args.sage2,
+        sol=args.sol,
     )
 
 

@@ -1,0 +1,65 @@
+"""Sol-Attn as a benchmark anchor (benchmark only, never a dependency of paroattn): the calibration-free block-sparse
+attention that ships in comfy-kitchen (`comfy_kitchen.sol_attn`, arXiv 2607.24027) and in ComfyUI's core "Block
+Sparse Attention" node. Per call it routes each 64-query block to the key blocks whose pooled score ranks in the top
+`topk_ratio` of the row, always keeps the diagonal +-1, and (with `tail=True`) adds every other key block as one pooled
+term. `benchmarks/attention.py --sol` times it beside PARO at each density of the run.
+
+comfy-kitchen is on the package index (`pip install comfy-kitchen`); its CUDA kernels take bf16 / fp16 inputs of head
+dim 128 laid out (B, T, H, D) on sm_80 or newer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 64  # Sol-Attn's query and key block
+
+
+def available() -> str | None:
+    """None when Sol-Attn's CUDA kernels can run here, else why not."""
+    try:
+        import comfy_kitchen
+    except Exception as exc:  # optional, benchmark-only
+        return f"comfy-kitchen not importable ({type(exc).__name__}: {exc}); pip install comfy-kitchen"
+    if not comfy_kitchen.sol_attn_is_available(torch.device("cuda")):
+        return "comfy-kitchen is installed but its Sol-Attn CUDA kernels cannot run on this GPU"
+    return None
+
+
+def topk_count(blocks: int, ratio: float) -> int:
+    """Key blocks a query block routes under top-k (as Sol-Attn counts them: ratio x blocks, within [1, blocks - 1])."""
+    return max(0, min(blocks - 1, max(1, round(ratio * blocks))))
+
+
+def exact_block_density(q: torch.Tensor, k: torch.Tensor, ratio: float) -> float:
+    """The fraction of (query block, key block) pairs Sol-Attn computes exactly at top-k `ratio` for (B, T, H, D)
+    inputs: its routing score of a pair is the query block's mean query against the key block's mean key (the mean
+    of the per-query scores, by linearity); the top `topk_count` per row plus the diagonal +-1. Ties at the
+    threshold are kept, as Sol-Attn keeps them."""
+    B, T, H, D = q.shape
+    n = -(-T // BLOCK)
+    pad = n * BLOCK - T
+
+    def pooled(x):
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad))
+        sums = x.reshape(B, n, BLOCK, H, D).sum(2)
+        lengths = torch.full((n,), float(BLOCK), device=x.device)
+        lengths[-1] = BLOCK - pad
+        return (sums / lengths.view(1, n, 1, 1)).permute(0, 2, 1, 3)  # (B, H, n, D)
+
+    scores = pooled(q) @ pooled(k).transpose(-1, -2)  # (B, H, n, n); centring K shifts rows alike
+    kept = topk_count(n, ratio)
+    exact = scores >= scores.topk(kept, dim=-1).values[..., -1:]
+    index = torch.arange(n, device=q.device)
+    exact |= (index.view(1, -1) - index.view(-1, 1)).abs() <= 1
+    return float(exact.float().mean())
+
+
+def call(ratio: float, tail: bool):
+    """Sol-Attn at top-k `ratio` on (B, T, H, 128) inputs."""
+    import comfy_kitchen
+
+    def sol(q, k, v):
+        return comfy_kitchen.sol_attn(q, k, v, topk_ratio=ratio, tail=tail)
+
+    return sol
