@@ -2,7 +2,8 @@
 with the plan's per-head orders and per-bucket block masks through `paroattn.paro_attention`. Binding to the
 transformer is `binding.py`'s, whether the plan fits the model and the call is `plan_fit.py`'s, the masks of each
 size and the op call are the runner's; this module hands each call to the runner, or to the model's own
-attention where the plan says so or cannot serve it.
+attention where the plan says so or cannot serve it. What a forward is (its inputs, bucket, whether it fits)
+is the record of the thread that runs it (`binding.Forward`): threads may run forwards on one transformer at once.
 
 Under `torch.compile(transformer, fullgraph=True)` the processor is traced into the transformer's graph
 and the pre-hook into a frame of its own that records the call's inputs and does no tensor work (which
@@ -10,9 +11,9 @@ would make a second graph); nothing either does reads a tensor on the host:
 - the bucket is a 0-dim device tensor computed in the graph from the timestep tensor (`Plan.bucket_tensor`),
   not a Python int: one graph serves every step and bucket (eager forwards read the timestep on the host
   once per forward);
-- each layer's orders and mask are indexed out of the forward's `MaskStore` (the runner's) (every bucket and layer resident
-  on the device) with that tensor and the layer's static index, the same lookup as eager forwards with a
-  host bucket; the store is built eagerly while the graph is traced (`_prepare_masks`, which dynamo calls
+- each layer's orders and mask are indexed out of the forward's `MaskStore` (the runner's; every bucket and
+  layer resident on the device) with that tensor and the layer's static index, the same lookup as eager
+  forwards with a host bucket; the store is built eagerly while the graph is traced (`_prepare_masks`, which dynamo calls
   as a constant function), before anything reads it;
 - a layer whose plan `dense` flag is the same in every bucket branches on the host (static); one whose flag
   depends on the bucket computes both the model's attention and PARO and keeps one with `torch.where`
@@ -217,12 +218,12 @@ class PAROProcessor(BoundProcessor):
         traced = torch.compiler.is_compiling()
         inputs = forward.inputs
         # traced forwards pick the bucket of a tensor timestep on the device, in the forward's own graph
-        # (`_traced_bucket`); eager ones read it here, once per forward
+        # (`_layer_masks`); eager ones read it here, once per forward
         if traced and isinstance(inputs.timestep, torch.Tensor):
             forward.bucket = None
         else:
             forward.bucket = self.runner.bucket_of(inputs.timestep_1000())
-            if isinstance(inputs.timestep, torch.Tensor):  # for blocks compiled on their own (`_traced_bucket`)
+            if isinstance(inputs.timestep, torch.Tensor):  # for blocks compiled on their own (`_layer_masks`)
                 forward.bucket_index = binding.bucket_constant(forward.bucket, inputs.timestep.device)
         forward.bucket_dense = None if forward.bucket is None else self.runner.bucket_dense[forward.bucket]
         if self._ulysses is not None and (problem := binding.family.ulysses_call_problem(
