@@ -155,6 +155,13 @@ def demo():
     return transformer, plan, inputs
 
 
+def resized(inputs: dict, width: int) -> dict:
+    """`inputs` with latents `width` pixels wide (another token grid: the plan derives its masks)."""
+    g = torch.Generator().manual_seed(1)
+    latents = inputs["hidden_states"]
+    return inputs | {"hidden_states": torch.randn(*latents.shape[:-1], width, generator=g)}
+
+
 def forward(transformer, inputs) -> torch.Tensor:
     with torch.no_grad():
         return transformer(**inputs)[0]
@@ -172,13 +179,18 @@ def test_stats_report_their_keys_on_the_cpu(demo):
     assert stats == expected
 
 
-def test_two_threads_on_one_transformer_each_run_their_own_forward(demo):
-    """Two threads run forwards at different timesteps (different buckets) on one patched transformer, each
-    pre-hook run before either thread's first attention call: each output equals the single-threaded one."""
+@pytest.mark.parametrize("sizes", ["one size", "two sizes"])
+def test_two_threads_on_one_transformer_each_run_their_own_forward(demo, sizes):
+    """Two threads run forwards at different timesteps (different buckets), of one size or two, on one patched
+    transformer, each pre-hook run before either thread's first attention call: each output equals the
+    single-threaded one."""
     transformer, plan, inputs = demo
+    if sizes == "two sizes":
+        inputs = [inputs[0], resized(inputs[1], 2 * plan.layout.width - 8)]
     with paroattn.apply(transformer, plan, backend="torch"):
         alone = [forward(transformer, x) for x in inputs]
-        assert (alone[0] - alone[1]).abs().max() > 1e-2  # a forward that read the other's bucket would show
+        if sizes == "one size":  # a forward that read the other's bucket would show
+            assert (alone[0] - alone[1]).abs().max() > 1e-2
         barrier = threading.Barrier(len(inputs), timeout=120)
 
         def wait(module, args) -> None:  # both forwards past the transformer's pre-hook before the first block runs
@@ -224,3 +236,25 @@ def test_reset_undoes_apply_and_drops_every_cache(demo):
     assert not runtime.runtime_of(torch.device("cpu")).decisions
     handle.remove()  # nothing left to do
     assert "reset" in paroattn.__all__
+
+
+def test_a_layer_called_outside_a_forward_of_its_thread_says_so(demo):
+    """A thread that runs no forward of the transformer has no timestep or layout for its calls: refused, not
+    served with another thread's."""
+    transformer, plan, inputs = demo
+    errors = []
+
+    def call_a_layer() -> None:
+        try:
+            with torch.no_grad():
+                transformer.blocks[0].attn1(torch.randn(1, plan.layout.seq_len, transformer.config.num_attention_heads
+                                                        * transformer.config.attention_head_dim))
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    with paroattn.apply(transformer, plan, backend="torch"):
+        forward(transformer, inputs[0])  # this thread's forward
+        thread = threading.Thread(target=call_a_layer)
+        thread.start()
+        thread.join()
+    assert len(errors) == 1 and "outside a forward of the transformer on this thread" in errors[0]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import warn
+from ..runner import MaskStore
 from .base import CallInputs, FamilyAdapter, SelfAttentionCall
 from .context_parallel import context_parallel_config
 from .registry import family_of, require_family
@@ -43,6 +44,7 @@ class Forward:
     bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
     bucket_dense: bool | None = None  # the host bucket's dense flag where it is every layer's
     problem: str | None = None  # why the plan does not fit this forward's tokens (None: it fits)
+    masks: MaskStore | None = None  # eager forwards: the masks their calls read (from the processor's runner)
 
 
 class Binding:

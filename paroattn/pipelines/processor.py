@@ -276,8 +276,10 @@ class PAROProcessor(BoundProcessor):
         asks (the pre-hook is a frame of its own, whose tensors would be a graph of its own), or the host bucket
         of a Python-number timestep. Where only the blocks are compiled, the eager pre-hook has set it already,
         to the host bucket's constant tensor."""
-        if not torch.compiler.is_compiling():
-            return self.runner.stores[self.masks_key(binding, device)], forward.bucket
+        if not torch.compiler.is_compiling():  # looked up once per forward and device
+            if forward.masks is None or forward.masks.device != device:
+                forward.masks = self.runner.stores[self.masks_key(binding, device)]
+            return forward.masks, forward.bucket
         store = self.runner.stores[_prepare_masks(binding.token, str(device))]
         inputs = forward.inputs
         if not isinstance(inputs.timestep, torch.Tensor):
@@ -312,6 +314,10 @@ class PAROProcessor(BoundProcessor):
     def _runs_dense(self, binding: Binding, forward: Forward) -> bool:
         """Whether the forward runs the model's own attention: the plan does not fit the model, the forward's
         tokens or the parallel config (on_mismatch="dense")."""
+        if forward is None:
+            raise RuntimeError(f"PAROProcessor was called for a layer of a {binding.transformer_class} outside a "
+                               "forward of the transformer on this thread: call the transformer, not its attention "
+                               "modules alone (the forward tells PARO the timestep and token layout)")
         if binding.static_problem or forward.problem:
             return True
         if self.parallel_problem is not None:
