@@ -9,20 +9,16 @@ Two pieces, both in the clone's `model_options["transformer_options"]`:
   every other call (cross-attention, other models' parts, calls PARO cannot take) goes to ComfyUI's own
   function, or to an override installed before this one.
 
-`PARORunner` runs a plan; `StatsCapture` records the dense calls' statistics for calibration.
+`PARORunner` runs a plan through `paroattn.runner.PlanRunner` (the plan of each size, the masks, the op call);
+`StatsCapture` records the dense calls' statistics for calibration.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
-import torch
-
-from paroattn import PlanError, paro_attention
-from paroattn.attention import Launch, decide
-from paroattn.pipelines.prefetch import MaskStore
-from paroattn.plan.shapes import ShapePlans
+from paroattn import PlanError
+from paroattn.runner import PlanRunner
 
 from .families import CallGeometry, Family
 
@@ -89,10 +85,10 @@ class PARORunner(AttentionHook):
     def __init__(self, family: Family, plan, backend: str = "auto", on_mismatch: str = "error"):
         super().__init__(family)
         self.plan, self.backend, self.on_mismatch = plan, backend, on_mismatch
-        self.shapes = ShapePlans(plan)
-        self.stores: dict[tuple, MaskStore] = {}
+        # every size met keeps its masks (per device and form); ComfyUI may run model calls from several threads,
+        # which the runner serves at once
+        self.runner = PlanRunner(plan, backend=backend)
         self.warned: set[str] = set()
-        self.lock = threading.Lock()
 
     def refuse(self, message: str) -> None:
         if self.on_mismatch == "error":
@@ -101,44 +97,24 @@ class PARORunner(AttentionHook):
             self.warned.add(message)
             logging.warning("PARO: %s; running the model's own attention there (on_mismatch='dense')", message)
 
-    def _store(self, layout, q: torch.Tensor) -> MaskStore:
-        """The masks of `layout` on q's device: active-block lists when a kernel runs the calls, else bool masks.
-        Built once per (layout, device, dtype); ComfyUI may run model calls from several threads."""
-        key = (layout, q.device, q.dtype)
-        with self.lock:
-            store = self.stores.get(key)
-            if store is None:
-                plan = self.shapes.at(layout, device=q.device)  # calibrated, or derived once for this size
-                probe = torch.empty(1, 1, 1, q.shape[-1], dtype=q.dtype, device="meta")
-                decision = decide(probe, *plan.block_size, plan.qk, plan.pv, self.backend, device=q.device)
-                lists = isinstance(decision, Launch) and decision.backend != "torch"
-                store = self.stores[key] = MaskStore(plan, q.device, lists=lists)
-        return store
-
     def self_attention(self, call, layout, problem, geometry, kwargs):
-        if problem is None and layout != self.plan.layout:
-            problem = self.shapes.problem(layout)
-            if problem is not None:
-                problem = (f"the plan was calibrated for {self.plan.layout} tokens and cannot serve this call's "
-                           f"{layout}: {problem}")
+        if problem is None and (problem := self.runner.size_problem(layout)) is not None:
+            problem = (f"the plan was calibrated for {self.plan.layout} tokens and cannot serve this call's "
+                       f"{layout}: {problem}")
         if problem is not None:
             self.refuse(problem)
             return None
-        if layout not in self.shapes.calibrated and str(layout) not in self.warned:
+        if layout not in self.runner.shapes.calibrated and str(layout) not in self.warned:
             self.warned.add(str(layout))
             logging.info("PARO: the plan was calibrated for %s tokens; masks for this call's %s are derived from it "
                          "once (a size used often is better calibrated into the plan)", self.plan.layout, layout)
-        store = self._store(layout, call.q)
-        bucket = self.plan.bucket_of(geometry.timestep)
+        q = call.q
+        store = self.runner.store(layout, q.device, q.dtype, q.shape[-1])  # calibrated, or derived once for the size
+        bucket = self.runner.bucket_of(geometry.timestep)
         if store.dense_flag(bucket, call.layer):
             return None
-        plan = store.plan
-        out = paro_attention(
-            call.q, call.k, call.v, layout=layout, orders=store.orders[call.layer],
-            block_mask=store.get(bucket, call.layer), block_size=plan.block_size, qk=plan.qk, pv=plan.pv,
-            sm_scale=kwargs.get("scale"), backend=self.backend,
-        )
-        return call.output(out)
+        attention = self.runner.attention(store, bucket, call.layer, layout, sm_scale=kwargs.get("scale"))
+        return call.output(attention(call.q, call.k, call.v))
 
 
 class StatsCapture(AttentionHook):

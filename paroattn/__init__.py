@@ -17,8 +17,11 @@ The public API:
 - `PAROProcessor(plan)`: the processor itself, for `transformer.set_attn_processor`;
 - `Plan`, `load_plans`: a plan file (orders, block masks, buckets, quantization) and an expert pair's files;
 - `paro_attention(q, k, v, layout=, orders=, block_mask=, ...)`: the op, with `TokenLayout` and `ORDERS`;
-- `PlanError`, `PAROInputError`: a plan that does not fit, and arguments that break the op's contract.
+- `PlanError`, `PAROInputError`: a plan that does not fit, and arguments that break the op's contract;
+- `reset()`: every patched transformer back to its own processors, and every mask and kernel cache dropped.
 """
+
+import sys
 
 from .attention import paro_attention
 from .errors import PAROInputError, PlanError
@@ -28,10 +31,25 @@ from .plan import Plan, load_plans
 __version__ = "0.1.0"
 
 __all__ = ["ORDERS", "PAROInputError", "PAROProcessor", "Plan", "PlanError", "TokenLayout", "apply", "load_plans",
-           "paro_attention"]
+           "paro_attention", "reset"]
 
 # loaded on first use: they import diffusers, which is heavy
 _LAZY = ("PAROProcessor", "apply")
+
+
+def reset() -> None:
+    """Bring the process back to where it was before paroattn ran anything: every transformer `apply` patched
+    gets its own processors back (as its handle's `remove()` would), every plan runner drops its masks (built
+    again on the next call), and the op empties its caches (kernel decisions, buffers, mask lists, built
+    kernels). Pinned kernel configs stay: they are settings."""
+    pipelines = sys.modules.get(f"{__name__}.pipelines")  # not imported: nothing was applied (it loads diffusers)
+    if pipelines is not None:
+        pipelines.reset()
+    from .kernels import runtime
+    from .runner import reset as drop_masks
+
+    drop_masks()
+    runtime.clear()
 
 
 def __getattr__(name):

@@ -77,10 +77,24 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
 def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
            rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
     """Which kernel runs a call of `paro_attention` with q on `device` (by default q's), eager or traced by
-    torch.compile (`kernels.runtime.decide_launch`): the op, processors and benchmarks ask this, never the kernels'
-    modules (a meta q on a given device asks about that device's calls)."""
+    torch.compile (`kernels.runtime.decide_launch`): the op and benchmarks ask this, never the kernels' modules
+    (`kernel_for` asks the same without a tensor)."""
     return decide_launch(q.device if device is None else torch.device(device), q.shape[-1], q.dtype, bq, bk, qk, pv,
                        key_mask, rotary, q.stride(-1), backend)
+
+
+def kernel_for(device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int | tuple[int, int],
+               qk: str, pv: str, backend: str, *, key_mask: bool = False, rotary: bool = False) -> str | None:
+    """Which kernel would run a `paro_attention` call of q with `dtype` and `head_dim` on `device`, these block
+    sizes, modes and backend (q with unit stride along D, as models pass it): the kernel's name
+    (`kernels.dispatch`: "cuda-sm90a", "gluon-warp-specialized", "triton"), or None where the torch reference
+    runs it or no kernel of `backend` can (the call itself then raises). The same decision as the call's (`decide`), asked without a
+    tensor: integrations choose the form of their masks by it (active-block lists for a kernel)."""
+    if backend == "torch":
+        return None
+    bq, bk = block_sizes(block_size)
+    decision = decide_launch(torch.device(device), head_dim, dtype, bq, bk, qk, pv, key_mask, rotary, 1, backend)
+    return decision.kernel if isinstance(decision, Launch) and decision.backend != "torch" else None
 
 
 def _check_arguments(qk, pv, backend, block_size) -> None:

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         short_dense, _ = demo.sample(pipe, prompts, steps=args.full_steps, seed=args.seed, size=size)
         with apply(pipe, base_plans[1.0], backend="torch") as handle:
             short_full, _ = demo.sample(pipe, prompts, steps=args.full_steps, seed=args.seed, size=size)
-            full_mask = bool(handle.processor.head_plan_at(layout).block_mask.all())
+            full_mask = bool(handle.processor.runner.plan_at(layout).block_mask.all())
         record({"size": size_text, "layout": str(layout), "density": 1.0, "variant": "derived", "steps_run": args.full_steps,
                 "all_blocks_kept": full_mask, "max_abs_diff": float(np.abs(short_full - short_dense).max())})
         dense, timing = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed, size=size)
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 with apply(pipe, plan, backend="torch") as handle:
                     frames, _ = demo.sample(pipe, prompts, steps=args.steps, seed=args.seed, size=size)
-                    used = handle.processor.head_plan_at(layout)
+                    used = handle.processor.runner.plan_at(layout)
                 metrics = demo.compare(dense, frames)
                 record({"size": size_text, "layout": str(layout), "density": density, "variant": variant,
                         "achieved_density": used.achieved_density(), "derived_from": used.info.get("derived_from"),

@@ -1,7 +1,7 @@
 """Imports run one way: foundations <- kernels <- op <- plan (and the masks it derives for other sizes) <-
-pipelines <- calibration <- demo model and demo <- CLI and benchmarks, and no modules import each other in a
-loop. A module may import its own layer or lower ones, never a higher one (function-level
-imports included: a lazy import is still a dependency)."""
+runner (a plan run on a model's calls, for every integration) <- pipelines <- calibration <- demo model and
+demo <- CLI and benchmarks, and no modules import each other in a loop. A module may import its own layer or
+lower ones, never a higher one (function-level imports included: a lazy import is still a dependency)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ LAYERS = [
     ("paroattn.kernels",),
     ("paroattn.attention",),
     ("paroattn.plan",),
+    ("paroattn.runner",),
     ("paroattn.pipelines", "paroattn.linear"),
     ("paroattn.calibrate",),
     ("paroattn.demo_model",),
@@ -95,15 +96,15 @@ def test_the_checker_sees_an_upward_import():
 
 
 # what the layers above the op may use of the kernels: data structures and calibration's own statistics
-# kernel; which attention kernel runs a call is the op's decision (`paroattn.attention.decide`), never theirs.
-# The process's state (`runtime.PROCESS`) keeps the processors' bindings too
+# kernel; which attention kernel runs a call is the op's decision (`paroattn.attention.kernel_for`), never theirs,
+# and the kernels' state (`kernels.runtime`) is the op's alone
 KERNEL_MODULES_ABOVE_THE_OP = {"paroattn.kernels", "paroattn.kernels.block_lists", "paroattn.kernels.index_math",
-                               "paroattn.kernels.dispatch.block_stats_backend", "paroattn.kernels.runtime.PROCESS"}
+                               "paroattn.kernels.dispatch.block_stats_backend"}
 
 
 def test_processors_and_calibration_ask_the_op_not_the_kernels():
     reaching = []
-    for folder in ("pipelines", "calibrate", "demo_model"):
+    for folder in ("runner", "pipelines", "calibrate", "demo_model"):
         for path in sorted((PACKAGE / folder).rglob("*.py")):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):

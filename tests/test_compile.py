@@ -38,8 +38,8 @@ from paroattn import Plan, TokenLayout, paro_attention
 from paroattn.kernels import reference, runtime
 from paroattn.kernels.block_lists import ActiveBlocks
 from paroattn.pipelines import PAROProcessor, apply, family_of, self_attention_layers
-from paroattn.pipelines.prefetch import MaskStore
 from paroattn.plan import bucket_index, bucket_tensor, default_bucket_edges, model_fingerprint
+from paroattn.runner import MaskStore
 
 FAMILIES = ["cogvideox", "wan", "flux", "wan2.2-ti2v", "hunyuan_video"]
 EDGES = [1000.0, 750.0, 500.0, 0.0]
@@ -424,7 +424,8 @@ def test_triton_backend_compiles_once_with_resident_lists():
     calls = [on_device(c) for c in forward_calls(transformer, [980.0, 700.0, 150.0])]
     with apply(transformer, plan, backend="triton", resident=True) as handle:
         counter, outputs = run_compiled_and_eager(transformer, calls)
-        store = handle.binding.masks[str(calls[0]["hidden_states"].device)]
+        runner = handle.processor.runner
+        store = next(store for key, store in runner.stores.items() if key.startswith(str(calls[0]["hidden_states"].device)))
         assert store.lists and store.traced
     for got, want in outputs:
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -131,9 +131,9 @@ def _ulysses_family(family: str, rank: int) -> dict:
         processor = handle.processor
         found["heads"] = processor._ulysses.heads
         found["head_orders"] = processor.head_plan.orders.clone()
-        store = handle.binding.masks[handle.binding.eager_masks]
+        store = processor.runner.stores[processor.runner.latest]
         found["mask_heads"] = {tuple(store.get(b, 0).shape) for b in range(plan.num_buckets)}
-        from paroattn.pipelines.prefetch import list_bytes
+        from paroattn.runner import list_bytes
 
         found["list_bytes"] = (list_bytes(processor.head_plan), list_bytes(plan))
     with apply(transformer, plan, backend="torch", fuse_rope=False):  # the model's own RoPE before the exchange

@@ -346,7 +346,7 @@ def test_tiny_pipeline_runs_two_steps_with_paro(family):
         original_call = handle.processor.attend
 
         def counting_attend(binding, attn, layer, call, mask):
-            calls.append((layer, binding.bucket))
+            calls.append((layer, binding.forward.bucket))
             return original_call(binding, attn, layer, call, mask)
 
         handle.processor.attend = counting_attend
@@ -397,7 +397,7 @@ def test_triton_backend_through_the_processor_matches_torch(family):
 
 @pytest.mark.gpu
 def test_streamed_masks_are_the_plans_and_gpu_memory_is_bounded():
-    from paroattn.pipelines.prefetch import MaskStore
+    from paroattn.runner import MaskStore
 
     layout = TokenLayout(8, 4, 16, 16)
     plan = Plan.synthetic(layout=layout, num_layers=12, num_heads=4, density=0.3, orders="random", num_buckets=3)

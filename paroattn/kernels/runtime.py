@@ -14,15 +14,13 @@ Per device (`runtime_of(device)`):
 - the sm90 CUDA kernels built and loaded on the device (`cuda_kernel`), or why they could not be.
 
 Per process (`PROCESS`): the combinations of the op's non-tensor arguments checked already, the pinned
-Triton configs (`set_kernel_config`), the launchers of the Triton kernels and what they share
-(`launcher.LaunchState`), the processors bound to transformers (`pipelines.binding`) and what `apply` changed
-on each transformer (`pipelines._Patch`).
+Triton configs (`set_kernel_config`), and the launchers of the Triton kernels and what they share
+(`launcher.LaunchState`). What the integrations keep (bound processors, patched transformers, masks) lives
+with them; `paroattn.reset()` clears theirs and this module's at once.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
@@ -114,12 +112,6 @@ class Process:
         self.checked_arguments: set[tuple] = set()
         self.pins: dict[tuple, dispatch.KernelConfig] = {}  # (head_dim, bq, bk, qk, pv) -> pinned config
         self.launches = LaunchState()
-        # processors bound to transformers, by token (traced code finds its binding from a constant)
-        self.bindings: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self.tokens = itertools.count()
-        # what `paroattn.apply` changed on each transformer it patched (`pipelines._Patch`): the processors to
-        # restore, whichever of its handles is removed
-        self.patches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._decoded: dict[str, dispatch.Launch] = {}
 
     def launch_of(self, code: str) -> dispatch.Launch:
@@ -357,8 +349,7 @@ def kernel_config(head_dim: int, bq: int, bk: int, qk: str, pv: str) -> dispatch
 
 
 def clear() -> None:
-    """Empty every device's runtime and the process's caches (pins and bound processors stay: they are
-    settings, not caches)."""
+    """Empty every device's runtime and the process's caches (pins stay: they are settings, not caches)."""
     for runtime in _RUNTIMES.values():
         runtime.clear()
     PROCESS.checked_arguments.clear()

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from ..errors import PlanError
-from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan
+from ..runner import MaskStore
 from .base import CallInputs, FamilyAdapter, pixel_scale_of
 from .binding import Binding
 from .capture import CaptureProcessor
@@ -89,6 +89,11 @@ def _install(transformer, processor, keys: list[str], binding: Binding) -> dict:
     return current
 
 
+# what `apply` changed on each transformer it patched (`_Patch`): the processors to restore, whichever of its
+# handles is removed
+_PATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class _Patch:
     """What `apply` changed on one transformer: the processors it had before the first apply, and the PARO
     processor serving it now. A later apply on the same transformer replaces the processor and keeps the
@@ -104,7 +109,7 @@ class _Patch:
     def live(self) -> bool:
         """Whether this record's processor still serves its transformer (not restored, not replaced by hand)."""
         return (self.binding is not None and self.binding.installed()
-                and PROCESS.patches.get(self.transformer_ref()) is self)
+                and _PATCHES.get(self.transformer_ref()) is self)
 
     def serve(self, processor: PAROProcessor, binding: Binding) -> None:
         """Make `processor` (installed by the caller) the one this record restores from; unbind the one before."""
@@ -122,14 +127,14 @@ class _Patch:
             transformer.set_attn_processor(dict(self.originals))
         self.processor.unbind(self.binding)
         self.processor, self.binding = None, None
-        if transformer is not None and PROCESS.patches.get(transformer) is self:
-            del PROCESS.patches[transformer]
+        if transformer is not None and _PATCHES.get(transformer) is self:
+            del _PATCHES[transformer]
 
 
 def _patch_of(transformer) -> _Patch | None:
     """The record of an `apply` whose processor still serves `transformer`, or None. A record whose processors
     were replaced by hand since (set_attn_processor) is dropped: the transformer counts as unpatched."""
-    patch = PROCESS.patches.get(transformer)
+    patch = _PATCHES.get(transformer)
     if patch is not None and not patch.live:
         patch.restore()  # unbinds only: its processors no longer serve the transformer
         patch = None
@@ -162,24 +167,17 @@ class PAROHandle:
         return own or self.linears is not None or any(h.active for h in self.experts.values() if h is not self)
 
     def stats(self) -> dict:
-        """Mask memory and prefetch counters of the store the latest eager forward read (after at least one
-        forward on the device); `traced_bytes`: per device, the masks that forwards traced by torch.compile read
-        (summed over the sizes met). An expert pair reports each expert's under its name."""
+        """Mask memory and prefetch counters of the masks the latest eager forward read, on any device (before a
+        forward, or where the model's own attention runs: mode None and zeros): mode ("lists" for the kernels,
+        "bool masks" for the reference), resident, host_bytes, gpu_bytes, prefetch_hits, prefetch_misses, copies;
+        `traced_bytes`: per device, the masks that forwards traced by torch.compile read (summed over the sizes
+        met). An expert pair reports each expert's under its name."""
         if len(self.experts) > 1:
             return {name: handle._own_stats() for name, handle in self.experts.items()}
         return self._own_stats()
 
     def _own_stats(self) -> dict:
-        if self.binding is None:
-            return {}
-        masks = self.binding.masks
-        stats = masks[self.binding.eager_masks].stats() if self.binding.eager_masks in masks else {}
-        traced = [(key.split()[0], store.nbytes) for key, store in masks.items() if store.traced]
-        if traced:
-            stats["traced_bytes"] = {}
-            for device, size in traced:
-                stats["traced_bytes"][device] = stats["traced_bytes"].get(device, 0) + size
-        return stats
+        return self.processor.runner.stats() if self.processor is not None else MaskStore.empty_stats()
 
     def remove(self) -> None:
         """Restore the processors the transformer (each expert) had before PARO was first applied to it; a
@@ -338,7 +336,7 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
                 processor.unbind(binding)
                 raise
             if patch is None:
-                patch = PROCESS.patches[transformer] = _Patch(transformer, originals)
+                patch = _PATCHES[transformer] = _Patch(transformer, originals)
             patch.serve(processor, binding)
             handles[expert] = PAROHandle(transformer, processor, binding, patch, expert)
         if linear is not None:
@@ -372,6 +370,12 @@ def _backend_problem(backend: str) -> str | None:
     kernels = "the Triton kernels" if backend == "triton" else "the sm_90a CUDA kernels"
     return (f"backend={backend!r} runs {kernels}, which need a CUDA GPU, and this machine has none: pass "
             "backend='auto' (or 'torch'), which runs the torch reference op on the CPU")
+
+
+def reset() -> None:
+    """Put back the processors of every transformer `apply` patched (as each handle's `remove()` would)."""
+    for patch in list(_PATCHES.values()):
+        patch.restore()
 
 
 @contextmanager

@@ -8,26 +8,47 @@ instance was installed with `transformer.set_attn_processor(PAROProcessor(plan))
 the attention module as the first argument, and the processor finds the transformer whose forward
 is running by walking up the Python frames (once). That first forward's timestep and layout are
 read from the transformer's frame; later forwards go through the pre-hook.
+
+What a forward is (its `CallInputs`, bucket and whether it fits the plan) is a `Forward` record of the thread that
+runs it (`Binding.forward`), so that threads running forwards on one transformer each read their own.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
+import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from ..attention import warn
-from ..kernels.runtime import PROCESS
+from ..runner import MaskStore
 from .base import CallInputs, FamilyAdapter, SelfAttentionCall
 from .context_parallel import context_parallel_config
-from .prefetch import MaskStore
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
 
+# bindings by token, for the functions a traced forward calls with constants only (`processor._prepare_masks`)
+BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
+
+
+@dataclass
+class Forward:
+    """The forward in flight on one thread: its inputs, and what the processor made of them when it began."""
+
+    inputs: CallInputs
+    bucket: int | None = 0  # host bucket (None when it is `bucket_index`)
+    bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
+    bucket_dense: bool | None = None  # the host bucket's dense flag where it is every layer's
+    problem: str | None = None  # why the plan does not fit this forward's tokens (None: it fits)
+    masks: MaskStore | None = None  # eager forwards: the masks their calls read (from the processor's runner)
+
 
 class Binding:
-    """One processor bound to one transformer: its layers, the current call, and (PARO) its masks."""
+    """One processor bound to one transformer: its layers, and the forward each thread runs on it."""
 
     def __init__(self, processor: BoundProcessor, transformer, family: FamilyAdapter):
         self.processor = processor
@@ -38,21 +59,10 @@ class Binding:
         self.others: list = []  # the transformer's other attention modules (Wan's attn2), which PARO delegates
         self.transformer_class = type(transformer).__name__
         self.static_problem: str | None = None
-        self.inputs: CallInputs | None = None
-        self.bucket: int | None = 0  # host bucket of the current forward (None when it is `bucket_index`)
-        self.bucket_index: torch.Tensor | None = None  # traced forwards: the bucket as a 0-dim device tensor
         self._bucket_constants: dict[tuple[str, int], torch.Tensor] = {}
-        self.bucket_dense: bool | None = None  # the host bucket's dense flag where it is every layer's
-        self.call_problem: str | None = None
-        # by device ("cuda:0"), and size for sizes other than the plan's ("cuda:0 21x45x80"); `eager_masks` is
-        # the key of the store the current eager forward reads (one at a time: eager forwards drop the others
-        # unless a traced graph reads them)
-        self.masks: dict[str, MaskStore] = {}
-        self.eager_masks: str | None = None
-        # the process keeps bindings by token for the functions a traced forward calls with constants only
-        # (`processor._prepare_masks`)
-        self.token = next(PROCESS.tokens)
-        PROCESS.bindings[self.token] = self
+        self._threads = threading.local()  # each thread's `Forward`
+        self.token = next(_TOKENS)
+        BINDINGS[self.token] = self
         self.warned: set[str] = set()
         self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.tracker = ForwardTracker(transformer, family, on_call=self._on_call)
@@ -60,6 +70,11 @@ class Binding:
     @property
     def transformer(self):
         return self.transformer_ref()
+
+    @property
+    def forward(self) -> Forward | None:
+        """The forward this thread runs on the transformer (None before its first)."""
+        return getattr(self._threads, "forward", None)
 
     @property
     def head_dim(self) -> int:
@@ -72,9 +87,9 @@ class Binding:
         return len(self.modules) > 0 and self.modules[0].processor is self.processor
 
     def _on_call(self, inputs: CallInputs) -> None:
-        self.inputs = inputs
+        self._threads.forward = forward = Forward(inputs)
         if self.installed():
-            self.processor.begin_forward(self, inputs)
+            self.processor.begin_forward(self, forward)
 
     def bucket_constant(self, bucket: int, device: torch.device) -> torch.Tensor:
         """The 0-dim int64 tensor of `bucket` on `device`, made once (an eager forward hands it to the blocks that
@@ -109,16 +124,8 @@ class Binding:
             if hasattr(processor, name):
                 setattr(processor, name, getattr(self.processor, name, None))
 
-    def drop_masks(self) -> None:
-        """Forget the masks and orders built for devices (the processor's plan of heads changed)."""
-        for store in self.masks.values():
-            store.close()
-        self.masks = {}
-        self.eager_masks = None
-
     def close(self) -> None:
         self.tracker.remove()
-        self.drop_masks()
         for module in self.modules:
             module._buffers.pop(LAYER_BUFFER, None)
         for module in self.others:
@@ -199,7 +206,7 @@ class BoundProcessor:
     def on_bind(self, binding: Binding) -> None:
         pass
 
-    def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
+    def begin_forward(self, binding: Binding, forward: Forward) -> None:
         pass
 
     def layer_tensors(self) -> bool:

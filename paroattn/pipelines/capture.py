@@ -26,7 +26,7 @@ class CaptureProcessor(BoundProcessor):
             )
 
     def attend(self, binding, attn, layer, call, attention_mask):
-        inputs = binding.inputs
+        inputs = binding.forward.inputs
         if inputs.layout is None:
             raise PlanError(f"cannot capture attention of this call: {inputs.problem}")
         call = binding.family.rotate(call)

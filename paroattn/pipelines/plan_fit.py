@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import PlanError
-from ..kernels.runtime import PROCESS
 from ..layout import TokenLayout
 from ..plan import Plan, model_fingerprint
 from .base import CallInputs, PixelScale
-from .binding import Binding
+from .binding import BINDINGS, Binding
 
 ON_MISMATCH = ("error", "dense")
 OR_DENSE = " (or pass on_mismatch='dense' to run the model's own attention)"
@@ -73,7 +72,7 @@ def traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: st
     """`layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted eagerly while
     the graph is traced (dynamo calls this as a constant function); a mismatch under on_mismatch="error"
     raises its PlanError here."""
-    binding = PROCESS.bindings[token]
+    binding = BINDINGS[token]
     inputs = CallInputs(0.0, None if shape is None else TokenLayout(*shape), problem)
     processor = binding.processor
     message = layout_problem(processor.plan, binding, inputs, processor.scale(binding), processor.shapes)

@@ -1,6 +1,9 @@
-"""`PAROProcessor`: runs each self-attention layer with the plan's per-head orders and per-bucket block
-masks through `paroattn.paro_attention`. Binding to the transformer is `binding.py`'s, whether the plan
-fits the model and the call is `plan_fit.py`'s; this module is the call itself and the masks it reads.
+"""`PAROProcessor`: the diffusers adapter of `paroattn.runner.PlanRunner`, which runs each self-attention layer
+with the plan's per-head orders and per-bucket block masks through `paroattn.paro_attention`. Binding to the
+transformer is `binding.py`'s, whether the plan fits the model and the call is `plan_fit.py`'s, the masks of each
+size and the op call are the runner's; this module hands each call to the runner, or to the model's own
+attention where the plan says so or cannot serve it. What a forward is (its inputs, bucket, whether it fits)
+is the record of the thread that runs it (`binding.Forward`): threads may run forwards on one transformer at once.
 
 Under `torch.compile(transformer, fullgraph=True)` the processor is traced into the transformer's graph
 and the pre-hook into a frame of its own that records the call's inputs and does no tensor work (which
@@ -8,9 +11,9 @@ would make a second graph); nothing either does reads a tensor on the host:
 - the bucket is a 0-dim device tensor computed in the graph from the timestep tensor (`Plan.bucket_tensor`),
   not a Python int: one graph serves every step and bucket (eager forwards read the timestep on the host
   once per forward);
-- each layer's orders and mask are indexed out of the forward's `MaskStore` (every bucket and layer resident
-  on the device) with that tensor and the layer's static index, the same lookup as eager forwards with a
-  host bucket; the store is built eagerly while the graph is traced (`_prepare_masks`, which dynamo calls
+- each layer's orders and mask are indexed out of the forward's `MaskStore` (the runner's; every bucket and
+  layer resident on the device) with that tensor and the layer's static index, the same lookup as eager
+  forwards with a host bucket; the store is built eagerly while the graph is traced (`_prepare_masks`, which dynamo calls
   as a constant function), before anything reads it;
 - a layer whose plan `dense` flag is the same in every bucket branches on the host (static); one whose flag
   depends on the bucket computes both the model's attention and PARO and keeps one with `torch.where`
@@ -32,29 +35,25 @@ import dataclasses
 
 import torch
 
-from ..attention import BACKENDS, Launch, decide, paro_attention, warn
+from ..attention import BACKENDS, warn
 from ..errors import PlanError
-from ..kernels.block_lists import head_range
-from ..kernels.runtime import PROCESS
-from ..layout import TokenLayout
 from ..plan import Plan
 from ..plan.balance import balance_plan, balance_problem
 from ..plan.selection import BALANCED_RANKS, ranks_problem
-from ..plan.shapes import ShapePlans
+from ..runner import MaskStore, PlanRunner
 from . import plan_fit
 from .base import TEXT_WHOLE, CallInputs, PixelScale
-from .binding import Binding, BoundProcessor
+from .binding import BINDINGS, Binding, BoundProcessor, Forward
 from .context_parallel import UlyssesShard, context_parallel_config, model_problem, ulysses_problem
-from .prefetch import RESIDENT_LIMIT_BYTES, MaskStore, common_flag, layers_alike, list_bytes
 
 
 @torch._dynamo.assume_constant_result
 def _prepare_masks(token: int, device: str) -> str:
-    """Build binding `token`'s `MaskStore` for `device` and the forward's size unless it exists, and return its
-    key in `binding.masks`. Called from a forward traced by torch.compile: dynamo runs it eagerly while
-    tracing (its result is a constant), so the store's tensors exist before the graph reads them and enter it
-    as inputs (not as ops that would rebuild them every call)."""
-    binding = PROCESS.bindings[token]
+    """Build the masks of binding `token`'s forward for `device` unless they exist, and return their key in its
+    runner's `stores`. Called from a forward traced by torch.compile: dynamo runs it eagerly while tracing (its
+    result is a constant), so the store's tensors exist before the graph reads them and enter it as inputs (not
+    as ops that would rebuild them every call)."""
+    binding = BINDINGS[token]
     return binding.processor.masks_key(binding, torch.device(device), traced=True)
 
 
@@ -98,21 +97,31 @@ class PAROProcessor(BoundProcessor):
             raise ValueError(f"exchange_groups={exchange_groups!r}: expected a number of groups of heads >= 1")
         self.balance_ranks = balance_ranks
         self.exchange_groups = exchange_groups
-        self.plan = plan
-        # every layer with the same dense flags: traced calls then take their layer as a tensor (`_traced_entry`);
-        # each bucket's flag where it is every layer's (the dense flags are the same at every size and head slice)
-        flags = plan.dense.tolist()
-        self._uniform_layers = layers_alike(flags)
-        self._bucket_dense = tuple(common_flag(row) for row in flags)
-        self.shapes = ShapePlans(plan)  # the plan of each call's size: calibrated, or derived once and cached
-        self.backend = backend
+        # eager forwards keep the masks of one size at a time
+        self.runner = PlanRunner(plan, backend=backend, resident=resident, prefetch_slots=prefetch_slots,
+                                 keep_one_size=True)
         self.on_mismatch = on_mismatch
-        self.resident = resident
-        self.prefetch_slots = prefetch_slots
         self.pixel_scale = pixel_scale
         self.fuse_rope = fuse_rope
         self._ulysses: UlyssesShard | None = None  # this process's heads under Ulysses context parallelism
         self.parallel_problem: str | None = None  # why the parallel config cannot hold PARO (on_mismatch="dense")
+
+    @property
+    def plan(self) -> Plan:
+        return self.runner.plan
+
+    @property
+    def shapes(self):
+        """The plan of each call's size: calibrated, or derived once and cached (`paroattn.plan.shapes`)."""
+        return self.runner.shapes
+
+    @property
+    def backend(self) -> str:
+        return self.runner.backend
+
+    @property
+    def resident(self) -> bool | str:
+        return self.runner.resident
 
     # -- checks ------------------------------------------------------------------------------
     def scale(self, binding: Binding) -> PixelScale:
@@ -155,27 +164,20 @@ class PAROProcessor(BoundProcessor):
             return
         transformer = binding.transformer
         device = next(transformer.parameters()).device if transformer is not None else None
-        self.plan = balance_plan(self.plan, self.balance_ranks, device)
-        self.shapes = ShapePlans(self.plan)
-        for bound in self._bindings:
-            bound.drop_masks()
+        old = self.runner
+        old.drop()
+        self.runner = PlanRunner(balance_plan(old.plan, self.balance_ranks, device), backend=old.backend,
+                                 resident=old.resident, prefetch_slots=old.prefetch_slots, keep_one_size=True)
 
     @property
     def head_plan(self) -> Plan:
         """The plan of the heads this process runs: the whole plan, or this GPU's slice of it under Ulysses."""
-        return self.plan if self._ulysses is None else self._ulysses.plan
-
-    def head_plan_at(self, layout: TokenLayout | None, device=None) -> Plan:
-        """`head_plan` for a call of `layout`: the calibrated plan of that size, or one derived for it on `device`."""
-        if layout is None or layout == self.plan.layout:
-            return self.head_plan
-        return self.shapes.at(layout, None if self._ulysses is None else self._ulysses.heads, device)
+        return self.runner.head_plan
 
     def on_parallel_config(self, config) -> None:
         """Slice the plan to this GPU's heads (Ulysses), or refuse what cannot hold PARO (see `context_parallel`)."""
         self._ulysses, self.parallel_problem = None, None
-        for binding in self._bindings:
-            binding.drop_masks()
+        self.runner.set_heads(None)
         cp_config = context_parallel_config(config)
         if cp_config is None:
             return
@@ -188,6 +190,7 @@ class PAROProcessor(BoundProcessor):
         if not self._parallel_refused(problem, family):
             self._ulysses = UlyssesShard(cp_config, self.plan, family.ulysses_text if family is not None else "split",
                                          self.exchange_groups)
+            self.runner.set_heads(self._ulysses.heads, self._ulysses.plan)
             if unbalanced := balance_problem(self.plan, degree):
                 warn(unbalanced, stacklevel=3)
 
@@ -211,129 +214,92 @@ class PAROProcessor(BoundProcessor):
             return plan_fit.traced_layout_problem(binding.token, shape, inputs.problem)
         return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding), self.shapes)
 
-    def begin_forward(self, binding: Binding, inputs: CallInputs) -> None:
+    def begin_forward(self, binding: Binding, forward: Forward) -> None:
         traced = torch.compiler.is_compiling()
+        inputs = forward.inputs
         # traced forwards pick the bucket of a tensor timestep on the device, in the forward's own graph
-        # (`_traced_bucket`); eager ones read it here, once per forward
-        binding.bucket_index = None
+        # (`_layer_masks`); eager ones read it here, once per forward
         if traced and isinstance(inputs.timestep, torch.Tensor):
-            binding.bucket = None
+            forward.bucket = None
         else:
-            binding.bucket = self.plan.bucket_of(inputs.timestep_1000())
-            if isinstance(inputs.timestep, torch.Tensor):  # for blocks compiled on their own (`_traced_bucket`)
-                binding.bucket_index = binding.bucket_constant(binding.bucket, inputs.timestep.device)
-        binding.bucket_dense = None if binding.bucket is None else self._bucket_dense[binding.bucket]
+            forward.bucket = self.runner.bucket_of(inputs.timestep_1000())
+            if isinstance(inputs.timestep, torch.Tensor):  # for blocks compiled on their own (`_layer_masks`)
+                forward.bucket_index = binding.bucket_constant(forward.bucket, inputs.timestep.device)
+        forward.bucket_dense = None if forward.bucket is None else self.runner.bucket_dense[forward.bucket]
         if self._ulysses is not None and (problem := binding.family.ulysses_call_problem(
                 binding.transformer, inputs, self._ulysses.degree)):
             raise PlanError(problem)  # diffusers cannot split this call: the model's own attention would fail too
-        binding.call_problem = None if binding.static_problem else self.layout_problem(binding, inputs)
-        if binding.call_problem is not None:
+        forward.problem = None if binding.static_problem else self.layout_problem(binding, inputs)
+        if forward.problem is not None:
             if self.on_mismatch == "error":
-                raise PlanError(binding.call_problem + plan_fit.OR_DENSE)
+                raise PlanError(forward.problem + plan_fit.OR_DENSE)
             binding.warn_once(
-                "layout " + binding.call_problem,
-                binding.call_problem + "; running the model's own attention (on_mismatch='dense')",
+                "layout " + forward.problem,
+                forward.problem + "; running the model's own attention (on_mismatch='dense')",
             )
-        if not traced and (store := binding.masks.get(binding.eager_masks)) is not None:
-            store.begin(binding.bucket)
+        if not traced:
+            self.runner.begin(forward.bucket)
 
-    # -- the call ----------------------------------------------------------------------------
-    def uses_block_lists(self, binding: Binding, device: torch.device) -> bool:
-        """Whether the op runs a kernel for this transformer's calls on `device` (then masks are passed as
-        active-block lists, built once; the reference takes bool masks)."""
+    # -- the masks ---------------------------------------------------------------------------
+    def masks_key(self, binding: Binding, device: torch.device, traced: bool = False) -> str:
+        """The key in the runner's `stores` of the masks the forward's calls read on `device`, built unless they
+        exist: those of the forward's size (the plan's, another calibrated size's, or derived for it; said once per
+        grid size where derived). Eager forwards keep one size at a time (unless a traced graph reads it); a traced
+        forward needs every mask resident and refuses a plan too large for that."""
+        forward = binding.forward
+        layout = forward.inputs.layout if forward is not None else None
         transformer = binding.transformer
-        probe = torch.empty(1, 1, 1, binding.head_dim, dtype=transformer.dtype if transformer is not None else
-                            torch.bfloat16, device="meta")
-        decision = decide(probe, *self.plan.block_size, self.plan.qk, self.plan.pv, self.backend, device=device)
-        return isinstance(decision, Launch) and decision.backend != "torch"
-
-    def _plan_of_call(self, binding: Binding, device: torch.device) -> Plan:
-        """The plan of the forward's size (`head_plan_at`); says once per grid size when it had to be derived."""
-        layout = binding.inputs.layout if binding.inputs is not None else None
-        plan = self.head_plan_at(layout, device)
-        derived = self.shapes.derived.get(layout)
-        source = TokenLayout(*derived.info["derived_from"]) if derived is not None else None
-        # (a text length of its own, e.g. Qwen-Image's unpadded prompts, is derived silently: same grid)
-        if source is not None and (source.frames, source.height, source.width) != (layout.frames, layout.height,
-                                                                                    layout.width):
+        dtype = transformer.dtype if transformer is not None else torch.bfloat16
+        key = self.runner.store_key(layout, device, dtype, binding.head_dim, traced=traced,
+                                    bucket=None if traced or forward is None else forward.bucket)
+        if (derived := self.runner.derived_from(layout)) is not None:
+            source = derived.info["derived_from"]
             binding.warn_once(f"derived {layout}", (
                 f"paroattn: the plan was not calibrated for a {layout} token grid; its orders and masks there were "
-                f"derived from the {source} grid it was calibrated at ({derived.info.get('derive_s', 0.0):.1f} s, "
-                "once per size). A size used often is better calibrated into the plan (paro calibrate --sizes)"))
-        return plan
-
-    def masks_key(self, binding: Binding, device: torch.device, traced: bool = False) -> str:
-        """The key in `binding.masks` of the store the forward's calls read on `device`, built unless it exists:
-        the masks of the forward's size (the plan's, another calibrated size's, or derived for it). Eager
-        forwards keep one store at a time (a size change drops the previous one unless a traced graph reads
-        it); a traced forward needs every mask resident and refuses a plan too large for that."""
-        plan = self._plan_of_call(binding, device)
-        key = str(device) if plan.layout == self.plan.layout else f"{device} {plan.layout}"
-        store = binding.masks.get(key)
-        if store is None:
-            lists = self.uses_block_lists(binding, device)
-            if traced and lists:
-                self._check_resident(plan)
-            store = binding.masks[key] = MaskStore(plan, device, lists=lists, resident=True if traced else self.resident,
-                                                   slots=self.prefetch_slots)
-            store.traced = traced
-            if not traced:
-                store.begin(binding.bucket)
-        elif traced and store.streaming:
-            self._check_resident(plan)  # raises: built by an eager forward that streams
-        store.traced = store.traced or traced
-        if not traced and binding.eager_masks != key:
-            stale = binding.masks.get(binding.eager_masks)
-            if stale is not None and not stale.traced:
-                stale.close()
-                del binding.masks[binding.eager_masks]
-            binding.eager_masks = key
+                f"derived from the {type(layout)(*source)} grid it was calibrated at "
+                f"({derived.info.get('derive_s', 0.0):.1f} s, once per size). A size used often is better calibrated "
+                "into the plan (paro calibrate --sizes)"))
         return key
-
-    def _check_resident(self, plan: Plan) -> None:
-        """Refuse, with what to do, a plan whose masks `resident` would stream: streaming cannot be traced."""
-        size = list_bytes(plan)
-        if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
-            why = ("resident=False asks for it" if self.resident is False else
-                   f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
-                   f"{RESIDENT_LIMIT_BYTES >> 20} MiB that resident='auto' keeps on the GPU")
-            raise RuntimeError(
-                f"PARO streams this plan's masks per layer on a side CUDA stream ({why}), which torch.compile "
-                "cannot trace: pass resident=True to paroattn.apply / PAROProcessor to keep every mask on the "
-                f"GPU ({size / 2**20:.1f} MiB) under torch.compile, or run the transformer without torch.compile"
-            )
 
     def prepare(self, binding: Binding, device, traced: bool = False) -> MaskStore:
         """Build the masks of every (bucket, layer) for `device` now instead of on the first call (`traced`:
         for forwards traced by torch.compile, which need them resident)."""
-        device = torch.device(device)
-        return binding.masks[self.masks_key(binding, device, traced)]
+        return self.runner.stores[self.masks_key(binding, torch.device(device), traced)]
 
     def layer_tensors(self) -> bool:
-        return self._uniform_layers
+        return self.runner.uniform_layers
 
-    def _traced_bucket(self, binding: Binding) -> torch.Tensor | int:
-        """The bucket of the forward being traced: a 0-dim device tensor computed from the timestep tensor by
-        the first layer that asks (the pre-hook is a frame of its own, whose tensors would be a graph of its
-        own), or the host bucket of a Python-number timestep. Where only the blocks are compiled, the eager
-        pre-hook has set it already, to the host bucket's constant tensor."""
-        inputs = binding.inputs
+    def _layer_masks(self, binding: Binding, forward: Forward, device: torch.device
+                     ) -> tuple[MaskStore, torch.Tensor | int]:
+        """The store the forward's calls read on `device`, and the forward's bucket: a Python int in eager
+        forwards; while traced, a 0-dim device tensor computed from the timestep tensor by the first layer that
+        asks (the pre-hook is a frame of its own, whose tensors would be a graph of its own), or the host bucket
+        of a Python-number timestep. Where only the blocks are compiled, the eager pre-hook has set it already,
+        to the host bucket's constant tensor."""
+        if not torch.compiler.is_compiling():  # looked up once per forward and device
+            if forward.masks is None or forward.masks.device != device:
+                forward.masks = self.runner.stores[self.masks_key(binding, device)]
+            return forward.masks, forward.bucket
+        store = self.runner.stores[_prepare_masks(binding.token, str(device))]
+        inputs = forward.inputs
         if not isinstance(inputs.timestep, torch.Tensor):
-            return binding.bucket
-        if binding.bucket_index is None:
-            binding.bucket_index = self.plan.bucket_tensor(inputs.timestep, inputs.timestep_scale)
-        return binding.bucket_index
+            return store, forward.bucket
+        if forward.bucket_index is None:
+            forward.bucket_index = self.plan.bucket_tensor(inputs.timestep, inputs.timestep_scale)
+        return store, forward.bucket_index
 
+    # -- the call ----------------------------------------------------------------------------
     def dense(self, binding: Binding, attn, call, attention_mask) -> torch.Tensor:
         """The model's own attention. Under Ulysses, for families whose text every GPU holds whole, through PARO's
         exchange: the model's attention call on this GPU's heads over the gathered sequence, then the scatter."""
         shard = self._ulysses
         if shard is None or binding.family.ulysses_text != TEXT_WHOLE:
             return super().dense(binding, attn, call, attention_mask)
-        layout = binding.inputs.layout if binding.inputs is not None else None
+        forward = binding.forward
+        layout = forward.inputs.layout if forward is not None else None
         if layout is None:
             raise PlanError(f"under Ulysses the model's own attention needs the call's token layout to exchange its "
-                            f"heads: {binding.inputs.problem if binding.inputs is not None else 'no forward seen'}")
+                            f"heads: {forward.inputs.problem if forward is not None else 'no forward seen'}")
         split = shard.split(layout)
         if problem := shard.local_problem(layout, call.q.shape[2], call.text_tokens):
             raise PlanError(problem)
@@ -345,39 +311,25 @@ class PAROProcessor(BoundProcessor):
 
         return shard.attend((call.q, call.k, call.v), split, attention)
 
-    def attend(self, binding, attn, layer, call, attention_mask):
-        if binding.static_problem or binding.call_problem:
-            return self.dense(binding, attn, call, attention_mask)
+    def _runs_dense(self, binding: Binding, forward: Forward) -> bool:
+        """Whether the forward runs the model's own attention: the plan does not fit the model, the forward's
+        tokens or the parallel config (on_mismatch="dense")."""
+        if forward is None:
+            raise RuntimeError(f"PAROProcessor was called for a layer of a {binding.transformer_class} outside a "
+                               "forward of the transformer on this thread: call the transformer, not its attention "
+                               "modules alone (the forward tells PARO the timestep and token layout)")
+        if binding.static_problem or forward.problem:
+            return True
         if self.parallel_problem is not None:
-            binding.warn_once("parallel", self.parallel_problem + "; running the model's own attention (on_mismatch='dense')")
-            return self.dense(binding, attn, call, attention_mask)
-        # block size, modes and dense flags are the same at every size of a plan; orders and masks come from
-        # the store of the forward's size
-        plan, layout, shard = self.head_plan, binding.inputs.layout, self._ulysses
-        if torch.compiler.is_compiling():  # the layer may be a 0-dim device tensor (`_traced_entry`)
-            masks = binding.masks[_prepare_masks(binding.token, str(call.q.device))]
-            bucket = self._traced_bucket(binding)
-        else:
-            masks, bucket = binding.masks[self.masks_key(binding, call.q.device)], binding.bucket
-        # a Python bool; None only when traced and the flag depends on a bucket known on the device alone (blocks
-        # compiled on their own know it from the eager pre-hook: `bucket_dense`)
-        dense = masks.dense_flag(bucket, layer)
-        if dense is None and binding.bucket_dense is not None:
-            dense = binding.bucket_dense
-        if dense is True:
-            return self.dense(binding, attn, call, attention_mask)
-        suffix_mask = None
-        if attention_mask is not None:
-            # a mask of padded text keys after the grid (HunyuanVideo) becomes the op's suffix_mask; others
-            # cannot be honoured by a block-sparse plan
-            handled, suffix_mask = binding.family.suffix_mask(attention_mask, layout)
-            if not handled:
-                binding.warn_once("mask", "PAROProcessor got an attention mask, which a block-sparse plan cannot "
-                                  "honour; running the model's own attention for such calls")
-                return self.dense(binding, attn, call, attention_mask)
+            binding.warn_once("parallel", self.parallel_problem + "; running the model's own attention "
+                              "(on_mismatch='dense')")
+        return self.parallel_problem is not None
+
+    def _check_tokens(self, binding: Binding, layout, layer, call) -> None:
+        """Raise PlanError where the call's tokens are not the forward's layout (this GPU's chunk under Ulysses)."""
         tokens = call.q.shape[2]
-        if shard is not None:
-            if problem := shard.local_problem(layout, tokens, call.text_tokens):
+        if self._ulysses is not None:
+            if problem := self._ulysses.local_problem(layout, tokens, call.text_tokens):
                 raise PlanError(f"layer {layer}: {problem}")
         elif tokens != layout.seq_len or (call.text_tokens is not None and call.text_tokens != layout.prefix):
             raise PlanError(
@@ -385,35 +337,49 @@ class PAROProcessor(BoundProcessor):
                 f"({layout.seq_len} tokens, {layout.prefix} text): the call does not follow the "
                 f"{binding.family.name} token layout"
             )
-        orders, block_mask = masks.layer_orders(layer), masks.get(bucket, layer)
+
+    def _paro(self, call, layout, store: MaskStore, bucket, layer, suffix_mask) -> torch.Tensor:
+        """The runner's op call of the layer on the call's q, k, v: under Ulysses, this GPU's chunk of the sequence
+        -> its heads over the whole sequence, group by group."""
+        shard, rotary = self._ulysses, call.rotary
+        split = None if shard is None else shard.split(layout)
+        if split is not None and rotary is not None:
+            rotary = shard.gather_rotary(rotary, split)
+        attention = self.runner.attention(store, bucket, layer, layout, rotary=rotary, suffix_mask=suffix_mask)
+        qkv = (call.q, call.k, call.v)
+        return attention(*qkv) if shard is None else shard.attend(qkv, split, attention)
+
+    def attend(self, binding, attn, layer, call, attention_mask):
+        forward = binding.forward
+        if self._runs_dense(binding, forward):
+            return self.dense(binding, attn, call, attention_mask)
+        # block size, modes and dense flags are the same at every size of a plan; orders and masks come from
+        # the store of the forward's size. The layer may be a 0-dim device tensor while traced (`_traced_entry`)
+        store, bucket = self._layer_masks(binding, forward, call.q.device)
+        # a Python bool; None only when traced and the flag depends on a bucket known on the device alone (blocks
+        # compiled on their own know it from the eager pre-hook: `bucket_dense`)
+        dense = store.dense_flag(bucket, layer)
+        dense = forward.bucket_dense if dense is None and forward.bucket_dense is not None else dense
+        # a mask of padded text keys after the grid (HunyuanVideo) becomes the op's suffix_mask; others cannot be
+        # honoured by a block-sparse plan
+        layout = forward.inputs.layout
+        handled, suffix_mask = (True, None) if attention_mask is None or dense is True else \
+            binding.family.suffix_mask(attention_mask, layout)
+        if not handled:
+            binding.warn_once("mask", "PAROProcessor got an attention mask, which a block-sparse plan cannot "
+                              "honour; running the model's own attention for such calls")
+        if dense is True or not handled:
+            return self.dense(binding, attn, call, attention_mask)
+        self._check_tokens(binding, layout, layer, call)
         if not self.fuse_rope:
             call = binding.family.rotate(call)
-        rotary = call.rotary
-        if shard is not None:
-            split = shard.split(layout)
-            if rotary is not None:
-                rotary = shard.gather_rotary(rotary, split)
-
-        def attention(q, k, v, heads=(0, len(orders))):
-            """PARO on heads `heads` of this process's slice (all of them without Ulysses)."""
-            return paro_attention(
-                q, k, v,
-                layout=layout,
-                orders=orders[heads[0]:heads[1]],
-                block_mask=head_range(block_mask, *heads),
-                block_size=plan.block_size,
-                qk=plan.qk,
-                pv=plan.pv,
-                backend=self.backend,
-                rotary=rotary,
-                suffix_mask=suffix_mask,
-            )
-
-        # under Ulysses: this GPU's chunk of the sequence -> its heads over the whole sequence, group by group
-        out = attention(call.q, call.k, call.v) if shard is None else shard.attend((call.q, call.k, call.v), split,
-                                                                                   attention)
+        out = self._paro(call, layout, store, bucket, layer, suffix_mask)
         if dense is None:
             # traced, and dense in some buckets only: both results, the bucket's kept (after PARO, whose fused
             # RoPE reads q and k before the model's own RoPE may rotate them in place)
-            out = torch.where(masks.is_dense(bucket, layer), self.dense(binding, attn, call, attention_mask), out)
+            out = torch.where(store.is_dense(bucket, layer), self.dense(binding, attn, call, attention_mask), out)
         return out
+
+    def unbind(self, binding: Binding) -> None:
+        super().unbind(binding)
+        self.runner.drop()

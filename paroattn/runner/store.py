@@ -166,7 +166,15 @@ class MaskStore:
         """Bytes of mask data held on the GPU by this store."""
         return self.nbytes if self.device.type == "cuda" else 0
 
+    @staticmethod
+    def empty_stats() -> dict:
+        """`stats`' keys where no store was built yet: no mode, nothing held, nothing copied."""
+        return {"mode": None, "resident": True, "host_bytes": 0, "gpu_bytes": 0, "prefetch_hits": 0,
+                "prefetch_misses": 0, "copies": 0}
+
     def stats(self) -> dict:
+        """mode ("lists" or "bool masks"), resident, host_bytes and gpu_bytes of the masks, and the streaming
+        counters (prefetch_hits, prefetch_misses, copies; 0 for a resident store)."""
         return {
             "mode": "lists" if self.lists else "bool masks",
             "resident": self.resident,
