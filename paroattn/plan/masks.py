@@ -15,6 +15,7 @@ the same bytes are stored once (the index points several (bucket, layer) at them
 
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 
@@ -47,7 +48,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def unpack_bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """bool [count]: bits `start..start+count-1` of bit-packed `packed` (uint8, little-endian within a byte)."""
     first, last = start // 8, -(-(start + count) // 8)
-    bits = _BIT_TABLE[packed[first:last].long()].view(-1)
+    bits = _BIT_TABLE.index_select(0, packed[first:last].long()).view(-1)
     offset = start - 8 * first
     return bits[offset:offset + count]
 
@@ -141,19 +142,14 @@ class BlockMasks:
     def from_layers(cls, shape, layer_mask) -> BlockMasks:
         """Masks encoded one (bucket, layer) at a time: `layer_mask(bucket, layer)` -> bool [heads, nq, nk].
         For plans too large to hold unpacked (benchmarks of real model sizes)."""
-        buckets, layers = shape[0], shape[1]
-        previous: list[bytes | None] = [None] * layers
-        encoded = []
-        for b in range(buckets):
-            for layer in range(layers):
-                mask = layer_mask(b, layer)
-                if tuple(mask.shape) != tuple(shape[2:]) or mask.dtype != torch.bool:
-                    raise PlanError(f"mask of bucket {b}, layer {layer} must be bool {list(shape[2:])}; found "
-                                    f"{mask.dtype} {list(mask.shape)}")
-                packed = _packed_bytes(mask)
-                encoded.append(encode_chunk(packed, previous[layer]))
-                previous[layer] = packed
-        chunks, index = _concatenate(encoded)
+        def checked(b, layer):
+            mask = layer_mask(b, layer)
+            if tuple(mask.shape) != tuple(shape[2:]) or mask.dtype != torch.bool:
+                raise PlanError(f"mask of bucket {b}, layer {layer} must be bool {list(shape[2:])}; found "
+                                f"{mask.dtype} {list(mask.shape)}")
+            return mask
+
+        chunks, index = _encode_layers(shape[0], shape[1], checked)
         return cls(shape, chunks=chunks, index=index)
 
     # -- reading ---------------------------------------------------------------------------
@@ -263,15 +259,7 @@ class BlockMasks:
         """(chunks uint8 [n], index int64 [buckets * layers, 2]): the format version 3 storage."""
         if self._chunks is not None and self._heads is None:
             return self._chunks, self._index
-        b, layers = self.shape[:2]
-        previous: list[bytes | None] = [None] * layers
-        encoded = []
-        for bucket in range(b):
-            for layer in range(layers):
-                packed = _packed_bytes(self.layer(bucket, layer))
-                encoded.append(encode_chunk(packed, previous[layer]))
-                previous[layer] = packed
-        return _concatenate(encoded)
+        return _encode_layers(self.shape[0], self.shape[1], self.layer)
 
     def flat_bits(self) -> torch.Tensor:
         """The whole mask bit-packed in one flat tensor (format versions 1 and 2)."""
@@ -290,6 +278,25 @@ class BlockMasks:
         if self._bits is not None:
             return self._bits.numel()
         return self._chunks.numel() + self._index.numel() * 8
+
+
+def _encode_layers(buckets: int, layers: int, layer_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunks, index) of the masks `layer_mask(bucket, layer)`, bucket-major. A (bucket, layer) whose mask and
+    previous-bucket mask were seen together before reuses that encoding (deflate is the slow part)."""
+    previous: list[tuple[bytes, bytes] | None] = [None] * layers  # (packed, digest) of each layer's last bucket
+    seen: dict[tuple[bytes, bytes | None], bytes] = {}
+    encoded = []
+    for bucket in range(buckets):
+        for layer in range(layers):
+            packed = _packed_bytes(layer_mask(bucket, layer))
+            digest = hashlib.sha256(packed).digest()
+            before = previous[layer]
+            key = (digest, None if before is None else before[1])
+            if key not in seen:
+                seen[key] = encode_chunk(packed, None if before is None else before[0])
+            encoded.append(seen[key])
+            previous[layer] = (packed, digest)
+    return _concatenate(encoded)
 
 
 def _concatenate(encoded: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
