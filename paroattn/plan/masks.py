@@ -19,6 +19,7 @@ import hashlib
 import math
 import zlib
 
+import numpy as np
 import torch
 
 from ..errors import PlanError
@@ -30,27 +31,25 @@ DEFLATE_LEVEL = 6
 DEFLATE_MAX_RATIO = 1032
 DEFLATE_SLACK = 64  # zlib header and the last partial block
 # bits of mask unpacked at once while computing statistics: bounds the transient memory of a scan
-SCAN_BITS = 1 << 26
+SCAN_BITS = 1 << 24
 
-_BIT_TABLE = ((torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, low first
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """bool tensor -> uint8 [ceil(numel/8)], little-endian bit order within a byte."""
-    flat = mask.reshape(-1).to(torch.uint8)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return torch.from_numpy(np.packbits(mask.reshape(-1).to(torch.bool).cpu().numpy(), bitorder="little"))
+
+
+def _unpacked(packed: np.ndarray, start: int, count: int) -> np.ndarray:
+    """bool [count] (numpy): bits `start..start+count-1` of bit-packed `packed` (little-endian within a byte)."""
+    first, last = start // 8, -(-(start + count) // 8)
+    offset = start - 8 * first
+    return np.unpackbits(packed[first:last], bitorder="little")[offset:offset + count].view(np.bool_)
 
 
 def unpack_bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """bool [count]: bits `start..start+count-1` of bit-packed `packed` (uint8, little-endian within a byte)."""
-    first, last = start // 8, -(-(start + count) // 8)
-    bits = _BIT_TABLE.index_select(0, packed[first:last].long()).view(-1)
-    offset = start - 8 * first
-    return bits[offset:offset + count]
+    return torch.from_numpy(_unpacked(packed.numpy(), start, count))
 
 
 def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,7 +62,7 @@ def _packed_bytes(mask: torch.Tensor) -> bytes:
 
 
 def _xor(a: bytes, b: bytes) -> bytes:
-    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")
+    return np.bitwise_xor(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)).tobytes()
 
 
 def encode_chunk(packed: bytes, previous: bytes | None) -> bytes:
@@ -198,15 +197,23 @@ class BlockMasks:
         from packed forms, a view of the tensor of the full form."""
         if self._full is not None:
             return self._full[bucket, layer, start:stop]
+        return torch.from_numpy(self._heads_array(bucket, layer, start, stop))
+
+    def _heads_array(self, bucket: int, layer: int, start: int, stop: int) -> np.ndarray:
+        """`heads` as a numpy array (a view of the tensor of the full form)."""
+        if self._full is not None:
+            return self._full[bucket, layer, start:stop].numpy()
         _, layers, h, nq, nk = self._shape
         first = start + (self._heads[0] if self._heads is not None else 0)
         per_head = nq * nk
         count = (stop - start) * per_head
         if self._bits is not None:
             at = ((bucket * layers + layer) * h + first) * per_head
-            return unpack_bit_range(self._bits, at, count).view(stop - start, nq, nk)
-        packed = torch.frombuffer(bytearray(self._chunk_bytes(bucket, layer)), dtype=torch.uint8)
-        return unpack_bit_range(packed, first * per_head, count).view(stop - start, nq, nk)
+            bits = _unpacked(self._bits.numpy(), at, count)
+        else:
+            packed = np.frombuffer(self._chunk_bytes(bucket, layer), dtype=np.uint8)
+            bits = _unpacked(packed, first * per_head, count)
+        return bits.reshape(stop - start, nq, nk)
 
     def layer(self, bucket: int, layer: int) -> torch.Tensor:
         """bool [heads, nq, nk] of one (bucket, layer) (a view of the tensor when the form is full: do not
@@ -238,22 +245,21 @@ class BlockMasks:
     def scan(self, *, dense: torch.Tensor | None = None):
         """Per (bucket, layer) statistics, computed a slice of heads at a time (at most `SCAN_BITS` bits
         unpacked at once): yields (bucket, layer, first head, active blocks per head [int64], empty rows per
-        head [bool nq], diagonal missing per head [bool min(nq, nk)]) for each slice. (bucket, layer) pairs
+        head [bool nq], diagonal block missing per head [bool nq], None unless nq == nk) for each slice. (bucket, layer) pairs
         with `dense[bucket, layer]` True are skipped."""
         b, layers, h, nq, nk = self.shape
         step = max(1, SCAN_BITS // max(1, nq * nk))
-        diagonal = min(nq, nk)
+        diagonal = np.arange(nq)
         for bucket in range(b):
             for layer in range(layers):
                 if dense is not None and bool(dense[bucket, layer]):
                     continue
                 for start in range(0, h, step):
-                    stop = min(h, start + step)
-                    mask = self.heads(bucket, layer, start, stop)
-                    counts = mask.sum(dim=(-1, -2))
-                    empty = ~mask.any(dim=-1)
-                    missing = ~mask.diagonal(dim1=-2, dim2=-1)[:, :diagonal] if nq == nk else None
-                    yield bucket, layer, start, counts, empty, missing
+                    mask = self._heads_array(bucket, layer, start, min(h, start + step))
+                    rows = np.count_nonzero(mask, axis=-1)  # active blocks per query block
+                    missing = ~mask[:, diagonal, diagonal] if nq == nk else None
+                    yield (bucket, layer, start, torch.from_numpy(rows.sum(axis=-1)), torch.from_numpy(rows == 0),
+                           None if missing is None else torch.from_numpy(missing))
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunks uint8 [n], index int64 [buckets * layers, 2]): the format version 3 storage."""
