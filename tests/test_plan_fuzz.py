@@ -366,5 +366,8 @@ def test_loaded_masks_stay_packed_and_unpack_one_layer_at_a_time(tmp_path):
     loaded = Plan.load(tmp_path / "plan.safetensors")
     assert loaded.masks.form == "chunks" and loaded.masks.stored_bytes() < plan.masks.stored_bytes()
     assert torch.equal(loaded.layer_mask(2, 1), plan.block_mask[2, 1])
-    assert loaded.masks.form == "chunks"  # one layer did not unpack the rest
+    widest = int(plan.block_mask.sum(dim=-1).max())
+    assert loaded.most_active_blocks_per_row() == plan.most_active_blocks_per_row() == widest
+    assert "masks held as chunks" in repr(loaded)
+    assert loaded.masks.form == "chunks"  # none of these unpacked the rest
     assert torch.equal(loaded.block_mask, plan.block_mask) and loaded.masks.form == "full"  # whole-mask access does

@@ -88,9 +88,10 @@ class BlockMasks:
         self._full, self._bits, self._chunks, self._index = full, bits, chunks, index
         self._heads = heads  # (start, stop): a head slice of the stored masks, or None for all
         self._last = None  # (bucket, layer, packed bytes) of the last chunk decoded: decoding walks buckets
-        # active blocks per (bucket, layer, head), set by the plan's validation of a packed form (which does not
-        # change afterwards): later checks trust it instead of scanning again
+        # active blocks per (bucket, layer, head) and the most of any query block, set by the plan's validation
+        # of a packed form (which does not change afterwards): later checks trust them instead of scanning again
         self.counts: torch.Tensor | None = None
+        self.most_per_row = 0
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -168,8 +169,9 @@ class BlockMasks:
 
     def _chunk_bytes(self, bucket: int, layer: int) -> bytes:
         """Packed bytes of (bucket, layer)'s stored mask, all heads."""
-        if self._last is not None and self._last[:2] == (bucket, layer):
-            return self._last[2]
+        last = self._last  # one read: another thread may replace it
+        if last is not None and last[:2] == (bucket, layer):
+            return last[2]
         _, layers, h, nq, nk = self._shape
         expected = -(-h * nq * nk // 8)
         offset, length = (int(x) for x in self._index[bucket * layers + layer])
@@ -239,13 +241,15 @@ class BlockMasks:
         offset = self._heads[0] if self._heads is not None else 0
         part = BlockMasks(self._shape, bits=self._bits, chunks=self._chunks, index=self._index,
                           heads=(offset + start, offset + stop))
-        part.counts = None if self.counts is None else self.counts[:, :, start:stop]
+        if self.counts is not None:
+            part.counts = self.counts[:, :, start:stop]
+            part.most_per_row = self.most_per_row  # a bound for the slice: enough for sizing lists
         return part
 
     def scan(self, *, dense: torch.Tensor | None = None):
         """Per (bucket, layer) statistics, computed a slice of heads at a time (at most `SCAN_BITS` bits
-        unpacked at once): yields (bucket, layer, first head, active blocks per head [int64], empty rows per
-        head [bool nq], diagonal block missing per head [bool nq], None unless nq == nk) for each slice. (bucket, layer) pairs
+        unpacked at once): yields (bucket, layer, first head, active blocks per query block [heads, nq] int64,
+        diagonal block missing [heads, nq] bool, None unless nq == nk) for each slice. (bucket, layer) pairs
         with `dense[bucket, layer]` True are skipped."""
         b, layers, h, nq, nk = self.shape
         step = max(1, SCAN_BITS // max(1, nq * nk))
@@ -258,8 +262,7 @@ class BlockMasks:
                     mask = self._heads_array(bucket, layer, start, min(h, start + step))
                     rows = np.count_nonzero(mask, axis=-1)  # active blocks per query block
                     missing = ~mask[:, diagonal, diagonal] if nq == nk else None
-                    yield (bucket, layer, start, torch.from_numpy(rows.sum(axis=-1)), torch.from_numpy(rows == 0),
-                           None if missing is None else torch.from_numpy(missing))
+                    yield bucket, layer, start, torch.from_numpy(rows), None if missing is None else torch.from_numpy(missing)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunks uint8 [n], index int64 [buckets * layers, 2]): the format version 3 storage."""

@@ -290,7 +290,7 @@ class Plan:
         self.expert = str(self.expert or "")
         shape = self.masks.shape
         if self.density is None and len(shape) == 5:
-            self.density = self._mask_counts().float() / max(1, shape[3] * shape[4])
+            self.density = self._mask_counts()[0].float() / max(1, shape[3] * shape[4])
         if self.density is not None:
             self.density = _narrowed("density", self.density, torch.float32)
         if self.dense is None and len(shape) == 5:
@@ -301,6 +301,13 @@ class Plan:
             self.profiles = [torch.as_tensor(p).float().cpu() for p in self.profiles]
         self.extra_shapes = list(self.extra_shapes)
         self.validate()
+
+    def __repr__(self) -> str:  # the dataclass's would unpack every mask (it reads `block_mask`)
+        sizes = ", ".join(str(p.layout) for p in self.calibrated_plans())
+        return (f"Plan(model_class={self.model_class!r}, expert={self.expert!r}, sizes=[{sizes}], "
+                f"layers={self.num_layers}, heads={self.num_heads}, buckets={self.num_buckets}, "
+                f"block_size={self.block_size}, qk={self.qk!r}, pv={self.pv!r}, "
+                f"target_density={self.target_density}, masks held as {self.masks.form})")
 
     # -- masks -------------------------------------------------------------------------------
     @property
@@ -314,15 +321,19 @@ class Plan:
         unpacks every bucket and layer at full size."""
         return self.masks.layer(bucket, layer)
 
-    def _mask_counts(self, *, dense: torch.Tensor | None = None) -> torch.Tensor:
-        """Active blocks per (bucket, layer, head), int64, from one scan of the masks that also refuses an
-        empty row or, for square masks, a missing diagonal block (skipping dense (bucket, layer) pairs when
-        `dense` is given: their counts are left 0)."""
+    def _mask_counts(self, *, dense: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """(active blocks per (bucket, layer, head) int64, the most active blocks of any query block), from one
+        scan of the masks that also refuses an empty row or, for square masks, a missing diagonal block
+        (skipping dense (bucket, layer) pairs when `dense` is given: their counts are left 0)."""
         masks = self.masks
         b, layers, h = masks.shape[:3]
         counts = torch.zeros(b, layers, h, dtype=torch.int64)
-        for bucket, layer, start, found, empty, missing in masks.scan(dense=dense):
-            counts[bucket, layer, start:start + len(found)] = found
+        most = 0
+        for bucket, layer, start, rows, missing in masks.scan(dense=dense):
+            counts[bucket, layer, start:start + len(rows)] = rows.sum(dim=-1)
+            if rows.numel():
+                most = max(most, int(rows.max()))
+            empty = rows == 0
             if bool(empty.any()):
                 head, row = (int(i) for i in empty.nonzero()[0])
                 raise PlanError(
@@ -334,7 +345,14 @@ class Plan:
                 raise PlanError(
                     f"plan block_mask lacks the diagonal block of bucket {bucket}, layer {layer}, head {start + head}, "
                     f"query block {row}: plans always keep the diagonal; the plan is corrupt, recalibrate")
-        return counts
+        return counts, most
+
+    def most_active_blocks_per_row(self) -> int:
+        """The most active key blocks of any query block over every bucket, layer and head (at least 1): the
+        width of active-block lists. From the load's scan when the masks are packed, else one scan now."""
+        masks = self.masks
+        most = masks.most_per_row if masks.form != "full" and masks.counts is not None else self._mask_counts()[1]
+        return max(most, 1)
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -470,7 +488,10 @@ class Plan:
         if len(set(layouts)) != len(layouts):
             raise PlanError(f"plan lists a calibrated size twice: {[str(x) for x in layouts]}")
         masks = self.masks
-        counts = masks.counts if masks.form != "full" and masks.counts is not None else self._mask_counts()
+        if masks.form != "full" and masks.counts is not None:
+            counts, most = masks.counts, masks.most_per_row
+        else:
+            counts, most = self._mask_counts()
         actual = counts.double() / max(1, nq * nk)
         if not torch.allclose(self.density.double(), actual, atol=1e-4):
             worst = float((self.density.double() - actual).abs().max())
@@ -479,7 +500,7 @@ class Plan:
                 "fraction of active blocks; the plan is corrupt, recalibrate"
             )
         if masks.form != "full":  # packed forms do not change: later checks can trust this scan
-            masks.counts = counts
+            masks.counts, masks.most_per_row = counts, most
 
     def validate_for_apply(self) -> None:
         """Check, cheaply, what the processor will read, for a plan that may have changed since it was built or
