@@ -8,3 +8,7 @@ class PlanError(ValueError):
 
 class PAROInputError(ValueError):
     """Arguments of `paro_attention` that break its contract (shapes, dtypes, modes, devices)."""
+
+
+class PlanWarning(UserWarning):
+    """A plan loads but something about it deserves a note (a file written without a checksum)."""

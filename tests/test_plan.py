@@ -1,11 +1,12 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from paroattn import Plan, PlanError, TokenLayout
-from paroattn.plan import METADATA_KEY, pack_bits, unpack_bits
+from paroattn.plan import METADATA_KEY, BlockMasks, pack_bits, unpack_bits
 
 
 def _plan(**overrides):
@@ -44,12 +45,19 @@ def test_round_trip_is_bit_exact(tmp_path):
         assert getattr(loaded, name) == getattr(plan, name), name
 
 
-def test_masks_are_bit_packed_on_disk(tmp_path):
+def test_masks_are_stored_packed_and_deflated_on_disk(tmp_path):
     plan = _plan(layout=TokenLayout(0, 8, 16, 16), block_size=64, num_layers=4, num_heads=8)
     path = tmp_path / "plan.safetensors"
     plan.save(path)
-    assert load_file(str(path))["block_mask_bits"].numel() * 8 >= plan.block_mask.numel()
-    assert load_file(str(path))["block_mask_bits"].numel() < plan.block_mask.numel() / 7.9
+    stored = load_file(str(path))
+    assert "block_mask_bits" not in stored and stored["block_mask_index"].shape == (3 * 4, 2)
+    # one method byte per (bucket, layer) at most above the packed bits
+    assert stored["block_mask_chunks"].numel() <= plan.block_mask.numel() / 8 + 3 * 4
+    old = tmp_path / "old.safetensors"
+    replace(plan, format_version=2).save(old)  # versions 1 and 2: one flat tensor of packed bits
+    assert load_file(str(old))["block_mask_bits"].numel() * 8 >= plan.block_mask.numel()
+    assert load_file(str(old))["block_mask_bits"].numel() < plan.block_mask.numel() / 7.9
+    assert torch.equal(Plan.load(old).block_mask, plan.block_mask) and Plan.load(old).format_version == 2
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 11), (2, 8)])
@@ -131,7 +139,8 @@ def test_empty_mask_row(tmp_path):
     good.save(path)
     mask = good.block_mask.clone()
     mask[1, 2, 3, 4] = False
-    _rewrite(path, tensors={"block_mask_bits": pack_bits(mask)})
+    chunks, index = BlockMasks.of(mask).encode()
+    _rewrite(path, tensors={"block_mask_chunks": chunks, "block_mask_index": index})
     with pytest.raises(PlanError, match="empty row"):
         Plan.load(path)
 
@@ -192,8 +201,9 @@ CORRUPTIONS = {  # a valid plan's tensor -> the same with one corruption
     ("orders", "orders_float", r"'orders' must be int8 with values in 0\.\.5 .*; found float32"),
     ("orders", "orders_int64", r"'orders' must be int8 .*; found int64"),
     ("orders", "orders_negative", r"'orders' must be int8 with values in 0\.\.5 .*; found values -1"),
-    ("block_mask_bits", "bits_int32", r"'block_mask_bits' must be uint8 .*; found int32"),
-    ("block_mask_bits", "bits_2d", r"'block_mask_bits' must be uint8 .* one-dimensional; found shape \(1, "),
+    ("block_mask_chunks", "bits_int32", r"'block_mask_chunks' must be uint8 .*; found int32"),
+    ("block_mask_chunks", "bits_2d", r"'block_mask_chunks' must be uint8 .* one-dimensional; found shape \(1, "),
+    ("block_mask_index", "orders_float", r"'block_mask_index' must be int64 .*; found float32"),
     ("density", "density_float64", r"'density' must be float32 with finite values in \[0, 1\] .*; found float64"),
     ("density", "density_7", r"'density' must be float32 with finite values in \[0, 1\] .*; found values 7"),
     ("density", "density_nan", r"'density' must be float32 .*; found non-finite values \(nan\)"),

@@ -217,6 +217,8 @@ def expert_plans(pipe_or_transformer, plans: Plan | Sequence[Plan]) -> tuple[lis
         found = ", ".join(type(p).__name__ for p in plans) or "nothing"
         raise TypeError(f"apply needs a paroattn.Plan or a list of them (one per expert); got {found}: "
                         "load one with Plan.load(path), an expert pair with load_plans(path)")
+    for p in plans:
+        p.validate_for_apply()  # what the processor reads, again: a plan may have changed since it was loaded
     experts = pipeline_experts(pipe_or_transformer)
     if experts[0][0] == "":  # a bare transformer
         if len(plans) > 1:

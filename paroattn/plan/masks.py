@@ -1,0 +1,323 @@
+"""A plan's block masks, bool [buckets, layers, heads, nq, nk], held small.
+
+A real model's masks are large unpacked (Wan2.1-14B at 720p: 40 layers x 40 heads x 591 x 1182 blocks, 1.1 GB
+of bools per timestep bucket), so `BlockMasks` keeps them as they came:
+- `full`: the bool tensor, for plans built in code (and after any whole-mask access, which unpacks);
+- `bits`: one flat bit-packed uint8 tensor, as files of format versions 1 and 2 store them;
+- `chunks`: one encoded chunk per (bucket, layer), as format version 3 stores them (`encode`).
+`layer(bucket, layer)` unpacks one (bucket, layer) at a time, whatever the form; `full_tensor()` unpacks all.
+
+A chunk is one method byte then its payload, the bit-packed [heads, nq, nk] mask of that (bucket, layer):
+0 the packed bytes as they are, 1 deflated (zlib), 2 deflated after an exclusive-or with the same layer's
+packed mask in the previous bucket (consecutive buckets of a calibrated plan share most blocks). Chunks with
+the same bytes are stored once (the index points several (bucket, layer) at them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import zlib
+
+import numpy as np
+import torch
+
+from ..errors import PlanError
+
+RAW, DEFLATED, DEFLATED_XOR_PREVIOUS = 0, 1, 2
+CHUNK_METHODS = (RAW, DEFLATED, DEFLATED_XOR_PREVIOUS)
+DEFLATE_LEVEL = 6
+# deflate cannot expand a stream more than about 1032 times: a chunk claiming more is not a deflate stream
+DEFLATE_MAX_RATIO = 1032
+DEFLATE_SLACK = 64  # zlib header and the last partial block
+# bits of mask unpacked at once while computing statistics: bounds the transient memory of a scan
+SCAN_BITS = 1 << 24
+
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool tensor -> uint8 [ceil(numel/8)], little-endian bit order within a byte."""
+    return torch.from_numpy(np.packbits(mask.reshape(-1).to(torch.bool).cpu().numpy(), bitorder="little"))
+
+
+def _unpacked(packed: np.ndarray, start: int, count: int) -> np.ndarray:
+    """bool [count] (numpy): bits `start..start+count-1` of bit-packed `packed` (little-endian within a byte)."""
+    first, last = start // 8, -(-(start + count) // 8)
+    offset = start - 8 * first
+    return np.unpackbits(packed[first:last], bitorder="little")[offset:offset + count].view(np.bool_)
+
+
+def unpack_bit_range(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """bool [count]: bits `start..start+count-1` of bit-packed `packed` (uint8, little-endian within a byte)."""
+    return torch.from_numpy(_unpacked(packed.numpy(), start, count))
+
+
+def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of `pack_bits`: bool tensor of `shape`."""
+    return unpack_bit_range(packed.reshape(-1), 0, math.prod(shape)).reshape(shape)
+
+
+def _packed_bytes(mask: torch.Tensor) -> bytes:
+    return pack_bits(mask).numpy().tobytes()
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return np.bitwise_xor(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)).tobytes()
+
+
+def encode_chunk(packed: bytes, previous: bytes | None) -> bytes:
+    """The smallest of the chunk encodings of one (bucket, layer)'s packed mask; `previous` is the same
+    layer's packed mask in the previous bucket (None in bucket 0)."""
+    best = bytes([RAW]) + packed
+    candidates = [(DEFLATED, packed)]
+    if previous is not None:
+        candidates.append((DEFLATED_XOR_PREVIOUS, _xor(packed, previous)))
+    for method, payload in candidates:
+        encoded = bytes([method]) + zlib.compress(payload, DEFLATE_LEVEL)
+        if len(encoded) < len(best):
+            best = encoded
+    return best
+
+
+class BlockMasks:
+    """bool [buckets, layers, heads, nq, nk] held as a tensor, flat packed bits or encoded chunks (module doc).
+    Build with `BlockMasks.of(tensor)`, `from_bits`, `from_chunks` or `from_layers`."""
+
+    def __init__(self, shape, *, full=None, bits=None, chunks=None, index=None, heads=None):
+        self._shape = tuple(int(s) for s in shape)  # as stored: all heads
+        self._full, self._bits, self._chunks, self._index = full, bits, chunks, index
+        self._heads = heads  # (start, stop): a head slice of the stored masks, or None for all
+        self._last = None  # (bucket, layer, packed bytes) of the last chunk decoded: decoding walks buckets
+        # active blocks per (bucket, layer, head) and the most of any query block, set by the plan's validation
+        # of a packed form (which does not change afterwards): later checks trust them instead of scanning again
+        self.counts: torch.Tensor | None = None
+        self.most_per_row = 0
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> BlockMasks:
+        return cls(mask.shape, full=mask)
+
+    @classmethod
+    def from_bits(cls, bits: torch.Tensor, shape) -> BlockMasks:
+        """Flat packed bits of the whole [buckets, layers, heads, nq, nk] mask (format versions 1 and 2)."""
+        expected = -(-math.prod(shape) // 8)
+        if bits.dim() != 1 or bits.numel() != expected:
+            raise PlanError(f"packed block mask holds {bits.numel()} bytes, expected {expected} for shape "
+                            f"{list(shape)}: the plan is corrupt, recalibrate")
+        return cls(shape, bits=bits)
+
+    @classmethod
+    def from_chunks(cls, chunks: torch.Tensor, index: torch.Tensor, shape) -> BlockMasks:
+        """Encoded chunks (uint8, one dimension) and their index (int64 [buckets * layers, 2]: offset and
+        length of each (bucket, layer)'s chunk, bucket-major). Checks, before anything is decoded, that
+        each chunk lies within `chunks`, has a known method and can hold the mask it stands for."""
+        buckets, layers = shape[0], shape[1]
+        if tuple(index.shape) != (buckets * layers, 2):
+            raise PlanError(f"plan tensor 'block_mask_index' must be [buckets * layers, 2] = "
+                            f"{[buckets * layers, 2]}; found {list(index.shape)}: the plan is corrupt, recalibrate")
+        size = chunks.numel()
+        packed = -(-math.prod(shape[2:]) // 8)
+        offsets, lengths = index[:, 0], index[:, 1]
+        if bool(((offsets < 0) | (lengths < 1) | (offsets > size - lengths)).any()):
+            raise PlanError(f"plan tensor 'block_mask_index' points outside the {size} bytes of 'block_mask_chunks': "
+                            "the plan is corrupt, recalibrate")
+        methods = chunks[offsets].long() if len(offsets) else offsets
+        if bool((methods >= len(CHUNK_METHODS)).any()):
+            raise PlanError(f"plan tensor 'block_mask_chunks' holds a chunk of unknown method (known: "
+                            f"{list(CHUNK_METHODS)}): the plan is corrupt, or newer than this paroattn reads")
+        if buckets and bool((methods[:layers] == DEFLATED_XOR_PREVIOUS).any()):
+            raise PlanError("plan tensor 'block_mask_chunks' holds a bucket-0 chunk relative to a previous bucket: "
+                            "the plan is corrupt, recalibrate")
+        payload = lengths - 1
+        raw_wrong = (methods == RAW) & (payload != packed)
+        too_small = (methods != RAW) & (payload * DEFLATE_MAX_RATIO + DEFLATE_SLACK < packed)
+        if bool((raw_wrong | too_small).any()):
+            raise PlanError(
+                f"plan block mask chunks are too small for the declared mask shape {list(shape)} ({packed} packed "
+                "bytes per (bucket, layer)): the plan's sizes disagree with its file; the plan is corrupt, recalibrate")
+        return cls(shape, chunks=chunks, index=index)
+
+    @classmethod
+    def from_layers(cls, shape, layer_mask) -> BlockMasks:
+        """Masks encoded one (bucket, layer) at a time: `layer_mask(bucket, layer)` -> bool [heads, nq, nk].
+        For plans too large to hold unpacked (benchmarks of real model sizes)."""
+        def checked(b, layer):
+            mask = layer_mask(b, layer)
+            if tuple(mask.shape) != tuple(shape[2:]) or mask.dtype != torch.bool:
+                raise PlanError(f"mask of bucket {b}, layer {layer} must be bool {list(shape[2:])}; found "
+                                f"{mask.dtype} {list(mask.shape)}")
+            return mask
+
+        chunks, index = _encode_layers(shape[0], shape[1], checked)
+        return cls(shape, chunks=chunks, index=index)
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self._full is not None:
+            return tuple(self._full.shape)
+        b, layers, h, nq, nk = self._shape
+        if self._heads is not None:
+            h = self._heads[1] - self._heads[0]
+        return b, layers, h, nq, nk
+
+    @property
+    def form(self) -> str:
+        """"full", "bits" or "chunks"."""
+        return "full" if self._full is not None else "bits" if self._bits is not None else "chunks"
+
+    def _chunk_bytes(self, bucket: int, layer: int) -> bytes:
+        """Packed bytes of (bucket, layer)'s stored mask, all heads."""
+        last = self._last  # one read: another thread may replace it
+        if last is not None and last[:2] == (bucket, layer):
+            return last[2]
+        _, layers, h, nq, nk = self._shape
+        expected = -(-h * nq * nk // 8)
+        offset, length = (int(x) for x in self._index[bucket * layers + layer])
+        chunk = self._chunks[offset:offset + length].numpy().tobytes()
+        method, payload = chunk[0], chunk[1:]
+        if method == RAW:
+            packed = payload
+        else:
+            inflater = zlib.decompressobj()
+            try:
+                packed = inflater.decompress(payload, expected)
+            except zlib.error as exc:
+                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
+                                "the plan is corrupt, recalibrate") from None
+            if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
+                                f"{expected} bytes: the plan is corrupt, recalibrate")
+            if method == DEFLATED_XOR_PREVIOUS:
+                packed = _xor(packed, self._chunk_bytes(bucket - 1, layer))
+        self._last = (bucket, layer, packed)
+        return packed
+
+    def heads(self, bucket: int, layer: int, start: int, stop: int) -> torch.Tensor:
+        """bool [stop - start, nq, nk]: heads start..stop-1 (of this view) of one (bucket, layer); unpacked
+        from packed forms, a view of the tensor of the full form."""
+        if self._full is not None:
+            return self._full[bucket, layer, start:stop]
+        return torch.from_numpy(self._heads_array(bucket, layer, start, stop))
+
+    def _heads_array(self, bucket: int, layer: int, start: int, stop: int) -> np.ndarray:
+        """`heads` as a numpy array (a view of the tensor of the full form)."""
+        if self._full is not None:
+            return self._full[bucket, layer, start:stop].numpy()
+        _, layers, h, nq, nk = self._shape
+        first = start + (self._heads[0] if self._heads is not None else 0)
+        per_head = nq * nk
+        count = (stop - start) * per_head
+        if self._bits is not None:
+            at = ((bucket * layers + layer) * h + first) * per_head
+            bits = _unpacked(self._bits.numpy(), at, count)
+        else:
+            packed = np.frombuffer(self._chunk_bytes(bucket, layer), dtype=np.uint8)
+            bits = _unpacked(packed, first * per_head, count)
+        return bits.reshape(stop - start, nq, nk)
+
+    def layer(self, bucket: int, layer: int) -> torch.Tensor:
+        """bool [heads, nq, nk] of one (bucket, layer) (a view of the tensor when the form is full: do not
+        modify it unless you mean to change the plan)."""
+        return self.heads(bucket, layer, 0, self.shape[2])
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole bool [buckets, layers, heads, nq, nk] tensor, full size (8x the packed bits). The store
+        keeps it and drops its packed form: in-place edits of the tensor are edits of the masks."""
+        if self._full is None:
+            b, layers = self.shape[:2]
+            full = torch.empty(self.shape, dtype=torch.bool)
+            for bucket in range(b):
+                for layer in range(layers):
+                    full[bucket, layer] = self.layer(bucket, layer)
+            self._full, self._bits, self._chunks, self._index, self._heads, self._last = full, None, None, None, None, None
+            self.counts = None  # the caller may now edit the tensor
+        return self._full
+
+    def head_slice(self, start: int, stop: int) -> BlockMasks:
+        if self._full is not None:
+            return BlockMasks.of(self._full[:, :, start:stop])
+        offset = self._heads[0] if self._heads is not None else 0
+        part = BlockMasks(self._shape, bits=self._bits, chunks=self._chunks, index=self._index,
+                          heads=(offset + start, offset + stop))
+        if self.counts is not None:
+            part.counts = self.counts[:, :, start:stop]
+            part.most_per_row = self.most_per_row  # a bound for the slice: enough for sizing lists
+        return part
+
+    def scan(self, *, dense: torch.Tensor | None = None):
+        """Per (bucket, layer) statistics, computed a slice of heads at a time (at most `SCAN_BITS` bits
+        unpacked at once): yields (bucket, layer, first head, active blocks per query block [heads, nq] int64,
+        diagonal block missing [heads, nq] bool, None unless nq == nk) for each slice. (bucket, layer) pairs
+        with `dense[bucket, layer]` True are skipped."""
+        b, layers, h, nq, nk = self.shape
+        step = max(1, SCAN_BITS // max(1, nq * nk))
+        diagonal = np.arange(nq)
+        for bucket in range(b):
+            for layer in range(layers):
+                if dense is not None and bool(dense[bucket, layer]):
+                    continue
+                for start in range(0, h, step):
+                    mask = self._heads_array(bucket, layer, start, min(h, start + step))
+                    rows = np.count_nonzero(mask, axis=-1)  # active blocks per query block
+                    missing = ~mask[:, diagonal, diagonal] if nq == nk else None
+                    yield bucket, layer, start, torch.from_numpy(rows), None if missing is None else torch.from_numpy(missing)
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunks uint8 [n], index int64 [buckets * layers, 2]): the format version 3 storage."""
+        if self._chunks is not None and self._heads is None:
+            return self._chunks, self._index
+        return _encode_layers(self.shape[0], self.shape[1], self.layer)
+
+    def flat_bits(self) -> torch.Tensor:
+        """The whole mask bit-packed in one flat tensor (format versions 1 and 2)."""
+        if self._bits is not None and self._heads is None:
+            return self._bits
+        b, layers = self.shape[:2]
+        if (math.prod(self.shape[2:])) % 8 == 0:  # byte-aligned layers: packed one at a time
+            return torch.cat([pack_bits(self.layer(bucket, layer)) for bucket in range(b) for layer in range(layers)]
+                             or [torch.zeros(0, dtype=torch.uint8)])
+        return pack_bits(torch.stack([self.layer(bucket, layer) for bucket in range(b) for layer in range(layers)]))
+
+    def stored_bytes(self) -> int:
+        """Bytes this store holds in memory."""
+        if self._full is not None:
+            return self._full.numel()
+        if self._bits is not None:
+            return self._bits.numel()
+        return self._chunks.numel() + self._index.numel() * 8
+
+
+def _encode_layers(buckets: int, layers: int, layer_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunks, index) of the masks `layer_mask(bucket, layer)`, bucket-major. A (bucket, layer) whose mask and
+    previous-bucket mask were seen together before reuses that encoding (deflate is the slow part)."""
+    previous: list[tuple[bytes, bytes] | None] = [None] * layers  # (packed, digest) of each layer's last bucket
+    seen: dict[tuple[bytes, bytes | None], bytes] = {}
+    encoded = []
+    for bucket in range(buckets):
+        for layer in range(layers):
+            packed = _packed_bytes(layer_mask(bucket, layer))
+            digest = hashlib.sha256(packed).digest()
+            before = previous[layer]
+            key = (digest, None if before is None else before[1])
+            if key not in seen:
+                seen[key] = encode_chunk(packed, None if before is None else before[0])
+            encoded.append(seen[key])
+            previous[layer] = (packed, digest)
+    return _concatenate(encoded)
+
+
+def _concatenate(encoded: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor of the distinct chunks, and each chunk's (offset, length) in it."""
+    at: dict[bytes, int] = {}
+    parts, index, size = [], [], 0
+    for chunk in encoded:
+        if chunk not in at:
+            at[chunk] = size
+            parts.append(chunk)
+            size += len(chunk)
+        index.append((at[chunk], len(chunk)))
+    data = b"".join(parts)
+    chunks = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    return chunks, torch.tensor(index, dtype=torch.int64).view(-1, 2)
