@@ -299,7 +299,7 @@ def calibrate(
         edges = _parse_numbers(bucket_edges, "--bucket-edges", "1000,800,500,0")
         if problem := bucket_edges_problem(edges):
             _fail(f"--bucket-edges {bucket_edges!r}: {problem.replace('bucket_edges', 'the edges', 1)}")
-    _check(range_problem("--stat-every", stat_every, 1, MAX_STEPS, "steps k (1 captures every step)"))
+    _check(range_problem("--stat-every", stat_every, 1, MAX_STEPS, "steps k", "1 captures every step"))
     if metric not in METRICS:
         _fail(f"--metric {metric!r} is not one of {', '.join(METRICS)}: pass one of them")
     if not (math.isfinite(quant_weight) and 0 <= quant_weight <= MAX_QUANT_WEIGHT):
@@ -311,9 +311,9 @@ def calibrate(
                                     or query_block & (query_block - 1) or query_block > MAX_BLOCK):
         _fail(f"--query-block {query_block}: pass a power-of-two multiple of --block-size {block_size}, up to "
               f"{MAX_BLOCK}, e.g. {2 * block_size}")
-    _check(range_problem("--dilation", dilation, 0, MAX_DILATION, "blocks (0, the default, turns it off)"))
-    _check(range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs (1, the default, leaves the masks as the budget "
-                                                             "chose them)"))
+    _check(range_problem("--dilation", dilation, 0, MAX_DILATION, "blocks", "0, the default, turns it off"))
+    _check(range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs",
+                         "1, the default, leaves the masks as the budget chose them"))
     layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
     size_list = _parse_sizes(sizes, height, width, frames) if sizes else None

@@ -281,7 +281,25 @@ def enlarged(pixels: np.ndarray, scale: int) -> np.ndarray:
     return np.repeat(np.repeat(pixels, scale, axis=-3), scale, axis=-2)
 
 
+# final path -> the temporary file it is written to while `_written_together` holds it
+_WRITING_TO: dict[Path, Path] = {}
+
+
+@contextmanager
+def _written_together(*targets: Path):
+    """`written_together` of `targets`, with `_write` of each target writing its temporary file meanwhile."""
+    with written_together(*targets) as partial:
+        _WRITING_TO.update(zip(targets, partial))
+        try:
+            yield
+        finally:
+            for target in targets:
+                _WRITING_TO.pop(target, None)
+
+
 def _write(pixels: np.ndarray, path: Path, video: bool, fps: int) -> Path:
+    """`pixels` as the video or image `path` (inside `_written_together`: into its temporary file)."""
+    path = _WRITING_TO.get(path, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if video and path.suffix.lower() == ".gif":
         import imageio.v2 as imageio
@@ -447,7 +465,8 @@ def generate(
     # every option and the output path are checked before the model loads
     if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
-    if problem := range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs (processes) to split each generation over"):
+    if problem := range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs",
+                                 "processes to split each generation over"):
         raise ValueError(problem)
     if problem := range_problem("--exchange-groups", exchange_groups, 1, MAX_GROUPS, "groups of each GPU's heads"):
         raise ValueError(problem)
@@ -601,10 +620,10 @@ def generate(
             return {"rank": rank}
     scale = visible_scale(*pixels.shape[-3:-1])
     targets = _outputs(out, compare)
-    with written_together(*targets) as partial:  # an interrupted write leaves earlier files as they were
-        _write(enlarged(pixels, scale), partial[0], video, fps)
+    with _written_together(*targets):  # an interrupted write leaves earlier files as they were
+        _write(enlarged(pixels, scale), targets[0], video, fps)
         if compare:
-            _write(enlarged(dense_pixels, scale), partial[1], video, fps)
+            _write(enlarged(dense_pixels, scale), targets[1], video, fps)
     result["path"] = str(out)
     if compare:
         result["dense_path"] = str(targets[1])

@@ -161,14 +161,16 @@ MAX_QUANT_WEIGHT = 1000.0
 SEED_RANGE = (0, 2**64 - 1)
 
 
-def range_problem(flag: str, value: int | None, low: int, high: int, what: str, default: str | None = None
-                  ) -> str | None:
+def range_problem(flag: str, value: int | None, low: int, high: int, what: str, note: str | None = None,
+                  default: str | None = None) -> str | None:
     """Why `value` of `flag` is outside [low, high], or None (None: the option is left out). `what` names the
-    unit ("denoising steps"); `default`, when the option can be left out, what leaving it out gives."""
+    unit ("denoising steps"); `note` adds what a value means; `default`, when the option can be left out, what
+    leaving it out gives."""
     if value is None or low <= value <= high:
         return None
+    note = f" ({note})" if note else ""
     leave = f" (or leave {flag} out for {default})" if default else ""
-    return f"{flag} {value}: pass a number of {what} from {low} to {high}{leave}"
+    return f"{flag} {value}: pass a number of {what} from {low} to {high}{note}{leave}"
 
 
 _SIZES = {"steps": (MAX_STEPS, "denoising steps"), "frames": (MAX_FRAMES, "frames"), "height": (MAX_PIXELS, "pixels"),
@@ -180,7 +182,8 @@ def size_problem(**sizes: int | None) -> str | None:
     (None: the pipeline's default)."""
     for name, value in sizes.items():
         high, what = _SIZES[name]
-        if problem := range_problem("--" + name.replace("_", "-"), value, 1, high, what, "the pipeline's default"):
+        if problem := range_problem("--" + name.replace("_", "-"), value, 1, high, what,
+                                    default="the pipeline's default"):
             return problem
     return None
 
