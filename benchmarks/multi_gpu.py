@@ -98,11 +98,16 @@ MODE_SPECS = [(label, density, qk, pv, False, False) for label, density, qk, pv 
 MODES = [spec[0] for spec in MODE_SPECS]
 
 
-def build(name: str, device, dtype, smoke: bool):
-    """(transformer, forward inputs) of `name`, identical on every process (broadcast from rank 0)."""
+def build(name: str, device, dtype, smoke: bool, smoke_heads: int | None = None):
+    """(transformer, forward inputs) of `name`, identical on every process (broadcast from rank 0); `smoke_heads`:
+    the shrunk model's heads (default: e2e's 2)."""
+    from unittest import mock
+
     key, _ = MODELS[name]
     torch.manual_seed(0)
-    transformer = e2e.build_transformer(key, device, dtype, smoke)
+    heads = {"num_attention_heads": smoke_heads} if smoke and smoke_heads else {}
+    with mock.patch.dict(e2e.SMOKE_CONFIG, heads):
+        transformer = e2e.build_transformer(key, device, dtype, smoke)
     inputs = e2e.step_inputs(key, transformer, device, dtype, smoke)
     if dist.is_initialized():
         with torch.no_grad():
@@ -306,7 +311,7 @@ def saved_outputs(directory: Path | None, label: str, modes, balance_for: int, g
 def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[dict]:
     label = MODELS[name][1] + (" (smoke)" if args.smoke else "")
     t0 = time.perf_counter()
-    transformer, inputs = build(name, device, dtype, args.smoke)
+    transformer, inputs = build(name, device, dtype, args.smoke, args.smoke_heads)
     family = family_of(transformer)
     layout = family.call_inputs(transformer, inputs).layout
     heads = transformer.config.num_attention_heads
@@ -410,6 +415,9 @@ def main(argv=None):
                         help="N = 1: save each mode's output in this folder; N > 1: compare with the outputs saved there")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written by rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, torch backend: checks the script")
+    parser.add_argument("--smoke-heads", type=int, default=None,
+                        help="--smoke: heads of the shrunk model (default 2; 4 leaves 2 per GPU on 2 processes, so "
+                             "the pipelined mode has groups to pipeline)")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)

@@ -190,3 +190,48 @@ def test_plan_from_stats_logs_the_advice(monkeypatch):
         driver.plan_from_stats(Stats(), compute_device="cpu", log=logged.append)
     assert logged == ["warning: no captured step fell in buckets [1]; they use the mean over all captured steps. "
                       "ADVICE [1]"]
+
+
+# -- attention pictures -----------------------------------------------------------------------------------
+
+def test_attention_pictures_have_a_colour_scale_a_mask_legend_and_stay_compact(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from paroattn import Plan, TokenLayout
+    from paroattn.calibrate import figures
+
+    plan = Plan.synthetic(layout=TokenLayout(0, 4, 8, 8), num_layers=1, num_heads=1, density=0.5, num_buckets=6,
+                          block_size=16)
+    plan.save(tmp_path / "plan.safetensors")
+    nb = plan.block_mask.shape[-1]
+    save_file({"figure_layers": torch.tensor([0]), "figure_original": torch.rand(1, 1, nb, nb),
+               "figure_reordered": torch.rand(1, 1, nb, nb)}, str(tmp_path / "plan.stats.safetensors"))
+    [path] = figures.draw_plan_heads(plan, [(0, 0)], tmp_path / "png", plan_path=tmp_path / "plan.safetensors")
+    picture = np.asarray(Image.open(path).convert("RGB"))
+    height, width = picture.shape[:2]
+    assert width < 1.5 * height  # six buckets' masks wrap into rows instead of a long strip
+
+    scale = np.asarray(figures._colour_scale(300))
+    column = scale[:, 5]  # a column through the bar: the ramp from its top colour down to its bottom one
+    bar = column[(column[:, 0] != column[:, 1]) | (column[:, 1] != column[:, 2])]  # coloured rows: not the title
+    ramp = figures._RAMP.numpy().astype(int)
+    assert (np.abs(bar[0].astype(int) - ramp[-1]) <= 2).all() and (np.abs(bar[-1].astype(int) - ramp[0]) <= 2).all()
+    legend = np.asarray(figures._mask_legend())
+    for colour in (figures.KEPT_COLOUR, figures.SKIPPED_COLOUR):
+        assert (legend.reshape(-1, 3) == colour).all(axis=1).sum() > 100  # a swatch of each
+    # and both are in the picture: the bar's ramp and the legend's swatch of skipped blocks
+    flat = picture.reshape(-1, 3)
+    assert (flat == ramp[-1]).all(axis=1).any() and (flat == figures.SKIPPED_COLOUR).all(axis=1).any()
+
+
+def test_a_picture_without_stats_says_why_it_has_no_maps(tmp_path):
+    from paroattn import Plan, TokenLayout
+    from paroattn.calibrate import figures
+
+    plan = Plan.synthetic(layout=TokenLayout(0, 2, 4, 4), num_layers=1, num_heads=1, density=0.5, num_buckets=1,
+                          block_size=16)
+    plan.save(tmp_path / "plan.safetensors")
+    [path] = figures.draw_plan_heads(plan, [(0, 0)], tmp_path / "png", plan_path=tmp_path / "plan.safetensors")
+    assert path.is_file() and not [p for p in path.parent.iterdir() if ".partial-" in p.name]
