@@ -235,3 +235,26 @@ def test_a_picture_without_stats_says_why_it_has_no_maps(tmp_path):
     plan.save(tmp_path / "plan.safetensors")
     [path] = figures.draw_plan_heads(plan, [(0, 0)], tmp_path / "png", plan_path=tmp_path / "plan.safetensors")
     assert path.is_file() and not [p for p in path.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_the_demo_pipelines_calibrate_recipe_fills_every_bucket(tmp_path):
+    """The `paro calibrate` line `paro demo-pipeline` prints captures a step in every timestep bucket of the
+    default 6 (its scheduler's timesteps at the recipe's --steps, captured every --stat-every steps), so it runs
+    without the empty-bucket warning."""
+    import re
+
+    from paroattn.calibrate.recorder import bucket_index
+    from paroattn.demo_model.model import load_demo_pipeline
+    from paroattn.plan import default_bucket_edges
+
+    result = invoke(["demo-pipeline", tmp_path / "dp"])
+    assert result.exit_code == 0, result.output
+    recipe = next(line for line in result.output.splitlines() if "paro calibrate" in line)
+    steps = int(re.search(r"--steps (\d+)", recipe).group(1))
+    every = int(m.group(1)) if (m := re.search(r"--stat-every (\d+)", recipe)) else 2
+    buckets = int(m.group(1)) if (m := re.search(r"--buckets (\d+)", recipe)) else 6
+    scheduler = load_demo_pipeline(tmp_path / "dp", device="cpu").scheduler
+    scheduler.set_timesteps(steps)
+    edges = default_bucket_edges(buckets)
+    captured = [bucket_index(edges, float(t)) for i, t in enumerate(scheduler.timesteps) if i % every == 0]
+    assert sorted(set(captured)) == list(range(buckets)), (recipe, captured)
