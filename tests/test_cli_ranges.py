@@ -121,3 +121,19 @@ def test_inspect_png_default_heads_are_those_the_plan_has(tmp_path):
     assert sorted(p.name for p in (tmp_path / "png").iterdir()) == ["layer000_head000.png"]
     result = invoke(["inspect", path, "--png", tmp_path / "png2", "--heads", "9:9"])
     assert_clean_failure(result, "--heads 9:9 not in the plan")
+
+
+def test_calibrate_refuses_buckets_that_bucket_edges_would_override(tmp_path, monkeypatch):
+    saved_tiny_flux(tmp_path)
+    no_model_loads(monkeypatch)
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "new.safetensors", "--buckets", "4",
+                     "--bucket-edges", "1000,500,0"])
+    assert_clean_failure(result, "--buckets and --bucket-edges both choose", "pass one of them")
+
+
+@pytest.mark.parametrize("args", [["--block-q", "128"], ["--block-k", "64"], ["--backend", "cuda"], ["--overwrite"]])
+def test_bench_refuses_run_options_beside_table(tmp_path, args):
+    results = tmp_path / "r.json"
+    results.write_text('{"rows": []}')
+    result = invoke(["bench", "--table", results, *args])
+    assert_clean_failure(result, f"{args[0]} goes with a run, not with --table")

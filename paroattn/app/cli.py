@@ -220,8 +220,8 @@ def calibrate(
     frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
     sizes: str | None = typer.Option(None, help="calibrate several generation sizes into one plan, HEIGHTxWIDTHxFRAMES (HEIGHTxWIDTH for images) comma-separated, e.g. 480x832x81,720x1280x81 (instead of --height/--width/--frames); any size is served, other sizes derived from the closest calibrated one"),
     steps: int = typer.Option(50, help="denoising steps of each calibration run, >= 1"),
-    buckets: int = typer.Option(6, help="timestep buckets, >= 1: timesteps above 500 split into N-1, one shared by the rest"),
-    bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (overrides --buckets)"),
+    buckets: int | None = typer.Option(None, help="timestep buckets, 1 to 100 (default: 6): timesteps above 500 split into N-1, one shared by the rest"),
+    bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (instead of --buckets)"),
     stat_every: int = typer.Option(2, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step)"),
     metric: str = typer.Option("mass", help="how each head's order is chosen: mass (the order whose mask at --density keeps the most attention mass) or paper (the PAROAttention paper's score: the share of nearly empty blocks, weighed against incoherence)"),
     quant_weight: float = typer.Option(0.0, help="weight >= 0 of incoherence in the mass metric: a block's largest attention value over its mean, which makes it harder to quantize; 0 (the default) ignores it"),
@@ -295,6 +295,8 @@ def calibrate(
     _check(size_problem(steps=steps, height=height, width=width, frames=frames))
     _check(range_problem("--buckets", buckets, 1, MAX_BUCKETS, "timestep buckets"))
     edges = None
+    if bucket_edges is not None and buckets is not None:
+        _fail("--buckets and --bucket-edges both choose the timestep buckets (the edges would win): pass one of them")
     if bucket_edges is not None:
         edges = _parse_numbers(bucket_edges, "--bucket-edges", "1000,800,500,0")
         if problem := bucket_edges_problem(edges):
@@ -336,7 +338,7 @@ def calibrate(
     try:
         capture_config = CaptureConfig(
             block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,
-            num_buckets=buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
+            num_buckets=buckets or CaptureConfig.num_buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
         )
         selection = SelectionConfig(
             density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, figure_layers=layers_for_figures,
@@ -459,9 +461,9 @@ def bench(
     densities: str | None = typer.Option(None, help="block densities of the synthetic masks, in (0, 1], comma-separated "
                                                     f"(default: {','.join(map(str, DENSITIES))}; with --table: all "
                                                     "in the file)"),
-    block_q: int = typer.Option(64, help="query block of the masks: 64 or 128"),
-    block_k: int = typer.Option(64, help="key block of the masks: 64 or 128"),
-    backend: str = typer.Option("auto", help="attention backend of the op: auto, triton or cuda (the sm_90a kernels)"),
+    block_q: int | None = typer.Option(None, help="query block of the masks: 64 or 128 (default: 64)"),
+    block_k: int | None = typer.Option(None, help="key block of the masks: 64 or 128 (default: 64)"),
+    backend: str | None = typer.Option(None, help="attention backend of the op: auto, triton or cuda (the sm_90a kernels; default: auto)"),
     out: Path | None = typer.Option(None, "--out", help="results file to write, .json (default: "
                                     "paro-bench-<GPU>.json in this folder, numbered so that no earlier run is replaced)"),
     table: list[Path] | None = typer.Option(None, "--table", metavar="RESULTS.json",
@@ -483,8 +485,11 @@ def bench(
               (("--shapes", shapes), ("--modes", modes), ("--densities", densities)) if text is not None}
     select = dict(shapes=chosen.get("--shapes"), modes=chosen.get("--modes"), densities=chosen.get("--densities"))
     if table:
-        if out is not None:
-            _fail("--out goes with a run, not with --table (which prints saved results): leave one out")
+        run_only = [flag for flag, value in (("--out", out), ("--block-q", block_q), ("--block-k", block_k),
+                                             ("--backend", backend), ("--overwrite", overwrite or None))
+                    if value is not None]
+        if run_only:
+            _fail(f"{run_only[0]} goes with a run, not with --table (which prints saved results): leave one out")
         loaded = []
         for path in table:
             try:
@@ -494,6 +499,7 @@ def bench(
         for path, results in loaded:
             typer.echo(f"`{path.name}`: {results_table(results, **select)}\n")
         return
+    block_q, block_k, backend = block_q or 64, block_k or 64, backend or "auto"
     for option, value in (("--block-q", block_q), ("--block-k", block_k)):
         if value not in (64, 128):
             _fail(f"{option} {value}: pass 64 or 128")
