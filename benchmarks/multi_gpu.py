@@ -7,7 +7,8 @@ parallelism, dense vs PARO (each GPU runs its contiguous slice of the plan's hea
     ... --modes "dense,paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced"    # a subset (dense is always run)
     ... --baseline ONE_GPU.json ... # the one-GPU times from N = 1 runs (or --check runs) of the models (not run again)
     ... --outputs DIR   # N = 1: save each mode's output there; N > 1: compare with those saved (a check without
-                        # running one GPU again; the balanced mode only where it was balanced for the same N)
+                        # running one GPU again; the balanced and pipelined modes only where they were balanced
+                        # for the same N and groups)
     python benchmarks/multi_gpu.py --smoke [--models ...] [--out ...]    # tiny models on CPU (also under torchrun)
     python benchmarks/multi_gpu.py --table RESULTS.json ...   # markdown tables of results files (no GPU)
 
@@ -30,7 +31,8 @@ same plan balanced over the N GPUs when applied (`apply(..., balance_ranks=N)`: 
 the GPUs' slices of the heads, moved by the mass its axis profiles estimate), and "paro d=0.2 int8+fp8 pipelined":
 the exchange pipelined over G groups of each GPU's heads (`exchange_groups=G`: `--pipeline-groups`, by default the
 most up to 4 that divide a GPU's heads) with the plan balanced over the N x G groups (each group's all-to-all waits
-for every GPU); on one GPU it is the balanced mode. Plans are synthetic, all masks resident: random orders, banded
+for every GPU); on one GPU it runs the same N x G-balanced plan without an exchange, so that `--check` compares every
+mode with the same plan on one GPU (the balanced mode's differs: it is balanced over N). Plans are synthetic, all masks resident: random orders, banded
 and scattered masks whose density varies per head as calibrated plans' do (log-normal around the target, sigma
 `--head-spread`: 0.35 by default, within the 0.26-0.42 of the demo model's shipped plans), and random axis profiles.
 
@@ -96,11 +98,16 @@ MODE_SPECS = [(label, density, qk, pv, False, False) for label, density, qk, pv 
 MODES = [spec[0] for spec in MODE_SPECS]
 
 
-def build(name: str, device, dtype, smoke: bool):
-    """(transformer, forward inputs) of `name`, identical on every process (broadcast from rank 0)."""
+def build(name: str, device, dtype, smoke: bool, smoke_heads: int | None = None):
+    """(transformer, forward inputs) of `name`, identical on every process (broadcast from rank 0); `smoke_heads`:
+    the shrunk model's heads (default: e2e's 2)."""
+    from unittest import mock
+
     key, _ = MODELS[name]
     torch.manual_seed(0)
-    transformer = e2e.build_transformer(key, device, dtype, smoke)
+    heads = {"num_attention_heads": smoke_heads} if smoke and smoke_heads else {}
+    with mock.patch.dict(e2e.SMOKE_CONFIG, heads):
+        transformer = e2e.build_transformer(key, device, dtype, smoke)
     inputs = e2e.step_inputs(key, transformer, device, dtype, smoke)
     if dist.is_initialized():
         with torch.no_grad():
@@ -183,6 +190,16 @@ def pipeline_groups(heads_per_gpu: int, given: int | None = None) -> int:
     return given or max(g for g in range(1, 5) if heads_per_gpu % g == 0)
 
 
+def mode_balance(balanced: bool, pipelined: bool, heads: int, balance_for: int, given: int | None = None
+                 ) -> tuple[int, int]:
+    """(the groups of heads the mode's plan is balanced over, the groups each GPU's exchange is pipelined over):
+    the balanced mode's plan over `balance_for` GPUs, the pipelined mode's over `balance_for` x G groups, the rest
+    as calibrated. The same on one GPU as on N, so that `--check` compares each mode with the same plan on one GPU
+    (where the pipelined mode has no exchange to pipeline and runs its N x G-balanced plan directly)."""
+    groups = pipeline_groups(heads // balance_for, given) if pipelined else 1
+    return (balance_for * groups if balanced else 1), groups
+
+
 def mode_plan(label: str, density: float, plans: dict, transformer, layout, block, args) -> Plan:
     """The synthetic plan of `density` (built once per density for every N: building a full-size one takes seconds)."""
     if density not in plans:
@@ -200,19 +217,16 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
     for label, density, qk, pv, balanced, pipelined in MODE_SPECS:
         if label not in args.modes:
             continue
-        if gpus == 1 and pipelined and BALANCED in results:  # no exchange on one GPU
-            row, out = results[BALANCED]
-            results[label] = ({**row, "mode": label}, out)
-            continue
         handle = None
-        groups = pipeline_groups(transformer.config.num_attention_heads // balance_for, args.pipeline_groups) \
-            if pipelined else 1
+        balance_ranks, groups = mode_balance(balanced, pipelined, transformer.config.num_attention_heads, balance_for,
+                                             args.pipeline_groups)
         if density is not None:
             plan = mode_plan(label, density, plans, transformer, layout, block, args)
             plan.qk, plan.pv = qk, pv
             start = time.perf_counter()
-            handle = apply(transformer, plan, backend=backend, resident=True,
-                           balance_ranks=balance_for * groups if balanced else 1, exchange_groups=groups)
+            # one GPU has no exchange to pipeline: the same plan, its groups' attention in one call
+            handle = apply(transformer, plan, backend=backend, resident=True, balance_ranks=balance_ranks,
+                           exchange_groups=groups if gpus > 1 else 1)
             handle.processor.prepare(handle.binding, device)
             balance_s = time.perf_counter() - start if balanced else None
         elif gpus > 1 and family.ulysses_text == TEXT_WHOLE:  # the model's attention through PARO's exchange
@@ -228,6 +242,7 @@ def run_modes(transformer, inputs, layout, args, device, block, backend: str, gp
             row["exchange_groups"] = groups
         if balanced:
             row["balance_s"] = balance_s
+            row["balanced_for"] = balance_ranks
         if density is not None:
             from paroattn.plan.balance import rank_imbalance
 
@@ -269,25 +284,26 @@ def baseline_times(paths: list[Path], label: str) -> dict[str, float]:
         for row in data["rows"]:
             if row["model"] == label and key in row:
                 times.setdefault(row["mode"], row[key])
-    if BALANCED in times:  # on one GPU there is no exchange to pipeline: the same step
+    if BALANCED in times:  # files of runs that timed the pipelined mode's plan on one GPU as the balanced mode's
         times.setdefault(PIPELINED, times[BALANCED])
     return times
 
 
-def output_path(directory: Path, label: str, mode: str, balance_for: int) -> Path:
-    """Where the one-GPU output of (`label`, `mode`) is saved; a balanced plan depends on the GPUs it was balanced
-    for, so its file names them."""
-    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode == BALANCED else "")
+def output_path(directory: Path, label: str, mode: str, balance_for: int, groups: int = 1) -> Path:
+    """Where the one-GPU output of (`label`, `mode`) is saved; a balanced plan depends on the GPUs (and, pipelined, the
+    groups of each GPU's heads) it was balanced for, so its file names them."""
+    name = f"{label}-{mode}" + (f"-for-{balance_for}" if mode == BALANCED else
+                                f"-for-{balance_for}x{groups}" if mode == PIPELINED else "")
     return directory / ("".join(c if c.isalnum() or c in "-." else "_" for c in name) + ".pt")
 
 
-def saved_outputs(directory: Path | None, label: str, modes, balance_for: int) -> dict | None:
+def saved_outputs(directory: Path | None, label: str, modes, balance_for: int, groups: int = 1) -> dict | None:
     """{mode: output} saved by an N = 1 run with `--outputs` (modes without a file are left out), or None."""
     if directory is None:
         return None
     found = {}
     for mode in modes:
-        if (path := output_path(directory, label, mode, balance_for)).is_file():
+        if (path := output_path(directory, label, mode, balance_for, groups)).is_file():
             found[mode] = torch.load(path)
     return found
 
@@ -295,7 +311,7 @@ def saved_outputs(directory: Path | None, label: str, modes, balance_for: int) -
 def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[dict]:
     label = MODELS[name][1] + (" (smoke)" if args.smoke else "")
     t0 = time.perf_counter()
-    transformer, inputs = build(name, device, dtype, args.smoke)
+    transformer, inputs = build(name, device, dtype, args.smoke, args.smoke_heads)
     family = family_of(transformer)
     layout = family.call_inputs(transformer, inputs).layout
     heads = transformer.config.num_attention_heads
@@ -307,6 +323,7 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
     if rank == 0:
         print(f"[{label}] built in {time.perf_counter() - t0:.1f} s: {heads} heads, {layout} ({layout.seq_len} tokens), "
               f"{world} GPU(s)" + (", chunks of unequal length (ulysses_anything)" if uneven else ""), flush=True)
+    groups = mode_balance(True, True, heads, world, args.pipeline_groups)[1]  # the pipelined mode's
     given = baseline_times(args.baseline, label) if args.baseline else {}
     if args.baseline and (missing := sorted(args.modes - given.keys())):
         raise SystemExit(f"--baseline {' '.join(map(str, args.baseline))} lacks {label}'s modes {', '.join(missing)}: "
@@ -317,14 +334,14 @@ def bench_model(name: str, args, device, dtype, world: int, rank: int) -> list[d
         if world == 1 and args.outputs:
             args.outputs.mkdir(parents=True, exist_ok=True)
             for mode, (_, out) in one.items():
-                torch.save(out, output_path(args.outputs, label, mode, world))
+                torch.save(out, output_path(args.outputs, label, mode, world, groups))
     if world > 1:
         dist.barrier()
         enable_ulysses(transformer, world, uneven=uneven)
         reference = None
         if rank == 0:
             reference = ({mode: out for mode, (_, out) in one.items()} if args.check
-                         else saved_outputs(args.outputs, label, args.modes, world))
+                         else saved_outputs(args.outputs, label, args.modes, world, groups))
         parallel = run_modes(transformer, inputs, layout, args, device, block, backend, world, reference, plans, world)
     else:
         parallel = one
@@ -398,6 +415,9 @@ def main(argv=None):
                         help="N = 1: save each mode's output in this folder; N > 1: compare with the outputs saved there")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written by rank 0)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU, torch backend: checks the script")
+    parser.add_argument("--smoke-heads", type=int, default=None,
+                        help="--smoke: heads of the shrunk model (default 2; 4 leaves 2 per GPU on 2 processes, so "
+                             "the pipelined mode has groups to pipeline)")
     parser.add_argument("--table", metavar="JSON", nargs="+", type=Path,
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     args = parser.parse_args(argv)

@@ -256,7 +256,7 @@ def test_inspect_png_finds_the_stats_file_beside_the_plan(tmp_path, monkeypatch)
     assert result.exit_code == 0, result.output
     with_maps = Image.open(tmp_path / "png" / "layer000_head000.png")
     masks_only = Image.open(tmp_path / "png" / "layer001_head000.png")  # layer 1 has no saved maps
-    assert with_maps.width > masks_only.width + 300  # two block-map panels beside the mask
+    assert with_maps.height > masks_only.height + 300  # a row of two block-map panels above the mask
 
 
 # -- paro calibrate: mask options --------------------------------------------------------------
@@ -266,12 +266,12 @@ def test_inspect_png_finds_the_stats_file_beside_the_plan(tmp_path, monkeypatch)
     ("--dense-layers", "1.5", ["--dense-layers '1.5'", "e.g. --dense-layers 0,-1"]),
     ("--layer-floor", "1.5", ["--layer-floor 1.5", "[0, 1]"]),
     ("--layer-floor", "-0.1", ["--layer-floor -0.1", "[0, 1]"]),
-    ("--dilation", "-1", ["--dilation -1", ">= 0"]),
+    ("--dilation", "-1", ["--dilation -1", "from 0 to 1024"]),
     ("--dense-steps", "1", ["--dense-steps 1.0", "[0, 1)"]),
     ("--dense-steps", "-0.2", ["--dense-steps -0.2", "[0, 1)"]),
     ("--dense-steps", "0.3", ["--dense-steps 0.3: spends all of the density 0.3", "lower the dense steps"]),
-    ("--buckets", "0", ["--buckets 0", ">= 1"]),
-    ("--ulysses", "0", ["--ulysses 0", "number of GPUs >= 1"]),
+    ("--buckets", "0", ["--buckets 0", "timestep buckets from 1 to 100"]),
+    ("--ulysses", "0", ["--ulysses 0", "number of GPUs from 1 to 1024"]),
 ])
 def test_calibrate_rejects_bad_mask_options_before_loading(tmp_path, monkeypatch, option, value, fragments):
     import paroattn.app.generate as generate
@@ -358,8 +358,8 @@ no_cuda = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ch
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--steps", "0"], ["--steps 0", "denoising steps >= 1"]),
-    (["--steps", "-1"], ["--steps -1", "denoising steps >= 1"]),
+    (["--steps", "0"], ["--steps 0", "denoising steps from 1 to 1000"]),
+    (["--steps", "-1"], ["--steps -1", "denoising steps from 1 to 1000"]),
     (["--num-prompts", "0"], ["--num-prompts 0", "1 to 8"]),
     (["--num-prompts", "9"], ["--num-prompts 9", "1 to 8"]),
     (["--density", "0"], ["--density 0.0", "(0, 1]"]),
@@ -415,25 +415,25 @@ def test_a_failed_demo_removes_the_folder_it_made_and_keeps_one_it_did_not(tmp_p
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--num-prompts", "0"], ["--num-prompts 0", ">= 1"]),
+    (["--num-prompts", "0"], ["--num-prompts 0", "prompts from 1 to 1000"]),
     (["--density", "0"], ["--density 0.0", "(0, 1]"]),
     (["--density", "0", "--dense-steps", "0.2"], ["--density 0.0", "(0, 1]"]),
     (["--qk", "int3"], ["--qk 'int3' is not one of bf16, int8, int4"]),
     (["--out", "plan.pt"], ["--out plan.pt", "ending in .safetensors"]),
-    (["--steps", "0"], ["--steps 0", ">= 1"]),
-    (["--height", "0"], ["--height 0", "pixels >= 1"]),
-    (["--width", "-8"], ["--width -8", "pixels >= 1"]),
-    (["--frames", "0"], ["--frames 0", "frames >= 1"]),
-    (["--buckets", "0"], ["--buckets 0", ">= 1"]),
+    (["--steps", "0"], ["--steps 0", "denoising steps from 1 to 1000"]),
+    (["--height", "0"], ["--height 0", "pixels from 1 to 8192"]),
+    (["--width", "-8"], ["--width -8", "pixels from 1 to 8192"]),
+    (["--frames", "0"], ["--frames 0", "frames from 1 to 1024"]),
+    (["--buckets", "0"], ["--buckets 0", "from 1 to 100"]),
     (["--bucket-edges", "1000,x,0"], ["--bucket-edges '1000,x,0'", "comma-separated numbers"]),
     (["--bucket-edges", "1000,nan,0"], ["--bucket-edges '1000,nan,0'", "comma-separated numbers"]),
     (["--bucket-edges", "1000,400,600,0"], ["--bucket-edges '1000,400,600,0'", "strictly descending"]),
     (["--bucket-edges", "900,0"], ["--bucket-edges '900,0'", "from 1000 down to 0"]),
-    (["--stat-every", "0"], ["--stat-every 0", "k >= 1"]),
+    (["--stat-every", "0"], ["--stat-every 0", "steps k from 1 to 1000"]),
     (["--metric", "entropy"], ["--metric 'entropy'", "mass, paper"]),
-    (["--quant-weight", "-1"], ["--quant-weight -1.0", ">= 0"]),
-    (["--block-size", "48"], ["--block-size 48", "power of two >= 16"]),
-    (["--block-size", "8"], ["--block-size 8", "power of two >= 16"]),
+    (["--quant-weight", "-1"], ["--quant-weight -1.0", "from 0 to 1000"]),
+    (["--block-size", "48"], ["--block-size 48", "power of two from 16 to 1024"]),
+    (["--block-size", "8"], ["--block-size 8", "power of two from 16 to 1024"]),
     (["--query-block", "96"], ["--query-block 96", "multiple of --block-size 64"]),
     (["--query-block", "32"], ["--query-block 32", "multiple of --block-size 64"]),
     (["--figure-layers", "a"], ["--figure-layers 'a'", "layer indices"]),
@@ -478,7 +478,7 @@ def test_calibrate_rejects_a_prompts_file_it_cannot_use_before_loading(tmp_path,
 def test_calibrate_says_in_one_line_that_cuda_is_missing(tmp_path, monkeypatch):
     saved_tiny_flux(tmp_path)
     no_model_loads(monkeypatch)
-    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "plan.safetensors", "--device", "cuda"])
+    result = invoke(["calibrate", tmp_path / "model", "--out", tmp_path / "new.safetensors", "--device", "cuda"])
     assert_clean_failure(result, "--device cuda", "no CUDA GPU")
 
 
@@ -493,9 +493,9 @@ def test_calibrate_rejects_figure_layers_the_model_lacks_before_capture(tmp_path
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--steps", "0"], ["--steps 0", "denoising steps >= 1"]),
-    (["--height", "0"], ["--height 0", "pixels >= 1"]),
-    (["--frames", "-1"], ["--frames -1", "frames >= 1"]),
+    (["--steps", "0"], ["--steps 0", "denoising steps from 1 to 1000"]),
+    (["--height", "0"], ["--height 0", "pixels from 1 to 8192"]),
+    (["--frames", "-1"], ["--frames -1", "frames from 1 to 1024"]),
     (["--seed", "-1"], ["--seed -1", "0 to 2**64 - 1"]),
     (["--device", "tpu"], ["--device 'tpu'", "cuda, cuda:N or cpu"]),
     (["--dtype", "float64x"], ["--dtype 'float64x'", "bfloat16, float16, float32"]),

@@ -15,6 +15,7 @@ from typer.core import TyperCommand
 
 from ..pipelines.registry import SUPPORTED_MODELS
 from .bench import DENSITIES, MODEL_SHAPES, MODES, SHAPES
+from .options import MAX_FRAMES, MAX_PIXELS
 
 # click's UsageError as the installed typer raises it (newer typer releases vendor their own click)
 _UsageError = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
@@ -153,26 +154,35 @@ def _check(problem: str | None) -> None:
 @app.command(cls=_Command, short_help="Print a readable summary of a plan (and draw its masks with --png).")
 def inspect(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file written by `paro calibrate`"),
-    png: Path | None = typer.Option(None, "--png", help="also draw block maps and masks as PNGs into this folder"),
-    heads: str = typer.Option("0:0,0:1", help="layer:head pairs to draw with --png"),
+    png: Path | None = typer.Option(None, "--png", help="also draw block maps and masks as PNGs into this folder (the block maps come from the plan's stats file, read only from the plan's folder)"),
+    heads: str | None = typer.Option(None, help="layer:head pairs to draw with --png (default: 0:0,0:1, those of them the plan has)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="with --png: replace PNGs of an earlier run in that folder (default: refuse)"),
 ) -> None:
     """Print a readable summary of a plan."""
     from ..errors import PlanError
     from ..plan import Plan
     from ..plan.summary import describe_plan
 
+    if png is None and (heads is not None or overwrite):
+        _fail(f"{'--heads' if heads is not None else '--overwrite'} goes with --png (the heads it draws, the folder it "
+              "writes): pass --png DIR too, or leave it out")
+    pairs = _parse_heads(heads) if heads is not None else None
     try:
         plan = Plan.load(plan_path)
     except PlanError as exc:
         _fail(str(exc))
-    pairs = _parse_heads(heads)
     if png is not None:  # checked before anything is printed or drawn
+        if pairs is None:
+            pairs = [(0, head) for head in (0, 1) if head < plan.num_heads]
         outside = [f"{layer}:{head}" for layer, head in pairs if layer >= plan.num_layers or head >= plan.num_heads]
         if outside:
             _fail(f"--heads {','.join(outside)} not in the plan ({plan.num_layers} layers x {plan.num_heads} heads): "
                   f"pass layer:head pairs with layer < {plan.num_layers} and head < {plan.num_heads}")
-        from .options import folder_problem
+        from ..calibrate.figures import head_picture_path
+        from .options import folder_problem, replace_problem
 
+        if png.exists() and not overwrite:
+            _check(replace_problem([head_picture_path(png, layer, head) for layer, head in pairs], "--png"))
         if problem := folder_problem(png, "--png folder"):
             _fail(problem)
     typer.echo(describe_plan(plan, size_on_disk=plan_path.stat().st_size))
@@ -210,8 +220,8 @@ def calibrate(
     frames: int | None = typer.Option(None, help="frames of a video generation (default: the pipeline's)"),
     sizes: str | None = typer.Option(None, help="calibrate several generation sizes into one plan, HEIGHTxWIDTHxFRAMES (HEIGHTxWIDTH for images) comma-separated, e.g. 480x832x81,720x1280x81 (instead of --height/--width/--frames); any size is served, other sizes derived from the closest calibrated one"),
     steps: int = typer.Option(50, help="denoising steps of each calibration run, >= 1"),
-    buckets: int = typer.Option(6, help="timestep buckets, >= 1: timesteps above 500 split into N-1, one shared by the rest"),
-    bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (overrides --buckets)"),
+    buckets: int | None = typer.Option(None, help="timestep buckets, 1 to 100 (default: 6): timesteps above 500 split into N-1, one shared by the rest"),
+    bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (instead of --buckets)"),
     stat_every: int = typer.Option(2, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step)"),
     metric: str = typer.Option("mass", help="how each head's order is chosen: mass (the order whose mask at --density keeps the most attention mass) or paper (the PAROAttention paper's score: the share of nearly empty blocks, weighed against incoherence)"),
     quant_weight: float = typer.Option(0.0, help="weight >= 0 of incoherence in the mass metric: a block's largest attention value over its mean, which makes it harder to quantize; 0 (the default) ignores it"),
@@ -227,6 +237,7 @@ def calibrate(
     seed: int = typer.Option(0, help="seed of the calibration runs"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing plan at --out and the files beside it (default: refuse)"),
 ) -> None:
     """Calibrate a plan: run the dense model on a few prompts, choose each head's order and the block masks.
 
@@ -235,6 +246,7 @@ def calibrate(
     from ..calibrate.config import CaptureConfig, ConfigError, SelectionConfig
     from ..calibrate.driver import (
         calibrate_sizes,
+        calibration_outputs,
         default_prompts_file,
         describe_result,
         read_prompts,
@@ -248,7 +260,22 @@ def calibrate(
     from ..plan.selection import METRICS
     from ..plan.summary import describe_plan
     from .generate import indexed_family, load_pipeline, pipeline_folder_problem, size_fit_problem
-    from .options import device_problem, dtype_problem, folder_problem, seed_problem, size_problem
+    from .options import (
+        MAX_BLOCK,
+        MAX_BUCKETS,
+        MAX_DILATION,
+        MAX_GPUS,
+        MAX_PROMPTS,
+        MAX_QUANT_WEIGHT,
+        MAX_STEPS,
+        device_problem,
+        dtype_problem,
+        folder_problem,
+        range_problem,
+        replace_problem,
+        seed_problem,
+        size_problem,
+    )
 
     # every option, the model folder, the prompts file and the output path are checked before anything loads
     _check(pipeline_folder_problem(model_dir))
@@ -257,33 +284,38 @@ def calibrate(
     if out.suffix.lower() != ".safetensors":
         _fail(f"--out {out}: paro calibrate writes a safetensors plan, not {out.suffix or 'a file without extension'}: "
               f"pass a path ending in .safetensors, e.g. --out {out.with_suffix('.safetensors').name}")
+    if not overwrite:  # the plan and its stats file; an expert pair's other files are checked once they are known
+        _check(replace_problem(calibration_outputs(out), "--out"))
     _check(folder_problem(out.parent, "--out folder", keep=False))
-    if num_prompts < 1:
-        _fail(f"--num-prompts {num_prompts}: pass a number of prompts >= 1")
+    _check(range_problem("--num-prompts", num_prompts, 1, MAX_PROMPTS, "prompts"))
     prompt_list = _read_prompts(read_prompts, prompts, num_prompts) if prompts is not None else None
     if not (0.0 < density <= 1.0):
         _fail(f"--density {density}: pass a mean block density in (0, 1] (1 keeps every block)")
     _check(mode_flags_problem(qk, pv))
     _check(size_problem(steps=steps, height=height, width=width, frames=frames))
-    if buckets < 1:
-        _fail(f"--buckets {buckets}: pass a number of timestep buckets >= 1")
+    _check(range_problem("--buckets", buckets, 1, MAX_BUCKETS, "timestep buckets"))
     edges = None
+    if bucket_edges is not None and buckets is not None:
+        _fail("--buckets and --bucket-edges both choose the timestep buckets (the edges would win): pass one of them")
     if bucket_edges is not None:
         edges = _parse_numbers(bucket_edges, "--bucket-edges", "1000,800,500,0")
         if problem := bucket_edges_problem(edges):
             _fail(f"--bucket-edges {bucket_edges!r}: {problem.replace('bucket_edges', 'the edges', 1)}")
-    if stat_every < 1:
-        _fail(f"--stat-every {stat_every}: pass k >= 1 (1 captures every step)")
+    _check(range_problem("--stat-every", stat_every, 1, MAX_STEPS, "steps k", "1 captures every step"))
     if metric not in METRICS:
         _fail(f"--metric {metric!r} is not one of {', '.join(METRICS)}: pass one of them")
-    if not (math.isfinite(quant_weight) and quant_weight >= 0):
-        _fail(f"--quant-weight {quant_weight}: pass a weight >= 0 (0, the default, turns the term off)")
-    if block_size < 16 or block_size & (block_size - 1):
-        _fail(f"--block-size {block_size}: pass a power of two >= 16, e.g. 64")
+    if not (math.isfinite(quant_weight) and 0 <= quant_weight <= MAX_QUANT_WEIGHT):
+        _fail(f"--quant-weight {quant_weight}: pass a weight from 0 to {MAX_QUANT_WEIGHT:g} (0, the default, turns "
+              "the term off)")
+    if not 16 <= block_size <= MAX_BLOCK or block_size & (block_size - 1):
+        _fail(f"--block-size {block_size}: pass a power of two from 16 to {MAX_BLOCK}, e.g. 64")
     if query_block is not None and (query_block < block_size or query_block % block_size
-                                    or query_block & (query_block - 1)):
-        _fail(f"--query-block {query_block}: pass a power-of-two multiple of --block-size {block_size}, "
-              f"e.g. {2 * block_size}")
+                                    or query_block & (query_block - 1) or query_block > MAX_BLOCK):
+        _fail(f"--query-block {query_block}: pass a power-of-two multiple of --block-size {block_size}, up to "
+              f"{MAX_BLOCK}, e.g. {2 * block_size}")
+    _check(range_problem("--dilation", dilation, 0, MAX_DILATION, "blocks", "0, the default, turns it off"))
+    _check(range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs",
+                         "1, the default, leaves the masks as the budget chose them"))
     layers_for_figures = _parse_layers(figure_layers, "--figure-layers", negative=False) if figure_layers else None
     layers_to_keep_dense = _parse_layers(dense_layers, "--dense-layers") if dense_layers else []
     size_list = _parse_sizes(sizes, height, width, frames) if sizes else None
@@ -306,7 +338,7 @@ def calibrate(
     try:
         capture_config = CaptureConfig(
             block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,
-            num_buckets=buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
+            num_buckets=buckets or CaptureConfig.num_buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
         )
         selection = SelectionConfig(
             density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, figure_layers=layers_for_figures,
@@ -345,6 +377,8 @@ def calibrate(
     if prompt_list is None:
         prompt_list = _read_prompts(read_prompts, default_prompts_file(family.is_video), num_prompts)
     experts = [name for name, _ in pipeline_experts(pipe)]
+    if not overwrite:
+        _check(replace_problem(calibration_outputs(out, experts), "--out"))
     what = type(transformer).__name__ + (f" ({' and '.join(experts)})" if len(experts) > 1 else "")
     typer.echo(f"calibrating {what} on {len(prompt_list)} prompts, {steps} steps")
     try:
@@ -370,7 +404,11 @@ def _parse_sizes(text: str, height, width, frames) -> list[dict]:
         if len(parts) not in (2, 3) or not all(part.isdigit() and int(part) > 0 for part in parts):
             _fail(f"--sizes {text!r}: expected comma-separated HEIGHTxWIDTHxFRAMES (or HEIGHTxWIDTH for images) in "
                   "pixels and frames, e.g. --sizes 480x832x81,720x1280x81")
-        out.append(dict(zip(("height", "width", "frames"), (int(p) for p in parts))))
+        size = dict(zip(("height", "width", "frames"), (int(p) for p in parts)))
+        if max(size["height"], size["width"]) > MAX_PIXELS or size.get("frames", 1) > MAX_FRAMES:
+            _fail(f"--sizes {text!r}: {item.strip()} is past what can run: pass heights and widths up to {MAX_PIXELS} "
+                  f"pixels and up to {MAX_FRAMES} frames")
+        out.append(size)
     return out
 
 
@@ -423,14 +461,15 @@ def bench(
     densities: str | None = typer.Option(None, help="block densities of the synthetic masks, in (0, 1], comma-separated "
                                                     f"(default: {','.join(map(str, DENSITIES))}; with --table: all "
                                                     "in the file)"),
-    block_q: int = typer.Option(64, help="query block of the masks: 64 or 128"),
-    block_k: int = typer.Option(64, help="key block of the masks: 64 or 128"),
-    backend: str = typer.Option("auto", help="attention backend of the op: auto, triton or cuda (the sm_90a kernels)"),
+    block_q: int | None = typer.Option(None, help="query block of the masks: 64 or 128 (default: 64)"),
+    block_k: int | None = typer.Option(None, help="key block of the masks: 64 or 128 (default: 64)"),
+    backend: str | None = typer.Option(None, help="attention backend of the op: auto, triton or cuda (the sm_90a kernels; default: auto)"),
     out: Path | None = typer.Option(None, "--out", help="results file to write, .json (default: "
                                     "paro-bench-<GPU>.json in this folder, numbered so that no earlier run is replaced)"),
     table: list[Path] | None = typer.Option(None, "--table", metavar="RESULTS.json",
                                             help="print the table of a saved results file and exit; needs no GPU "
                                                  "(repeat for several files)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (default: refuse)"),
 ) -> None:
     """Attention benchmark: time paro_attention against SDPA (torch's default attention, cuDNN on Hopper GPUs) on
     this CUDA GPU at the attention shapes of video and image models, print the table and save it as JSON.
@@ -446,8 +485,11 @@ def bench(
               (("--shapes", shapes), ("--modes", modes), ("--densities", densities)) if text is not None}
     select = dict(shapes=chosen.get("--shapes"), modes=chosen.get("--modes"), densities=chosen.get("--densities"))
     if table:
-        if out is not None:
-            _fail("--out goes with a run, not with --table (which prints saved results): leave one out")
+        run_only = [flag for flag, value in (("--out", out), ("--block-q", block_q), ("--block-k", block_k),
+                                             ("--backend", backend), ("--overwrite", overwrite or None))
+                    if value is not None]
+        if run_only:
+            _fail(f"{run_only[0]} goes with a run, not with --table (which prints saved results): leave one out")
         loaded = []
         for path in table:
             try:
@@ -457,16 +499,19 @@ def bench(
         for path, results in loaded:
             typer.echo(f"`{path.name}`: {results_table(results, **select)}\n")
         return
+    block_q, block_k, backend = block_q or 64, block_k or 64, backend or "auto"
     for option, value in (("--block-q", block_q), ("--block-k", block_k)):
         if value not in (64, 128):
             _fail(f"{option} {value}: pass 64 or 128")
     if backend not in ("auto", "triton", "cuda"):
         _fail(f"--backend {backend!r} is not one of auto, triton, cuda: pass one of them")
     if out is not None:
-        from .options import folder_problem
+        from .options import folder_problem, replace_problem
 
         if out.suffix != ".json" or out.is_dir():
             _fail(f"--out {out}: pass the path of a .json file to write, e.g. {out.with_suffix('.json').name}")
+        if not overwrite:
+            _check(replace_problem([out], "--out"))
         _check(folder_problem(out.parent, "--out folder", keep=False))
     if not torch.cuda.is_available():
         _fail("paro bench times kernels on a CUDA GPU and this machine has none: run it on a GPU machine, or pass "
@@ -474,10 +519,36 @@ def bench(
     defaults = dict(shapes=MODEL_SHAPES, modes=MODES, densities=DENSITIES)
     results = run(**{key: value or defaults[key] for key, value in select.items()}, block=(block_q, block_k),
                   backend=backend, log=typer.echo)
+    from .options import written_together
+
     out = out or _free_results_path(results["gpu"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    with written_together(out) as (partial,):
+        partial.write_text(json.dumps(results, indent=1))
     typer.echo(f"\n{results_table(results)}\n\nwrote {out}")
+
+
+def _size(nbytes: int) -> str:
+    """A byte count for a person: KiB under a MiB, MiB under a GiB, else GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def masks_line(masks: dict | None, device: str) -> str | None:
+    """The mask memory `handle.stats()` reported, in words true on `device` (a CPU run has no device memory apart
+    from the host's); None when it reported none."""
+    if not masks:
+        return None
+    parts = [masks] if "gpu_bytes" in masks or "host_bytes" in masks else [m for m in masks.values()
+                                                                           if isinstance(m, dict) and m]
+    parts = [m for m in parts if "gpu_bytes" in m or "host_bytes" in m]  # an expert pair: by expert
+    if not parts:
+        return None
+    gpu, host = (sum(int(m.get(key, 0)) for m in parts) for key in ("gpu_bytes", "host_bytes"))
+    if not device.startswith("cuda"):
+        return f"masks: {_size(gpu + host)} in memory (this run is on the CPU)"
+    return f"masks: {_size(gpu)} on the GPU, {_size(host)} in host memory"
 
 
 def _bench_list(option: str, text: str) -> list:
@@ -537,6 +608,7 @@ def generate(
     compile_mode: str | None = typer.Option(None, "--compile", help="compile the transformer before each run (default: eager): blocks (each repeated block on its own, diffusers' regional compilation: the fastest to compile), whole (one graph) or graphs (one graph under CUDA graphs: for short steps such as FLUX.1-dev's); each run's time includes compiling"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
     dtype: str | None = typer.Option(None, help="model dtype: bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out (and, with --compare, its _dense twin); default: refuse"),
 ) -> None:
     """Generate a video or image, with a plan (PARO) or without (dense); --compare runs both.
 
@@ -551,7 +623,8 @@ def generate(
         result = run_generate(
             model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
-            ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, compile_mode=compile_mode, log=typer.echo,
+            ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, compile_mode=compile_mode,
+            overwrite=overwrite, log=typer.echo,
         )
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
@@ -571,11 +644,8 @@ def generate(
         typer.echo(f"{what}: {result['paro_s']:.2f} s{compiled} -> {result['path']}")
     else:
         typer.echo(f"dense: {result['dense_s']:.2f} s{compiled} -> {result['path']}")
-    if result.get("masks"):
-        masks = result["masks"]
-        parts = [masks] if "gpu_bytes" in masks else [m for m in masks.values() if m]  # an expert pair: by expert
-        gpu, host = (sum(m.get(key, 0) for m in parts) for key in ("gpu_bytes", "host_bytes"))
-        typer.echo(f"masks: {gpu / 2**20:.1f} MiB on the device, {host / 2**20:.1f} MiB on the host")
+    if line := masks_line(result.get("masks"), result["device"]):
+        typer.echo(line)
     if compare and result.get("ran_dense") and not linear:
         typer.echo("no PARO vs dense comparison: both runs used the model's own attention")
     elif compare:
@@ -602,6 +672,7 @@ def demo(
     seed: int = typer.Option(0, help="seed of the initial noise"),
     backend: str = typer.Option("auto", help="attention backend of PARO layers: auto, triton or cuda (both need a CUDA GPU) or torch"),
     device: str | None = typer.Option(None, help="cuda, cuda:N or cpu (default: cuda when present)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the files of an earlier run in --out-dir (default: refuse)"),
 ) -> None:
     """Offline demo on the bundled demo model (a small trained Wan transformer): dense vs PARO on the same
     seeds, a side-by-side GIF, attention maps and masks, PSNR / SSIM / cosine and times.
@@ -613,7 +684,8 @@ def demo(
 
     try:  # run_demo checks every option and the output folder before the model loads
         run_demo(out_dir, density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed, device=device,
-                 backend=backend, height=height, width=width, frames=frames, log=typer.echo, progress=True)
+                 backend=backend, height=height, width=width, frames=frames, log=typer.echo, progress=True,
+                 overwrite=overwrite)
     except (PlanError, ValueError, OSError) as exc:
         _fail(str(exc))
 
@@ -639,7 +711,7 @@ def demo_pipeline(
     typer.echo(f"wrote {path}: the demo model as a diffusers pipeline (DemoVideoPipeline), and {path / PROMPTS_FILE}")
     typer.echo("try:")
     typer.echo(f"  paro calibrate {path} --prompts {path / PROMPTS_FILE} --out demo-d0.3.safetensors --density 0.3 "
-               "--steps 10 --num-prompts 1 --device cpu")
+               "--steps 10 --stat-every 1 --num-prompts 1 --device cpu")  # every step captured: fills all 6 buckets
     typer.echo("  paro inspect demo-d0.3.safetensors --png figures/")
     typer.echo(f"  paro generate {path} --plan demo-d0.3.safetensors --prompt \"red circle moving left quickly, cloudy "
                "background\" --steps 10 --compare --out demo.gif --device cpu")

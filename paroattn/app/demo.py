@@ -30,6 +30,7 @@ import torch
 from ..demo_model.data import CALIBRATION_PROMPTS, EVAL_PROMPTS, MORE_CALIBRATION_PROMPTS  # noqa: F401
 from ..demo_model.model import ASSETS, DEFAULT_GUIDANCE, DEFAULT_STEPS
 from ..plan import Plan
+from .options import precision_label  # noqa: F401  (the demo's labels; re-exported)
 
 PLANS_DIR = ASSETS / "plans"
 # PSNR / SSIM by density on the held-out prompts, written with the plans by scripts/demo_model_quality.py --ship
@@ -114,8 +115,10 @@ def progress_bar(pipe, label: str | None):
     if label is None:
         yield
         return
+    from .progress import tqdm_options
+
     previous = dict(getattr(pipe, "_progress_bar_config", {}))
-    pipe.set_progress_bar_config(**{**previous, "disable": False, "desc": label})
+    pipe.set_progress_bar_config(**{**previous, "disable": False, "desc": label, **tqdm_options()})
     try:
         yield
     finally:
@@ -245,22 +248,28 @@ def write_gif(frames: list[np.ndarray], path: Path, frame_ms: int = GIF_FRAME_MS
     GIF's `duration` in milliseconds; GIFs store hundredths of a second)."""
     import imageio.v2 as imageio
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    imageio.mimsave(path, frames, duration=frame_ms, loop=0)
+    from .options import written_together
+
+    with written_together(path) as (partial,):  # an interrupted write leaves an earlier GIF whole
+        imageio.mimsave(partial, frames, duration=frame_ms, loop=0)
     return path
 
 
 # -- paro demo ------------------------------------------------------------------------------------
 
-def density_cost_line(path: Path = QUALITY_SUMMARY) -> str | None:
+def density_cost_line(path: Path = QUALITY_SUMMARY, qk: str | None = None, pv: str | None = None) -> str | None:
     """One line on what lower densities cost on this model, from the shipped quality summary (None
-    without one)."""
+    without one). `qk`, `pv`: the run's modes; when they are not the summary's, the line says so (its numbers
+    are the summary's modes', not this run's)."""
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
     cells = ", ".join(f"d={float(d):g}: {m['psnr_db']:.1f} dB / SSIM {m['ssim']:.3f}"
                       for d, m in summary["by_density"].items())
-    return (f"PARO vs dense by density on this model (qk={summary['qk']} pv={summary['pv']}, {summary['eval_prompts']} held-out prompts x "
+    other = ((qk or summary["qk"]), (pv or summary["pv"])) != (summary["qk"], summary["pv"])
+    measured = (f"measured with qk={summary['qk']} pv={summary['pv']}, not this run's qk={qk} pv={pv}, which "
+                "quantizes as well" if other else f"qk={summary['qk']} pv={summary['pv']}")
+    return (f"PARO vs dense by density on this model ({measured}, {summary['eval_prompts']} held-out prompts x "
             f"{len(summary['seeds'])} seeds, {summary['device']}): {cells}; QUALITY.md")
 
 DEFAULT_OUT_DIR = "paro-demo"
@@ -274,14 +283,6 @@ def default_out_dir(parent: Path = Path(".")) -> Path:
         n += 1
         candidate = parent / f"{DEFAULT_OUT_DIR}-{n}"
     return candidate
-
-
-def precision_label(mode: str, dtype: torch.dtype) -> str:
-    """What a qk or pv mode computes in with a model of `dtype`: "bf16" names the inputs' own type, which is
-    float32 for the demo model on a CPU ("fp32"); the quantized modes are themselves."""
-    if mode != "bf16":
-        return mode
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def demo_size(height: int | None = None, width: int | None = None, frames: int | None = None) -> dict:
@@ -372,14 +373,14 @@ def demo_problem(*, density: float, qk: str, pv: str, steps: int, num_prompts: i
     loads."""
     from ..attention import BACKENDS
     from ..modes import mode_flags_problem
-    from .options import backend_device_problem, device_problem, seed_problem
+    from .options import MAX_STEPS, backend_device_problem, device_problem, range_problem, seed_problem
 
     if problem := mode_flags_problem(qk, pv):
         return problem
     if not math.isfinite(density) or not 0.0 < density <= 1.0:
         return f"--density {density}: pass a block density in (0, 1] (1 keeps every block)"
-    if steps < 1:
-        return f"--steps {steps}: pass a number of denoising steps >= 1"
+    if problem := range_problem("--steps", steps, 1, MAX_STEPS, "denoising steps"):
+        return problem
     if not 1 <= num_prompts <= len(EVAL_PROMPTS):
         return f"--num-prompts {num_prompts}: pass 1 to {len(EVAL_PROMPTS)} (the demo has {len(EVAL_PROMPTS)} prompts)"
     if problem := demo_size_problem(height, width, frames):
@@ -394,14 +395,15 @@ def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: s
              device: str | None = None, backend: str = "auto", height: int | None = None,
              width: int | None = None, frames: int | None = None, heads: list[tuple[int, int]] | None = None,
              calibration_steps: int | None = None, log: Callable[[str], None] = print,
-             progress: bool = False) -> dict:
+             progress: bool = False, overwrite: bool = False) -> dict:
     """Dense vs PARO on the demo model; writes demo.gif, attention PNGs and metrics.json into `out` (default: a
     new folder, `default_out_dir`) and returns the metrics. `height`, `width` (pixels) and `frames`: the size
     of the videos (default: the model's 32 x 32 x 8; the shipped plans derive their masks at other sizes).
     `calibration_steps`: steps of the calibration of a density that was not shipped (default: `steps`).
-    `progress`: step bars for the dense and PARO passes and the calibration (on stderr). Every option is checked
-    before anything is written; a run that fails removes the folder it made."""
-    from .options import folder_problem
+    `progress`: step bars for the dense and PARO passes and the calibration (on stderr; in a log, a line every so
+    often). Every option is checked before anything is written; a run that fails removes the folder it made. An
+    `out` holding an earlier run's files is refused unless `overwrite`."""
+    from .options import MAX_STEPS, folder_problem, range_problem, replace_problem
 
     if problem := demo_problem(density=density, qk=qk, pv=pv, steps=steps, num_prompts=num_prompts, seed=seed,
                                backend=backend, device=device, height=height, width=width, frames=frames):
@@ -412,6 +414,10 @@ def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: s
         if folder.exists():
             break
         made = folder
+    if problem := range_problem("calibration_steps", calibration_steps, 1, MAX_STEPS, "denoising steps"):
+        raise ValueError(problem)
+    if not overwrite and out.is_dir() and (problem := replace_problem(demo_outputs(out), "--out-dir")):
+        raise ValueError(problem)
     if problem := folder_problem(out, "--out-dir"):  # creates the folder; fails before the model loads
         raise ValueError(problem)
     try:
@@ -423,6 +429,14 @@ def run_demo(out: Path | None = None, *, density: float = DEFAULT_DENSITY, qk: s
         if made is not None:  # nothing of a failed run stays behind
             shutil.rmtree(made, ignore_errors=True)
         raise
+
+
+def demo_outputs(out: Path) -> list[Path]:
+    """The files of a demo run in `out` that another run would replace: its GIF, metrics, calibrated plan and
+    stats file, and the attention pictures."""
+    pictures = sorted((out / "attention").glob("layer*_head*.png")) if (out / "attention").is_dir() else []
+    return [out / "demo.gif", out / "metrics.json", out / "plan.safetensors", out / "plan.stats.safetensors",
+            *pictures]
 
 
 def _finite(value):
@@ -469,7 +483,7 @@ def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, b
     for prompt, m in zip(prompts, per_prompt):
         log(f"  {prompt!r}: PSNR {m['psnr_db']:.2f} dB, SSIM {m['ssim']:.4f}, cosine {m['cosine']:.5f}")
     log(f"mean vs dense: PSNR {metrics['psnr_db']:.2f} dB, SSIM {metrics['ssim']:.4f}, cosine {metrics['cosine']:.5f}")
-    if line := density_cost_line():
+    if line := density_cost_line(qk=qk, pv=pv):
         log(line)
 
     gain = difference_gain(dense, paro)
@@ -498,5 +512,8 @@ def _run_demo(out: Path, *, density, qk, pv, steps, num_prompts, seed, device, b
         "metrics": metrics, "per_prompt": per_prompt, "dense_time": dense_t, "paro_time": paro_t,
         "gif": str(gif), "gif_difference_gain": gain, "pictures": pictures,
     }
-    (out / "metrics.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
+    from .options import written_together
+
+    with written_together(out / "metrics.json") as (partial,):
+        partial.write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     return report

@@ -22,6 +22,8 @@ from ..pipelines.base import TEXT_WHOLE, pixel_scale_of
 from ..pipelines.registry import EXPERTS, FAMILIES, SUPPORTED, family_of, pipeline_experts, resolve_transformer
 from ..plan import Plan, load_plans
 from .options import (
+    MAX_GPUS,
+    MAX_GROUPS,
     backend_device_problem,
     compile_option_problem,
     default_output,
@@ -30,9 +32,14 @@ from .options import (
     linear_option_problem,
     option_problem,
     output_problem,
+    precision_label,
+    range_problem,
+    replace_problem,
     seed_problem,
     size_problem,
+    written_together,
 )
+from .progress import log_progress
 
 # frames per second of the exported videos, as the model cards use
 _FPS = {"cogvideox": 8, "wan": 16, "hunyuan_video": 15, "skyreels_v2": 24, "wan_vace": 16, "hunyuan_video15": 24,
@@ -256,7 +263,43 @@ def _run(pipe, prompt: str, call: dict, seed: int) -> tuple[np.ndarray, float]:
     return np.asarray(pixels, dtype=np.float32), seconds
 
 
+# outputs smaller than this on their longer side are enlarged (nearest neighbour) by a whole factor so that a person
+# can see them: the demo model's 32 x 32 videos become 256 x 256, as `paro demo` draws them
+VISIBLE_SIDE = 256
+
+
+def visible_scale(height: int, width: int) -> int:
+    """The whole factor that brings an output of `height` x `width` pixels to about VISIBLE_SIDE on its longer side
+    (1: large enough as it is)."""
+    return max(1, VISIBLE_SIDE // max(1, height, width))
+
+
+def enlarged(pixels: np.ndarray, scale: int) -> np.ndarray:
+    """Frames [..., H, W, 3] with each pixel repeated `scale` x `scale` times (nearest neighbour)."""
+    if scale == 1:
+        return pixels
+    return np.repeat(np.repeat(pixels, scale, axis=-3), scale, axis=-2)
+
+
+# final path -> the temporary file it is written to while `_written_together` holds it
+_WRITING_TO: dict[Path, Path] = {}
+
+
+@contextmanager
+def _written_together(*targets: Path):
+    """`written_together` of `targets`, with `_write` of each target writing its temporary file meanwhile."""
+    with written_together(*targets) as partial:
+        _WRITING_TO.update(zip(targets, partial))
+        try:
+            yield
+        finally:
+            for target in targets:
+                _WRITING_TO.pop(target, None)
+
+
 def _write(pixels: np.ndarray, path: Path, video: bool, fps: int) -> Path:
+    """`pixels` as the video or image `path` (inside `_written_together`: into its temporary file)."""
+    path = _WRITING_TO.get(path, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if video and path.suffix.lower() == ".gif":
         import imageio.v2 as imageio
@@ -366,6 +409,11 @@ def _silent(message: str) -> None:
     pass
 
 
+def _outputs(out: Path, compare: bool) -> list[Path]:
+    """The files a generation writes: `out` and, with `compare`, its `_dense` twin beside it."""
+    return [out] + ([out.with_name(out.stem + "_dense" + out.suffix)] if compare else [])
+
+
 def generate(
     model_dir: str | Path,
     prompt: str,
@@ -387,6 +435,7 @@ def generate(
     linear: str | None = None,
     compile_mode: str | None = None,
     extra_call: dict | None = None,
+    overwrite: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Generate with `plan` (or dense when None); with `compare`, also dense with the same seed.
@@ -399,7 +448,11 @@ def generate(
     `ulysses` > 1: this is one of that many processes started by torchrun, one per GPU, running one generation
     together under diffusers' Ulysses context parallelism (each GPU runs its share of the heads); rank 0 logs and
     writes the outputs, the others return {"rank": r}. `exchange_groups`: the groups of heads each GPU's exchange is
-    pipelined over (`PAROProcessor`'s; with plans balanced per group: `paro calibrate --ulysses` GPUs x groups)."""
+    pipelined over (`PAROProcessor`'s; with plans balanced per group: `paro calibrate --ulysses` GPUs x groups).
+
+    An existing `out` (or, with `compare`, its `_dense` twin) is refused unless `overwrite`; the outputs are written
+    under temporary names and renamed together at the end, and outputs under VISIBLE_SIDE pixels are enlarged by a
+    whole factor ("scale" in the result; the metrics compare the native pixels)."""
     from ..pipelines import apply
     from ..pipelines.context_parallel import (
         enable_ulysses,
@@ -412,8 +465,11 @@ def generate(
     # every option and the output path are checked before the model loads
     if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
-    if ulysses < 1:
-        raise ValueError(f"--ulysses {ulysses}: pass the number of GPUs (processes) to split each generation over")
+    if problem := range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs",
+                                 "processes to split each generation over"):
+        raise ValueError(problem)
+    if problem := range_problem("--exchange-groups", exchange_groups, 1, MAX_GROUPS, "groups of each GPU's heads"):
+        raise ValueError(problem)
     if exchange_groups != 1 and (ulysses <= 1 or plan is None):
         raise ValueError(f"--exchange-groups {exchange_groups} pipelines the exchange between GPUs of a PARO run: "
                          "pass --ulysses N and --plan PLAN too, or leave it out")
@@ -430,6 +486,8 @@ def generate(
     if problem := compile_option_problem(compile_mode, device, ulysses):
         raise ValueError(problem)
     if out is not None and (problem := output_problem(out)):
+        raise ValueError(problem)
+    if out is not None and not overwrite and (problem := replace_problem(_outputs(Path(out), compare), "--out")):
         raise ValueError(problem)
     if problem := pipeline_folder_problem(model_dir):
         raise ValueError(problem)
@@ -491,6 +549,8 @@ def generate(
     text_tokens = 0 if loaded_plan is None else loaded_plan.layout.prefix + loaded_plan.layout.suffix
     if text_tokens and family.pads_text and "max_sequence_length" not in call:
         call["max_sequence_length"] = text_tokens  # text tokens are part of the plan's sequence
+    if rank == 0:
+        log_progress(pipe)  # in a log, the step bar prints a line every so often instead of only at its end
     if ulysses > 1:
         # token counts the GPUs do not divide (CogVideoX-5B's video under 4) are split in chunks of unequal length
         layout = _call_layout(pipe, transformer, family, call)
@@ -518,9 +578,6 @@ def generate(
         log("dense run (the model's own attention)")
         with _own_attention(pipe, family, loaded_plans, ulysses, backend, resident), compiled(pipe, compile_mode):
             dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
-        dense_path = out.with_name(out.stem + "_dense" + out.suffix)
-        if rank == 0:
-            result["dense_path"] = str(_write(dense_pixels, dense_path, video, fps))
     handle = None
     linears = " and fp8 linear layers" if linear else ""
     if loaded_plan is not None and mismatch is not None:
@@ -536,8 +593,10 @@ def generate(
         if not handle.active:  # on_mismatch="dense" and a mismatch the check above did not tell
             result["ran_dense"] = "the plan does not fit (see the warning above)"
         experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""
-        log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, qk={loaded_plan.qk}, "
-            f"pv={loaded_plan.pv}{experts}){linears}")
+        dtype_of_model = transformer.dtype
+        log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, "
+            f"qk={precision_label(loaded_plan.qk, dtype_of_model)}, pv={precision_label(loaded_plan.pv, dtype_of_model)}"
+            f"{experts}){linears}")
     elif linear:
         handle = apply(pipe, None, linear=linear)
         log(f"dense run (no plan){linears}")
@@ -559,7 +618,20 @@ def generate(
         result["ulysses"] = ulysses
         if rank != 0:  # every process holds the same output; rank 0 writes it
             return {"rank": rank}
-    result["path"] = str(_write(pixels, out, video, fps))
+    scale = visible_scale(*pixels.shape[-3:-1])
+    targets = _outputs(out, compare)
+    with _written_together(*targets):  # an interrupted write leaves earlier files as they were
+        _write(enlarged(pixels, scale), targets[0], video, fps)
+        if compare:
+            _write(enlarged(dense_pixels, scale), targets[1], video, fps)
+    result["path"] = str(out)
+    if compare:
+        result["dense_path"] = str(targets[1])
+    result["scale"] = scale
+    if scale > 1:
+        height, width = pixels.shape[-3:-1]
+        log(f"output enlarged {scale}x (nearest neighbour) from {width}x{height} to {width * scale}x{height * scale} "
+            "pixels so it can be seen; the metrics compare the native pixels")
     if compare:
         result.update(compare_pixels(dense_pixels, pixels))
         result["speedup"] = result["dense_s"] / result["paro_s"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import folder_problem  # noqa: F401  (re-exported: the commands' checks)
+from ..files import folder_problem, replace_problem, written_together  # noqa: F401  (re-exported: the commands')
 
 # what `_write` can write: videos through diffusers' export_to_video (.mp4) or imageio (.gif), images through Pillow
 VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -59,6 +59,15 @@ def option_problem(backend: str, on_mismatch: str) -> str | None:
 
 
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def precision_label(mode: str, dtype: torch.dtype) -> str:
+    """What a qk or pv mode computes in with a model of `dtype`: "bf16" names the inputs' own type (no
+    quantization), which is float32 for a model run in float32, as on a CPU ("fp32"); the quantized modes are
+    themselves."""
+    if mode != "bf16":
+        return mode
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def device_problem(device: str | None) -> str | None:
@@ -137,19 +146,50 @@ def compile_option_problem(mode: str | None, device: str | None, ulysses: int = 
     return None
 
 
+# The ranges every numeric option is checked against before anything loads: wide enough for every supported model,
+# narrow enough that a slip of the keyboard (--steps 1000000000000) ends in one line instead of in the pipeline.
+MAX_STEPS = 1000  # the schedulers are trained on 1000 timesteps; several refuse more steps than that
+MAX_PIXELS = 8192  # height or width: above any supported model's position tables
+MAX_FRAMES = 1024
+MAX_PROMPTS = 1000
+MAX_BUCKETS = 100  # timestep buckets over 0..1000
+MAX_GPUS = 1024  # --ulysses: GPUs of one generation
+MAX_GROUPS = 64  # --exchange-groups: groups of a GPU's heads
+MAX_BLOCK = 1024  # --block-size and --query-block, in tokens
+MAX_DILATION = 1024  # blocks a mask grows by
+MAX_QUANT_WEIGHT = 1000.0
+SEED_RANGE = (0, 2**64 - 1)
+
+
+def range_problem(flag: str, value: int | None, low: int, high: int, what: str, note: str | None = None,
+                  default: str | None = None) -> str | None:
+    """Why `value` of `flag` is outside [low, high], or None (None: the option is left out). `what` names the
+    unit ("denoising steps"); `note` adds what a value means; `default`, when the option can be left out, what
+    leaving it out gives."""
+    if value is None or low <= value <= high:
+        return None
+    note = f" ({note})" if note else ""
+    leave = f" (or leave {flag} out for {default})" if default else ""
+    return f"{flag} {value}: pass a number of {what} from {low} to {high}{note}{leave}"
+
+
+_SIZES = {"steps": (MAX_STEPS, "denoising steps"), "frames": (MAX_FRAMES, "frames"), "height": (MAX_PIXELS, "pixels"),
+          "width": (MAX_PIXELS, "pixels")}
+
+
 def size_problem(**sizes: int | None) -> str | None:
     """Why one of `--height`, `--width`, `--frames`, `--steps` (given as keywords) is out of range, or None
     (None: the pipeline's default)."""
     for name, value in sizes.items():
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            what = "denoising steps" if name == "steps" else "frames" if name == "frames" else "pixels"
-            return f"{flag} {value}: pass a number of {what} >= 1 (or leave {flag} out for the pipeline's default)"
+        high, what = _SIZES[name]
+        if problem := range_problem("--" + name.replace("_", "-"), value, 1, high, what,
+                                    default="the pipeline's default"):
+            return problem
     return None
 
 
 def seed_problem(seed: int) -> str | None:
     """Why `--seed` is not a seed torch's generators take, or None."""
-    if not 0 <= seed < 2**64:
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         return f"--seed {seed}: pass a seed from 0 to 2**64 - 1"
     return None

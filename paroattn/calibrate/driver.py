@@ -31,12 +31,26 @@ from .recorder import CapturedStats, StatsRecorder
 STATS_SUFFIX = ".stats.safetensors"
 
 
-class _Progress:
-    """Three rich progress bars (prompts, steps, layers), or nothing."""
+# seconds between two progress lines when stderr is not a terminal (a log), where rich's bars would show only at the end
+LOG_PERIOD_S = 30.0
 
-    def __init__(self, enabled: bool, num_prompts: int, steps: int, layers: int):
+
+class _Progress:
+    """Three progress bars (prompts, steps, layers): rich's on a terminal; elsewhere (a log file, a pipe) a line
+    every `LOG_PERIOD_S` seconds and one at the end; or nothing."""
+
+    def __init__(self, enabled: bool, num_prompts: int, steps: int, layers: int, stream=None):
+        import sys
+
         self.bar = None
+        self.lines = None
         if not enabled:
+            return
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        if not (isatty and isatty()):
+            self.totals = {"prompts": num_prompts, "steps": steps, "layers": layers}
+            self.lines = dict.fromkeys(self.totals, 0)
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -51,15 +65,27 @@ class _Progress:
     def __enter__(self):
         if self.bar is not None:
             self.bar.start()
+        self.start = self.printed = time.monotonic()
         return self
 
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.stop()
+        if self.lines is not None and exc[0] is None:
+            self._print_line()
 
     def update(self, task: str, **kwargs) -> None:
         if self.bar is not None:
             self.bar.update(getattr(self, task), **kwargs)
+        elif self.lines is not None and "completed" in kwargs:
+            self.lines[task] = kwargs["completed"]
+            if time.monotonic() - self.printed >= LOG_PERIOD_S:
+                self._print_line()
+
+    def _print_line(self) -> None:
+        self.printed = time.monotonic()
+        done = ", ".join(f"{task} {self.lines[task]}/{total}" for task, total in self.totals.items())
+        print(f"calibration: {done}, {self.printed - self.start:.0f} s", file=self.stream, flush=True)
 
 
 def _call_kwargs(pipe, config: CaptureConfig, prompt: str | list[str], on_step_end) -> dict:
@@ -203,7 +229,8 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
     empty = [b for b, n in enumerate(result.steps_per_bucket) if n == 0]
     if empty and log is not None:
         who = f"{stats.expert}: " if stats.expert else ""
-        log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps")
+        log(f"{who}warning: no captured step fell in buckets {empty}; they use the mean over all captured steps. "
+            + empty_buckets_advice(empty, config, stats.bucket_steps))
     settings = {k: v for k, v in asdict(config).items() if k != "pipeline_kwargs"}
     settings.update(asdict(selection), dense_layers=result.dense_layers, figure_layers=figure_layers)
     if orders == "all":
@@ -240,6 +267,27 @@ def plan_from_stats(stats: CapturedStats, selection: SelectionConfig | None = No
     if stats.model_config is not None:
         plan.info["model_config"] = stats.model_config
     return plan, result
+
+
+def empty_buckets_advice(empty: list[int], config: CaptureConfig, bucket_steps: list[int] | None) -> str:
+    """What fills the timestep buckets `empty` that no captured step fell in: capturing every step where the
+    pipeline ran steps in them (`--stat-every 1`), more steps where it ran none, or fewer or wider buckets."""
+    edges = config.edges()
+    ran = [b for b in empty if bucket_steps is not None and bucket_steps[b] > 0]
+    never = [b for b in empty if b not in ran]
+    advice = []
+    if ran:
+        advice.append(f"the pipeline ran steps in buckets {ran} but statistics were captured every "
+                      f"{config.stat_every} steps: pass --stat-every 1 to capture every step")
+    if never:
+        spans = ", ".join(f"({edges[b + 1]:g}, {edges[b]:g}]" for b in never)
+        narrowest = min(edges[b] - edges[b + 1] for b in never)
+        fewer = max(1, len(edges) - 1 - len(never))
+        advice.append(f"none of the {config.steps} denoising steps fell in buckets {never} (timesteps {spans}): "
+                      f"raise --steps (a bucket {narrowest:g} timesteps wide takes about {-(-1000 // narrowest):g} "
+                      f"evenly spaced steps or more; shifted schedules need more) or pass --buckets {fewer} "
+                      "(or wider --bucket-edges)")
+    return "To fill every bucket: " + "; ".join(advice) + "."
 
 
 def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfig) -> CaptureConfig:
@@ -309,27 +357,51 @@ def stats_path_for(plan_path: str | Path) -> Path:
     return plan_path.with_name(stem + STATS_SUFFIX)
 
 
+def calibration_outputs(path: str | Path, experts: list[str] | tuple[str, ...] = ("transformer",)) -> list[Path]:
+    """Every file `save_expert_calibrations` writes for `experts` at `path`: each expert's plan and its stats file."""
+    plans = [expert_plan_path(path, expert) for expert in experts]
+    return [file for plan in plans for file in (plan, stats_path_for(plan))]
+
+
 def save_expert_calibrations(calibrations: list[tuple[Plan, CalibrationResult]], path: str | Path
                              ) -> list[tuple[Path, Path]]:
     """`save_calibration` of each expert's plan: the first expert's at `path`, the others beside it
     (`expert_plan_path`); with more than one, every plan lists every file (`info["experts"]`) so that
-    `load_plans` reads the pair from either."""
+    `load_plans` reads the pair from either. Every file is written under a temporary name and renamed once all
+    are written (`written_together`): an interrupted save leaves the earlier files as they were."""
+    from ..files import written_together
+
     paths = [expert_plan_path(path, plan.expert) for plan, _ in calibrations]
     if len(calibrations) > 1:
         for plan, _ in calibrations:
             plan.info["experts"] = {p.expert: target.name for (p, _), target in zip(calibrations, paths)}
-    return [save_calibration(plan, result, target) for (plan, result), target in zip(calibrations, paths)]
+    pairs = [(target, stats_path_for(target)) for target in paths]
+    with written_together(*[file for pair in pairs for file in pair]) as partial:
+        for i, ((plan, result), (target, stats)) in enumerate(zip(calibrations, pairs)):
+            _write_calibration(plan, result, stats, partial[2 * i], partial[2 * i + 1])
+    return pairs
 
 
 def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) -> tuple[Path, Path]:
     """Write the plan and, beside it, the statistics that `paro inspect --png` draws: block-mass
     maps (averaged over steps and prompts) in the original and the chosen order for the figure
     layers, kept attention mass per (bucket, layer, head) and the order scores. The plan records
-    where the stats file is (`info["stats_file"]`, absolute and by name)."""
-    from ..plan import write_safetensors
+    its stats file's name (`info["stats_file"]`; readers look for that name beside the plan) and, for
+    information, its absolute path. Both are written under temporary names and renamed together."""
+    from ..files import written_together
 
     path = Path(path)
     stats = stats_path_for(path)
+    with written_together(path, stats) as (plan_partial, stats_partial):
+        _write_calibration(plan, result, stats, plan_partial, stats_partial)
+    return path, stats
+
+
+def _write_calibration(plan: Plan, result: CalibrationResult, stats: Path, plan_file: Path, stats_file: Path) -> None:
+    """The plan into `plan_file` and its statistics into `stats_file`, the plan naming `stats` (the stats file's
+    final path) as its stats file."""
+    from ..plan import write_safetensors
+
     plan.info["stats_file"] = {"name": stats.name, "path": str(stats.resolve())}
     tensors = {
         "kept_mass": result.kept_mass.float().contiguous(),
@@ -340,10 +412,8 @@ def save_calibration(plan: Plan, result: CalibrationResult, path: str | Path) ->
     if result.figure_original is not None:
         tensors["figure_original"] = result.figure_original.contiguous()
         tensors["figure_reordered"] = result.figure_reordered.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors(tensors, stats, {"paroattn_stats": "1"})
-    plan.save(path)
-    return path, stats
+    write_safetensors(tensors, stats_file, {"paroattn_stats": "1"})
+    plan.save(plan_file)
 
 
 # -- used by `paro calibrate` ------------------------------------------------------------------
