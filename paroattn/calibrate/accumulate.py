@@ -71,9 +71,11 @@ class StatsAccumulator:
         store_device: torch.device | str = "cpu",
         store_dtype: torch.dtype = torch.float16,
         query_block: int | None = None,
+        staging_device: torch.device | str | None = None,
     ):
         """Statistics come in square blocks of `block_size`; the masks (and the order choice) use query
-        blocks of `query_block` (a multiple of it, default the same) by summing consecutive rows."""
+        blocks of `query_block` (a multiple of it, default the same) by summing consecutive rows. The current
+        bucket's sums are staged on `staging_device` (None: where each map was computed)."""
         self.num_layers = num_layers
         self.num_buckets = num_buckets
         self.candidate_orders = list(candidate_orders)
@@ -85,6 +87,7 @@ class StatsAccumulator:
         self.mask_block = (query_block, block_size)  # (bq, bk) of the masks
         self.store_device = torch.device(store_device)
         self.store_dtype = store_dtype
+        self.staging_device = None if staging_device is None else torch.device(staging_device)
         self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] means
         self.weight = torch.zeros(num_buckets, num_layers)  # maps averaged into mass, batch items counted
         self.incoherence_sum: dict[int, torch.Tensor] = {}  # layer -> [H, O]
@@ -126,6 +129,8 @@ class StatsAccumulator:
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
+        if self.staging_device is not None:
+            mass = mass.to(self.staging_device)
         if layer in self._staging:
             self._staging[layer] += mass
         else:

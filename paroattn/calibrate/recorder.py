@@ -137,9 +137,13 @@ class StatsRecorder:
         nb = math.ceil(layout.seq_len / config.block_size)
         stored_orders = 1 if config.order_steps is not None else len(orders)
         estimate = buckets * L * q.shape[1] * stored_orders * nb * nb * 4
-        store = store_device(config, q.device, estimate)
+        store, staging = store_device(config, q.device, estimate), None
+        if config.order_steps is not None and config.store_device == "auto":
+            # one order's sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what the
+            # dense generation holds; a captured call moves its maps over once (tens of MB)
+            store = staging = torch.device("cpu")
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
-                                    store_device=store, query_block=config.query_block)
+                                    store_device=store, query_block=config.query_block, staging_device=staging)
         if config.profile_queries:
             self.profiles = ProfileAccumulator(L, buckets, layout, q.shape[1])
         for name, subset in self.order_sets.items():
