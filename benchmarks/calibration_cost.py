@@ -1,20 +1,28 @@
-"""What `paro calibrate` costs on full-size CogVideoX-5B and Wan2.1-1.3B transformers (one GPU).
+"""What `paro calibrate` costs on full-size Wan2.1-1.3B and CogVideoX-5B transformers (one GPU): the full capture
+(every order, every query row, every call) and the cheap one (`CaptureConfig` options `--cheap-capture`), one run.
 
-    python benchmarks/calibration_cost.py --models cogvideox-5b wan2.1-1.3b --out benchmarks/results/calibration_cost.json
-    python benchmarks/calibration_cost.py --tiny          # CPU smoke test of this script with tiny models
+    python benchmarks/calibration_cost.py --models wan2.1-1.3b cogvideox-5b --end-to-end wan2.1-1.3b \
+        --out benchmarks/results/calibration_cost_cheap_h200.json
+    python benchmarks/calibration_cost.py --tiny          # CPU check of this script with tiny models
 
 What is measured, and what is extrapolated (say so wherever the numbers are quoted):
 - The transformer alone with random weights (bf16), random latents and random text embeddings: the
   VAE and text encoder run once per prompt and are not what calibration adds. CogVideoX-5B:
   480x720x49 -> latents 13x60x90, B=2 (CFG batched), 226 text tokens, 3-D RoPE as its pipeline
   builds it; one transformer call per step. Wan2.1-1.3B: 81 frames 480x832 -> 21x60x104, B=1,
-  512 text tokens; two calls per step (cond, uncond).
-- Timed on the device: a dense forward; a forward with capture + block statistics of all 6 orders
-  for every layer (what every calibration step costs); the statistics of one layer alone; moving a
-  bucket's staged sums to host memory; order selection and masks over 6 buckets of full-size sums.
-- Extrapolated: the whole calibration = prompts x steps x calls per step x (captured forward) +
-  one flush per bucket per prompt + selection. A full run (2 prompts x 50 steps) takes about a
-  quarter of an hour of GPU time per model; it has not been run end to end.
+  512 text tokens; two calls per step (cond, uncond). Timesteps: Wan's flow-matching schedule (shift 3),
+  CogVideoX's evenly spaced 999..0, which decide the timestep buckets.
+- Full capture, timed on the device: a dense forward; a forward with capture + block statistics of all 6 orders
+  for every layer (what every captured call of the full capture costs); the statistics of one layer alone;
+  moving a bucket's staged sums to host memory; order selection and masks over 6 buckets of full-size sums.
+  Extrapolated: prompts x steps x calls per step / stat_every captured forwards + the other forwards dense
+  + one flush per bucket per prompt + selection.
+- Cheap capture: a forward at an order step (all orders, sampled rows) and at a map step (each head's order);
+  extrapolated as the number of such calls (from the schedule) times their extra cost over a dense forward,
+  plus dense forwards. With `--end-to-end MODEL`, run for real through `StatsRecorder` as a pipeline feeds it:
+  a dense generation of one prompt (steps x calls per step forwards), then the calibration of `--prompts`
+  prompts (the first of which is the first `plan="auto"` generation) and `plan_from_stats`, with the peak GPU
+  memory of each and the peak host RSS and stored accumulator bytes of the capture.
 """
 
 from __future__ import annotations
@@ -26,14 +34,19 @@ import math
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder  # noqa: E402
 from paroattn.calibrate.accumulate import StatsAccumulator  # noqa: E402
 from paroattn.calibrate.block_stats import block_stats  # noqa: E402
+
+# the cheap capture measured here (CaptureConfig options)
+CHEAP = "steps_per_bucket=2,stat_every=2,calls=first,query_stride=4,order_steps=2"
 
 
 def _sync():
@@ -48,6 +61,172 @@ def _timed(fn, repeat=1):
         fn()
     _sync()
     return (time.perf_counter() - start) / repeat
+
+
+def _host_gb(field: str = "VmRSS") -> float | None:
+    """This process's resident host memory (VmRSS) or its peak since the last `_reset_host_peak` (VmHWM), in GB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def _reset_host_peak() -> bool:
+    """Start VmHWM again from the current RSS (Linux)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _gpu_peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+
+
+def _reset_gpu_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def schedule(name: str, steps: int) -> list[float]:
+    """The timesteps (0..1000) of the model's sampler: Wan's flow matching with shift 3 (480p), CogVideoX's evenly
+    spaced 999..0; they decide the timestep buckets."""
+    if "wan" in name:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        scheduler.set_timesteps(steps)
+        return [float(t) for t in scheduler.timesteps]
+    return [float(t) for t in torch.linspace(999, 0, steps)]
+
+
+def parse_capture_options(spec: str) -> dict:
+    """"name=value,..." -> CaptureConfig options (int, float, None or string values), checked by CaptureConfig."""
+    options = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in CaptureConfig.__dataclass_fields__ or not value:
+            raise SystemExit(f"--cheap-capture {item!r}: expected name=value with a CaptureConfig option name")
+        try:
+            options[name] = int(value)
+        except ValueError:
+            try:
+                options[name] = float(value)
+            except ValueError:
+                options[name] = None if value == "None" else value
+    CaptureConfig(**options)
+    return options
+
+
+def generation(model, inputs, calls_per_step: int, timesteps, recorder: StatsRecorder | None = None) -> None:
+    """One generation as a pipeline runs it: every step calls the transformer `calls_per_step` times (cond first)."""
+    for t in timesteps:
+        for _ in range(calls_per_step):
+            model(**inputs(t))
+        if recorder is not None:
+            recorder.step_done()
+    if recorder is not None:
+        recorder.prompt_done()
+
+
+def captured_calls(config: CaptureConfig, timesteps, calls_per_step: int, prompts: int) -> dict:
+    """How many calls of a calibration the capture rule makes order calls (all orders) and map calls (one order),
+    from a one-layer recorder fed tiny q, k on the CPU through the same rule."""
+    from paroattn import TokenLayout
+
+    layout = TokenLayout(0, 1, 8, 8)
+    config = replace(config, backend="torch", profile_queries=0, block_size=64, query_block=None)
+    recorder = StatsRecorder(1, config)
+    q = torch.randn(1, 1, layout.seq_len, 16)
+    counts = {"order": 0, "map": 0}
+    for _ in range(prompts):
+        for t in timesteps:
+            before = recorder.captures
+            for _ in range(calls_per_step):
+                recorder.record(0, q, q, layout, t)
+            if recorder.mode in counts:
+                counts[recorder.mode] += recorder.captures - before
+            recorder.step_done()
+        recorder.prompt_done()
+    return counts
+
+
+def measure_cheap(name, model, inputs, calls_per_step, dense_forward_s, config, prompts, steps, end_to_end):
+    """The cheap capture: a forward at an order step and at a map step, the calls of each kind in a calibration,
+    the calibration extrapolated from them and, with `end_to_end`, run: a dense generation, then the calibration."""
+    from paroattn.calibrate.driver import plan_from_stats
+    from paroattn.pipelines import capture_attention, self_attention_layers
+
+    L = len(self_attention_layers(model))
+    timesteps = schedule(name, steps)
+    out = {"options": {k: getattr(config, k) for k in ("steps_per_bucket", "stat_every", "calls", "query_stride",
+                                                        "order_steps", "order_density", "block_size")}}
+
+    def recorder(cfg):
+        return StatsRecorder(L, cfg, model_class=type(model).__name__, model_config=model.config)
+
+    # one order step, then one map step (orders chosen after one step); the first pass compiles the kernels
+    one = replace(config, order_steps=1, steps_per_bucket=None, stat_every=1)
+    for attempt in range(2):
+        rec = recorder(one)
+        with capture_attention(model, rec.record):
+            order_s = _timed(lambda: model(**inputs(timesteps[0])))
+            rec.step_done()
+            map_s = _timed(lambda: model(**inputs(timesteps[1])))
+            skipped_s = _timed(lambda: model(**inputs(timesteps[1])))  # a second call in the step: not captured
+            rec.step_done()
+    out.update(order_forward_s=order_s, map_forward_s=map_s, uncaptured_forward_s=skipped_s)
+    counts = captured_calls(config, timesteps, calls_per_step, prompts)
+    calls = prompts * steps * calls_per_step
+    out["calls"] = {"transformer_calls": calls, **counts}
+    t0 = time.perf_counter()
+    plan_from_stats(rec.stats(["p"]), SelectionConfig(density=0.3))
+    _sync()
+    select_s = time.perf_counter() - t0
+    first = captured_calls(config, timesteps, calls_per_step, 1)  # the first generation (a plan="auto" run)
+    out["extrapolated"] = {
+        "calibration_s": calls * dense_forward_s + counts["order"] * (order_s - dense_forward_s)
+        + counts["map"] * (map_s - dense_forward_s) + select_s,
+        "dense_s": calls * dense_forward_s,
+        "first_generation_over_dense": 1 + (first["order"] * (order_s - dense_forward_s)
+                                            + first["map"] * (map_s - dense_forward_s))
+        / (steps * calls_per_step * dense_forward_s),
+        "select_s": select_s,
+    }
+    out["extrapolated"]["calibration_min"] = out["extrapolated"]["calibration_s"] / 60
+    if not end_to_end:
+        return out
+    e2e = {}
+    _reset_gpu_peak()
+    e2e["dense_generation_s"] = _timed(lambda: generation(model, inputs, calls_per_step, timesteps))
+    e2e["dense_generation_peak_gpu_gb"] = _gpu_peak_gb()
+    e2e["host_rss_before_gb"] = _host_gb()
+    e2e["host_peak_reset"] = _reset_host_peak()
+    _reset_gpu_peak()
+    rec = recorder(config)
+    prompt_s = []
+    with capture_attention(model, rec.record):
+        for _ in range(prompts):
+            prompt_s.append(_timed(lambda: generation(model, inputs, calls_per_step, timesteps, rec)))
+    t0 = time.perf_counter()
+    plan, result = plan_from_stats(rec.stats([f"prompt {i}" for i in range(prompts)]), SelectionConfig(density=0.3))
+    _sync()
+    e2e.update(
+        prompt_s=prompt_s, select_s=time.perf_counter() - t0, calibration_s=sum(prompt_s) + time.perf_counter() - t0,
+        first_generation_over_dense=prompt_s[0] / e2e["dense_generation_s"],
+        capture_peak_gpu_gb=_gpu_peak_gb(), host_peak_gb=_host_gb("VmHWM"),
+        stored_means_gb=rec.acc.stored_bytes() / 1e9, stats_s=rec.stats_s, captured_layer_calls=rec.captures,
+        steps_per_bucket=rec.acc.steps_per_bucket, achieved_density=float(result.density.mean()),
+    )
+    if e2e["dense_generation_peak_gpu_gb"]:
+        e2e["gpu_over_dense"] = e2e["capture_peak_gpu_gb"] / e2e["dense_generation_peak_gpu_gb"]
+    e2e["calibration_min"] = e2e["calibration_s"] / 60
+    out["end_to_end"] = e2e
+    return out
 
 
 def build_cogvideox_5b(device, dtype, tiny: bool = False):
@@ -134,7 +313,10 @@ def check_kernel(device, backend):
     return {name: float((a - b).abs().max()) for name, a, b in zip(("mass", "pmax", "below"), got, want)}
 
 
-def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
+def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls, cheap=None, end_to_end=False,
+            stat_every=2):
+    """The model's dense forward, then the cheap capture (`cheap`: a CaptureConfig, None: skipped; run end to end
+    with `end_to_end`), then the full capture (every order and row at every captured step: the old default)."""
     from paroattn.pipelines import capture_attention, self_attention_layers
 
     record = {"model": name}
@@ -148,6 +330,12 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
     with torch.no_grad():
         model(**inputs(900))  # warm-up
         record["dense_forward_s"] = _timed(lambda: model(**inputs(900)), repeat=timed_calls)
+        if cheap is not None:
+            record["cheap"] = measure_cheap(name, model, inputs, calls_per_step, record["dense_forward_s"], cheap,
+                                            prompts, steps, end_to_end)
+            print(json.dumps({"model": name, "cheap": record["cheap"]}), flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         state = {"acc": None, "stats_s": 0.0, "layer0": None, "variant": None}
 
         def keep_layer0(layer, q, k, layout, timestep, suffix_mask):
@@ -209,13 +397,18 @@ def measure(name, device, dtype, backend, prompts, steps, buckets, timed_calls):
         record["select_and_masks_s"] = time.perf_counter() - t0
         record["achieved_density"] = float(result.density.mean())
     calls = prompts * steps * calls_per_step
+    captured = prompts * math.ceil(steps / stat_every) * calls_per_step  # every stat_every-th step, every call
     record["extrapolated"] = {
         "prompts": prompts,
         "steps": steps,
         "transformer_calls": calls,
+        "captured_calls": captured,
         "dense_only_s": calls * record["dense_forward_s"],
-        "calibration_s": calls * record["captured_forward_s"] + prompts * buckets * record["flush_bucket_s"]
-        + record["select_and_masks_s"],
+        "calibration_s": captured * record["captured_forward_s"] + (calls - captured) * record["dense_forward_s"]
+        + prompts * buckets * record["flush_bucket_s"] + record["select_and_masks_s"],
+        "first_generation_over_dense": (captured * record["captured_forward_s"]
+                                        + (calls - captured) * record["dense_forward_s"]) / calls
+        / record["dense_forward_s"],
     }
     record["extrapolated"]["calibration_min"] = record["extrapolated"]["calibration_s"] / 60
     model = state = acc = result = None  # free GPU memory before the next model
@@ -231,6 +424,11 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--buckets", type=int, default=6)
     parser.add_argument("--timed-calls", type=int, default=1)
+    parser.add_argument("--stat-every", type=int, default=2, help="the full capture's step interval (its default)")
+    parser.add_argument("--cheap-capture", default=CHEAP, help="CaptureConfig options of the cheap capture, "
+                        "comma-separated name=value; 'none' skips it")
+    parser.add_argument("--end-to-end", nargs="*", default=[], choices=sorted(MODELS),
+                        help="models whose cheap calibration runs end to end (a dense generation, then every prompt)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny models and the torch backend")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -238,7 +436,14 @@ def main():
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = "triton" if cuda else "torch"
-    models = ["tiny-cogvideox", "tiny-wan"] if args.tiny else args.models
+    models = args.models
+    if args.tiny:  # the tiny models named in --models, else both
+        models = [m for m in args.models if m.startswith("tiny")] or ["tiny-cogvideox", "tiny-wan"]
+    end_to_end = set(args.end_to_end) | ({"tiny-wan"} if args.tiny else set())
+    cheap = None
+    if args.cheap_capture.lower() != "none":
+        cheap = CaptureConfig(steps=args.steps, num_buckets=args.buckets, backend=backend,
+                              order_density=0.3, **parse_capture_options(args.cheap_capture))
     report = {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -248,7 +453,8 @@ def main():
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
     for name in models:
-        record = measure(name, device, dtype, backend, args.prompts, args.steps, args.buckets, args.timed_calls)
+        record = measure(name, device, dtype, backend, args.prompts, args.steps, args.buckets, args.timed_calls,
+                         cheap=cheap, end_to_end=name in end_to_end, stat_every=args.stat_every)
         report["results"].append(record)
         print(json.dumps(record), flush=True)
         if args.out:

@@ -28,6 +28,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,8 @@ VARIANTS = {
     "no dilation": {"dilation": 0},
     "dilation 1": {"dilation": 1},
     "more prompts": {"capture": "more"},
+    # the cheap capture (`--cheap-capture`'s options) of the same 2 prompts, its orders chosen at the row's density
+    "cheap capture": {"capture": "cheap"},
     "dense steps 0.2": {"dense_steps": 0.2},
     "dense steps 0.3": {"dense_steps": 0.3},
     "no dense steps": {"dense_steps": 0.0},
@@ -101,6 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--add-profiles", type=Path, default=None,
                    help="capture once as --ship does and write its axis profiles into the plans in this folder, "
                         "keeping their orders, masks and stats files (what the quality summary measured); then stop")
+    p.add_argument("--cheap-capture", default="steps_per_bucket=2,stat_every=2,calls=first,query_stride=4,order_steps=2",
+                   help="CaptureConfig options of the variant 'cheap capture', comma-separated name=value")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
                    help="study only, with --backend torch: integer Q (and K) quantized with finer scales than the "
@@ -144,6 +149,26 @@ def finer_qk_scales(scales: dict[str, str]):
         return dequantized, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
 
     return quantize
+
+
+def parse_capture_options(spec: str) -> dict:
+    """"name=value,..." -> CaptureConfig options (ints, floats, None, or strings), checked by CaptureConfig."""
+    from paroattn.calibrate import CaptureConfig
+
+    fields = set(CaptureConfig.__dataclass_fields__)
+    options = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise SystemExit(f"--cheap-capture {item!r}: expected name=value with a CaptureConfig option name")
+        for kind in (int, float):
+            try:
+                options[name] = kind(value)
+                break
+            except ValueError:
+                options[name] = None if value == "None" else value
+    CaptureConfig(**options)  # a bad value stops here, naming the option
+    return options
 
 
 def parse_grid(spec: str) -> list[tuple[float, str, str]]:
@@ -213,15 +238,30 @@ def main(argv=None) -> int:
         log.append(line)
 
     captures = {}
+    cheap_options = parse_capture_options(args.cheap_capture)
 
-    def stats_for(name: str):
+    def stats_for(name: str, density: float | None = None):
+        if name == "cheap":  # orders chosen during the capture at the row's density: one capture per density
+            key = f"cheap d={density:g}"
+            if key not in captures:
+                config = replace(demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
+                                                   query_block=args.query_block), order_density=density,
+                                 **cheap_options)
+                captures[key] = capture(pipe, demo.CALIBRATION_PROMPTS, config)
+                acc = captures[key].accumulators["all"]
+                say(f"capture {key!r} ({args.cheap_capture}): {captures[key].timings['pipeline_s']:.1f} s, "
+                    f"statistics {captures[key].timings['stats_s']:.1f} s, {captures[key].timings['captured_layer_calls']} "
+                    f"layer calls, stored means {acc.stored_bytes() / 1e6:.2f} MB")
+            return captures[key]
         if name not in captures:
             prompts = demo.CALIBRATION_PROMPTS + (demo.MORE_CALIBRATION_PROMPTS if name == "more" else [])
             config = demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
                                        query_block=args.query_block, extras=True)
             captures[name] = capture(pipe, prompts, config, order_sets={"identity": [ORDERS.index("FHW")]})
             say(f"capture {name!r}: {len(prompts)} prompts x {args.calibration_steps} steps in "
-                f"{captures[name].timings['pipeline_s']:.1f} s, layout {captures[name].layout}")
+                f"{captures[name].timings['pipeline_s']:.1f} s, statistics {captures[name].timings['stats_s']:.1f} s, "
+                f"stored means {captures[name].accumulators['all'].stored_bytes() / 1e6:.2f} MB, "
+                f"layout {captures[name].layout}")
         return captures[name]
 
     if args.add_profiles is not None:
@@ -264,7 +304,7 @@ def main(argv=None) -> int:
         qk, pv = demo.QUANT_MODES[QUANTS[quant]]
         plan, result = None, None  # density 1 in bf16 with fp8 linear layers: no plan, the model's own attention
         if not (density >= 1.0 and quant == "bf16"):
-            stats = stats_for(kwargs.pop("capture", "two"))
+            stats = stats_for(kwargs.pop("capture", "two"), density)
             try:
                 plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
             except ValueError as exc:
@@ -293,6 +333,7 @@ def main(argv=None) -> int:
                 "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
                 "step_shares": result.step_shares,
                 "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
+                "orders": plan.orders.tolist(),
                 # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
                 "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
             })

@@ -9,6 +9,10 @@ so a step costs no host transfer. The stored means are float16 (each entry is at
 size, and one rounding per fold keeps them within ~1e-3 of the float32 mean): memory is
 buckets * L * H * O * nb^2 * 2 bytes (CogVideoX-5B with 6 buckets: 11 GB; Wan2.1-1.3B: 7 GB), kept in
 `store_device` (host memory by default on CUDA when it would not fit comfortably on the GPU).
+
+A capture that chose each head's order while it ran (`CaptureConfig.order_steps`) calls `fix_orders` before
+its first map: the accumulator then keeps one map per head, [H, 1, nb, nb] in the head's chosen order (the
+memory of one order instead of six), and `finalize` keeps those orders and their scores.
 """
 
 from __future__ import annotations
@@ -67,9 +71,11 @@ class StatsAccumulator:
         store_device: torch.device | str = "cpu",
         store_dtype: torch.dtype = torch.float16,
         query_block: int | None = None,
+        staging_device: torch.device | str | None = None,
     ):
         """Statistics come in square blocks of `block_size`; the masks (and the order choice) use query
-        blocks of `query_block` (a multiple of it, default the same) by summing consecutive rows."""
+        blocks of `query_block` (a multiple of it, default the same) by summing consecutive rows. The current
+        bucket's sums are staged on `staging_device` (None: where each map was computed)."""
         self.num_layers = num_layers
         self.num_buckets = num_buckets
         self.candidate_orders = list(candidate_orders)
@@ -81,6 +87,7 @@ class StatsAccumulator:
         self.mask_block = (query_block, block_size)  # (bq, bk) of the masks
         self.store_device = torch.device(store_device)
         self.store_dtype = store_dtype
+        self.staging_device = None if staging_device is None else torch.device(staging_device)
         self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] means
         self.weight = torch.zeros(num_buckets, num_layers)  # maps averaged into mass, batch items counted
         self.incoherence_sum: dict[int, torch.Tensor] = {}  # layer -> [H, O]
@@ -91,13 +98,39 @@ class StatsAccumulator:
         self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
+        self.fixed_slots: torch.Tensor | None = None  # [L, H] slots into candidate_orders, with fix_orders
+        self.fixed_scores: torch.Tensor | None = None  # [L, H, O] the scores they were chosen by
+
+    def fix_orders(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
+        """Keep the order `slots` [L, H] (indices into candidate_orders) of every head, chosen by `scores`
+        [L, H, O] (lower is better): from now on `add` takes maps [H, 1, nb, nb] in each head's order."""
+        if self.mass or self._staging:
+            raise RuntimeError("fix_orders comes before the first map: maps of every order were added already")
+        O = len(self.candidate_orders)
+        if slots.dim() != 2 or slots.shape[0] != self.num_layers or tuple(scores.shape) != (*slots.shape, O):
+            raise ValueError(f"fix_orders takes slots [L={self.num_layers}, H] and scores [L, H, {O}]; got "
+                             f"{tuple(slots.shape)} and {tuple(scores.shape)}")
+        if int(slots.min()) < 0 or int(slots.max()) >= O:
+            raise ValueError(f"order slots must index the {O} candidate orders, got {slots.unique().tolist()}")
+        self.fixed_slots, self.fixed_scores = slots.long().cpu(), scores.float().cpu()
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored means (what the accumulator holds between buckets)."""
+        return sum(t.numel() * t.element_size() for t in self.mass.values())
 
     def add(self, layer: int, bucket: int, mass: torch.Tensor, pmax: torch.Tensor, below: torch.Tensor, batch: int):
         """Statistics of one layer at one step, [H, O, nb, nb] each, summed over `batch` items.
-        pmax and below may be None (then the incoherence and block-sparse scores read 0)."""
+        pmax and below may be None (then the incoherence and block-sparse scores read 0). With fixed orders
+        (`fix_orders`): [H, 1, nb, nb] in each head's order."""
+        slots = 1 if self.fixed_slots is not None else len(self.candidate_orders)
+        if mass.dim() != 4 or mass.shape[1] != slots:
+            raise ValueError(f"expected block statistics [H, {slots}, nb, nb]"
+                             f"{' (each head in its fixed order)' if slots == 1 else ''}, got {tuple(mass.shape)}")
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
+        if self.staging_device is not None:
+            mass = mass.to(self.staging_device)
         if layer in self._staging:
             self._staging[layer] += mass
         else:
@@ -201,31 +234,39 @@ class StatsAccumulator:
         bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nq, nk]
         fig_original, fig_reordered = [], []
         original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
+        fixed = self.fixed_slots is not None
+        if fixed and (metric != "mass" or quant_weight):
+            raise ValueError(f"the orders were chosen during the capture by the mass metric; metric={metric!r} with "
+                             f"quant_weight={quant_weight} needs a capture with every order (order_steps=None)")
         for layer in range(L):
             maps = [self._mean_map(b, layer, compute_device) for b in range(B)]
             captured = [m for m in maps if m is not None]
             overall = sum(captured) / len(captured)
-            kept = torch.zeros(overall.shape[:2])
-            used = 0.0
-            for b, m in enumerate(maps):
-                if m is None:
-                    continue
-                kept += float(step_weight[b]) * kept_mass_fraction(m, targets[b]).cpu()
-                used += float(step_weight[b])
-            kept /= used
-            count = float(self.scalar_count[layer])
-            scores = order_scores(
-                kept, self.incoherence_sum[layer] / count, self.sparse_sum[layer] / count,
-                metric=metric, quant_weight=quant_weight, alpha=alpha,
-            )
-            slot = scores.argmin(dim=-1)  # [H]
+            if fixed:
+                scores, slot = self.fixed_scores[layer], self.fixed_slots[layer]
+                pick = torch.zeros_like(slot)  # the maps hold each head's chosen order alone
+            else:
+                kept = torch.zeros(overall.shape[:2])
+                used = 0.0
+                for b, m in enumerate(maps):
+                    if m is None:
+                        continue
+                    kept += float(step_weight[b]) * kept_mass_fraction(m, targets[b]).cpu()
+                    used += float(step_weight[b])
+                kept /= used
+                count = float(self.scalar_count[layer])
+                scores = order_scores(
+                    kept, self.incoherence_sum[layer] / count, self.sparse_sum[layer] / count,
+                    metric=metric, quant_weight=quant_weight, alpha=alpha,
+                )
+                slot = pick = scores.argmin(dim=-1)  # [H]
             per_layer_scores.append(scores)
             per_layer_orders.append(torch.tensor(self.candidate_orders)[slot])
             heads = torch.arange(slot.numel())
             for b in range(B):
                 m = maps[b] if maps[b] is not None else overall
-                bucket_maps[b].append(m[heads, slot.to(m.device)])
-            if layer in figure_layers:
+                bucket_maps[b].append(m[heads, pick.to(m.device)])
+            if layer in figure_layers and not fixed:  # the original order's maps exist only with every order
                 fig_original.append(overall[:, original_slot].half().cpu())
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
         bucket_mass = [torch.stack(maps) for maps in bucket_maps]  # [L, H, nq, nk] each

@@ -10,6 +10,14 @@ Two Triton passes per layer (the torch reference beside it: `block_stats_referen
                                 P = exp2(s - lse) to three numbers: sum, max, count below eps.
                                 The batch is summed inside the program.
 
+With sampled query rows (`query_stride` s > 1, the cheap capture) one kernel does both:
+`_sampled_block_stats_kernel` gathers s query blocks' sampled rows into one tile, computes their
+log-sum-exp itself (the sampled rows differ between orders, so a shared pass would cost a full one) and
+reduces each key block's tile to one mass per query block: about 2/s of an order's cost.
+
+Orders come as a table [O, H] (one order per output slot and head), so a capture that has fixed each
+head's order computes only that order.
+
 Tokens are never permuted in memory: a program maps its reordered positions to original ones with
 the index arithmetic of `paroattn.layout` (jitted in `paroattn.kernels.index_math`) and gathers rows of q and k.
 Output is [H, O, nq, nk] per statistic (267 MB for a CogVideoX-5B layer: 48 heads, 6 orders,
@@ -89,8 +97,8 @@ if triton is not None:
         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
         EXTRAS: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
     ):
-        """Program (i, h, o): query block i of the sequence reordered by ORDERS[o], head
-        head_offset + h; adds into MASS (and, with EXTRAS, PMAX/BELOW)[h, o, i, :] (the outputs hold
+        """Program (i, h, o): query block i of the sequence reordered by ORDERS[o, head], head
+        head_offset + h (ORDERS: int32 [O, H], one order per output slot and head); adds into MASS (and, with EXTRAS, PMAX/BELOW)[h, o, i, :] (the outputs hold
         only this launch's heads). GROUP key blocks are handled per iteration: one [BLOCK, GROUP*BLOCK]
         tile, reduced to GROUP numbers, which amortizes the reductions' synchronization. With HAS_KEY_MASK,
         keys j with KEEP[b, j] == 0 are absent: no mass, and not counted below eps."""
@@ -98,7 +106,7 @@ if triton is not None:
         h_local = tl.program_id(1)
         oi = tl.program_id(2)
         h = head_offset + h_local
-        order = tl.load(ORDERS + oi)
+        order = tl.load(ORDERS + oi * H + h)
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
         rq = i * BLOCK + tl.arange(0, BLOCK)
@@ -135,13 +143,81 @@ if triton is not None:
                     old_below = tl.load(BELOW + out + js, mask=j_valid, other=0.0)
                     tl.store(BELOW + out + js, old_below + tile_below, mask=j_valid)
 
+    @triton.jit
+    def _sampled_block_stats_kernel(
+        Q, K, KEEP, ORDERS, MASS,
+        stride_qb, stride_qh, stride_qn,
+        stride_kb, stride_kh, stride_kn,
+        B, H, N, D, head_offset, num_orders, num_blocks,
+        prefix, frames, height, width,
+        qk_scale_log2, phase,
+        BLOCK: tl.constexpr, STRIDE: tl.constexpr, BLOCK_D: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    ):
+        """Program (g, h, o): query blocks g*STRIDE .. g*STRIDE+STRIDE-1 of the sequence reordered by ORDERS[o, head],
+        BLOCK/STRIDE sampled rows of each (rows r*STRIDE + phase), gathered into one BLOCK-row tile. Pass 1 walks
+        the keys in their original order for the sampled rows' log-sum-exp (only these rows need it); pass 2 walks
+        the reordered key blocks and adds each tile's mass per query block into MASS[h, o, block, :] (unscaled:
+        the launcher scales each block by its rows over its sampled rows)."""
+        g = tl.program_id(0)
+        h_local = tl.program_id(1)
+        oi = tl.program_id(2)
+        h = head_offset + h_local
+        order = tl.load(ORDERS + oi * H + h)
+        ROWS: tl.constexpr = BLOCK // STRIDE
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        m = tl.arange(0, BLOCK)
+        rq = (g * STRIDE + m // ROWS) * BLOCK + (m % ROWS) * STRIDE + phase
+        q_valid = rq < N
+        oq = _reordered_to_original(rq, order, prefix, frames, height, width)
+        oq = tl.where(q_valid, oq, 0)
+        out_blocks = g * STRIDE + tl.arange(0, STRIDE)
+        out = ((h_local * num_orders + oi) * num_blocks + out_blocks) * num_blocks  # [STRIDE]
+        out_valid = out_blocks < num_blocks
+        offs_n = tl.arange(0, BLOCK)
+        for b in range(0, B):
+            q_ptrs = Q + b * stride_qb + h * stride_qh + oq[:, None] * stride_qn + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
+            m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                keys = start + offs_n
+                k_ptrs = K + b * stride_kb + h * stride_kh + keys[None, :] * stride_kn + offs_d[:, None]
+                k = tl.load(k_ptrs, mask=(keys[None, :] < N) & d_valid[:, None], other=0.0)
+                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+                key_valid = keys < N
+                if HAS_KEY_MASK:
+                    key_valid = key_valid & (tl.load(KEEP + b * N + keys, mask=keys < N, other=0) != 0)
+                s = tl.where(key_valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_sub) + tl.sum(tl.exp2(s - m_sub[:, None]), axis=1)
+                m_i = m_new
+            lse = m_i + tl.log2(l_i)
+            for j in range(0, num_blocks):
+                rk = j * BLOCK + offs_n
+                k_valid = rk < N
+                ok = _reordered_to_original(rk, order, prefix, frames, height, width)
+                ok = tl.where(k_valid, ok, 0)
+                k_ptrs = K + b * stride_kb + h * stride_kh + ok[None, :] * stride_kn + offs_d[:, None]
+                k = tl.load(k_ptrs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+                if HAS_KEY_MASK:
+                    k_valid = k_valid & (tl.load(KEEP + b * N + ok, mask=k_valid, other=0) != 0)
+                valid = q_valid[:, None] & k_valid[None, :]
+                p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+                tile = tl.sum(tl.sum(tl.reshape(p, [STRIDE, ROWS, BLOCK]), axis=2), axis=1)  # [STRIDE]
+                ptrs = MASS + out + j
+                tl.store(ptrs, tl.load(ptrs, mask=out_valid, other=0.0) + tile, mask=out_valid)
+
 
 
 def block_stats_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     layout: TokenLayout,
-    orders: list[int],
+    orders: list[int] | list[list[int]],
     block_size: int,
     eps: float = 1e-3,
     sm_scale: float | None = None,
@@ -149,13 +225,20 @@ def block_stats_triton(
     group: int = 1,
     max_output_bytes: int = 1 << 30,
     key_mask: torch.Tensor | None = None,
+    query_stride: int = 1,
+    phase: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive`.
-    `extras=False` skips max and count below eps (returned as None); `group` key blocks per
-    iteration (a power of two)."""
+    """Triton launcher; same contract and results as `block_stats_reference.block_stats_naive` (with
+    `query_stride` > 1: as `block_stats_sampled_torch`, mass only). `orders`: the candidate orders, or a table
+    [O][H] of one order per output slot and head. `extras=False` skips max and count below eps (returned as
+    None); `group` key blocks per iteration (a power of two)."""
     B, H, N, D = q.shape
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"the statistics kernel needs a power-of-two block_size >= 16, got {block_size}")
+    table = _order_table(orders, H)
+    sampled = query_stride > 1
+    if sampled and extras:
+        raise ValueError(f"query_stride={query_stride} estimates the block mass only; pass extras=False")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     if interpreting() and q.dtype == torch.bfloat16:
@@ -168,18 +251,23 @@ def block_stats_triton(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(D))
     scale_log2 = sm_scale * LOG2E
-    lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
-    keep = lse if key_mask is None else key_mask.to(torch.int8).contiguous()  # lse: a pointer never read
-    _row_lse_kernel[(triton.cdiv(N, 64), B * H)](
-        q, k, lse, keep,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        H, N, D, scale_log2,
-        BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, INPUT_PRECISION=precision, HAS_KEY_MASK=key_mask is not None,
-    )
+    keep = None if key_mask is None else key_mask.to(torch.int8).contiguous()
+    lse = None
+    if not sampled:
+        lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+        keep = lse if keep is None else keep  # lse: a pointer never read
+        _row_lse_kernel[(triton.cdiv(N, 64), B * H)](
+            q, k, lse, keep,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            H, N, D, scale_log2,
+            BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, INPUT_PRECISION=precision, HAS_KEY_MASK=key_mask is not None,
+        )
+    elif keep is None:
+        keep = q  # a pointer never read
     n_blocks = triton.cdiv(N, block_size)
-    O = len(orders)
-    order_tensor = torch.tensor(list(orders), dtype=torch.int32, device=q.device)
+    O = len(table)
+    order_tensor = torch.tensor(table, dtype=torch.int32, device=q.device).contiguous()
     if group < 1 or group & (group - 1):
         raise ValueError(f"group must be a power of two, got {group}")
     # a [BLOCK_D, GROUP * BLOCK] key tile per pipeline stage must fit in shared memory
@@ -191,6 +279,19 @@ def block_stats_triton(
     for head_offset in range(0, H, heads_per_launch):
         count = min(heads_per_launch, H - head_offset)
         mass = torch.zeros(count, O, n_blocks, n_blocks, dtype=torch.float32, device=q.device)
+        if sampled:
+            _sampled_block_stats_kernel[(triton.cdiv(n_blocks, query_stride), count, O)](
+                q, k, keep, order_tensor, mass,
+                q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2),
+                B, H, N, D, head_offset, O, n_blocks,
+                layout.prefix, layout.frames, layout.height, layout.width,
+                scale_log2, phase,
+                BLOCK=block_size, STRIDE=query_stride, BLOCK_D=block_d, INPUT_PRECISION=precision,
+                HAS_KEY_MASK=key_mask is not None, num_warps=4,
+            )
+            results.append((mass, None, None))
+            continue
         pmax = torch.zeros_like(mass) if extras else mass
         below = torch.zeros_like(mass) if extras else mass
         _block_stats_kernel[(n_blocks, count, O)](
@@ -205,11 +306,24 @@ def block_stats_triton(
             num_warps=4 if group * block_size <= 128 else 8,
         )
         results.append((mass, pmax, below) if extras else (mass, None, None))
+    if sampled:
+        _, _, scale = reference.sampled_query_rows(N, block_size, query_stride, phase, device=q.device)
+        mass = results[0][0] if len(results) == 1 else torch.cat([r[0] for r in results])
+        return mass.mul_(scale[None, None, :, None]), None, None
     if len(results) == 1:
         return results[0]
     if not extras:
         return torch.cat([r[0] for r in results]), None, None
     return tuple(torch.cat([r[i] for r in results]) for i in range(3))
+
+
+def _order_table(orders, heads: int) -> list[list[int]]:
+    """[O][H] orders per output slot and head, from a list of candidate orders (the same for every head) or a
+    table already."""
+    table = [[int(o)] * heads if isinstance(o, int) else [int(x) for x in o] for o in orders]
+    if any(len(row) != heads for row in table):
+        raise ValueError(f"an order table needs one order per head ({heads}); got rows of {[len(r) for r in table]}")
+    return table
 
 
 def block_stats(
@@ -224,6 +338,10 @@ def block_stats(
     extras: bool = True,
     group: int = 1,
     suffix_mask: torch.Tensor | None = None,
+    *,
+    head_orders=None,
+    query_stride: int = 1,
+    phase: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(mass, pmax, below), each float32 [H, O, nq, nk], for q, k [B, H, N, D] and the candidate
     `orders` (default: the layout's distinct orders: 6 for video, 2 for images). See
@@ -231,13 +349,31 @@ def block_stats(
     "triton" or "torch". `extras=False`: only the mass (pmax and below come back as None), which is all
     the default order metric needs for unquantized plans; the Triton kernel then skips two reductions.
     `suffix_mask` [B, layout.suffix] bool (True = a real text token), as the op takes it: the False keys
-    are absent from the statistics (softmax over the real keys only), as they are from the op's attention."""
+    are absent from the statistics (softmax over the real keys only), as they are from the op's attention.
+
+    `head_orders` (H ints, instead of `orders`): one order per head, mass [H, 1, nq, nk] in each head's order,
+    at the cost of one order. `query_stride` s > 1 (a power of two up to the block size, with extras=False):
+    the mass estimated from every s-th query row of each block starting at row `phase`, scaled to the block
+    (`block_stats_reference.sampled_query_rows`), at about 2/s of the cost of one order per order (the
+    sampled rows' log-sum-exp is computed with them); s = 1 is the exact statistics."""
     if q.dim() != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, H, N, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[2] != layout.seq_len:
         raise ValueError(f"q has {q.shape[2]} tokens but the layout {layout} has {layout.seq_len}")
-    if orders is None:
+    H = q.shape[1]
+    if head_orders is not None:
+        if orders is not None:
+            raise ValueError("pass either orders (the same candidates for every head) or head_orders (one per head)")
+        head_orders = [int(o) for o in head_orders]
+        if len(head_orders) != H:
+            raise ValueError(f"head_orders needs one order per head ({H}), got {len(head_orders)}")
+    if orders is None and head_orders is None:
         orders = list(layout.distinct_orders())
+    if query_stride < 1 or query_stride & (query_stride - 1) or query_stride > block_size:
+        raise ValueError(f"query_stride must be a power of two from 1 to the block size {block_size}, "
+                         f"got {query_stride}")
+    if query_stride > 1 and extras:
+        raise ValueError(f"query_stride={query_stride} estimates the block mass only; pass extras=False")
     key_mask = None
     if suffix_mask is not None:
         B, N, S = q.shape[0], q.shape[2], layout.suffix
@@ -245,9 +381,22 @@ def block_stats(
             raise ValueError(f"suffix_mask must be a bool [B, suffix] = [{B}, {S}] tensor for the layout {layout}; "
                              f"got {suffix_mask.dtype} {tuple(suffix_mask.shape)}")
         key_mask = torch.cat([suffix_mask.new_ones(B, N - S), suffix_mask.to(q.device)], dim=1)
+    table = [head_orders] if head_orders is not None else _order_table(orders, H)
     if block_stats_backend(q.device, backend) == "triton":
-        return block_stats_triton(q, k, layout, orders, block_size, eps, sm_scale, extras=extras, group=group,
-                                  key_mask=key_mask)
-    mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale,
-                                                    key_mask=key_mask)
+        return block_stats_triton(q, k, layout, table, block_size, eps, sm_scale, extras=extras, group=group,
+                                  key_mask=key_mask, query_stride=query_stride, phase=phase)
+    if query_stride > 1:
+        mass = reference.block_stats_sampled_torch(q, k, layout, table, block_size, query_stride, phase, sm_scale,
+                                                   key_mask=key_mask)
+        return mass, None, None
+    if head_orders is not None:
+        # each head's statistics from the exact form of its order
+        distinct = sorted(set(head_orders))
+        stats = reference.block_stats_torch(q, k, layout, distinct, block_size, eps, sm_scale, key_mask=key_mask)
+        slots = torch.tensor([distinct.index(o) for o in head_orders], device=q.device)
+        heads = torch.arange(H, device=q.device)
+        mass, pmax, below = (t[heads, slots].unsqueeze(1) for t in stats)
+    else:
+        mass, pmax, below = reference.block_stats_torch(q, k, layout, orders, block_size, eps, sm_scale,
+                                                        key_mask=key_mask)
     return (mass, pmax, below) if extras else (mass, None, None)

@@ -138,3 +138,71 @@ def block_stats_torch(
                     pmax[h, oi, first : first + nb] = torch.maximum(pmax[h, oi, first : first + nb], p.amax(dim=(1, 3)))
                     below[h, oi, first : first + nb] += small.sum(dim=(1, 3))
     return mass, pmax, below
+
+
+# -- sampled query rows ------------------------------------------------------------------------------------------
+# A query block's mass is a sum over its rows, so a subset of its rows, scaled up, estimates it: with
+# `query_stride` s, the rows r * s + phase of every block of the reordered sequence (r = 0 .. block_size / s - 1)
+# stand for the block, and each block's sums are scaled by its rows over its sampled rows, so every query block
+# still holds its rows' worth of mass. `phase` (0 .. s - 1) picks which rows; a caller that rotates it over its
+# calls covers every row. The cost of the statistics falls by s.
+
+def sampled_query_rows(seq_len: int, block_size: int, query_stride: int, phase: int, device=None):
+    """(positions, block, scale): the sampled positions of the reordered sequence (long [M]), the query block of
+    each (long [M]), and each query block's rows over its sampled rows (float [nb]; 0 for a last, partial block
+    that no sampled row reaches)."""
+    if not 0 <= phase < query_stride:
+        raise ValueError(f"phase must be in [0, query_stride={query_stride}), got {phase}")
+    nb = -(-seq_len // block_size)
+    starts = torch.arange(nb, device=device) * block_size
+    within = torch.arange(block_size // query_stride, device=device) * query_stride + phase
+    positions = (starts[:, None] + within[None, :]).flatten()
+    keep = positions < seq_len
+    positions = positions[keep]
+    block = positions // block_size
+    rows = torch.clamp(seq_len - starts, max=block_size).float()
+    sampled = torch.zeros(nb, device=device).index_add_(0, block, torch.ones_like(block, dtype=torch.float32))
+    scale = torch.where(sampled > 0, rows / sampled.clamp_min(1), torch.zeros_like(rows))
+    return positions, block, scale
+
+
+def block_stats_sampled_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    layout: TokenLayout,
+    order_table: list[list[int]],
+    block_size: int,
+    query_stride: int,
+    phase: int = 0,
+    sm_scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    query_chunk: int = 1024,
+) -> torch.Tensor:
+    """mass [H, O, nq, nk] from the sampled query rows (see above), summed over the batch. `order_table[o][h]`:
+    the order (index into ORDERS) of head h in output slot o, so slot o may hold a different order for each head."""
+    B, H, N, D = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    n_blocks = -(-N // block_size)
+    positions, block, scale = sampled_query_rows(N, block_size, query_stride, phase, device=q.device)
+    mass = torch.zeros(H, len(order_table), n_blocks, n_blocks, dtype=torch.float32, device=q.device)
+    indices: dict[int, torch.Tensor] = {}
+    for oi, row in enumerate(order_table):
+        for h in range(H):
+            order = int(row[h])
+            if order not in indices:
+                indices[order] = reorder_index(layout, order, device=q.device)
+            index = indices[order]
+            rows = index[positions]  # original positions of the sampled queries
+            kh_all = k[:, h].float()
+            for b in range(B):
+                for start in range(0, rows.numel(), query_chunk):
+                    chunk = rows[start:start + query_chunk]
+                    scores = (q[b, h, chunk].float() @ kh_all[b].T) * sm_scale
+                    if key_mask is not None:
+                        scores = scores.masked_fill(~key_mask[b], float("-inf"))
+                    p = torch.softmax(scores, dim=-1)[:, index]  # key columns in the reordered sequence
+                    p = torch.nn.functional.pad(p, (0, n_blocks * block_size - N))
+                    per_key_block = p.view(p.shape[0], n_blocks, block_size).sum(-1)
+                    mass[h, oi].index_add_(0, block[start:start + query_chunk], per_key_block)
+    return mass * scale[None, None, :, None]

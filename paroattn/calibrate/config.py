@@ -50,6 +50,22 @@ class CaptureConfig:
     # capture statistics at every k-th step (the pipeline still runs every step); what each setting costs and
     # how many steps per bucket it leaves: BENCHMARKS.md, Calibration
     stat_every: int = 2
+    # at most this many captured steps per timestep bucket of each prompt, every `stat_every`-th step counted from
+    # the bucket's first step (None: every stat_every-th step of the prompt, counted from its first step)
+    steps_per_bucket: int | None = None
+    # "first": only the first call of each layer in a step, the conditional one in pipelines that call the
+    # transformer once per guidance branch, cond first (diffusers' Wan pipelines, the demo model); "all": every call
+    calls: str = "all"
+    # estimate each block's mass from every query_stride-th query row of it (the rows rotate over calls): about
+    # 2/query_stride of the cost of one order per order; 1: every row, the exact statistics
+    query_stride: int = 1
+    # choose each head's order from the mass statistics of all orders at the first `order_steps` steps the model
+    # runs (of the first prompt), then capture only the chosen order's maps: 6x less memory and compute for the
+    # masks. None: every order at every captured step, the order chosen when the plan is built
+    order_steps: int | None = None
+    # the density whose kept mass chooses the orders with `order_steps`; None: the selection's density where the
+    # calibration knows it (`calibrate`), else 0.3
+    order_density: float | None = None
     # also keep per-block maxima and counts below `eps` (the paper metric and the incoherence term need them)
     extras: bool = False
     eps: float = 1e-3  # "small" threshold of P for the block-sparse score
@@ -92,6 +108,28 @@ class CaptureConfig:
             raise ConfigError("backend", self.backend, "expected 'auto', 'triton' or 'torch'")
         if self.store_device not in ("auto", "cpu", "cuda"):
             raise ConfigError("store_device", self.store_device, "expected 'auto', 'cpu' or 'cuda'")
+        if self.steps_per_bucket is not None and self.steps_per_bucket < 1:
+            raise ConfigError("steps_per_bucket", self.steps_per_bucket,
+                              "expected an integer >= 1, or None for every stat_every-th step")
+        if self.calls not in ("all", "first"):
+            raise ConfigError("calls", self.calls, "expected 'all' or 'first' (the first call of each layer per step)")
+        if not _power_of_two(self.query_stride) or self.query_stride > self.block_size:
+            raise ConfigError("query_stride", self.query_stride,
+                              f"expected a power of two from 1 to the block size {self.block_size}")
+        if self.query_stride > 1 and self.extras:
+            raise ConfigError("query_stride", self.query_stride,
+                              "sampled query rows estimate the block mass only, and extras=True asks for the "
+                              "per-block maxima too: use query_stride=1 with extras")
+        if self.order_steps is not None and self.order_steps < 1:
+            raise ConfigError("order_steps", self.order_steps,
+                              "expected an integer >= 1, or None to keep every order's statistics to the end")
+        if self.order_steps is not None and self.extras:
+            raise ConfigError("order_steps", self.order_steps,
+                              "orders chosen during the capture use the mass metric alone, and extras=True asks "
+                              "for the statistics of the paper metric: use order_steps=None with extras")
+        if self.order_density is not None and not 0.0 < self.order_density <= 1.0:
+            raise ConfigError("order_density", self.order_density,
+                              "expected a share of the attention blocks in (0, 1], or None")
 
     def edges(self) -> list[float]:
         return list(self.bucket_edges) if self.bucket_edges is not None else default_bucket_edges(self.num_buckets)

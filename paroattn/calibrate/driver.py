@@ -291,10 +291,14 @@ def empty_buckets_advice(empty: list[int], config: CaptureConfig, bucket_steps: 
 
 
 def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfig) -> CaptureConfig:
-    """The capture config, with the extra statistics turned on when the selection needs them."""
+    """The capture config, with the extra statistics turned on when the selection needs them (and with them every
+    order's exact statistics, which they are kept for), and the orders chosen during the capture at the selection's
+    density."""
     capture_config = capture_config if capture_config is not None else CaptureConfig()
     if selection.needs_extras and not capture_config.extras:
-        capture_config = replace(capture_config, extras=True)
+        capture_config = replace(capture_config, extras=True, order_steps=None, query_stride=1)
+    if capture_config.order_steps is not None and capture_config.order_density is None:
+        capture_config = replace(capture_config, order_density=selection.density)
     return capture_config
 
 

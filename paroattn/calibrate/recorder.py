@@ -17,7 +17,12 @@ self-attention call sees. A `StatsRecorder` takes those calls and gives the `Cap
     plan, result = plan_from_stats(recorder.stats(prompts), SelectionConfig(density=0.3))
 
 `record` computes the block statistics of the call at once (never the attention map) and keeps nothing of q and
-k. Statistics are kept at every `config.stat_every`-th step of each prompt, counted from its first step.
+k. Statistics are kept at every `config.stat_every`-th step of each prompt, counted from its first step; with
+`config.steps_per_bucket`, at most that many steps per timestep bucket of each prompt, every stat_every-th
+counted from the bucket's first step. With `config.order_steps` the first steps the model runs choose each head's
+order (all orders' mass, reduced at once to the share the best `order_density` of blocks keeps) and the later
+steps capture that order alone. `config.calls="first"` keeps the first call of each layer in a step (the
+conditional one where the pipeline calls the model once per guidance branch, cond first) and skips the others.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from ..layout import ORDERS, TokenLayout
 from ..plan import bucket_index, model_config_record, model_fingerprint
+from ..plan.selection import kept_mass_fraction, pool_query_blocks
 from ..plan.shapes import ProfileAccumulator, offset_mass
 from .accumulate import StatsAccumulator
 from .block_stats import block_stats
@@ -100,6 +106,10 @@ class StatsRecorder:
             if name == "all" or not orders or any(not 0 <= o < len(ORDERS) for o in orders):
                 raise ValueError(f"order set {name!r}: {orders}; expected a name other than 'all' and indices into "
                                  f"ORDERS (0..{len(ORDERS) - 1})")
+        if self.order_sets and config.order_steps is not None:
+            raise ValueError(f"order sets ({', '.join(self.order_sets)}) need every order's statistics to the end; "
+                             f"order_steps={config.order_steps} keeps only the chosen order's: capture with "
+                             "order_steps=None")
         self.layout: TokenLayout | None = None
         self.acc: StatsAccumulator | None = None
         self.profiles: ProfileAccumulator | None = None
@@ -112,15 +122,28 @@ class StatsRecorder:
         self.bucket_steps = [0] * (len(self.edges) - 1)  # denoising steps it ran in each bucket
         self.stats_s = 0.0
         self.captures = 0
+        self.mode: str | None = None  # what the current step captures: "order", "map" or None (decided at its first call)
+        self.seen: set[int] = set()  # layers called in the current step
+        self.layer_calls = [0] * num_layers  # captured calls per layer: the phase of the sampled query rows
+        self.bucket_start: dict[int, int] = {}  # the first step of each bucket in the current prompt that may capture
+        self.bucket_taken: dict[int, int] = {}  # captured steps of each bucket in the current prompt
+        self.order_steps_done = 0  # steps of the order phase the model ran in
+        self.order_kept: dict[int, torch.Tensor] = {}  # layer -> [H, O] sums of the kept mass share of each order
+        self.order_calls = [0] * num_layers
 
     def _start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
         config, L, buckets = self.config, self.layers, len(self.edges) - 1
         orders = list(layout.distinct_orders())
         nb = math.ceil(layout.seq_len / config.block_size)
-        estimate = buckets * L * q.shape[1] * len(orders) * nb * nb * 4
-        store = store_device(config, q.device, estimate)
+        stored_orders = 1 if config.order_steps is not None else len(orders)
+        estimate = buckets * L * q.shape[1] * stored_orders * nb * nb * 4
+        store, staging = store_device(config, q.device, estimate), None
+        if config.order_steps is not None and config.store_device == "auto":
+            # one order's sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what the
+            # dense generation holds; a captured call moves its maps over once (tens of MB)
+            store = staging = torch.device("cpu")
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
-                                    store_device=store, query_block=config.query_block)
+                                    store_device=store, query_block=config.query_block, staging_device=staging)
         if config.profile_queries:
             self.profiles = ProfileAccumulator(L, buckets, layout, q.shape[1])
         for name, subset in self.order_sets.items():
@@ -153,44 +176,98 @@ class StatsRecorder:
             )
         self.bucket = bucket_index(self.edges, float(timestep))
         self.called = True
-        if self.step % config.stat_every:
+        if self.mode is None:
+            self.mode = self._step_mode()
+        first = layer not in self.seen
+        self.seen.add(layer)
+        if self.mode == "skip" or (config.calls == "first" and not first):
             return
         if self.acc is None:
             self._start_accumulators(layout, q)
         self.ran = True
         start = time.perf_counter()
+        phase = self.layer_calls[layer] % config.query_stride
+        self.layer_calls[layer] += 1
+        sampled = {"query_stride": config.query_stride, "phase": phase, "backend": config.backend,
+                   "suffix_mask": suffix_mask}
         with torch.no_grad():
-            mass, pmax, below = block_stats(
-                q, k, layout, self.acc.candidate_orders, config.block_size, config.eps, backend=config.backend,
-                extras=config.extras, suffix_mask=suffix_mask,
-            )
-            self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
-            if self.profiles is not None:
-                self.profiles.add(layer, self.bucket, *offset_mass(
-                    q, k, layout, config.profile_queries, self.generator, suffix_mask))
-            for subset, slots in self.subsets.values():
-                pick = slots.to(mass.device)
-                subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
-                           None if below is None else below[:, pick], batch=q.shape[0])
+            if self.mode == "order":
+                mass, _, _ = block_stats(q, k, layout, self.acc.candidate_orders, config.block_size, config.eps,
+                                         extras=False, **sampled)
+                pooled = pool_query_blocks(mass, self.acc.mask_block[0] // config.block_size)
+                density = config.order_density if config.order_density is not None else 0.3
+                kept = kept_mass_fraction(pooled, density).float().cpu()
+                self.order_kept[layer] = self.order_kept[layer] + kept if layer in self.order_kept else kept
+                self.order_calls[layer] += 1
+            else:
+                if self.acc.fixed_slots is not None:
+                    heads = [self.acc.candidate_orders[int(s)] for s in self.acc.fixed_slots[layer]]
+                    mass, pmax, below = block_stats(q, k, layout, None, config.block_size, config.eps,
+                                                    extras=config.extras, head_orders=heads, **sampled)
+                else:
+                    mass, pmax, below = block_stats(q, k, layout, self.acc.candidate_orders, config.block_size,
+                                                    config.eps, extras=config.extras, **sampled)
+                self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
+                if self.profiles is not None:
+                    self.profiles.add(layer, self.bucket, *offset_mass(
+                        q, k, layout, config.profile_queries, self.generator, suffix_mask))
+                for subset, slots in self.subsets.values():
+                    pick = slots.to(mass.device)
+                    subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
+                               None if below is None else below[:, pick], batch=q.shape[0])
         if q.device.type == "cuda":
             torch.cuda.synchronize(q.device)
         self.stats_s += time.perf_counter() - start
         self.captures += 1
+
+    def _step_mode(self) -> str:
+        """What the current step captures: "order" (all orders' scores, before the orders are chosen), "map" (block
+        maps for the masks) or "skip"."""
+        config = self.config
+        if config.order_steps is not None and (self.acc is None or self.acc.fixed_slots is None):
+            return "order"
+        if config.steps_per_bucket is None:
+            return "skip" if self.step % config.stat_every else "map"
+        start = self.bucket_start.setdefault(self.bucket, self.step)
+        if (self.step - start) % config.stat_every or self.bucket_taken.get(self.bucket, 0) >= config.steps_per_bucket:
+            return "skip"
+        return "map"
+
+    def _choose_orders(self) -> None:
+        """Each head's order from the order phase's scores: the most mass kept by the best `order_density` blocks."""
+        missing = [layer for layer in range(self.layers) if layer not in self.order_kept]
+        if missing:
+            raise RuntimeError(f"no self-attention call of layers {missing} came in the {self.config.order_steps} "
+                               "steps that choose the orders: every layer must run at every step")
+        kept = torch.stack([self.order_kept[layer] / self.order_calls[layer] for layer in range(self.layers)])
+        scores = 1.0 - kept  # [L, H, O], the mass metric
+        self.acc.fix_orders(scores.argmin(dim=-1), scores)
 
     def step_done(self) -> None:
         """The end of one denoising step (of every expert of a pipeline: one that did not run in it is not counted)."""
         if self.called:
             self.bucket_steps[self.bucket] += 1
         self.called = False
-        if self.ran:
+        if self.ran and self.mode == "order":
+            self.order_steps_done += 1
+            if self.order_steps_done >= self.config.order_steps:
+                self._choose_orders()
+        elif self.ran:
             for accumulator in [self.acc, *(a for a, _ in self.subsets.values())]:
                 accumulator.step_done(self.bucket)
+            self.bucket_taken[self.bucket] = self.bucket_taken.get(self.bucket, 0) + 1
         self.ran = False
+        self.mode = None
+        self.seen = set()
         self.step += 1
 
     def prompt_done(self) -> None:
-        """The end of one generation: the next one counts its steps from 0 again."""
+        """The end of one generation: the next one counts its steps from 0 again. An order phase still running
+        (a generation shorter than `order_steps`) ends here and chooses the orders from the steps it saw."""
+        if self.order_kept and self.acc is not None and self.acc.fixed_slots is None:
+            self._choose_orders()
         self.step = 0
+        self.bucket_start, self.bucket_taken = {}, {}
 
     @property
     def recorded(self) -> bool:
@@ -202,6 +279,11 @@ class StatsRecorder:
         if self.acc is None:
             raise RuntimeError("no self-attention call was recorded: call record() at each self-attention call of the "
                                f"dense model at a step that is a multiple of stat_every={self.config.stat_every}")
+        if self.order_kept and self.acc.fixed_slots is None:
+            self._choose_orders()
+        if self.acc.fixed_slots is not None and not self.acc.weight.any():
+            raise RuntimeError(f"the orders were chosen in the first {self.config.order_steps} steps, and no later step "
+                               "captured their maps: run more steps than order_steps")
         timings = dict(timings or {}, stats_s=self.stats_s, captured_layer_calls=self.captures)
         accumulators = {"all": self.acc, **{name: acc for name, (acc, _) in self.subsets.items()}}
         config = self.model_config
