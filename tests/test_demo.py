@@ -110,13 +110,15 @@ def test_demo_writes_a_labelled_gif_and_attention_pictures(demo_run):
 
 
 def test_demo_prints_the_shipped_quality_summary_as_it_is(demo_run):
-    """The line on what lower densities cost is the shipped summary's, whatever its numbers."""
+    """The line on what lower densities cost is the shipped summary's, whatever its numbers, and says that they
+    were measured without this run's int8 QK."""
     from paroattn.app.demo import QUALITY_SUMMARY, density_cost_line
 
     out, result = demo_run
     summary = json.loads(QUALITY_SUMMARY.read_text())
-    line = density_cost_line()
+    line = density_cost_line(qk="int8", pv="bf16")
     assert line is not None and line in result.output
+    assert f"measured with qk={summary['qk']} pv={summary['pv']}, not this run's qk=int8 pv=bf16" in line
     for density, measured in summary["by_density"].items():
         assert f"d={float(density):g}: {measured['psnr_db']:.1f} dB / SSIM {measured['ssim']:.3f}" in line
 
