@@ -361,7 +361,7 @@ def test_cli_qwen_image_plan_serves_prompts_of_other_token_counts(tmp_path):
     def generate(prompt):
         return runner.invoke(app, [str(a) for a in [
             "generate", tmp_path / "model", "--prompt", prompt, "--plan", tmp_path / "plan.safetensors", "--compare",
-            "--backend", "torch", "--out", tmp_path / "out.png", *size]])
+            "--backend", "torch", "--out", tmp_path / "out.png", "--overwrite", *size]])
 
     result = generate("a big cat")  # as many tokens as the calibration prompt
     assert result.exit_code == 0, result.output
