@@ -140,3 +140,20 @@ def test_the_clone_carries_the_registry_metadata_comfyui_reads(cloned):
     assert comfy.icon.startswith(raw)
     icon = (cloned / comfy.icon[len(raw):]).read_text()
     assert re.search(r'<svg[^>]* width="400" height="400"', icon)  # square, at most 400 x 400 pixels
+
+
+def test_with_a_paroattn_older_than_the_pack_comfyui_logs_one_line_saying_how_to_update_it(cloned):
+    import comfy_env
+
+    stale = cloned.parents[1] / "stale"  # a paroattn that imports but lacks what the nodes import from it
+    (stale / "paroattn").mkdir(parents=True)
+    (stale / "paroattn" / "__init__.py").write_text('__version__ = "0.0.1"\n')
+    result = load_custom_nodes(comfy_env.comfyui_dir(), cloned.parent, "present", pythonpath=stale)
+    assert Path(result["paroattn"]).resolve() == (stale / "paroattn" / "__init__.py").resolve()
+    assert not set(PACK_NODES) & set(result["nodes"])
+    failed = [line for line in result["log"] if line.startswith(f"Cannot import {cloned} module for custom nodes:")]
+    assert len(failed) == 1, result["log"]
+    hint = failed[0].split("module for custom nodes: ", 1)[1]
+    assert "\n" not in hint and hint.startswith(HINT), hint
+    assert f"the paroattn at {stale / 'paroattn'} does not serve this pack: cannot import name" in hint
+    assert f"`cd {cloned} && {sys.executable} -m pip install -r requirements.txt`" in hint

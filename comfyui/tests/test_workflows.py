@@ -52,7 +52,7 @@ def test_example_workflow_is_a_valid_prompt(comfy, path):
     import folder_paths
 
     workflow = json.loads(path.read_text())
-    assert "ApplyPARO" in {node["type"] for node in workflow["nodes"]}
+    assert {"ApplyPARO", "PAROCalibrate"} & {node["type"] for node in workflow["nodes"]}
     for node in workflow["nodes"]:  # empty stand-ins for the model files it names
         if node["type"] in FOLDERS:
             folder = Path(folder_paths.get_folder_paths(FOLDERS[node["type"]])[0])
