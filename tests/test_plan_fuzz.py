@@ -343,8 +343,21 @@ def test_a_file_declaring_a_huge_layout_is_refused_before_allocating(saved, tmp_
 
     def change(meta):
         meta["layout"] = [0, 1, 1, 320_000]
-        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [20_000, 20_000]
+        meta["block_size"] = [64, 64]
+        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [5000, 5000]
     with pytest.raises(PlanError, match="too small for the declared mask shape"):
+        _load(tmp_path, _with_meta(data, change))
+
+
+def test_mask_shapes_beyond_what_a_scan_is_sized_for_are_refused(saved, tmp_path):
+    """A deflated chunk of 1 MB may inflate to 1 GB: the declared sizes are bounded before anything inflates."""
+    _, data = saved
+
+    def change(meta):
+        meta["layout"] = [0, 1, 1, 2 ** 20]
+        meta["block_size"] = [16, 16]
+        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [2 ** 16, 2 ** 16]
+    with pytest.raises(PlanError, match="beyond what paroattn reads"):
         _load(tmp_path, _with_meta(data, change))
 
 

@@ -31,7 +31,11 @@ DEFLATE_LEVEL = 6
 DEFLATE_MAX_RATIO = 1032
 DEFLATE_SLACK = 64  # zlib header and the last partial block
 # bits of mask unpacked at once while computing statistics: bounds the transient memory of a scan
-SCAN_BITS = 1 << 24
+SCAN_BITS = 1 << 22
+# bounds on what a file may declare, far above real models (Wan2.1-14B at 720p: 698,562 blocks per head, 3.5 MB
+# per (bucket, layer) packed): a scan unpacks a head at least, and inflates a (bucket, layer) whole
+MAX_BLOCKS_PER_HEAD = 1 << 26
+MAX_CHUNK_BYTES = 1 << 28
 
 
 
@@ -101,6 +105,7 @@ class BlockMasks:
     @classmethod
     def from_bits(cls, bits: torch.Tensor, shape) -> BlockMasks:
         """Flat packed bits of the whole [buckets, layers, heads, nq, nk] mask (format versions 1 and 2)."""
+        _check_declared(shape)
         expected = -(-math.prod(shape) // 8)
         if bits.dim() != 1 or bits.numel() != expected:
             raise PlanError(f"packed block mask holds {bits.numel()} bytes, expected {expected} for shape "
@@ -112,6 +117,7 @@ class BlockMasks:
         """Encoded chunks (uint8, one dimension) and their index (int64 [buckets * layers, 2]: offset and
         length of each (bucket, layer)'s chunk, bucket-major). Checks, before anything is decoded, that
         each chunk lies within `chunks`, has a known method and can hold the mask it stands for."""
+        _check_declared(shape)
         buckets, layers = shape[0], shape[1]
         if tuple(index.shape) != (buckets * layers, 2):
             raise PlanError(f"plan tensor 'block_mask_index' must be [buckets * layers, 2] = "
@@ -175,10 +181,10 @@ class BlockMasks:
         _, layers, h, nq, nk = self._shape
         expected = -(-h * nq * nk // 8)
         offset, length = (int(x) for x in self._index[bucket * layers + layer])
-        chunk = self._chunks[offset:offset + length].numpy().tobytes()
+        chunk = memoryview(self._chunks.numpy())[offset:offset + length]  # no copy of the encoded bytes
         method, payload = chunk[0], chunk[1:]
         if method == RAW:
-            packed = payload
+            packed = payload.tobytes()
         else:
             inflater = zlib.decompressobj()
             try:
@@ -287,6 +293,17 @@ class BlockMasks:
         if self._bits is not None:
             return self._bits.numel()
         return self._chunks.numel() + self._index.numel() * 8
+
+
+def _check_declared(shape) -> None:
+    """Refuse a declared mask shape beyond the bounds a scan's memory is sized for."""
+    if len(shape) != 5:
+        raise PlanError(f"plan block_mask_shape must be [buckets, layers, heads, nq, nk]; found {list(shape)}")
+    per_head = shape[3] * shape[4]
+    if per_head > MAX_BLOCKS_PER_HEAD or -(-shape[2] * per_head // 8) > MAX_CHUNK_BYTES:
+        raise PlanError(f"plan block_mask_shape {list(shape)} declares masks of {per_head} blocks per head and "
+                        f"{-(-shape[2] * per_head // 8)} packed bytes per (bucket, layer), beyond what paroattn reads "
+                        f"({MAX_BLOCKS_PER_HEAD} and {MAX_CHUNK_BYTES}): the plan is corrupt, recalibrate")
 
 
 def _encode_layers(buckets: int, layers: int, layer_mask) -> tuple[torch.Tensor, torch.Tensor]:
