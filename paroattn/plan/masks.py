@@ -173,30 +173,46 @@ class BlockMasks:
         """"full", "bits" or "chunks"."""
         return "full" if self._full is not None else "bits" if self._bits is not None else "chunks"
 
+    def _chunk(self, bucket: int, layer: int) -> memoryview:
+        """The encoded chunk of (bucket, layer): method byte, then payload (a view, no copy)."""
+        offset, length = (int(x) for x in self._index[bucket * self._shape[1] + layer])
+        return memoryview(self._chunks.numpy())[offset:offset + length]
+
+    def _payload_bytes(self, bucket: int, layer: int) -> bytes:
+        """The chunk's payload as packed bytes: inflated when deflated (still relative to the previous bucket
+        for that method)."""
+        _, _, h, nq, nk = self._shape
+        expected = -(-h * nq * nk // 8)
+        chunk = self._chunk(bucket, layer)
+        if chunk[0] == RAW:
+            return chunk[1:].tobytes()
+        inflater = zlib.decompressobj()
+        try:
+            packed = inflater.decompress(chunk[1:], expected)
+        except zlib.error as exc:
+            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
+                            "the plan is corrupt, recalibrate") from None
+        if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
+                            f"{expected} bytes: the plan is corrupt, recalibrate")
+        return packed
+
     def _chunk_bytes(self, bucket: int, layer: int) -> bytes:
-        """Packed bytes of (bucket, layer)'s stored mask, all heads."""
+        """Packed bytes of (bucket, layer)'s stored mask, all heads. A chunk relative to the previous bucket is
+        decoded forward from the nearest one that is not (or from the last decoded, when that is the previous
+        bucket of the layer), holding two chunks at a time."""
         last = self._last  # one read: another thread may replace it
         if last is not None and last[:2] == (bucket, layer):
             return last[2]
-        _, layers, h, nq, nk = self._shape
-        expected = -(-h * nq * nk // 8)
-        offset, length = (int(x) for x in self._index[bucket * layers + layer])
-        chunk = memoryview(self._chunks.numpy())[offset:offset + length]  # no copy of the encoded bytes
-        method, payload = chunk[0], chunk[1:]
-        if method == RAW:
-            packed = payload.tobytes()
-        else:
-            inflater = zlib.decompressobj()
-            try:
-                packed = inflater.decompress(payload, expected)
-            except zlib.error as exc:
-                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
-                                "the plan is corrupt, recalibrate") from None
-            if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
-                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
-                                f"{expected} bytes: the plan is corrupt, recalibrate")
-            if method == DEFLATED_XOR_PREVIOUS:
-                packed = _xor(packed, self._chunk_bytes(bucket - 1, layer))
+        first = bucket  # walk back to where decoding can start
+        while self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS:
+            if last is not None and last[:2] == (first - 1, layer):
+                break
+            first -= 1  # from_chunks made sure bucket 0 stands alone
+        packed = last[2] if self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS else None
+        for b in range(first, bucket + 1):
+            payload = self._payload_bytes(b, layer)
+            packed = _xor(payload, packed) if self._chunk(b, layer)[0] == DEFLATED_XOR_PREVIOUS else payload
         self._last = (bucket, layer, packed)
         return packed
 
@@ -260,8 +276,8 @@ class BlockMasks:
         b, layers, h, nq, nk = self.shape
         step = max(1, SCAN_BITS // max(1, nq * nk))
         diagonal = np.arange(nq)
-        for bucket in range(b):
-            for layer in range(layers):
+        for layer in range(layers):  # layer-major: a chunk relative to the previous bucket finds it decoded
+            for bucket in range(b):
                 if dense is not None and bool(dense[bucket, layer]):
                     continue
                 for start in range(0, h, step):
