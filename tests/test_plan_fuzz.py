@@ -13,7 +13,8 @@ import torch
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.errors import PlanWarning
-from paroattn.plan import METADATA_KEY, load_plans
+from paroattn.plan import METADATA_KEY, BlockMasks, load_plans
+from paroattn.plan.masks import DEFLATED_XOR_PREVIOUS
 from paroattn.plan.model import CHECKSUM_KEY
 from paroattn.plan.storage import checksum
 from paroattn.plan.summary import describe_plan
@@ -343,8 +344,21 @@ def test_a_file_declaring_a_huge_layout_is_refused_before_allocating(saved, tmp_
 
     def change(meta):
         meta["layout"] = [0, 1, 1, 320_000]
-        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [20_000, 20_000]
+        meta["block_size"] = [64, 64]
+        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [5000, 5000]
     with pytest.raises(PlanError, match="too small for the declared mask shape"):
+        _load(tmp_path, _with_meta(data, change))
+
+
+def test_mask_shapes_beyond_what_a_scan_is_sized_for_are_refused(saved, tmp_path):
+    """A deflated chunk of 1 MB may inflate to 1 GB: the declared sizes are bounded before anything inflates."""
+    _, data = saved
+
+    def change(meta):
+        meta["layout"] = [0, 1, 1, 2 ** 20]
+        meta["block_size"] = [16, 16]
+        meta["block_mask_shape"] = meta["block_mask_shape"][:3] + [2 ** 16, 2 ** 16]
+    with pytest.raises(PlanError, match="beyond what paroattn reads"):
         _load(tmp_path, _with_meta(data, change))
 
 
@@ -371,3 +385,16 @@ def test_loaded_masks_stay_packed_and_unpack_one_layer_at_a_time(tmp_path):
     assert "masks held as chunks" in repr(loaded)
     assert loaded.masks.form == "chunks"  # none of these unpacked the rest
     assert torch.equal(loaded.block_mask, plan.block_mask) and loaded.masks.form == "full"  # whole-mask access does
+
+
+def test_chunks_relative_to_the_previous_bucket_decode_in_any_order():
+    g = torch.Generator().manual_seed(0)
+    masks = (torch.rand(1, 3, 2, 9, 11, generator=g) < 0.5).expand(5, 3, 2, 9, 11).clone()
+    masks[2:] ^= torch.rand(3, 3, 2, 9, 11, generator=g) < 0.05  # buckets 2..4 differ a little from their previous
+    chunks, index = BlockMasks.of(masks).encode()
+    assert {int(chunks[offset]) for offset, _ in index.tolist()} >= {DEFLATED_XOR_PREVIOUS}
+    stored = BlockMasks.from_chunks(chunks, index, masks.shape)
+    pairs = [(b, layer) for b in range(5) for layer in range(3)]
+    random.Random(0).shuffle(pairs)
+    for b, layer in pairs + pairs[::-1]:
+        assert torch.equal(stored.layer(b, layer), masks[b, layer]), (b, layer)

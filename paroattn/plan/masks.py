@@ -31,7 +31,11 @@ DEFLATE_LEVEL = 6
 DEFLATE_MAX_RATIO = 1032
 DEFLATE_SLACK = 64  # zlib header and the last partial block
 # bits of mask unpacked at once while computing statistics: bounds the transient memory of a scan
-SCAN_BITS = 1 << 24
+SCAN_BITS = 1 << 22
+# bounds on what a file may declare, far above real models (Wan2.1-14B at 720p: 698,562 blocks per head, 3.5 MB
+# per (bucket, layer) packed): a scan unpacks a head at least, and inflates a (bucket, layer) whole
+MAX_BLOCKS_PER_HEAD = 1 << 26
+MAX_CHUNK_BYTES = 1 << 28
 
 
 
@@ -101,6 +105,7 @@ class BlockMasks:
     @classmethod
     def from_bits(cls, bits: torch.Tensor, shape) -> BlockMasks:
         """Flat packed bits of the whole [buckets, layers, heads, nq, nk] mask (format versions 1 and 2)."""
+        _check_declared(shape)
         expected = -(-math.prod(shape) // 8)
         if bits.dim() != 1 or bits.numel() != expected:
             raise PlanError(f"packed block mask holds {bits.numel()} bytes, expected {expected} for shape "
@@ -112,6 +117,7 @@ class BlockMasks:
         """Encoded chunks (uint8, one dimension) and their index (int64 [buckets * layers, 2]: offset and
         length of each (bucket, layer)'s chunk, bucket-major). Checks, before anything is decoded, that
         each chunk lies within `chunks`, has a known method and can hold the mask it stands for."""
+        _check_declared(shape)
         buckets, layers = shape[0], shape[1]
         if tuple(index.shape) != (buckets * layers, 2):
             raise PlanError(f"plan tensor 'block_mask_index' must be [buckets * layers, 2] = "
@@ -167,30 +173,46 @@ class BlockMasks:
         """"full", "bits" or "chunks"."""
         return "full" if self._full is not None else "bits" if self._bits is not None else "chunks"
 
+    def _chunk(self, bucket: int, layer: int) -> memoryview:
+        """The encoded chunk of (bucket, layer): method byte, then payload (a view, no copy)."""
+        offset, length = (int(x) for x in self._index[bucket * self._shape[1] + layer])
+        return memoryview(self._chunks.numpy())[offset:offset + length]
+
+    def _payload_bytes(self, bucket: int, layer: int) -> bytes:
+        """The chunk's payload as packed bytes: inflated when deflated (still relative to the previous bucket
+        for that method)."""
+        _, _, h, nq, nk = self._shape
+        expected = -(-h * nq * nk // 8)
+        chunk = self._chunk(bucket, layer)
+        if chunk[0] == RAW:
+            return chunk[1:].tobytes()
+        inflater = zlib.decompressobj()
+        try:
+            packed = inflater.decompress(chunk[1:], expected)
+        except zlib.error as exc:
+            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
+                            "the plan is corrupt, recalibrate") from None
+        if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
+                            f"{expected} bytes: the plan is corrupt, recalibrate")
+        return packed
+
     def _chunk_bytes(self, bucket: int, layer: int) -> bytes:
-        """Packed bytes of (bucket, layer)'s stored mask, all heads."""
+        """Packed bytes of (bucket, layer)'s stored mask, all heads. A chunk relative to the previous bucket is
+        decoded forward from the nearest one that is not (or from the last decoded, when that is the previous
+        bucket of the layer), holding two chunks at a time."""
         last = self._last  # one read: another thread may replace it
         if last is not None and last[:2] == (bucket, layer):
             return last[2]
-        _, layers, h, nq, nk = self._shape
-        expected = -(-h * nq * nk // 8)
-        offset, length = (int(x) for x in self._index[bucket * layers + layer])
-        chunk = self._chunks[offset:offset + length].numpy().tobytes()
-        method, payload = chunk[0], chunk[1:]
-        if method == RAW:
-            packed = payload
-        else:
-            inflater = zlib.decompressobj()
-            try:
-                packed = inflater.decompress(payload, expected)
-            except zlib.error as exc:
-                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
-                                "the plan is corrupt, recalibrate") from None
-            if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
-                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
-                                f"{expected} bytes: the plan is corrupt, recalibrate")
-            if method == DEFLATED_XOR_PREVIOUS:
-                packed = _xor(packed, self._chunk_bytes(bucket - 1, layer))
+        first = bucket  # walk back to where decoding can start
+        while self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS:
+            if last is not None and last[:2] == (first - 1, layer):
+                break
+            first -= 1  # from_chunks made sure bucket 0 stands alone
+        packed = last[2] if self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS else None
+        for b in range(first, bucket + 1):
+            payload = self._payload_bytes(b, layer)
+            packed = _xor(payload, packed) if self._chunk(b, layer)[0] == DEFLATED_XOR_PREVIOUS else payload
         self._last = (bucket, layer, packed)
         return packed
 
@@ -254,8 +276,8 @@ class BlockMasks:
         b, layers, h, nq, nk = self.shape
         step = max(1, SCAN_BITS // max(1, nq * nk))
         diagonal = np.arange(nq)
-        for bucket in range(b):
-            for layer in range(layers):
+        for layer in range(layers):  # layer-major: a chunk relative to the previous bucket finds it decoded
+            for bucket in range(b):
                 if dense is not None and bool(dense[bucket, layer]):
                     continue
                 for start in range(0, h, step):
@@ -287,6 +309,17 @@ class BlockMasks:
         if self._bits is not None:
             return self._bits.numel()
         return self._chunks.numel() + self._index.numel() * 8
+
+
+def _check_declared(shape) -> None:
+    """Refuse a declared mask shape beyond the bounds a scan's memory is sized for."""
+    if len(shape) != 5:
+        raise PlanError(f"plan block_mask_shape must be [buckets, layers, heads, nq, nk]; found {list(shape)}")
+    per_head = shape[3] * shape[4]
+    if per_head > MAX_BLOCKS_PER_HEAD or -(-shape[2] * per_head // 8) > MAX_CHUNK_BYTES:
+        raise PlanError(f"plan block_mask_shape {list(shape)} declares masks of {per_head} blocks per head and "
+                        f"{-(-shape[2] * per_head // 8)} packed bytes per (bucket, layer), beyond what paroattn reads "
+                        f"({MAX_BLOCKS_PER_HEAD} and {MAX_CHUNK_BYTES}): the plan is corrupt, recalibrate")
 
 
 def _encode_layers(buckets: int, layers: int, layer_mask) -> tuple[torch.Tensor, torch.Tensor]:
