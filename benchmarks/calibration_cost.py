@@ -439,7 +439,7 @@ def main():
     models = args.models
     if args.tiny:  # the tiny models named in --models, else both
         models = [m for m in args.models if m.startswith("tiny")] or ["tiny-cogvideox", "tiny-wan"]
-    end_to_end = set(args.end_to_end) | ({"tiny-wan"} if args.tiny else set())
+    end_to_end = set(args.end_to_end)
     cheap = None
     if args.cheap_capture.lower() != "none":
         cheap = CaptureConfig(steps=args.steps, num_buckets=args.buckets, backend=backend,

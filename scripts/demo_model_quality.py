@@ -151,6 +151,23 @@ def finer_qk_scales(scales: dict[str, str]):
     return quantize
 
 
+def kept_on(stats, plan) -> float:
+    """The mean share of the attention mass that `plan`'s orders and masks keep on the statistics `stats` (a capture
+    with every order), over timestep buckets, layers and heads: plans from different captures on one scale."""
+    acc = stats.accumulators["all"]
+    slots = torch.tensor([[acc.candidate_orders.index(int(o)) for o in layer] for layer in plan.orders])
+    kept = []
+    for b in range(acc.num_buckets):
+        for layer in range(acc.num_layers):
+            mass = acc._mean_map(b, layer, torch.device("cpu"))
+            if mass is None:
+                continue
+            mass = mass[torch.arange(mass.shape[0]), slots[layer]]  # [H, nq, nk] in each head's plan order
+            mask = plan.block_mask[b, layer].to(mass.device)
+            kept.append((mass * mask).sum((-1, -2)) / mass.sum((-1, -2)).clamp_min(1e-30))
+    return float(torch.stack(kept).mean())
+
+
 def parse_capture_options(spec: str) -> dict:
     """"name=value,..." -> CaptureConfig options (ints, floats, None, or strings), checked by CaptureConfig."""
     from paroattn.calibrate import CaptureConfig
@@ -334,6 +351,8 @@ def main(argv=None) -> int:
                 "step_shares": result.step_shares,
                 "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
                 "orders": plan.orders.tolist(),
+                # the share of the attention mass its orders and masks keep on the full capture's statistics
+                **({"kept_mass_on_full_capture": kept_on(captures["two"], plan)} if "two" in captures else {}),
                 # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
                 "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
             })

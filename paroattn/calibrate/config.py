@@ -74,7 +74,9 @@ class CaptureConfig:
     profile_queries: int = 1024
     seed: int = 0
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
-    store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
+    # where per-bucket sums live: "auto" (with order_steps: host memory; else the GPU when they take under a quarter
+    # of its free memory), "cpu", "cuda"
+    store_device: str = "auto"
     # one pipeline call with every prompt as a batch (the demo model's quality study) instead of one call per prompt
     batch_prompts: bool = False
     # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU whatever its
