@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
 from paroattn.app import demo
+from paroattn.calibrate import CHEAP
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.pipelines import apply
@@ -104,7 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--add-profiles", type=Path, default=None,
                    help="capture once as --ship does and write its axis profiles into the plans in this folder, "
                         "keeping their orders, masks and stats files (what the quality summary measured); then stop")
-    p.add_argument("--cheap-capture", default="steps_per_bucket=2,stat_every=2,calls=first,query_stride=4,order_steps=2",
+    p.add_argument("--cheap-capture", default=",".join(f"{k}={v}" for k, v in CHEAP.items()),
                    help="CaptureConfig options of the variant 'cheap capture', comma-separated name=value")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",

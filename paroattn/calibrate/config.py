@@ -33,6 +33,11 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
+# The cheap capture (docs/notes/calibration-capture.md): orders chosen from the first 2 steps, then at most 2
+# steps per timestep bucket of each prompt, the conditional call only, every 4th query row: `CaptureConfig(**CHEAP)`
+CHEAP = {"order_steps": 2, "steps_per_bucket": 2, "stat_every": 2, "calls": "first", "query_stride": 4}
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """The dense calibration runs and the statistics they keep."""
