@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paroattn import ORDERS
 from paroattn.app import demo
+from paroattn.calibrate import CHEAP
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.pipelines import apply
@@ -104,7 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--add-profiles", type=Path, default=None,
                    help="capture once as --ship does and write its axis profiles into the plans in this folder, "
                         "keeping their orders, masks and stats files (what the quality summary measured); then stop")
-    p.add_argument("--cheap-capture", default="steps_per_bucket=2,stat_every=2,calls=first,query_stride=4,order_steps=2",
+    p.add_argument("--cheap-capture", default=",".join(f"{k}={v}" for k, v in CHEAP.items()),
                    help="CaptureConfig options of the variant 'cheap capture', comma-separated name=value")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
@@ -149,6 +150,23 @@ def finer_qk_scales(scales: dict[str, str]):
         return dequantized, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
 
     return quantize
+
+
+def kept_on(stats, plan) -> float:
+    """The mean share of the attention mass that `plan`'s orders and masks keep on the statistics `stats` (a capture
+    with every order), over timestep buckets, layers and heads: plans from different captures on one scale."""
+    acc = stats.accumulators["all"]
+    slots = torch.tensor([[acc.candidate_orders.index(int(o)) for o in layer] for layer in plan.orders])
+    kept = []
+    for b in range(acc.num_buckets):
+        for layer in range(acc.num_layers):
+            mass = acc._mean_map(b, layer, torch.device("cpu"))
+            if mass is None:
+                continue
+            mass = mass[torch.arange(mass.shape[0]), slots[layer]]  # [H, nq, nk] in each head's plan order
+            mask = plan.block_mask[b, layer].to(mass.device)
+            kept.append((mass * mask).sum((-1, -2)) / mass.sum((-1, -2)).clamp_min(1e-30))
+    return float(torch.stack(kept).mean())
 
 
 def parse_capture_options(spec: str) -> dict:
@@ -334,6 +352,8 @@ def main(argv=None) -> int:
                 "step_shares": result.step_shares,
                 "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
                 "orders": plan.orders.tolist(),
+                # the share of the attention mass its orders and masks keep on the full capture's statistics
+                **({"kept_mass_on_full_capture": kept_on(captures["two"], plan)} if "two" in captures else {}),
                 # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
                 "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
             })

@@ -2,6 +2,8 @@
 
     from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder, calibrate, plan_from_stats
     plan, result = calibrate(pipe, ["a prompt", "another"], CaptureConfig(steps=50), SelectionConfig(density=0.3))
+    # the cheap capture: orders from the first steps, a few steps per bucket, the cond call, sampled query rows
+    plan, result = calibrate(pipe, prompts, CaptureConfig(steps=50, **CHEAP), SelectionConfig(density=0.3))
     plan.save("plan.safetensors")
     # a host that runs the model itself (a node graph, a custom sampler) hands over each self-attention call
     recorder = StatsRecorder(num_layers, CaptureConfig(), model_class="WanTransformer3DModel", model_config=config)
@@ -23,10 +25,11 @@ other sizes), figures
 from ..plan.selection import METRICS, build_masks, order_scores
 from .accumulate import CalibrationResult, StatsAccumulator
 from .block_stats import block_stats
-from .config import CaptureConfig, ConfigError, SelectionConfig
+from .config import CHEAP, CaptureConfig, ConfigError, SelectionConfig
 from .recorder import CapturedStats, StatsRecorder
 
 __all__ = [
+    "CHEAP",
     "METRICS",
     "CalibrationResult",
     "CaptureConfig",

@@ -33,6 +33,11 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
+# The cheap capture (docs/notes/calibration-capture.md): orders chosen from the first 2 steps, then at most 2
+# steps per timestep bucket of each prompt, the conditional call only, every 4th query row: `CaptureConfig(**CHEAP)`
+CHEAP = {"order_steps": 2, "steps_per_bucket": 2, "stat_every": 2, "calls": "first", "query_stride": 4}
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """The dense calibration runs and the statistics they keep."""
@@ -74,7 +79,9 @@ class CaptureConfig:
     profile_queries: int = 1024
     seed: int = 0
     backend: str = "auto"  # statistics backend: "auto", "triton", "torch"
-    store_device: str = "auto"  # where per-bucket sums live: "auto", "cpu", "cuda"
+    # where per-bucket sums live: "auto" (with order_steps: host memory; else the GPU when they take under a quarter
+    # of its free memory), "cpu", "cuda"
+    store_device: str = "auto"
     # one pipeline call with every prompt as a batch (the demo model's quality study) instead of one call per prompt
     batch_prompts: bool = False
     # device of the seeded generator; None: the pipeline's (a pipeline drawing its noise on the CPU whatever its
