@@ -258,3 +258,22 @@ def test_a_layer_called_outside_a_forward_of_its_thread_says_so(demo):
         thread.start()
         thread.join()
     assert len(errors) == 1 and "outside a forward of the transformer on this thread" in errors[0]
+
+
+def test_a_store_of_active_block_lists_unpacks_a_loaded_plan_one_layer_at_a_time():
+    """A plan loaded from a file keeps its masks packed; the kernels' stores (resident or streamed) build their lists
+    from one (bucket, layer) at a time, so a real model's plan never exists in memory as full-size bools."""
+    from paroattn.app.demo import shipped_plan_path
+    from paroattn.kernels.block_lists import ActiveBlocks
+
+    plan = Plan.load(shipped_plan_path(0.3))
+    assert plan.masks.form != "full"
+    store = MaskStore(plan, "cpu", lists=True)
+    assert plan.masks.form != "full", "the store unpacked the whole plan"
+    for b in range(plan.num_buckets):
+        for layer in range(plan.num_layers):
+            expected = ActiveBlocks.from_mask(plan.layer_mask(b, layer))
+            counts, indices = store.counts[b, layer], store.indices[b, layer]
+            assert torch.equal(counts, expected.counts)
+            assert torch.equal(indices[..., : expected.indices.shape[-1]], expected.indices)
+    assert store.indices.shape[-1] == plan.most_active_blocks_per_row()

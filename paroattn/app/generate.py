@@ -177,7 +177,8 @@ def load_pipeline(model_dir: str | Path, device: str | None = None, dtype: str |
 
 def _all_dense(plan: Plan) -> Plan:
     """`plan` with every layer of every bucket (and of its other calibrated sizes) run by the model's own attention."""
-    return replace(plan, dense=torch.ones_like(plan.dense), extra_shapes=[_all_dense(p) for p in plan.extra_shapes])
+    return replace(plan, block_mask=plan.masks, dense=torch.ones_like(plan.dense),  # masks as held: not unpacked
+                   extra_shapes=[_all_dense(p) for p in plan.extra_shapes])
 
 
 def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str | None:

@@ -228,7 +228,7 @@ def draw_plan_heads(plan: Plan, heads: list[tuple[int, int]], out_dir: str | Pat
         masks = []
         side = PANEL if plan.num_buckets <= MASKS_PER_ROW else PANEL * 2 // 3
         for b in range(plan.num_buckets):
-            mask = plan.block_mask[b, layer, head]
+            mask = plan.layer_mask(b, layer)[head]
             title = (f"mask, t in ({plan.bucket_edges[b + 1]:g}, {plan.bucket_edges[b]:g}]: "
                      f"density {float(plan.density[b, layer, head]):.2f}")
             masks.append(_panel(_mask_image(mask), title, side))

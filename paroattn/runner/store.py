@@ -38,12 +38,12 @@ RESIDENT_LIMIT_BYTES = 64 << 20
 
 def list_bytes(plan: Plan) -> int:
     """Bytes of `plan`'s stacked active-block lists (counts, schedule, indices)."""
-    buckets, layers, heads, nq, _ = plan.block_mask.shape
+    buckets, layers, heads, nq, _ = plan.masks.shape
     return buckets * layers * heads * nq * (_list_width(plan) + 2) * 4
 
 
 def _list_width(plan: Plan) -> int:
-    return max(int(plan.block_mask.sum(dim=-1).max()) if plan.block_mask.numel() else 0, 1)
+    return plan.most_active_blocks_per_row()
 
 
 def common_flag(flags) -> bool | None:
@@ -79,7 +79,7 @@ class MaskStore:
         self.dense_flags = tuple(tuple(bool(x) for x in row) for row in plan.dense.tolist())
         # per layer: True when dense in every bucket, False in none, None when it depends on the bucket
         self.layer_dense = tuple(common_flag(flags) for flags in zip(*self.dense_flags))
-        self.num_key_blocks = plan.block_mask.shape[-1]
+        self.num_key_blocks = plan.masks.shape[-1]
         self.hits = self.misses = self.copies = 0
         self.traced = False  # a graph traced by torch.compile reads this store's tensors (it must stay)
         self._views: dict[tuple[int, int], torch.Tensor | ActiveBlocks] = {}
@@ -91,7 +91,7 @@ class MaskStore:
         self.streaming = lists and on_cuda and (
             resident is False or (resident == "auto" and list_bytes(plan) > resident_limit_bytes))
         tensors = [self.orders, self.dense]
-        if not lists:
+        if not lists:  # the torch reference's bool masks, unpacked whole (it indexes them by a traced bucket)
             self.mask = plan.block_mask if self.device.type == "cpu" else plan.block_mask.to(self.device)
             tensors.append(self.mask)
         elif self.streaming:
@@ -110,13 +110,13 @@ class MaskStore:
 
     # -- building ----------------------------------------------------------------------------
     def _stack_lists(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        buckets, layers, heads, nq, _ = plan.block_mask.shape
+        buckets, layers, heads, nq, _ = plan.masks.shape
         counts = torch.zeros(buckets, layers, heads, nq, dtype=torch.int32, device=self.device)
         schedule = torch.zeros_like(counts)
         indices = torch.zeros(buckets, layers, heads, nq, _list_width(plan), dtype=torch.int32, device=self.device)
         for b in range(buckets):
             for layer in range(layers):
-                blocks = ActiveBlocks.from_mask(plan.block_mask[b, layer].to(self.device))
+                blocks = ActiveBlocks.from_mask(plan.layer_mask(b, layer).to(self.device))
                 counts[b, layer] = blocks.counts
                 schedule[b, layer] = blocks.schedule
                 indices[b, layer, ..., : blocks.indices.shape[-1]] = blocks.indices
@@ -127,7 +127,7 @@ class MaskStore:
         build_on = self.device if pin else torch.device("cpu")
         for b, layers in enumerate(self._sparse_layers):
             for layer in layers:
-                blocks = ActiveBlocks.from_mask(self.plan.block_mask[b, layer].to(build_on)).to("cpu")
+                blocks = ActiveBlocks.from_mask(self.plan.layer_mask(b, layer).to(build_on)).to("cpu")
                 self.host[(b, layer)] = blocks.pin_memory() if pin else blocks
 
     def _init_slots(self, slots: int) -> None:
