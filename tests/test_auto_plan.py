@@ -278,3 +278,36 @@ def test_auto_switches_a_learning_handle_for_a_later_apply(pipe, tmp_path):
     second.remove()
     assert type(pipe) is own
 
+
+
+def test_paro_generate_plan_auto_learns_then_runs_the_cached_plan(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paroattn.app.cli import app
+
+    monkeypatch.setenv("PAROATTN_CACHE", str(tmp_path / "cache"))
+    tiny_pipeline("wan").save_pretrained(tmp_path / "model")
+    kwargs = tiny_call_kwargs("wan")
+    size = ["--height", kwargs["height"], "--width", kwargs["width"], "--frames", kwargs["num_frames"], "--steps", 2]
+
+    def paro(*args):
+        return CliRunner().invoke(app, ["generate", str(tmp_path / "model"), "--prompt", "a cat runs", *map(str, size),
+                                        *map(str, args)])
+
+    first = paro("--plan", "auto", "--density", 0.5, "--out", tmp_path / "first.gif")
+    assert first.exit_code == 0, first.output
+    assert "no cached plan" in first.output and "cached it at" in first.output and "dense:" in first.output
+    [entry] = (tmp_path / "cache").glob("*.safetensors")
+    assert "_d0.5_" in entry.name and Plan.load(entry).achieved_density() > 0
+    second = paro("--plan", "auto", "--density", 0.5, "--compare", "--out", tmp_path / "second.gif")
+    assert second.exit_code == 0, second.output
+    assert f"cached plan {entry}" in second.output and "PARO vs dense" in second.output
+    # a miss with --compare: the dense run learns, the PARO run uses what it learnt
+    third = paro("--plan", "auto", "--density", 0.3, "--compare", "--out", tmp_path / "third.gif")
+    assert third.exit_code == 0, third.output
+    assert "no cached plan" in third.output and "PARO vs dense" in third.output
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
+    refused = paro("--density", 0.5, "--out", tmp_path / "x.gif")
+    assert refused.exit_code != 0 and "--plan auto" in refused.output
+    refused = paro("--plan", "auto", "--qk", "int3", "--out", tmp_path / "x.gif")
+    assert refused.exit_code != 0 and "--qk" in refused.output
