@@ -167,6 +167,12 @@ class AutoHandle:
             self.pipe.__class__ = _learning_class(own)
         _HANDLES[self.pipe] = self
 
+    def stats(self) -> dict:
+        """The masks of the plan's latest call (`PAROHandle.stats`); empty while no plan runs."""
+        from ..runner import MaskStore
+
+        return self.handle.stats() if self.handle is not None else MaskStore.empty_stats()
+
     def remove(self) -> None:
         """Put back the pipeline's class and the transformer's processors (no-op when done already)."""
         if self._class is not None and _HANDLES.get(self.pipe) is self:
