@@ -311,3 +311,17 @@ def test_paro_generate_plan_auto_learns_then_runs_the_cached_plan(tmp_path, monk
     assert refused.exit_code != 0 and "--plan auto" in refused.output
     refused = paro("--plan", "auto", "--qk", "int3", "--out", tmp_path / "x.gif")
     assert refused.exit_code != 0 and "--qk" in refused.output
+
+
+def test_a_miss_under_context_parallelism_says_to_learn_on_one_gpu_first(tmp_path):
+    import types
+
+    from paroattn.pipelines import self_attention_layers
+
+    pipe = tiny_pipeline("wan")
+    first = pipe.transformer.attn_processors[self_attention_layers(pipe)[0]]
+    first._parallel_config = types.SimpleNamespace(context_parallel_config=object())  # as enable_parallelism sets
+    with paroattn.apply(pipe, "auto", cache=tmp_path, log=lambda _: None, **OPTIONS) as handle:
+        with pytest.raises(paroattn.PlanError, match="without enable_parallelism first.*every rank then loads"):
+            generate(pipe)
+        assert handle.plan is None and list(tmp_path.iterdir()) == []
