@@ -10,10 +10,15 @@
     handle.remove()
     paroattn.apply(pipe, paroattn.load_plans("plan.safetensors"))  # Wan 2.2 A14B: a plan per expert
 
+    with paroattn.apply(pipe, "auto", density=0.3):   # no plan file: the first generation runs dense and learns
+        video = pipe(prompt).frames[0]                # one, cached for every later generation and process
+
 The public API:
 - `apply(pipe_or_transformer, plan, backend="auto", on_mismatch="error")`: swap in PARO processors; returns a
   handle whose `remove()` restores the original ones (a second apply replaces the plan; any handle's
-  `remove()` then restores the originals);
+  `remove()` then restores the originals); `plan="auto"` (with `density`, `qk`, `pv`) learns the plan
+  during the first generation and caches it;
+- `clear_cache()`: remove every plan `plan="auto"` cached;
 - `PAROProcessor(plan)`: the processor itself, for `transformer.set_attn_processor`;
 - `Plan`, `load_plans`: a plan file (orders, block masks, buckets, quantization) and an expert pair's files;
 - `paro_attention(q, k, v, layout=, orders=, block_mask=, ...)`: the op, with `TokenLayout` and `ORDERS`;
@@ -27,11 +32,12 @@ from .attention import paro_attention
 from .errors import PAROInputError, PlanError
 from .layout import ORDERS, TokenLayout
 from .plan import Plan, load_plans
+from .runner.cache import clear_cache
 
 __version__ = "0.1.0"
 
-__all__ = ["ORDERS", "PAROInputError", "PAROProcessor", "Plan", "PlanError", "TokenLayout", "apply", "load_plans",
-           "paro_attention", "reset"]
+__all__ = ["ORDERS", "PAROInputError", "PAROProcessor", "Plan", "PlanError", "TokenLayout", "apply", "clear_cache",
+           "load_plans", "paro_attention", "reset"]
 
 # loaded on first use: they import diffusers, which is heavy
 _LAZY = ("PAROProcessor", "apply")
@@ -53,6 +59,10 @@ def reset() -> None:
 
 
 def __getattr__(name):
+    if name == "apply":  # plan="auto" is learnt by calibration, above the pipelines
+        from .calibrate.auto import apply
+
+        return apply
     if name in _LAZY:
         from . import pipelines
 

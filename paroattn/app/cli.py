@@ -592,7 +592,10 @@ def generate(
     model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", show_default=False,
                                      help=f"local diffusers pipeline folder of a supported model ({SUPPORTED_MODELS})"),
     prompt: str = typer.Option(..., "--prompt", help="text prompt"),
-    plan: Path | None = typer.Option(None, "--plan", help="plan file from `paro calibrate`; an expert pair's other plan is read from beside it (default: dense, the model's own attention)"),
+    plan: str | None = typer.Option(None, "--plan", help="plan file from `paro calibrate` (an expert pair's other plan is read from beside it), or auto: the plan cached for this model at --density, --qk and --pv, learnt by the first such run, which runs dense (cache: $PAROATTN_CACHE, else ~/.cache/paroattn; a file named auto: ./auto) (default: dense, the model's own attention)"),
+    density: float | None = typer.Option(None, help="with --plan auto: the mean block density of the plan, in (0, 1] (default 0.3)"),
+    qk: str = typer.Option("bf16", help="with --plan auto: how Q and K enter the score product: bf16, int8 or int4"),
+    pv: str = typer.Option("bf16", help="with --plan auto: how P and V enter the output product: bf16, fp8 or int8"),
     height: int | None = typer.Option(None, help="height in pixels (default: the pipeline's)"),
     width: int | None = typer.Option(None, help="width in pixels (default: the pipeline's)"),
     frames: int | None = typer.Option(None, help="frames of a video (default: the pipeline's)"),
@@ -621,7 +624,8 @@ def generate(
 
     try:
         result = run_generate(
-            model_dir, prompt, plan=plan, height=height, width=width, frames=frames, steps=steps, seed=seed,
+            model_dir, prompt, plan=plan if plan in (None, "auto") else Path(plan), density=density, qk=qk, pv=pv,
+            height=height, width=width, frames=frames, steps=steps, seed=seed,
             out=out, compare=compare, device=device, dtype=dtype, backend=backend, on_mismatch=on_mismatch,
             ulysses=ulysses, exchange_groups=exchange_groups, linear=linear, compile_mode=compile_mode,
             overwrite=overwrite, log=typer.echo,

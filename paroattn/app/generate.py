@@ -189,6 +189,27 @@ def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str
             "processor, which needs a plan: pass --plan PLAN (with --compare for the model's own attention as well)")
 
 
+def _auto_problem(auto: bool, density: float | None, qk: str, pv: str, ulysses: int) -> str | None:
+    """Why the options of `--plan auto` (or, without it, --density, --qk, --pv) cannot run, or None."""
+    from ..modes import mode_flags_problem
+
+    if not auto:
+        given = [flag for flag, value, default in (("--density", density, None), ("--qk", qk, "bf16"),
+                                                    ("--pv", pv, "bf16")) if value != default]
+        if given:
+            return (f"{', '.join(given)} choose the plan --plan auto learns; a plan file has its own: pass --plan auto, "
+                    "or leave them out")
+        return None
+    if density is not None and not 0.0 < density <= 1.0:
+        return f"--density {density}: pass a mean block density in (0, 1] (1 keeps every block)"
+    if problem := mode_flags_problem(qk, pv):
+        return problem
+    if ulysses > 1:
+        return ("--plan auto learns its plan on one GPU: run `paro generate MODEL_DIR --plan auto` once without "
+                "--ulysses (it caches the plan and prints its path), then pass that path to --plan with --ulysses")
+    return None
+
+
 @contextmanager
 def _own_attention(pipe, family, plans: list[Plan] | None, ulysses: int, backend: str, resident: bool | str):
     """Dense runs: the model's own attention as it is, or, under Ulysses for families whose text every GPU holds
@@ -420,6 +441,9 @@ def generate(
     prompt: str,
     *,
     plan: str | Path | None = None,
+    density: float | None = None,
+    qk: str = "bf16",
+    pv: str = "bf16",
     height: int | None = None,
     width: int | None = None,
     frames: int | None = None,
@@ -440,6 +464,9 @@ def generate(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Generate with `plan` (or dense when None); with `compare`, also dense with the same seed.
+`plan="auto"`: the cached plan of this model at `density` (default 0.3), `qk` and `pv`, or, without one, the
+generation runs dense and learns it into the cache (`paroattn.calibrate.auto`); with `compare` the dense run learns
+it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt") and "plan_path" where it is.
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
     `linear="fp8"`: the transformer blocks' linear layers in fp8 as well (`paroattn.linear`); without a plan, beside
     the model's own attention (then "paro_s" is that run's time, and `compare` measures it against bf16).
@@ -464,6 +491,9 @@ def generate(
     )
 
     # every option and the output path are checked before the model loads
+    auto = isinstance(plan, str) and plan == "auto"
+    if problem := _auto_problem(auto, density, qk, pv, ulysses):
+        raise ValueError(problem)
     if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
     if problem := range_problem("--ulysses", ulysses, 1, MAX_GPUS, "GPUs",
@@ -507,7 +537,7 @@ def generate(
         raise ValueError(problem)
     # fail on a bad plan before loading the model; an expert pair's plans are read together
     try:
-        loaded_plans = load_plans(plan) if plan is not None else None
+        loaded_plans = load_plans(plan) if plan is not None and not auto else None
     except PlanError as exc:
         raise PlanError(f"--plan: {exc}") from None
     loaded_plan = loaded_plans[0] if loaded_plans else None
@@ -575,10 +605,44 @@ def generate(
         log(f"compiling the transformer{'s' if len(pipeline_experts(pipe)) > 1 else ''} ({compile_mode}) at each run's "
             "first step: its time includes that")
     resident = True if compile_mode else "auto"  # streamed masks run eagerly only
+    learning = None
+    if auto:
+        from ..calibrate.auto import apply_auto
+
+        learning = apply_auto(pipe, density=0.3 if density is None else density, qk=qk, pv=pv, backend=backend,
+                              on_mismatch=on_mismatch, linear=linear, resident=resident, log=log)
+        result["plan_path"] = str(learning.path)
+        if learning.plan is None and compile_mode:
+            learning.remove()
+            raise ValueError(f"--compile runs a plan that exists: no plan is cached at {learning.path} yet; run once "
+                             "without --compile (it learns the plan), then with it")
+        if learning.plan is not None:  # a hit: run as a plan file would, after the dense run of --compare
+            loaded_plans = [learning.plan]
+            loaded_plan = learning.plan
+            learning.remove()
+            learning = None
+            result["auto"] = "cached"
     if compare:
-        log("dense run (the model's own attention)")
+        log("dense run (the model's own attention)" + (": it learns the plan" if learning is not None else ""))
         with _own_attention(pipe, family, loaded_plans, ulysses, backend, resident), compiled(pipe, compile_mode):
             dense_pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
+        if learning is not None:
+            if learning.plan is None:
+                learning.remove()
+                raise PlanError(f"another process is learning the plan {result['plan_path']}; run again once it has "
+                                "written it, or without --compare")
+            loaded_plans = [learning.plan]
+            loaded_plan = learning.plan
+            learning.remove()
+            learning = None
+            result["auto"] = "learnt"
+    if learning is not None:  # a miss without --compare: this run is dense and learns the plan
+        try:
+            pixels, result["dense_s"] = _run(pipe, prompt, call, seed)
+        finally:
+            learning.remove()
+        result["auto"] = "learnt"
+        return _finish(result, pixels, None, out, compare, video, fps, log)
     handle = None
     linears = " and fp8 linear layers" if linear else ""
     if loaded_plan is not None and mismatch is not None:
@@ -595,7 +659,7 @@ def generate(
             result["ran_dense"] = "the plan does not fit (see the warning above)"
         experts = f", experts {' and '.join(p.expert for p in loaded_plans)}" if len(loaded_plans) > 1 else ""
         dtype_of_model = transformer.dtype
-        log(f"PARO run (plan {plan}: density {loaded_plan.achieved_density():.2f}, "
+        log(f"PARO run (plan {result.get('plan_path', plan)}: density {loaded_plan.achieved_density():.2f}, "
             f"qk={precision_label(loaded_plan.qk, dtype_of_model)}, pv={precision_label(loaded_plan.pv, dtype_of_model)}"
             f"{experts}){linears}")
     elif linear:
@@ -619,6 +683,11 @@ def generate(
         result["ulysses"] = ulysses
         if rank != 0:  # every process holds the same output; rank 0 writes it
             return {"rank": rank}
+    return _finish(result, pixels, dense_pixels if compare else None, out, compare, video, fps, log)
+
+
+def _finish(result: dict, pixels, dense_pixels, out: Path, compare: bool, video: bool, fps: int, log) -> dict:
+    """Write the outputs (under temporary names, renamed together) and complete `result`."""
     scale = visible_scale(*pixels.shape[-3:-1])
     targets = _outputs(out, compare)
     with _written_together(*targets):  # an interrupted write leaves earlier files as they were

@@ -40,6 +40,7 @@ __all__ = [
     "PAROProcessor",
     "apply",
     "capture_attention",
+    "check_apply_options",
     "expert_plans",
     "family_of",
     "layout_for",
@@ -278,15 +279,10 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
     why: `paroattn.linear`), with `plan=None` beside the model's own attention. It is refused, before anything
     changes, without torchao (`pip install paroattn[fp8]`), on the CPU, on a GPU below sm_89 and for weights
     that are not bfloat16."""
-    from ..attention import BACKENDS
-    from .plan_fit import ON_MISMATCH
-
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
-    if on_mismatch not in ON_MISMATCH:
-        raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {ON_MISMATCH}")
-    if problem := _backend_problem(backend):
-        raise ValueError(problem)
+    if isinstance(plan, str) and plan == "auto":
+        raise TypeError("plan='auto' learns the plan during the first generation, which calibration does: call "
+                        "paroattn.apply(pipe, 'auto', density=...) (paroattn.calibrate.auto)")
+    check_apply_options(backend, on_mismatch)
     if plan is None and linear is not None:  # the model's own attention, fp8 linear layers
         pairs, problems = [(name, module, None) for name, module in pipeline_experts(pipe_or_transformer)], []
     else:
@@ -357,6 +353,20 @@ def apply(pipe_or_transformer, plan: Plan | Sequence[Plan] | None, backend: str 
     if len(handles) > 1:
         first.experts = handles
     return first
+
+
+def check_apply_options(backend: str, on_mismatch: str) -> None:
+    """Refuse, before anything changes, a backend or on_mismatch `apply` does not know, or a backend this machine
+    cannot run."""
+    from ..attention import BACKENDS
+    from .plan_fit import ON_MISMATCH
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r}; expected one of {ON_MISMATCH}")
+    if problem := _backend_problem(backend):
+        raise ValueError(problem)
 
 
 def _backend_problem(backend: str) -> str | None:
