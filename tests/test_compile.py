@@ -98,6 +98,7 @@ def run_compiled_and_eager(transformer, calls, backend="aot_eager"):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_compiled_transformer_matches_eager_across_buckets_and_compiles_once(family):
     """6 forwards through all 3 buckets: each compiled output equals the eager PARO output (float32, 1e-5), and
     dynamo compiled one graph for all of them (no recompile per step, per bucket or per layer)."""
@@ -127,6 +128,7 @@ def test_explain_finds_one_graph_without_breaks(family):
     assert explained.graph_break_count == 0 and not explained.break_reasons
 
 
+@pytest.mark.slow
 def test_inductor_compiles_once_and_matches_eager():
     """The default backend (inductor, C++ on the CPU) on CogVideoX: one compile for 4 calls over 3 buckets."""
     timesteps = [980.0, 700.0, 600.0, 150.0]
@@ -185,6 +187,7 @@ class CompiledLayerRecorder:
 
 
 @pytest.mark.parametrize("family", ["cogvideox", "flux"])
+@pytest.mark.slow
 def test_every_layer_of_a_compiled_run_follows_the_plan(family):
     """A plan whose every (bucket, layer, head) mask and every head's order differ (`discriminating_plan`):
     each layer of each compiled forward equals the reference op with its own orders and its timestep's
@@ -221,6 +224,7 @@ def deep_wan(layers: int = 6):
 
 
 @pytest.mark.parametrize(("dense", "graphs"), [(None, 1), ("layer", 6), ("bucket", 2)])
+@pytest.mark.slow
 def test_blocks_compiled_one_by_one_share_one_graph_and_match_eager(dense, graphs):
     """Regional compilation (diffusers' `compile_repeated_blocks`, each block compiled on its own): every block reads
     its layer from a buffer, a graph input, so one graph serves all 6 blocks through every bucket (a lookup keyed by
@@ -250,6 +254,7 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_match_eager(dense, graph
     assert not any(hasattr(m, "paro_other_attention") for m in transformer.modules())
 
 
+@pytest.mark.slow
 def test_dense_flags_static_per_layer_and_by_bucket():
     """Wan, 2 layers: layer 0 dense in every bucket (a host branch in the graph), layer 1 dense in bucket 0
     only (both results computed, the bucket's kept by `torch.where`): equal to eager, one compile."""
@@ -275,6 +280,7 @@ def test_dense_flags_static_per_layer_and_by_bucket():
 # -- lone processors --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lone_processor_compiles_once_bound_and_refuses_unbound():
     """`set_attn_processor(PAROProcessor(plan))` (one instance, Wan's cross-attention included): bound by one
     eager forward, the compiled model equals eager in one compile; never bound, fullgraph tracing refuses
@@ -417,6 +423,7 @@ def triton_model():
     return transformer, sparse_plan(transformer, block_size=TINY_BLOCK if DEVICE == "cpu" else 32)
 
 
+@pytest.mark.slow
 def test_triton_backend_compiles_once_with_resident_lists():
     """backend="triton": the custom op reads active-block lists indexed out of the stacked store by the device
     bucket; equal to the eager Triton run, one compile over 3 buckets."""
