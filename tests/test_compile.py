@@ -438,6 +438,7 @@ def test_triton_backend_compiles_once_with_resident_lists():
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow
 def test_compiled_calls_keep_one_buffer_set_and_replay_its_launches():
     """The custom op of a compiled graph takes the stream's kept buffer set, as eager calls do: after compiled calls
     alone, the device's runtime holds the set, its launches recorded by the first call and replayed by the others,

@@ -353,6 +353,7 @@ def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
     assert "PARO vs dense: PSNR" in result.output
 
 
+@pytest.mark.slow
 def test_cli_qwen_image_plan_serves_prompts_of_other_token_counts(tmp_path):
     """Qwen-Image does not pad prompts: a prompt of another token count is another layout, whose masks the plan
     derives from its axis profiles as for another size."""

@@ -90,6 +90,7 @@ LAYOUT = TokenLayout(5, 2, 3, 5)
 
 @pytest.mark.parametrize("qk", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("pv", ["bf16", "fp8", "int8"])
+@pytest.mark.slow
 def test_every_mode_matches_reference(qk, pv):
     B, H, D = 2, 3, 64
     q, k, v = make_inputs(B, H, LAYOUT.seq_len, D, seed=3 * ["bf16", "int8", "int4"].index(qk) + ["bf16", "fp8", "int8"].index(pv))
@@ -130,6 +131,7 @@ def test_head_dim_128_seq_major_inputs(qk, pv):
     assert rel_err(out, ref) <= BOUND[pv]
 
 
+@pytest.mark.slow
 def test_block_64_longer_sequence_bf16_dtype_contract():
     """Plan-sized blocks (64), 3 query blocks with the last one partial, every order."""
     layout = TokenLayout(3, 2, 7, 9)  # 129 tokens
@@ -144,6 +146,7 @@ def test_block_64_longer_sequence_bf16_dtype_contract():
 
 @pytest.mark.parametrize("block", [(2 * SMALL_BLOCK, SMALL_BLOCK), (SMALL_BLOCK, 2 * SMALL_BLOCK)])
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int4", "bf16")])
+@pytest.mark.slow
 def test_unequal_query_and_key_blocks(block, qk, pv):
     """bq != bk: taller query tiles (two warpgroups per program at bq=128) or wider key tiles."""
     layout = TokenLayout(6, 3, 4, 7)  # 90 tokens: partial last blocks on both sides

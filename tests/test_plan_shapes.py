@@ -88,6 +88,7 @@ def kept_share(plan: Plan, layout: TokenLayout) -> float:
 
 
 @pytest.mark.parametrize("layout", OTHERS, ids=str)
+@pytest.mark.slow
 def test_derived_masks_keep_the_mass_of_masks_from_that_size(layout):
     plan = calibrated_plan(0.1)
     derived = derive_plan(plan, layout)
@@ -116,6 +117,7 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("layout", OTHERS[:2], ids=str)
 @pytest.mark.parametrize("mutation", ["wrong axis", "transposed offsets", "wrong head", "wrong bucket"])
+@pytest.mark.slow
 def test_a_wrong_derivation_loses_mass_the_check_above_sees(monkeypatch, mutation, layout):
     plan = calibrated_plan(0.1)
     right = kept_share(derive_plan(plan, layout), layout)
