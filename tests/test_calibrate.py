@@ -154,6 +154,7 @@ def test_planted_locality_selects_the_local_axis_innermost_and_masks_keep_the_ma
     assert hits / total >= 0.95, f"{hits}/{total} heads got their local axis innermost"
 
 
+@pytest.mark.slow
 def test_planted_locality_with_the_triton_kernel():
     layout = TokenLayout(4, 3, 4, 4)
     g = torch.Generator().manual_seed(3)
@@ -460,6 +461,7 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
         plan_from_stats(mass_only, SelectionConfig(metric="paper"))
 
 
+@pytest.mark.slow
 def test_cli_calibrate_then_inspect_png(tmp_path):
     from tiny_models import tiny_pipeline
     from typer.testing import CliRunner

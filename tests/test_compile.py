@@ -118,6 +118,7 @@ def test_compiled_transformer_matches_eager_across_buckets_and_compiles_once(fam
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_explain_finds_one_graph_without_breaks(family):
     """The forward pre-hook that records the timestep does no tensor work (a graph of its own would count as a
     break): the bucket is computed inside the transformer's graph."""
@@ -306,6 +307,7 @@ def test_lone_processor_compiles_once_bound_and_refuses_unbound():
         transformer.set_attn_processor(originals)
 
 
+@pytest.mark.slow
 def test_mismatch_under_compile_raises_or_warns_and_runs_dense():
     """A call at another size: on_mismatch="error" raises the PlanError with the command that fixes it;
     on_mismatch="dense" gives the warning (which dynamo cannot trace) while the graph is traced and runs the

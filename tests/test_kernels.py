@@ -105,6 +105,7 @@ def test_every_mode_matches_reference(qk, pv):
 
 
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8")])
+@pytest.mark.slow
 def test_suffix_tokens_stay_in_place(qk, pv):
     """Tokens after the grid (HunyuanVideo's text) are never reordered: the kernels' index maps leave them
     in place, with text and grid tokens sharing a block (44 tokens: 3 + 2x3x5 + 11)."""
@@ -203,6 +204,7 @@ def small_key_mean_sample(monkeypatch):
 
 
 @pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 64), ("int4", "int8", 128), ("int8", "fp8", 128)])
+@pytest.mark.slow
 def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_mean_sample):
     """The prologue's quantized Q, K and V are the reference's values bit for bit (same grid, same
     IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
@@ -303,6 +305,7 @@ def test_clear_errors():
                            backend="triton")
 
 
+@pytest.mark.slow
 def test_custom_op_schema_and_fake_tensor():
     layout = LAYOUT
     q, k, v = make_inputs(1, 2, layout.seq_len, 64, seed=9, seq_major=True)
@@ -318,6 +321,7 @@ def test_custom_op_schema_and_fake_tensor():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_has_no_graph_break():
     """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node."""
     layout = LAYOUT

@@ -79,6 +79,7 @@ CASES = [(TokenLayout(0, 2, 3, 5, suffix=5), 64), (TokenLayout(0, 3, 4, 3, suffi
 
 @pytest.mark.parametrize("qk,pv", MODES, ids=lambda m: m)
 @pytest.mark.parametrize("layout,D", CASES, ids=[f"{layout}-D{D}" for layout, D in CASES])
+@pytest.mark.slow
 def test_padded_suffix_matches_reference(layout, D, qk, pv):
     B, H = 3, 3
     n = -(-layout.seq_len // SMALL_BLOCK)

@@ -64,6 +64,7 @@ def cpu_call():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's test; the GPU's is below")
 @pytest.mark.parametrize("order", list(itertools.permutations(PINS)))
+@pytest.mark.slow
 def test_pinned_configs_in_turn_each_run_their_own_launch(cpu_call, order):
     q, k, v, kwargs = cpu_call
 

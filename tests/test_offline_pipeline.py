@@ -67,6 +67,7 @@ def test_paro_commands_load_it_as_the_demo_runs_it(folder):
     assert torch.equal(torch.from_numpy(loaded), torch.from_numpy(shipped))
 
 
+@pytest.mark.slow
 def test_calibrate_inspect_and_generate_run_on_it(folder, tmp_path):
     plan = tmp_path / "demo-d0.3.safetensors"
     result = invoke(["calibrate", folder, "--prompts", folder / "prompts.txt", "--out", plan, "--density", "0.3",
