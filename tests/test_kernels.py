@@ -343,6 +343,7 @@ def test_compile_fullgraph_has_no_graph_break():
 
 @pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")])
+@pytest.mark.slow
 def test_kernel_config_variants_match_reference(qk, pv, flags):
     """KernelConfig(tma=True): K/V tiles read through tensor descriptors (TMA on Hopper), including the
     transposed 8-bit V buffer and int4 K values. overlap_qk=True: the loop computes the next key
