@@ -99,6 +99,7 @@ def test_compiled_generation_equals_eager_with_one_graph_per_run(folder, tmp_pat
     assert whole == [how == "whole"] * 2
 
 
+@pytest.mark.slow
 def test_the_command_says_its_times_include_compiling(folder, tmp_path, monkeypatch):
     monkeypatch.setattr(generation, "COMPILE_BACKEND", "aot_eager")
     result = invoke(["generate", folder, "--prompt", PROMPT, "--steps", "1", "--height", "16", "--width", "16",

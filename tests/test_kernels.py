@@ -373,6 +373,7 @@ WHOLE = TokenLayout(prefix=0, frames=2, height=8, width=16)  # 256 tokens: whole
     ("bf16", "bf16", 64, 128, 128, RAGGED), ("int8", "fp8", 128, 128, 128, RAGGED), ("int4", "int8", 64, 128, 64, RAGGED),
     ("int8", "bf16", 64, 128, 64, RAGGED), ("bf16", "bf16", 128, 128, 64, RAGGED), ("int8", "fp8", 64, 32, 16, RAGGED),
     ("bf16", "bf16", 128, 128, 64, WHOLE), ("int8", "fp8", 64, 128, 64, WHOLE)])
+@pytest.mark.slow
 def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk, layout):
     """KernelConfig(q_tma=True): the prologue also writes the reordered Q (quantized per query block for
     integer QK, also when its grid runs over smaller key blocks) and the kernel reads each query tile
