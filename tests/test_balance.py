@@ -122,6 +122,7 @@ def test_plans_derived_for_other_sizes_keep_the_balance():
     assert derived.info[BALANCED_RANKS] == 2 and spread(rank_blocks(derived.block_mask, 2)) <= 1
 
 
+@pytest.mark.slow
 def test_processor_balances_its_plan_when_it_binds():
     from tiny_models import TINY_BLOCK, tiny_forward_inputs, tiny_transformer
 

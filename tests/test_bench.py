@@ -102,6 +102,7 @@ def test_table_of_a_demo_metrics_file_is_one_line(no_gpu, tmp_path):
                             "not the timings of paro bench")
 
 
+@pytest.mark.slow
 def test_table_of_a_host_time_file_names_the_script_that_prints_it(no_gpu):
     path = RESULTS / "host-nvidia-h100-80gb-hbm3.json"
     assert_one_line_failure(invoke(["--table", path]), "host_rows", "not the timings of paro bench")
@@ -153,6 +154,7 @@ def test_every_committed_attention_results_file_prints_or_is_refused_in_one_line
         assert paro and not any("| - |" in line for line in paro), path  # a paro row always names its kernel
 
 
+@pytest.mark.slow
 def test_full_benchmark_summary_names_each_rows_kernel():
     """benchmarks/attention.py --table --summary: the op table of BENCHMARKS.md, kernel column included."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--table", str(CONFIGS_ONLY),
@@ -164,6 +166,7 @@ def test_full_benchmark_summary_names_each_rows_kernel():
     assert kernels == ["triton", "triton", "gluon-warp-specialized", "triton"], result.stdout
 
 
+@pytest.mark.slow
 def test_full_benchmark_refuses_a_file_without_timings_in_one_line(tmp_path):
     path = tmp_path / "metrics.json"
     path.write_text("{}")
@@ -223,6 +226,7 @@ def test_anchor_table_sets_paro_beside_its_peers_and_names_what_auto_ran():
     assert flux["paro CUDA: d=1 / d=0.2"] == "not run / not run"
 
 
+@pytest.mark.slow
 def test_full_benchmark_refuses_a_sage2_folder_without_its_source_and_anchors_without_a_file(tmp_path):
     for args, fragment in [(["--sage2", str(tmp_path)], "thu-ml/SageAttention"),
                            (["--anchors"], "--anchors goes with --table")]:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,7 @@ def run_script(*args: str, script: str = "multi_gpu.py") -> subprocess.Completed
                           text=True, timeout=600, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_multi_gpu_smoke_run_writes_rows_its_table_reads(tmp_path):
     out = tmp_path / "multi.json"
     result = run_script("--smoke", "--modes", "paro d=0.2 int8+fp8 balanced", "--out", str(out))
@@ -34,6 +37,7 @@ def test_multi_gpu_smoke_run_writes_rows_its_table_reads(tmp_path):
     assert "| paro d=0.2 int8+fp8 balanced |" in table and "multi.json" in table and "head densities spread" in table
 
 
+@pytest.mark.slow
 def test_multi_gpu_compares_with_one_gpu_outputs_saved_by_another_run(tmp_path):
     # one process saves its outputs and times; two processes (gloo) read both instead of running one GPU again
     modes, saved = "paro d=0.2 int8+fp8,paro d=0.2 int8+fp8 balanced", tmp_path / "outputs"
@@ -55,11 +59,13 @@ def test_multi_gpu_compares_with_one_gpu_outputs_saved_by_another_run(tmp_path):
     assert "check_max_abs" not in rows["paro d=0.2 int8+fp8 balanced"]
 
 
+@pytest.mark.slow
 def test_multi_gpu_refuses_an_unknown_mode():
     result = run_script("--smoke", "--modes", "d=0.3")
     assert result.returncode != 0 and "--modes d=0.3: expected some of dense" in result.stderr
 
 
+@pytest.mark.slow
 def test_e2e_regional_compile_rows_match_eager(tmp_path):
     """--compile regional (each block compiled on its own, as diffusers' compile_repeated_blocks does), dense and PARO
     on the shrunk Wan with inductor: each row's output within 1e-4 of its eager run."""
@@ -71,6 +77,7 @@ def test_e2e_regional_compile_rows_match_eager(tmp_path):
         assert rows[(mode, "regional")]["max_error_vs_eager"] < 1e-4 and "error" not in rows[(mode, "regional")]
 
 
+@pytest.mark.slow
 def test_e2e_smoke_run_writes_rows_its_table_reads(tmp_path):
     out = tmp_path / "e2e.json"
     result = run_script("--smoke", "--iters", "1", "--modes", "dense,paro d=0.2 int8+fp8", "--resident-only",
@@ -84,6 +91,7 @@ def test_e2e_smoke_run_writes_rows_its_table_reads(tmp_path):
     assert "| shrunk Wan (smoke) (192, 1) |" in table and "e2e.json" in table
 
 
+@pytest.mark.slow
 def test_calibration_cost_tiny_run_measures_both_models(tmp_path):
     out = tmp_path / "cost.json"
     result = run_script("--tiny", "--steps", "2", "--prompts", "1", "--out", str(out), script="calibration_cost.py")
@@ -96,6 +104,7 @@ def test_calibration_cost_tiny_run_measures_both_models(tmp_path):
         assert 0 < r["achieved_density"] < 1 and r["extrapolated"]["transformer_calls"] == 2 * r["calls_per_step"]
 
 
+@pytest.mark.slow
 def test_multi_gpu_models_are_models_the_step_benchmark_builds():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
@@ -109,6 +118,7 @@ def test_multi_gpu_models_are_models_the_step_benchmark_builds():
         e2e.step_inputs("wan-14b", None, "cpu", torch.float32, smoke=False)
 
 
+@pytest.mark.slow
 def test_demo_model_balance_quality_runs_balanced_plans(tmp_path):
     out = tmp_path / "balance.jsonl"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo_model_balance_quality.py"), "--densities",
@@ -123,6 +133,7 @@ def test_demo_model_balance_quality_runs_balanced_plans(tmp_path):
     assert rows[0]["psnr_db"] != rows[1]["psnr_db"]
 
 
+@pytest.mark.slow
 def test_multi_gpu_table_script_smoke_run(tmp_path):
     # the phases of the 4-GPU table with the shrunk Wan: one process, then two (gloo), compared with the first
     env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1"}
@@ -135,6 +146,7 @@ def test_multi_gpu_table_script_smoke_run(tmp_path):
     assert "| paro d=0.2 int8+fp8 balanced |" in result.stdout
 
 
+@pytest.mark.slow
 def test_work_tree_hash_names_the_commit_whose_files_ran(tmp_path, monkeypatch):
     """The environment of a results file on a machine whose git metadata lags the synced files: the tree hash of
     the files on disk is the tree of the commit that holds them, and changes with any file, untracked ones too."""
@@ -160,6 +172,7 @@ def test_work_tree_hash_names_the_commit_whose_files_ran(tmp_path, monkeypatch):
     assert changed == git("rev-parse", "HEAD^{tree}")
 
 
+@pytest.mark.slow
 def test_multi_gpu_table_script_fails_when_a_run_fails(tmp_path):
     # its runs go to the background and to a log: a failed one must still fail the script, and say where to look
     env = {**os.environ, "OUT": str(tmp_path), "SMOKE": "1", "MODELS": "no-such-model"}

@@ -83,6 +83,7 @@ def stats_of_real_keys(q, k, layout, orders, block_size, suffix_mask, eps):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_block_stats_leave_out_padded_text_keys(backend):
     layout = TokenLayout(0, 2, 3, 4, suffix=13)  # 37 tokens: the text crosses a block edge
     g = torch.Generator().manual_seed(5)
@@ -133,6 +134,7 @@ PLANTED = [TokenLayout(0, 4, 8, 8), TokenLayout(8, 3, 8, 12), TokenLayout(16, 5,
            TokenLayout(0, 8, 6, 5), TokenLayout(16, 1, 20, 20)]
 
 
+@pytest.mark.slow
 def test_planted_locality_selects_the_local_axis_innermost_and_masks_keep_the_mass():
     g = torch.Generator().manual_seed(0)
     hits = total = 0
@@ -152,6 +154,7 @@ def test_planted_locality_selects_the_local_axis_innermost_and_masks_keep_the_ma
     assert hits / total >= 0.95, f"{hits}/{total} heads got their local axis innermost"
 
 
+@pytest.mark.slow
 def test_planted_locality_with_the_triton_kernel():
     layout = TokenLayout(4, 3, 4, 4)
     g = torch.Generator().manual_seed(3)
@@ -196,6 +199,7 @@ def _assert_planted_orders(plan) -> None:
     assert chosen == [[PLANTED_ORDER[a] for a in axes] for axes in PLANTED_LAYERS], chosen
 
 
+@pytest.mark.slow
 def test_calibration_picks_the_planted_order_of_every_layer_and_head():
     """Each head's whole order (not just its range) is the one its planted locality calls for, in every layer."""
     from paroattn.calibrate.config import SelectionConfig
@@ -215,6 +219,7 @@ def _rolled_orders(scores):  # each candidate's score read one slot over: orders
     _rolled_orders,
     lambda scores: scores.flip(-2),  # heads reversed
 ])
+@pytest.mark.slow
 def test_a_wrong_order_choice_fails_the_planted_check(monkeypatch, mutation):
     """The planted check above catches a selection that reads the wrong axis, head or sign of the score."""
     import paroattn.calibrate.accumulate as accumulate
@@ -372,6 +377,7 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
 
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
+@pytest.mark.slow
 def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     from tiny_models import tiny_call_kwargs, tiny_pipeline
 
@@ -412,6 +418,7 @@ def test_tiny_pipeline_calibrate_save_load_apply_generate(family, tmp_path):
     assert [p.stat().st_size > 0 for p in pngs] == [True, True]
 
 
+@pytest.mark.slow
 def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_stats():
     """`calibrate` = `capture` + `plan_from_stats`; one capture (every prompt in one batch here) gives
     plans for other densities, quantizations and order sets without running the pipeline again."""
@@ -454,6 +461,7 @@ def test_one_capture_builds_any_plan_and_calibrate_is_capture_then_plan_from_sta
         plan_from_stats(mass_only, SelectionConfig(metric="paper"))
 
 
+@pytest.mark.slow
 def test_cli_calibrate_then_inspect_png(tmp_path):
     from tiny_models import tiny_pipeline
     from typer.testing import CliRunner

@@ -28,6 +28,7 @@ def _record(recorder: StatsRecorder, steps: int, timesteps) -> None:
     recorder.prompt_done()
 
 
+@pytest.mark.slow
 def test_a_host_fed_recorder_gives_a_plan_with_the_planted_orders_and_the_model_config(tmp_path):
     capture = CaptureConfig(block_size=16, num_buckets=2, stat_every=1, profile_queries=64, backend="torch")
     recorder = StatsRecorder(2, capture, model_class="Planted", model_config=CONFIG, expert="transformer_2")
@@ -46,6 +47,7 @@ def test_a_host_fed_recorder_gives_a_plan_with_the_planted_orders_and_the_model_
     assert Plan.load(tmp_path / "plan.safetensors").info["model_config"]["attention_head_dim"] == 32
 
 
+@pytest.mark.slow
 def test_statistics_are_kept_every_stat_every_steps_of_each_prompt():
     capture = CaptureConfig(block_size=16, num_buckets=1, stat_every=2, profile_queries=0, backend="torch")
     recorder = StatsRecorder(2, capture)

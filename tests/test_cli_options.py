@@ -151,6 +151,7 @@ def full_density_run(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_density_one_needs_no_calibration_and_equals_dense(full_density_run):
     out, result = full_density_run
     assert result.exit_code == 0, result.output
@@ -161,6 +162,7 @@ def test_density_one_needs_no_calibration_and_equals_dense(full_density_run):
     assert not (out / "plan.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_the_demo_runs_at_the_size_asked_for_and_labels_what_it_computed(full_density_run):
     out, result = full_density_run
     report = json.loads((out / "metrics.json").read_text())
@@ -172,6 +174,7 @@ def test_the_demo_runs_at_the_size_asked_for_and_labels_what_it_computed(full_de
     assert "qk=fp32 pv=fp32" in paro
 
 
+@pytest.mark.slow
 def test_an_unshipped_density_says_how_it_is_calibrated(tmp_path):
     from paroattn.app.demo import run_demo
 

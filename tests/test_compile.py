@@ -98,6 +98,7 @@ def run_compiled_and_eager(transformer, calls, backend="aot_eager"):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_compiled_transformer_matches_eager_across_buckets_and_compiles_once(family):
     """6 forwards through all 3 buckets: each compiled output equals the eager PARO output (float32, 1e-5), and
     dynamo compiled one graph for all of them (no recompile per step, per bucket or per layer)."""
@@ -117,6 +118,7 @@ def test_compiled_transformer_matches_eager_across_buckets_and_compiles_once(fam
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_explain_finds_one_graph_without_breaks(family):
     """The forward pre-hook that records the timestep does no tensor work (a graph of its own would count as a
     break): the bucket is computed inside the transformer's graph."""
@@ -127,6 +129,7 @@ def test_explain_finds_one_graph_without_breaks(family):
     assert explained.graph_break_count == 0 and not explained.break_reasons
 
 
+@pytest.mark.slow
 def test_inductor_compiles_once_and_matches_eager():
     """The default backend (inductor, C++ on the CPU) on CogVideoX: one compile for 4 calls over 3 buckets."""
     timesteps = [980.0, 700.0, 600.0, 150.0]
@@ -185,6 +188,7 @@ class CompiledLayerRecorder:
 
 
 @pytest.mark.parametrize("family", ["cogvideox", "flux"])
+@pytest.mark.slow
 def test_every_layer_of_a_compiled_run_follows_the_plan(family):
     """A plan whose every (bucket, layer, head) mask and every head's order differ (`discriminating_plan`):
     each layer of each compiled forward equals the reference op with its own orders and its timestep's
@@ -221,6 +225,7 @@ def deep_wan(layers: int = 6):
 
 
 @pytest.mark.parametrize(("dense", "graphs"), [(None, 1), ("layer", 6), ("bucket", 2)])
+@pytest.mark.slow
 def test_blocks_compiled_one_by_one_share_one_graph_and_match_eager(dense, graphs):
     """Regional compilation (diffusers' `compile_repeated_blocks`, each block compiled on its own): every block reads
     its layer from a buffer, a graph input, so one graph serves all 6 blocks through every bucket (a lookup keyed by
@@ -250,6 +255,7 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_match_eager(dense, graph
     assert not any(hasattr(m, "paro_other_attention") for m in transformer.modules())
 
 
+@pytest.mark.slow
 def test_dense_flags_static_per_layer_and_by_bucket():
     """Wan, 2 layers: layer 0 dense in every bucket (a host branch in the graph), layer 1 dense in bucket 0
     only (both results computed, the bucket's kept by `torch.where`): equal to eager, one compile."""
@@ -275,6 +281,7 @@ def test_dense_flags_static_per_layer_and_by_bucket():
 # -- lone processors --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lone_processor_compiles_once_bound_and_refuses_unbound():
     """`set_attn_processor(PAROProcessor(plan))` (one instance, Wan's cross-attention included): bound by one
     eager forward, the compiled model equals eager in one compile; never bound, fullgraph tracing refuses
@@ -300,6 +307,7 @@ def test_lone_processor_compiles_once_bound_and_refuses_unbound():
         transformer.set_attn_processor(originals)
 
 
+@pytest.mark.slow
 def test_mismatch_under_compile_raises_or_warns_and_runs_dense():
     """A call at another size: on_mismatch="error" raises the PlanError with the command that fixes it;
     on_mismatch="dense" gives the warning (which dynamo cannot trace) while the graph is traced and runs the
@@ -417,6 +425,7 @@ def triton_model():
     return transformer, sparse_plan(transformer, block_size=TINY_BLOCK if DEVICE == "cpu" else 32)
 
 
+@pytest.mark.slow
 def test_triton_backend_compiles_once_with_resident_lists():
     """backend="triton": the custom op reads active-block lists indexed out of the stacked store by the device
     bucket; equal to the eager Triton run, one compile over 3 buckets."""
@@ -432,6 +441,7 @@ def test_triton_backend_compiles_once_with_resident_lists():
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow
 def test_compiled_calls_keep_one_buffer_set_and_replay_its_launches():
     """The custom op of a compiled graph takes the stream's kept buffer set, as eager calls do: after compiled calls
     alone, the device's runtime holds the set, its launches recorded by the first call and replayed by the others,

@@ -467,6 +467,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", WAN_BLOCKS)
+@pytest.mark.slow
 def test_own_attention_under_ulysses_is_one_process_bit_for_bit(ranks, family):
     # SkyReels-V2's processor would gather the whole text from every GPU as cross-attention keys (N copies of it):
     # the same result up to rounding, so only bit equality shows that each GPU attends its own queries to the text
@@ -477,6 +478,7 @@ def test_own_attention_under_ulysses_is_one_process_bit_for_bit(ranks, family):
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
 @pytest.mark.parametrize("order", ["after", "before", "unfused_rope", "pipelined"])
+@pytest.mark.slow
 def test_paro_under_ulysses_equals_one_process(ranks, family, order):
     for found in ranks:
         for single, parallel in zip(found[family]["single"], found[family][order]):
@@ -487,6 +489,7 @@ def test_paro_under_ulysses_equals_one_process(ranks, family, order):
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
+@pytest.mark.slow
 def test_the_models_own_attention_through_paro_under_ulysses_equals_the_model(ranks, family):
     """A plan dense in every layer: the model's own attention on each GPU's heads (PARO's exchange for CogVideoX and
     HunyuanVideo, whose own processors cannot run under Ulysses; diffusers' dispatcher for the others)."""
@@ -498,6 +501,7 @@ def test_the_models_own_attention_through_paro_under_ulysses_equals_the_model(ra
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
+@pytest.mark.slow
 def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
     per_gpu = HEADS // WORLD
     for rank, found in enumerate(ranks):
@@ -511,6 +515,7 @@ def test_each_process_runs_its_contiguous_slice_of_the_heads(ranks, family):
     assert not torch.equal(ranks[0][family]["head_orders"], ranks[1][family]["head_orders"])
 
 
+@pytest.mark.slow
 def test_per_token_timesteps_bucket_every_gpu_as_one_process(ranks):
     for found in ranks:
         found = found["per_token"]
@@ -518,6 +523,7 @@ def test_per_token_timesteps_bucket_every_gpu_as_one_process(ranks):
             torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_diffusion_forcing_timesteps_split_with_their_frames(ranks):
     for found in ranks:
         found = found["forcing"]
@@ -527,6 +533,7 @@ def test_diffusion_forcing_timesteps_split_with_their_frames(ranks):
 
 
 @pytest.mark.parametrize("case", range(len(EXCHANGE_CASES)))
+@pytest.mark.slow
 def test_the_exchange_gives_each_gpu_its_heads_of_the_whole_sequence_and_back(ranks, case):
     layout, text = EXCHANGE_CASES[case]
     for found in ranks:
@@ -540,6 +547,7 @@ def test_the_exchange_gives_each_gpu_its_heads_of_the_whole_sequence_and_back(ra
                                                                             layout.prefix if text == "split" else 0))
 
 
+@pytest.mark.slow
 def test_a_plan_balanced_for_other_gpus_warns_and_runs_right(ranks):
     for found in ranks:
         found = found["balance"]
@@ -549,6 +557,7 @@ def test_a_plan_balanced_for_other_gpus_warns_and_runs_right(ranks):
         assert torch.isfinite(found[3]["out"]).all()
 
 
+@pytest.mark.slow
 def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
     for rank, found in enumerate(ranks):
         found = found["pair"]
@@ -561,6 +570,7 @@ def test_wan22_expert_pair_under_ulysses_equals_one_process(ranks):
     assert ranks[0]["pair"]["heads"].keys() == {"transformer", "transformer_2"}
 
 
+@pytest.mark.slow
 def test_fullgraph_compile_under_ulysses_equals_one_process_with_one_graph(ranks):
     for found in ranks:
         found = found["compiled"]
@@ -571,22 +581,26 @@ def test_fullgraph_compile_under_ulysses_equals_one_process_with_one_graph(ranks
         assert found["graphs"] == 1  # both buckets, no recompile
 
 
+@pytest.mark.slow
 def test_ring_attention_is_refused_with_what_to_do(ranks):
     for found in ranks:
         assert "ring_degree=2" in found["ring"] and "ContextParallelConfig(ulysses_degree=2)" in found["ring"]
 
 
+@pytest.mark.slow
 def test_exchange_groups_that_do_not_divide_a_gpus_heads_are_refused_with_the_choices(ranks):
     for found in ranks:
         assert "exchange_groups=3" in found["groups"] and "2 heads" in found["groups"]
         assert "use one of 1, 2" in found["groups"]
 
 
+@pytest.mark.slow
 def test_lone_processor_must_be_bound_before_a_parallel_forward(ranks):
     for found in ranks:
         assert "paroattn.apply" in found["lone"] and "bind" in found["lone"]
 
 
+@pytest.mark.slow
 def test_generate_ulysses_writes_on_rank_0_only_and_equals_one_process(ranks):
     import numpy as np
     from PIL import Image
@@ -601,6 +615,7 @@ def test_generate_ulysses_writes_on_rank_0_only_and_equals_one_process(ranks):
     assert (ulysses_pixels - single_pixels).abs().max() <= 1  # 8-bit rounding of equal images
 
 
+@pytest.mark.slow
 def test_generate_ulysses_runs_cogvideox_and_its_own_attention_through_paro(ranks):
     pixels = ranks[0]["generate"]["cogvideox"]
     assert sorted(pixels) == ["cog_single.gif", "cog_single_dense.gif", "cog_ulysses.gif", "cog_ulysses_dense.gif"]

@@ -56,6 +56,7 @@ def seed_floor(dense_videos):
     return compare(dense, other)["psnr_db"]
 
 
+@pytest.mark.slow
 def test_demo_records_the_run_in_strict_json(demo_run):
     from paroattn.app.demo import EVAL_PROMPTS, shipped_plan_path
     from paroattn.plan import Plan
@@ -79,6 +80,7 @@ def test_demo_records_the_run_in_strict_json(demo_run):
     assert "dense: 100%" in result.output and f"PARO d={report['density']:.2f}: 100%" in result.output
 
 
+@pytest.mark.slow
 def test_demo_paro_video_is_close_to_dense_against_a_computed_floor(demo_run, seed_floor):
     out, result = demo_run
     assert result.exit_code == 0, result.output
@@ -88,6 +90,7 @@ def test_demo_paro_video_is_close_to_dense_against_a_computed_floor(demo_run, se
     assert 0.0 < metrics["ssim"] <= 1.0 and 0.0 < metrics["cosine"] <= 1.0
 
 
+@pytest.mark.slow
 def test_demo_writes_a_labelled_gif_and_attention_pictures(demo_run):
     out, result = demo_run
     assert result.exit_code == 0, result.output
@@ -109,6 +112,7 @@ def test_demo_writes_a_labelled_gif_and_attention_pictures(demo_run):
     assert len(pictures) == 5 and [str(p) for p in pictures] == sorted(report["pictures"])
 
 
+@pytest.mark.slow
 def test_demo_prints_the_shipped_quality_summary_as_it_is(demo_run):
     """The line on what lower densities cost is the shipped summary's, whatever its numbers, and says that they
     were measured without this run's int8 QK."""
@@ -123,6 +127,7 @@ def test_demo_prints_the_shipped_quality_summary_as_it_is(demo_run):
         assert f"d={float(density):g}: {measured['psnr_db']:.1f} dB / SSIM {measured['ssim']:.3f}" in line
 
 
+@pytest.mark.slow
 def test_demo_defaults_are_a_shipped_plan_close_to_dense(dense_videos, seed_floor):
     """The default density has a shipped plan, and with the default precisions its video is close to dense,
     measured here against the floor another seed's video sets (the shipped d=0.2 plan, 28 dB at these steps,
@@ -162,6 +167,7 @@ def test_density_cost_line_reads_the_summary(tmp_path):
                                        "QUALITY.md")
 
 
+@pytest.mark.slow
 def test_demo_calibrates_a_density_that_was_not_shipped(tmp_path, capsys):
     from paroattn.app.demo import run_demo
     from paroattn.plan import Plan

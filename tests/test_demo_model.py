@@ -75,6 +75,7 @@ def _small_run(pipe, **kwargs):
                 height=16, width=16, generator=torch.Generator().manual_seed(0), **kwargs).frames
 
 
+@pytest.mark.slow
 def test_paro_runs_through_the_wan_processors_of_the_demo_model(demo_pipe):
     """A dense plan reproduces the model's own attention; a sparse one changes the video: the
     shipped model goes through paroattn.apply exactly like Wan 2.1."""
@@ -153,6 +154,7 @@ def _train(out: Path, ckpt: Path, *extra: str) -> None:
     assert _training_script().main(argv) == 0
 
 
+@pytest.mark.slow
 def test_training_resumed_in_chunks_equals_one_run(tmp_path):
     _train(tmp_path / "whole", tmp_path / "whole_ckpt")
     _train(tmp_path / "chunks", tmp_path / "chunks_ckpt", "--max-steps-this-chunk", "2")

@@ -288,6 +288,7 @@ PIPELINE_LAYOUTS = {"skyreels_v2": TokenLayout(0, 3, 4, 4), "wan_vace": TokenLay
 
 
 @pytest.mark.parametrize("family", list(PIPELINE_LAYOUTS))
+@pytest.mark.slow
 def test_pipeline_dense_plan_equals_default(family, no_ftfy):
     pipe = tiny_pipeline(family)
     pipe.set_progress_bar_config(disable=True)
@@ -323,6 +324,7 @@ def cli_calibrate(tmp_path, family: str, prompt: str, options: list) -> tuple[Cl
 
 @pytest.mark.parametrize("family,size,layers", [("wan_vace", (64, 64, 9), 4), ("skyreels_v2", (64, 64, 9), 2),
                                                  ("ltx", (128, 128, 17), 2)])
+@pytest.mark.slow
 def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, layers):
     size = ["--height", size[0], "--width", size[1], "--frames", size[2]]
     runner, result = cli_calibrate(tmp_path, family, "a red fox in the snow", ["--steps", 2, "--device", "cpu", *size])
@@ -336,6 +338,7 @@ def test_cli_calibrate_and_generate_compare(tmp_path, no_ftfy, family, size, lay
     assert "PARO vs dense: PSNR" in result.output
 
 
+@pytest.mark.slow
 def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
     """FLUX.2 [klein] pads the prompt to max_sequence_length (512 by default): calibration at the default, and
     generation with the plan's text length (which `paro generate` passes)."""
@@ -350,6 +353,7 @@ def test_cli_calibrate_and_generate_compare_flux2_klein(tmp_path):
     assert "PARO vs dense: PSNR" in result.output
 
 
+@pytest.mark.slow
 def test_cli_qwen_image_plan_serves_prompts_of_other_token_counts(tmp_path):
     """Qwen-Image does not pad prompts: a prompt of another token count is another layout, whose masks the plan
     derives from its axis profiles as for another size."""

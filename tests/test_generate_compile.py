@@ -74,6 +74,7 @@ def test_every_expert_is_compiled_for_the_run_and_restored_after(how, monkeypatc
 
 
 @pytest.mark.parametrize("how", ["blocks", "whole"])
+@pytest.mark.slow
 def test_compiled_generation_equals_eager_with_one_graph_per_run(folder, tmp_path, monkeypatch, how):
     """PARO against dense, eager and compiled: the same pixels; one graph per run (the dense run's and the PARO
     run's: the caches are reset between them), of one block or of the whole transformer (its patch embedding)."""
@@ -98,6 +99,7 @@ def test_compiled_generation_equals_eager_with_one_graph_per_run(folder, tmp_pat
     assert whole == [how == "whole"] * 2
 
 
+@pytest.mark.slow
 def test_the_command_says_its_times_include_compiling(folder, tmp_path, monkeypatch):
     monkeypatch.setattr(generation, "COMPILE_BACKEND", "aot_eager")
     result = invoke(["generate", folder, "--prompt", PROMPT, "--steps", "1", "--height", "16", "--width", "16",

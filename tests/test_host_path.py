@@ -104,6 +104,7 @@ def test_lists_of_a_bool_mask_are_reused_until_the_mask_changes():
     assert len(runtime_of(device).mask_lists) <= runtime.MASK_LISTS
 
 
+@pytest.mark.slow
 def test_bool_mask_call_equals_prebuilt_lists_on_random_masks():
     H, D = 2, 64
     q, k, v = make_inputs(1, H, LAYOUT.seq_len, D, seed=3)
@@ -121,6 +122,7 @@ def test_bool_mask_call_equals_prebuilt_lists_on_random_masks():
 
 # int8 PV here: the interpreter's fp8 cast is wrong (tests/test_kernels.py replaces it)
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "int8")])
+@pytest.mark.slow
 def test_reused_buffers_leave_every_call_as_a_fresh_one(qk, pv):
     """Calls of one shape share a buffer set: a call's result does not change when later calls reuse
     its buffers, and equals the result of a call with buffers of its own."""

@@ -198,6 +198,7 @@ def test_every_layer_equals_first_principles_attention_with_the_padding():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="16-token blocks run in the interpreter only; the GPU's "
                     "padded-text checks are in test_key_mask.py")
+@pytest.mark.slow
 def test_triton_kernels_run_padded_text_eagerly_and_compiled():
     """fp16 at head dim 64 (the kernels' head dims): the Triton backend with item 0's text padded agrees with the
     reference op, and the compiled transformer (the adapter hands the traced mask to the custom op) equals the
@@ -311,6 +312,7 @@ def test_pipeline_dense_plan_equals_default_and_calibration_runs(tmp_path):
     assert torch.isfinite(out).all() and (out - reference).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_cli_calibrate_and_generate_compare_on_a_saved_pipeline(tmp_path):
     pipe = tiny_pipeline("hunyuan_video")
     pipe.save_pretrained(tmp_path / "model")

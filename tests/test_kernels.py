@@ -90,6 +90,7 @@ LAYOUT = TokenLayout(5, 2, 3, 5)
 
 @pytest.mark.parametrize("qk", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("pv", ["bf16", "fp8", "int8"])
+@pytest.mark.slow
 def test_every_mode_matches_reference(qk, pv):
     B, H, D = 2, 3, 64
     q, k, v = make_inputs(B, H, LAYOUT.seq_len, D, seed=3 * ["bf16", "int8", "int4"].index(qk) + ["bf16", "fp8", "int8"].index(pv))
@@ -104,6 +105,7 @@ def test_every_mode_matches_reference(qk, pv):
 
 
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8")])
+@pytest.mark.slow
 def test_suffix_tokens_stay_in_place(qk, pv):
     """Tokens after the grid (HunyuanVideo's text) are never reordered: the kernels' index maps leave them
     in place, with text and grid tokens sharing a block (44 tokens: 3 + 2x3x5 + 11)."""
@@ -130,6 +132,7 @@ def test_head_dim_128_seq_major_inputs(qk, pv):
     assert rel_err(out, ref) <= BOUND[pv]
 
 
+@pytest.mark.slow
 def test_block_64_longer_sequence_bf16_dtype_contract():
     """Plan-sized blocks (64), 3 query blocks with the last one partial, every order."""
     layout = TokenLayout(3, 2, 7, 9)  # 129 tokens
@@ -144,6 +147,7 @@ def test_block_64_longer_sequence_bf16_dtype_contract():
 
 @pytest.mark.parametrize("block", [(2 * SMALL_BLOCK, SMALL_BLOCK), (SMALL_BLOCK, 2 * SMALL_BLOCK)])
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int4", "bf16")])
+@pytest.mark.slow
 def test_unequal_query_and_key_blocks(block, qk, pv):
     """bq != bk: taller query tiles (two warpgroups per program at bq=128) or wider key tiles."""
     layout = TokenLayout(6, 3, 4, 7)  # 90 tokens: partial last blocks on both sides
@@ -200,6 +204,7 @@ def small_key_mean_sample(monkeypatch):
 
 
 @pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 64), ("int4", "int8", 128), ("int8", "fp8", 128)])
+@pytest.mark.slow
 def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_mean_sample):
     """The prologue's quantized Q, K and V are the reference's values bit for bit (same grid, same
     IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
@@ -300,6 +305,7 @@ def test_clear_errors():
                            backend="triton")
 
 
+@pytest.mark.slow
 def test_custom_op_schema_and_fake_tensor():
     layout = LAYOUT
     q, k, v = make_inputs(1, 2, layout.seq_len, 64, seed=9, seq_major=True)
@@ -315,6 +321,7 @@ def test_custom_op_schema_and_fake_tensor():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_has_no_graph_break():
     """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node."""
     layout = LAYOUT
@@ -336,6 +343,7 @@ def test_compile_fullgraph_has_no_graph_break():
 
 @pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])
 @pytest.mark.parametrize("qk,pv", [("bf16", "bf16"), ("int8", "fp8"), ("int8", "int8"), ("int4", "fp8")])
+@pytest.mark.slow
 def test_kernel_config_variants_match_reference(qk, pv, flags):
     """KernelConfig(tma=True): K/V tiles read through tensor descriptors (TMA on Hopper), including the
     transposed 8-bit V buffer and int4 K values. overlap_qk=True: the loop computes the next key
@@ -365,6 +373,7 @@ WHOLE = TokenLayout(prefix=0, frames=2, height=8, width=16)  # 256 tokens: whole
     ("bf16", "bf16", 64, 128, 128, RAGGED), ("int8", "fp8", 128, 128, 128, RAGGED), ("int4", "int8", 64, 128, 64, RAGGED),
     ("int8", "bf16", 64, 128, 64, RAGGED), ("bf16", "bf16", 128, 128, 64, RAGGED), ("int8", "fp8", 64, 32, 16, RAGGED),
     ("bf16", "bf16", 128, 128, 64, WHOLE), ("int8", "fp8", 64, 128, 64, WHOLE)])
+@pytest.mark.slow
 def test_query_tiles_by_descriptor_match_reference(qk, pv, D, bq, bk, layout):
     """KernelConfig(q_tma=True): the prologue also writes the reordered Q (quantized per query block for
     integer QK, also when its grid runs over smaller key blocks) and the kernel reads each query tile

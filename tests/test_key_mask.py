@@ -79,6 +79,7 @@ CASES = [(TokenLayout(0, 2, 3, 5, suffix=5), 64), (TokenLayout(0, 3, 4, 3, suffi
 
 @pytest.mark.parametrize("qk,pv", MODES, ids=lambda m: m)
 @pytest.mark.parametrize("layout,D", CASES, ids=[f"{layout}-D{D}" for layout, D in CASES])
+@pytest.mark.slow
 def test_padded_suffix_matches_reference(layout, D, qk, pv):
     B, H = 3, 3
     n = -(-layout.seq_len // SMALL_BLOCK)
@@ -87,6 +88,7 @@ def test_padded_suffix_matches_reference(layout, D, qk, pv):
 
 
 @pytest.mark.parametrize("qk,pv", MODES, ids=lambda m: m)
+@pytest.mark.slow
 def test_rows_that_attend_only_padding_are_zero(qk, pv):
     """One block of grid tokens, then 1.5 blocks of text in key blocks 1 and 2. Item 0: all text padding, so
     its text query blocks, which attend the text blocks only, see padding only; item 1: text block 1 is
@@ -114,6 +116,7 @@ def test_rows_that_attend_only_padding_are_zero(qk, pv):
         assert rel_err(out[b], ref[b]) <= BOUND[pv], (b, rel_err(out[b], ref[b]))
 
 
+@pytest.mark.slow
 def test_padded_keys_and_values_do_not_matter():
     """bf16 QK and PV: whatever a padded key and value hold (large keys, NaN values) the output is the same,
     bit for bit; the kernel stores padded V rows as zeros, so no 0 * NaN reaches the P V product."""
@@ -133,6 +136,7 @@ def test_padded_keys_and_values_do_not_matter():
     assert torch.equal(again, out)
 
 
+@pytest.mark.slow
 def test_one_launch_keys_masks_of_other_strides_apart():
     """The launch cache (`CachedLauncher`) keys on the mask's strides and alignment: each launch of a key
     after its first skips Triton's specialization, so the most specialized mask goes first (contiguous,

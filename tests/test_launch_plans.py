@@ -64,6 +64,7 @@ def cpu_call():
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's test; the GPU's is below")
 @pytest.mark.parametrize("order", list(itertools.permutations(PINS)))
+@pytest.mark.slow
 def test_pinned_configs_in_turn_each_run_their_own_launch(cpu_call, order):
     q, k, v, kwargs = cpu_call
 
@@ -82,6 +83,7 @@ def test_pinned_configs_in_turn_each_run_their_own_launch(cpu_call, order):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's test; the GPU's is below")
+@pytest.mark.slow
 def test_compiled_calls_of_two_backends_each_run_their_own(cpu_call):
     """Under torch.compile the custom op takes the launch decided while tracing: the graph traced for
     backend="triton" runs the Triton kernel, the one for "auto" (the reference on a CPU) does not."""
@@ -176,6 +178,7 @@ def test_pinned_configs_in_turn_on_the_gpu():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's test")
+@pytest.mark.slow
 def test_each_kernel_is_keyed_by_the_plan_and_the_alignment_of_what_it_reads(cpu_call, monkeypatch):
     """The key `launch` gives each Triton kernel's `CachedLauncher` holds the call's plan and the 16-byte alignment
     of the tensors that kernel reads: a call whose v is not 16-byte aligned gets other keys for the kernels that

@@ -117,6 +117,7 @@ def test_linear_problem_names_each_refusal_in_one_line(monkeypatch):
     assert fp8.linear_problem("fp8") is None
 
 
+@pytest.mark.slow
 def test_apply_refuses_before_anything_changes(monkeypatch):
     """On the CPU, in float32, stored in fp8 by layerwise casting, or without torchao: ValueError with what to
     do, and the transformer keeps its processors and weights (the plan is checked and refused as a whole)."""

@@ -82,6 +82,7 @@ def test_dilate_is_a_max_filter_over_the_block_grid():
     assert torch.equal(dilate(mask, 0), mask)
 
 
+@pytest.mark.slow
 def test_plan_from_stats_and_the_config_pass_the_budget_options_on():
     from tiny_models import tiny_call_kwargs, tiny_pipeline
 
@@ -189,6 +190,7 @@ def test_shared_budget_uses_one_mass_threshold_over_the_buckets_at_the_step_weig
     assert float(chosen.min()) >= float(left.max())
 
 
+@pytest.mark.slow
 def test_plan_from_stats_counts_every_denoising_step_and_records_the_dense_buckets(tmp_path):
     from tiny_models import tiny_call_kwargs, tiny_pipeline
 

@@ -143,6 +143,7 @@ def test_float32_unquantized_paths_agree_on_nan(fused, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, on NaN in the interpreter
 @pytest.mark.parametrize(("qk", "pv"), MODES)
+@pytest.mark.slow
 def test_triton_backend_propagates_nan_like_the_reference(qk, pv):
     """fp16 in the interpreter (block 16) or on a GPU (block 32): the reference's NaN positions exactly."""
     pytest.importorskip("triton")

@@ -38,6 +38,7 @@ def folder(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_folder_is_a_diffusers_pipeline_of_the_shipped_model(folder):
     from paroattn.demo_model.model import ASSETS, DemoVideoPipeline
     from paroattn.demo_model.pipeline import PROMPTS_FILE
@@ -55,6 +56,7 @@ def test_the_folder_is_a_diffusers_pipeline_of_the_shipped_model(folder):
     pipe.text_encoder.tokenize(prompts)  # every calibration prompt is in the model's vocabulary
 
 
+@pytest.mark.slow
 def test_paro_commands_load_it_as_the_demo_runs_it(folder):
     """The folder generates exactly what `paro demo`'s pipeline generates from the same seed."""
     from paroattn.app.demo import sample
@@ -67,6 +69,7 @@ def test_paro_commands_load_it_as_the_demo_runs_it(folder):
     assert torch.equal(torch.from_numpy(loaded), torch.from_numpy(shipped))
 
 
+@pytest.mark.slow
 def test_calibrate_inspect_and_generate_run_on_it(folder, tmp_path):
     plan = tmp_path / "demo-d0.3.safetensors"
     result = invoke(["calibrate", folder, "--prompts", folder / "prompts.txt", "--out", plan, "--density", "0.3",
@@ -87,6 +90,7 @@ def test_calibrate_inspect_and_generate_run_on_it(folder, tmp_path):
     assert "torch reference op" in line and "speedup" not in line
 
 
+@pytest.mark.slow
 def test_a_shipped_plan_runs_on_it_at_another_size(folder, tmp_path):
     """The shipped plans hold axis profiles: at a size they were not calibrated for they derive masks (once,
     with a one-line notice), instead of asking for a calibration."""
@@ -151,6 +155,7 @@ def test_a_plan_of_another_model_names_the_size_asked_for_and_the_folder(folder,
     assert not (tmp_path / "x.gif").exists()
 
 
+@pytest.mark.slow
 def test_calibrate_reads_the_folders_own_prompts_by_default(folder, tmp_path):
     from paroattn import Plan
     from paroattn.app.demo import CALIBRATION_PROMPTS

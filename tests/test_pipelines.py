@@ -452,6 +452,7 @@ def saved_tiny_pipeline(family, folder, density=0.5):
 
 
 @pytest.mark.parametrize("family,suffix", [("wan", ".mp4"), ("flux", ".png")])
+@pytest.mark.slow
 def test_generate_command_compare(tmp_path, family, suffix):
     from typer.testing import CliRunner
 

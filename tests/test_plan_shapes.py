@@ -88,6 +88,7 @@ def kept_share(plan: Plan, layout: TokenLayout) -> float:
 
 
 @pytest.mark.parametrize("layout", OTHERS, ids=str)
+@pytest.mark.slow
 def test_derived_masks_keep_the_mass_of_masks_from_that_size(layout):
     plan = calibrated_plan(0.1)
     derived = derive_plan(plan, layout)
@@ -116,6 +117,7 @@ MUTATIONS = {
 
 @pytest.mark.parametrize("layout", OTHERS[:2], ids=str)
 @pytest.mark.parametrize("mutation", ["wrong axis", "transposed offsets", "wrong head", "wrong bucket"])
+@pytest.mark.slow
 def test_a_wrong_derivation_loses_mass_the_check_above_sees(monkeypatch, mutation, layout):
     plan = calibrated_plan(0.1)
     right = kept_share(derive_plan(plan, layout), layout)
@@ -153,6 +155,7 @@ def test_offset_weights_give_back_the_weights_of_the_measured_profile(n):
 
 
 @pytest.mark.parametrize("layout", OTHERS[:2], ids=str)
+@pytest.mark.slow
 def test_each_head_takes_the_order_that_keeps_the_most_at_the_new_size(monkeypatch, layout):
     """Orders are chosen again from the derived masses: with every head's calibrated order replaced by another
     one, the derived plan still keeps what a plan calibrated at that size keeps; keeping the plan's orders loses."""
@@ -165,6 +168,7 @@ def test_each_head_takes_the_order_that_keeps_the_most_at_the_new_size(monkeypat
     assert kept_share(derive_plan(plan, layout), layout) < kept_share(derived, layout) - 0.03
 
 
+@pytest.mark.slow
 def test_shape_plans_keep_calibrated_sizes_and_derive_others_once():
     plan = calibrated_plan(0.5)
     other = calibrated_plan(0.5, OTHERS[1])
@@ -187,6 +191,7 @@ def test_shape_plans_keep_calibrated_sizes_and_derive_others_once():
     assert plans.derived[OTHERS[0]].info["derived_from"] == list(CALIBRATED.fields)
 
 
+@pytest.mark.slow
 def test_plans_with_profiles_and_extra_sizes_round_trip_and_old_ones_load(tmp_path):
     plan = calibrated_plan(0.5)
     plan.extra_shapes = [calibrated_plan(0.5, OTHERS[1])]
@@ -218,6 +223,7 @@ def test_text_layouts_the_plan_cannot_describe_are_refused():
         ShapePlans(plan).at(TokenLayout(0, 4, 6, 8, 8))
 
 
+@pytest.mark.slow
 def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path):
     """`paro calibrate --sizes` calibrates two sizes of a tiny Wan into one plan, `paro inspect` lists them and
     says other sizes are derived, and the plan runs a third size, where a full-density plan equals dense."""
@@ -253,6 +259,7 @@ def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path
     torch.testing.assert_close(full, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_transformer_derives_a_new_size_in_a_graph_of_its_own():
     """Under torch.compile a new size is a new graph, as for the model's own attention: the compiled run at the
     new size equals the eager run there with the derived masks."""

@@ -74,6 +74,7 @@ def test_group_quantization_per_block_is_the_references(bench):
     assert count == 8 and ids[:10].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 0, 0] and ids[64] == 4
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_json_and_table(bench, tmp_path, capsys):
     out = tmp_path / "quant-error.json"
     assert bench.main(["--smoke", "--out", str(out)]) == 0

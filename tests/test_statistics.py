@@ -44,6 +44,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("B,H,N,D,mean_stride,split,block,dtype,seq_major", CASES)
+@pytest.mark.slow
 def test_statistics_equal_the_torch_formulas(B, H, N, D, mean_stride, split, block, dtype, seq_major):
     k, v = inputs(B, H, N, D, dtype, seed=N, seq_major=seq_major)
     out = statistics.Statistics(B, H, N, D, k.device, split=split, block=block)
@@ -99,6 +100,7 @@ def test_nan_reaches_its_channel_only():
     assert torch.equal(out.v_amax.nan_to_num(-1.0), amax.nan_to_num(-1.0))
 
 
+@pytest.mark.slow
 def test_a_heads_mean_does_not_depend_on_the_other_heads_in_the_call():
     """Ulysses runs a slice of the heads per process: each head's statistics (and so the quantized op's
     output) must be bit-identical to the whole call's, so the split may not depend on the head count."""

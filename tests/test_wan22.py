@@ -98,6 +98,7 @@ def calls_per_expert(pipe, family: str) -> dict[str, list[float]]:
 # -- the tiny pair itself ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_pair_switches_experts_within_a_run(pair):
     pipe, _ = pair
     assert [name for name, _ in pipeline_experts(pipe)] == ["transformer", "transformer_2"]
@@ -234,6 +235,7 @@ def calibration_config(family: str, **changes) -> CaptureConfig:
                             "pipeline_kwargs": extra, **changes})
 
 
+@pytest.mark.slow
 def test_calibration_captures_both_experts_in_one_run_and_writes_a_plan_each(pair, tmp_path):
     pipe, reference = pair
     runs = []
@@ -294,6 +296,7 @@ def test_ti2v_calibration_plan_names_its_expert_and_sizes(ti2v):
 
 
 @pytest.mark.parametrize("family", ["wan2.2", "wan2.2-ti2v"])
+@pytest.mark.slow
 def test_cli_calibrate_and_generate_compare_on_a_saved_pipeline(family, tmp_path):
     pipe = tiny_pipeline(family)
     pipe.save_pretrained(tmp_path / "model")
