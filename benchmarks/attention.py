@@ -502,8 +502,12 @@ def _time_sol(record, timer, sets, density, sdpa_ms, missing, warmup, rep):
     import sol_anchor
 
     D = sets[0][0].shape[-1]
-    if missing or D != 128:
-        record("sol-attn", density, None, missing or f"Sol-Attn's kernels take head dim 128 only, not {D}")
+    if missing:
+        record("sol-attn", density, None, missing)
+        return
+    if D != 128:
+        for method in ("sol-attn", "sol-attn-notail"):
+            record(method, density, None, f"Sol-Attn's kernels take head dim 128 only, not {D}", unsupported=True)
         return
     sol_sets = [tuple(t.transpose(1, 2).contiguous() for t in s) for s in sets[:2]]
     reference = F.scaled_dot_product_attention(*sets[0]).float()
@@ -814,24 +818,27 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
 
 def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
     """Per model, speedups over SDPA default (cuDNN) of the dense anchors (FA3 bf16 and FP8, SageAttention2's
-    kernel alone and its whole call), of Sol-Attn at top-k = each density below 1 where the file has it, and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
+    kernel alone and its whole call; those the file has), of Sol-Attn at top-k = each density below 1 where the file
+    has it ("n/a" where it does not take the shape), and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
     `backend="auto"` runs it (with the kernel it ran), at each density of the file: the op table beside its peers."""
     shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
     qk, pv = mode
     paro_methods = [(f"paro-{qk}-{pv}", "paro Triton"), (f"paro-sm90-{qk}-{pv}", "paro CUDA"),
                     (f"paro-auto-{qk}-{pv}", "paro auto")]
     densities = sorted({r["density"] for r in results["rows"] if r["method"] == paro_methods[0][0]}, reverse=True)
-    anchors = [("fa3-bf16", "FA3 bf16"), ("fa3-fp8", "FA3 FP8"), ("sage2-sm90-kernel", "SageAttention2 kernel"),
-               ("sage2-sm90", "SageAttention2 call")]
+    timed = {r["method"] for r in results["rows"]}
+    # a peer's columns where the file timed any of its methods ("not run" for the others)
+    peers = [[("fa3-bf16", "FA3 bf16"), ("fa3-fp8", "FA3 FP8")],
+             [("sage2-sm90-kernel", "SageAttention2 kernel"), ("sage2-sm90", "SageAttention2 call")]]
+    anchors = [column for peer in peers if timed & {method for method, _ in peer} for column in peer]
     at = " / ".join(f"d={d:g}" for d in densities)
     sparse = [(method, label) for method, label in (("sol-attn", "Sol-Attn"), ("sol-attn-notail", "Sol-Attn, no tail"))
-              if any(r["method"] == method for r in results["rows"])]
+              if method in timed]
     sparse_at = " / ".join(f"d={d:g}" for d in densities if d < 1.0)
-    lines = [environment_line(results), "",
-             "| model | SDPA default | " + " | ".join(label for _, label in anchors) + " | "
-             + "".join(f"{label}: {sparse_at} | " for _, label in sparse)
-             + " | ".join(f"{label}: {at}" for _, label in paro_methods) + " | auto ran |",
-             "|---" * (len(anchors) + len(sparse) + len(paro_methods) + 3) + "|"]
+    columns = (["model", "SDPA default"] + [label for _, label in anchors]
+               + [f"{label}: {sparse_at}" for _, label in sparse] + [f"{label}: {at}" for _, label in paro_methods]
+               + ["auto ran"])
+    lines = [environment_line(results), "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]
         sdpa = next((r["ms"] for r in rows if r["method"] == "sdpa-default" and r["ms"]), None)
@@ -840,6 +847,8 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
             r = next((x for x in rows if x["method"] == method and x["density"] == density), None)
             if r is None:
                 return "not run"
+            if r.get("unsupported"):
+                return "n/a"
             return f"{sdpa / r['ms']:.2f}x" if r["ms"] and sdpa else "failed"
 
         cells = [LABELS.get(shape, shape), f"{_ms(sdpa)} ms" if sdpa else "n/a"]

@@ -23,18 +23,18 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from dataclasses import fields
 
 from ..errors import PlanError
 from ..plan import Plan, model_fingerprint
 from ..runner.cache import EntryLock, entry_name, entry_path, load_entry, write_entry
-from .config import CaptureConfig, SelectionConfig
+from .config import CHEAP, CaptureConfig, SelectionConfig
 
 AUTO = "auto"
 
-# the cheap capture of a learning generation: the conditional call of each layer, a subsample of the steps of each
-# timestep bucket and of the query rows of each block (options the CaptureConfig of this version lacks are left out)
-CHEAP_CAPTURE = {"stat_every": 1, "steps_per_bucket": 2, "calls": "first", "query_stride": 4}
+# the cheap capture of a learning generation (`config.CHEAP`), every step eligible (one prompt's generation must
+# fill each timestep bucket by itself; `steps_per_bucket` still bounds what is captured there) and the orders chosen
+# from every captured step (choosing them first needs steps beyond `order_steps`, which a short generation lacks)
+CHEAP_CAPTURE = {**CHEAP, "stat_every": 1, "order_steps": None}
 
 # the pipeline each learning handle serves (its class is swapped for one whose __call__ goes through the handle)
 _HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -47,9 +47,7 @@ def _stderr(message: str) -> None:
 
 def cheap_capture(block_size: int = 64, query_block: int | None = None) -> CaptureConfig:
     """The capture config of a learning generation at these block sizes."""
-    known = {f.name for f in fields(CaptureConfig)}
-    options = {k: v for k, v in CHEAP_CAPTURE.items() if k in known}
-    options["query_stride"] = min(options.get("query_stride", 1), block_size)
+    options = {**CHEAP_CAPTURE, "query_stride": min(CHEAP_CAPTURE["query_stride"], block_size)}
     return CaptureConfig(block_size=block_size, query_block=query_block, **options)
 
 
