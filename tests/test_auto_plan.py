@@ -209,6 +209,7 @@ print(json.dumps({"learnt": handle.learnt, "captured": handle.captured, "sparse"
 """
 
 
+@pytest.mark.slow
 def test_two_processes_learning_one_plan_write_it_once(tmp_path):
     cache = tmp_path / "cache"
     ready = [tmp_path / "ready0", tmp_path / "ready1"]

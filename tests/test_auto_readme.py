@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from paroattn import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,7 @@ SNIPPET = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_on_the_demo_pipeline_folder(tmp_path):
     from paroattn.demo_model.pipeline import write_demo_pipeline
 

@@ -46,6 +46,7 @@ def test_sampled_rows_over_every_phase_give_the_exact_mass(stride):
         assert torch.allclose(mass.sum(-1), torch.full_like(mass.sum(-1), 2 * 16.0), atol=1e-3)  # batch x rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [TokenLayout(5, 3, 4, 6), TokenLayout(0, 2, 8, 8)])
 def test_sampled_kernel_and_head_orders_match_the_torch_forms(layout):
     q, k = _random_qk(layout, heads=3)
@@ -215,6 +216,7 @@ def test_calibrate_turns_the_order_phase_off_for_a_selection_that_needs_every_or
     assert (full.extras, full.order_steps, full.query_stride) == (True, None, 1)
 
 
+@pytest.mark.slow
 def test_calibration_cost_tiny_runs_the_cheap_capture_end_to_end(tmp_path):
     out = tmp_path / "cost.json"
     result = subprocess.run(

@@ -10,6 +10,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +46,7 @@ def test_the_one_gpu_runs_of_the_balanced_and_pipelined_modes_are_different_plan
     assert (rows[BALANCED][1] - rows[PIPELINED][1]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_check_on_two_processes_compares_every_mode_with_the_same_plan_on_one(tmp_path):
     out = tmp_path / "check.json"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
