@@ -247,7 +247,8 @@ def test_paro_calibrate_sizes_writes_one_plan_that_runs_at_a_third_size(tmp_path
     assert all(p.profiles is not None for p in plan.calibrated_plans())
     result = runner.invoke(app, ["inspect", str(out)])
     assert "calibrated: 3x4x4, 3x4x6; any other size of the model derives its masks" in result.output, result.output
-    bad = runner.invoke(app, ["calibrate", str(model_dir), "--out", str(out), "--sizes", "64x64x", *common])
+    bad = runner.invoke(app, ["calibrate", str(model_dir), "--out", str(out.with_name("bad.safetensors")), "--sizes",
+                              "64x64x", *common])
     assert bad.exit_code != 0 and "expected comma-separated HEIGHTxWIDTHxFRAMES" in bad.output
 
     call = {"height": 96, "width": 96, "num_frames": 5, "num_inference_steps": 2, "output_type": "latent"}
