@@ -64,6 +64,8 @@ VARIANTS = {
     "more prompts": {"capture": "more"},
     # the cheap capture (`--cheap-capture`'s options) of the same 2 prompts, its orders chosen at the row's density
     "cheap capture": {"capture": "cheap"},
+    # the same options on the first calibration prompt alone: what plan="auto" learns from one generation
+    "cheap capture one prompt": {"capture": "cheap one"},
     "dense steps 0.2": {"dense_steps": 0.2},
     "dense steps 0.3": {"dense_steps": 0.3},
     "no dense steps": {"dense_steps": 0.0},
@@ -259,13 +261,14 @@ def main(argv=None) -> int:
     cheap_options = parse_capture_options(args.cheap_capture)
 
     def stats_for(name: str, density: float | None = None):
-        if name == "cheap":  # orders chosen during the capture at the row's density: one capture per density
-            key = f"cheap d={density:g}"
+        if name.startswith("cheap"):  # orders chosen during the capture at the row's density: one capture per density
+            key = f"{name} d={density:g}"
             if key not in captures:
                 config = replace(demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
                                                    query_block=args.query_block), order_density=density,
                                  **cheap_options)
-                captures[key] = capture(pipe, demo.CALIBRATION_PROMPTS, config)
+                prompts = demo.CALIBRATION_PROMPTS[:1] if name == "cheap one" else demo.CALIBRATION_PROMPTS
+                captures[key] = capture(pipe, prompts, config)
                 acc = captures[key].accumulators["all"]
                 say(f"capture {key!r} ({args.cheap_capture}): {captures[key].timings['pipeline_s']:.1f} s, "
                     f"statistics {captures[key].timings['stats_s']:.1f} s, {captures[key].timings['captured_layer_calls']} "
@@ -340,6 +343,7 @@ def main(argv=None) -> int:
                     per_video[key].append(m[key])
         row = {
             "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant, "linear": linear or "bf16",
+            **({"capture_options": args.cheap_capture} if variant.startswith("cheap") else {}),
             **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
         }
         if plan is None:

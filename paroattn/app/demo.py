@@ -64,7 +64,9 @@ def study_config(steps: int = DEFAULT_STEPS, *, seed: int = 0, block_size: int =
     from ..calibrate.config import CaptureConfig
 
     size = size or {}
+    # the full capture, pinned whatever CaptureConfig's defaults: every call, every query row, every order to the end
     return CaptureConfig(steps=steps, seed=seed, block_size=block_size, query_block=query_block, stat_every=1,
+                         calls="all", query_stride=1, steps_per_bucket=None, order_steps=None,
                          batch_prompts=True, generator_device="cpu", frames=size.get("num_frames"),
                          height=size.get("height"), width=size.get("width"), extras=extras)
 
