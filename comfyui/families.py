@@ -23,9 +23,9 @@ token layout is. Every family below gets RoPE applied by ComfyUI before the call
 - Qwen-Image (`comfy.ldm.qwen_image.model.QwenImageTransformer2DModel`): q, k, v `[B, H, N, D]`, every block one
   joint self-attention over [text ; image] (the prompt's own token count, as diffusers'), block i layer i.
 
-Refused, with the reason: HunyuanVideo and HunyuanVideo 1.5 (ComfyUI puts the text before the video, diffusers
-after it), CogVideoX (its attention calls carry no block index), LTX-Video and LTX-2 (neither do theirs) and every
-other model.
+Refused, with the reason (`REFUSED`): HunyuanVideo and HunyuanVideo 1.5 (ComfyUI puts the text before the video,
+diffusers after it, so a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their
+attention calls carry no block index, so a call cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -51,13 +51,19 @@ _CHECKED = {
 }
 
 REFUSED = {
-    "HunyuanVideo": "ComfyUI's HunyuanVideo (and 1.5) puts the text tokens before the video and masks padded text "
-                    "inside its own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after "
-                    "the video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
+    "HunyuanVideo15": "ComfyUI's HunyuanVideo 1.5 puts its conditioning tokens (image, ByT5, text) before the video, "
+                      "while plans (calibrated on diffusers' HunyuanVideo 1.5) have them after the video, with the "
+                      "image tokens that text-to-video leaves as padding: the PARO nodes do not run it yet; use "
+                      "paroattn on the diffusers pipeline",
+    "HunyuanVideo": "ComfyUI's HunyuanVideo puts the text tokens before the video and masks padded text inside its "
+                    "own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after the "
+                    "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
     "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls, so a call cannot be matched to "
                  "a plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
-    "LTXV": "ComfyUI's LTX-Video and LTX-2 pass no block index to their attention calls, so a call cannot be matched "
-            "to a plan layer: the PARO nodes do not run them; use paroattn on the diffusers pipeline",
+    "LTXV": "ComfyUI's LTX-Video passes no block index to its attention calls, so a call cannot be matched to a "
+            "plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
+    "LTXAV": "ComfyUI's LTX-2 passes no block index to its attention calls, so a call cannot be matched to a plan "
+             "layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
 }
 
 

@@ -10,6 +10,8 @@ call matched to the wrong layer, or a self-attention left to ComfyUI, would not.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -167,3 +169,19 @@ def test_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(family, models
     assert worst < 1e-5
     # and the plan changed the model: without it, the outputs differ by far more
     assert compare_with_diffusers(calls, run, f"{family}, same calls, diffusers without PARO") > 100 * worst
+
+
+@pytest.mark.parametrize("base, reason", [
+    ("HunyuanVideo15", "puts its conditioning tokens (image, ByT5, text) before the video"),
+    ("HunyuanVideo", "puts the text tokens before the video"),
+    ("CogVideoX", "passes no block index"),
+    ("LTXV", "LTX-Video passes no block index"),
+    ("LTXAV", "LTX-2 passes no block index"),
+])
+def test_models_comfyui_runs_unlike_diffusers_are_refused_with_the_reason(comfy, base, reason):
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    patcher = type("Patcher", (), {"model": type(base, (), {"diffusion_model": object()})()})()
+    with pytest.raises(families.UnsupportedModel, match=re.escape(reason)):
+        families.family_of(patcher)
