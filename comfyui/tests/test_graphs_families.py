@@ -11,7 +11,6 @@ call matched to the wrong layer, or a self-attention left to ComfyUI, would not.
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, replace
 from pathlib import Path
 
