@@ -284,7 +284,7 @@ class JointFamily(Family):
         if text is None or N != text + height * width:
             return call, None, (f"the joint attention has {N} tokens where {text} text tokens and the {height}x{width} "
                                 "image grid make " + (f"{text + height * width}" if text is not None else "another count")
-                                + ": reference images (Kontext, edit models, Fill) add tokens after the image, which "
+                                + ": reference images (FLUX.1 Kontext, edit models) add tokens after the image, which "
                                 "is not a PARO token layout")
         if mask is not None:
             return call, None, "the attention call carries an attention mask, which a block-sparse plan cannot honour"
