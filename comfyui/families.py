@@ -3,20 +3,29 @@ and what its diffusers counterpart is (plans are calibrated for, and named after
 
 ComfyUI calls `transformer_options["optimized_attention_override"](func, q, k, v, heads, ...)` for every attention
 of a model; the family says which of those calls are self-attention, which plan layer each one is and what its
-token layout is:
+token layout is. Every family below gets RoPE applied by ComfyUI before the call, and its tokens in diffusers' order:
 
-- Wan 2.1 / 2.2 (`comfy.ldm.wan.model.WanModel`: T2V, I2V, the A14B experts, TI2V-5B): q, k, v `[B, N, H*D]`
-  with RoPE applied, the block in `transformer_options["block_index"]`, the patch grid in `["grid_sizes"]`. Each
-  block's first call is its self-attention (video tokens only); the cross-attention calls that follow go to
-  ComfyUI's own function. Blocks and tokens are diffusers' (layer i = block i, row-major F x H x W).
-- FLUX.1 (`comfy.ldm.flux.model.Flux`, dev and schnell): q, k, v `[B, H, N, D]` (`skip_reshape`), every call a
-  joint self-attention over [text ; image]. Double block i is layer i, single block i layer (double blocks) + i,
-  as in diffusers; the timestep arrives in 0..1 (diffusers' t / 1000). ComfyUI's T5 pads to 256 tokens where
-  diffusers pads to 512, so a diffusers plan serves it through the plan's derived sizes.
+- Wan 2.1 / 2.2 (`comfy.ldm.wan.model.WanModel`: T2V, I2V, the A14B experts, TI2V-5B) and SkyReels-V2 (Wan's
+  architecture and weights' names: ComfyUI loads it as Wan 2.1, so a Wan family model takes a plan calibrated on
+  either diffusers class): q, k, v `[B, N, H*D]`, the block in `transformer_options["block_index"]`, the patch grid
+  in `["grid_sizes"]`. Each block's first call is its self-attention (video tokens only); the cross-attention calls
+  that follow go to ComfyUI's own function. Blocks and tokens are diffusers' (layer i = block i, row-major
+  F x H x W).
+- Wan VACE (`VaceWanModel`): ComfyUI runs VACE block j right after the main block it feeds, under that block's
+  index, once per VACE input: the block's calls are [self, cross] of the main block, then [self, cross] of the VACE
+  block per input. Plan layers are diffusers': the main blocks, then the VACE blocks; the control tokens have the
+  video's grid.
+- FLUX.1 (`comfy.ldm.flux.model.Flux`, dev and schnell) and FLUX.2 (the same class, dev and Klein): q, k, v
+  `[B, H, N, D]` (`skip_reshape`), every call a joint self-attention over [text ; image]. Double block i is layer i,
+  single block i layer (double blocks) + i, as in diffusers; the timestep arrives in 0..1 (diffusers' t / 1000).
+  ComfyUI's FLUX.1 T5 pads to 256 tokens where diffusers pads to 512, so a diffusers plan serves it through the
+  plan's derived sizes; FLUX.2's text is 512 tokens on both sides.
+- Qwen-Image (`comfy.ldm.qwen_image.model.QwenImageTransformer2DModel`): q, k, v `[B, H, N, D]`, every block one
+  joint self-attention over [text ; image] (the prompt's own token count, as diffusers'), block i layer i.
 
-Refused, with the reason: HunyuanVideo (ComfyUI puts the text before the video, diffusers after it, with padded
-text keys the hook does not see), CogVideoX (its attention calls carry no block index, so a call cannot be
-matched to a plan layer) and every other model.
+Refused, with the reason (`REFUSED`): HunyuanVideo and HunyuanVideo 1.5 (ComfyUI puts the text before the video,
+diffusers after it, so a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their
+attention calls carry no block index, so a call cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -31,16 +40,30 @@ from paroattn import TokenLayout
 _CHECKED = {
     "wan": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
             "ffn_dim", "image_dim"),
+    "wan_vace": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+                 "ffn_dim", "vace_layers", "vace_in_channels"),
     "flux": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
              "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"),
+    "flux2": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
+              "joint_attention_dim", "guidance_embeds"),
+    "qwen_image": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
+                   "joint_attention_dim", "zero_cond_t", "use_additional_t_cond"),
 }
 
 REFUSED = {
+    "HunyuanVideo15": "ComfyUI's HunyuanVideo 1.5 puts its conditioning tokens (image, ByT5, text) before the video, "
+                      "while plans (calibrated on diffusers' HunyuanVideo 1.5) have them after the video, with the "
+                      "image tokens that text-to-video leaves as padding: the PARO nodes do not run it yet; use "
+                      "paroattn on the diffusers pipeline",
     "HunyuanVideo": "ComfyUI's HunyuanVideo puts the text tokens before the video and masks padded text inside its "
                     "own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after the "
                     "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
     "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls, so a call cannot be matched to "
                  "a plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
+    "LTXV": "ComfyUI's LTX-Video passes no block index to its attention calls, so a call cannot be matched to a "
+            "plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
+    "LTXAV": "ComfyUI's LTX-2 passes no block index to its attention calls, so a call cannot be matched to a plan "
+             "layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
 }
 
 
@@ -73,12 +96,26 @@ class CallGeometry:
     grid: tuple[int, int, int] | None = None
     text_tokens: int | None = None
     block: tuple[str, int] | None = None  # the last (block type, index) an attention call came from
+    calls: int = 0  # the attention calls of that block so far, less one
+
+    def count(self, key: tuple[str, int]) -> int:
+        """The position of this attention call among the calls of block `key` (0: its first)."""
+        if self.block == key:
+            self.calls += 1
+        else:
+            self.block, self.calls = key, 0
+        return self.calls
 
 
 class Family:
     name = ""
     models = ""
     diffusers_class = ""
+    also_calibrated_on: tuple[str, ...] = ()  # other diffusers classes of this architecture whose plans fit
+
+    @property
+    def diffusers_classes(self) -> tuple[str, ...]:
+        return (self.diffusers_class, *self.also_calibrated_on)
     timestep_scale = 1.0  # brings the diffusion model's timestep onto 0..1000
 
     def __init__(self, diffusion_model):
@@ -118,6 +155,7 @@ class WanFamily(Family):
     name = "wan"
     models = "Wan 2.1 / 2.2"
     diffusers_class = "WanTransformer3DModel"
+    also_calibrated_on = ("SkyReelsV2Transformer3DModel",)
 
     def num_layers(self) -> int:
         return len(self.model.blocks)
@@ -128,38 +166,43 @@ class WanFamily(Family):
     def head_dim(self) -> int:
         return int(self.model.dim) // int(self.model.num_heads)
 
-    def diffusers_config(self) -> dict:
-        from diffusers import WanTransformer3DModel
-
+    def diffusers_kwargs(self) -> dict:
         m = self.model
         i2v = getattr(m, "img_emb", None) is not None
         flf = getattr(getattr(m, "img_emb", None), "emb_pos", None)
-        kwargs = dict(
+        return dict(
             patch_size=tuple(int(p) for p in m.patch_size), num_attention_heads=self.num_heads(),
             attention_head_dim=self.head_dim(), in_channels=int(m.in_dim), out_channels=int(m.out_dim),
-            text_dim=int(m.text_dim), freq_dim=int(m.freq_dim), ffn_dim=int(m.ffn_dim), num_layers=self.num_layers(),
+            text_dim=int(m.text_dim), freq_dim=int(m.freq_dim), ffn_dim=int(m.ffn_dim), num_layers=len(m.blocks),
             cross_attn_norm=bool(m.cross_attn_norm), qk_norm="rms_norm_across_heads" if m.qk_norm else None,
             eps=float(m.eps), image_dim=int(m.img_emb.proj[0].normalized_shape[0]) if i2v else None,
             added_kv_proj_dim=int(m.dim) if i2v else None,
             pos_embed_seq_len=int(flf.shape[1]) if flf is not None else None,
         )
+
+    def diffusers_config(self) -> dict:
+        from diffusers import WanTransformer3DModel
+
         with torch.device("meta"):
-            return dict(WanTransformer3DModel(**kwargs).config)
+            return dict(WanTransformer3DModel(**self.diffusers_kwargs()).config)
+
+    def layer_of(self, block: int, call: int) -> int | None:
+        """The plan layer of the `call`-th attention call (from 0) of block `block`, None for a cross-attention."""
+        return block if call == 0 else None
 
     def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
         block = options.get("block_index")
         grid = options.get("grid_sizes")
         if block is None or grid is None or q.dim() != 3:
             return None, None, None
-        key = (options.get("block_type", ""), int(block))
-        if geometry.block == key:  # the block's later calls: its cross-attention
+        layer = self.layer_of(int(block), geometry.count((options.get("block_type", ""), int(block))))
+        if layer is None:
             return None, None, None
-        geometry.block = key
         frames, height, width = (int(s) for s in grid)
         layout = TokenLayout(0, frames, height, width)
         B, N, HD = q.shape
         call = SelfAttention(*(t.view(B, t.shape[1], heads, HD // heads).transpose(1, 2) for t in (q, k, v)),
-                             layer=int(block), heads_last=True)
+                             layer=layer, heads_last=True)
         if N != layout.seq_len or k.shape[1] != N or v.shape[1] != N:
             return call, None, (f"block {block}'s self-attention has {N} tokens where the {frames}x{height}x{width} "
                                 f"latent grid has {layout.seq_len}: tokens beside the video (reference or context "
@@ -169,11 +212,89 @@ class WanFamily(Family):
         return call, layout, None
 
 
-class FluxFamily(Family):
+class WanVACEFamily(WanFamily):
+    name = "wan_vace"
+    models = "Wan VACE"
+    diffusers_class = "WanVACETransformer3DModel"
+    also_calibrated_on = ()
+
+    def __init__(self, diffusion_model):
+        super().__init__(diffusion_model)
+        from comfy.ldm.wan.model import WanI2VCrossAttention
+
+        # a block's calls: its self-attention, then one cross-attention per context (text; image and text)
+        self.calls_per_block = 1 + (2 if isinstance(diffusion_model.blocks[0].cross_attn, WanI2VCrossAttention) else 1)
+
+    def num_layers(self) -> int:
+        return len(self.model.blocks) + len(self.model.vace_blocks)
+
+    def diffusers_config(self) -> dict:
+        from diffusers import WanVACETransformer3DModel
+
+        m = self.model
+        mapping = sorted(m.vace_layers_mapping.items(), key=lambda item: item[1])
+        kwargs = self.diffusers_kwargs()
+        kwargs.update(vace_layers=[block for block, _ in mapping], vace_in_channels=int(m.vace_in_dim))
+        with torch.device("meta"):
+            return dict(WanVACETransformer3DModel(**kwargs).config)
+
+    def layer_of(self, block: int, call: int) -> int | None:
+        run, position = divmod(call, self.calls_per_block)
+        if position != 0:
+            return None
+        if run == 0:
+            return block
+        # the VACE block that runs after main block `block`, once per VACE input (same weights, same plan layer)
+        return len(self.model.blocks) + self.model.vace_layers_mapping[block]
+
+
+class JointFamily(Family):
+    """Models whose every attention call of a transformer block is one self-attention over [text ; image], q, k, v
+    [B, H, N, D] (`skip_reshape`); the timestep arrives in 0..1 (diffusers' t / 1000)."""
+
+    timestep_scale = 1000.0
+    block_types: tuple[str, ...] = ("double", "single")
+
+    def patch_size(self) -> int:
+        return int(self.model.patch_size)
+
+    def layer_of(self, kind: str, block: int) -> int:
+        raise NotImplementedError
+
+    def geometry(self, x, timestep, c_crossattn):
+        patch = self.patch_size()
+        height, width = (int(s) for s in x.shape[-2:])
+        frames = int(x.shape[2]) if x.dim() == 5 else 1
+        grid = (frames, (height + patch // 2) // patch, (width + patch // 2) // patch)
+        text = int(c_crossattn.shape[1]) if c_crossattn is not None else None
+        return CallGeometry(timestep * self.timestep_scale, grid, text)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block, kind = options.get("block_index"), options.get("block_type")
+        if block is None or kind not in self.block_types or q.dim() != 4 or not kwargs.get("skip_reshape"):
+            return None, None, None
+        call = SelfAttention(q, k, v, layer=self.layer_of(kind, int(block)),
+                             heads_last=not kwargs.get("skip_output_reshape", False))
+        N = q.shape[2]
+        frames, height, width = geometry.grid
+        text = geometry.text_tokens
+        if frames != 1:
+            return call, None, (f"the latent has {frames} images (layered generation), whose tokens follow each other "
+                                "in a layout a PARO plan does not describe")
+        if text is None or N != text + height * width:
+            return call, None, (f"the joint attention has {N} tokens where {text} text tokens and the {height}x{width} "
+                                "image grid make " + (f"{text + height * width}" if text is not None else "another count")
+                                + ": reference images (FLUX.1 Kontext, edit models) add tokens after the image, which "
+                                "is not a PARO token layout")
+        if mask is not None:
+            return call, None, "the attention call carries an attention mask, which a block-sparse plan cannot honour"
+        return call, TokenLayout(text, 1, height, width), None
+
+
+class FluxFamily(JointFamily):
     name = "flux"
     models = "FLUX.1"
     diffusers_class = "FluxTransformer2DModel"
-    timestep_scale = 1000.0
 
     def num_layers(self) -> int:
         return len(self.model.double_blocks) + len(self.model.single_blocks)
@@ -183,6 +304,9 @@ class FluxFamily(Family):
 
     def head_dim(self) -> int:
         return int(self.model.hidden_size) // int(self.model.num_heads)
+
+    def layer_of(self, kind, block):
+        return block + (len(self.model.double_blocks) if kind == "single" else 0)
 
     def diffusers_config(self) -> dict:
         from diffusers import FluxTransformer2DModel
@@ -199,30 +323,59 @@ class FluxFamily(Family):
         with torch.device("meta"):
             return dict(FluxTransformer2DModel(**kwargs).config)
 
-    def geometry(self, x, timestep, c_crossattn):
-        patch = int(self.model.patch_size)
-        height, width = (int(s) for s in x.shape[-2:])
-        grid = (1, (height + patch // 2) // patch, (width + patch // 2) // patch)
-        text = int(c_crossattn.shape[1]) if c_crossattn is not None else None
-        return CallGeometry(timestep * self.timestep_scale, grid, text)
 
-    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
-        block, kind = options.get("block_index"), options.get("block_type")
-        if block is None or kind not in ("double", "single") or q.dim() != 4 or not kwargs.get("skip_reshape"):
-            return None, None, None
-        layer = int(block) + (len(self.model.double_blocks) if kind == "single" else 0)
-        call = SelfAttention(q, k, v, layer=layer, heads_last=not kwargs.get("skip_output_reshape", False))
-        N = q.shape[2]
-        _, height, width = geometry.grid
-        text = geometry.text_tokens
-        if text is None or N != text + height * width:
-            return call, None, (f"the joint attention has {N} tokens where {text} text tokens and the {height}x{width} "
-                                "image grid make " + (f"{text + height * width}" if text is not None else "another count")
-                                + ": conditioning images (Kontext, Fill) add tokens after the image, which is not a "
-                                "PARO token layout")
-        if mask is not None:
-            return call, None, "the attention call carries an attention mask, which a block-sparse plan cannot honour"
-        return call, TokenLayout(text, 1, height, width), None
+class Flux2Family(FluxFamily):
+    name = "flux2"
+    models = "FLUX.2"
+    diffusers_class = "Flux2Transformer2DModel"
+
+    def diffusers_config(self) -> dict:
+        from diffusers import Flux2Transformer2DModel
+
+        m, p = self.model, self.model.params
+        kwargs = dict(
+            patch_size=int(m.patch_size), in_channels=int(p.in_channels) * int(m.patch_size) ** 2,
+            num_layers=len(m.double_blocks), num_single_layers=len(m.single_blocks),
+            attention_head_dim=self.head_dim(), num_attention_heads=self.num_heads(),
+            joint_attention_dim=int(p.context_in_dim), mlp_ratio=float(p.mlp_ratio),
+            axes_dims_rope=tuple(int(a) for a in p.axes_dim), rope_theta=int(p.theta),
+            guidance_embeds=bool(p.guidance_embed),
+        )
+        with torch.device("meta"):
+            return dict(Flux2Transformer2DModel(**kwargs).config)
+
+
+class QwenImageFamily(JointFamily):
+    name = "qwen_image"
+    models = "Qwen-Image"
+    diffusers_class = "QwenImageTransformer2DModel"
+    block_types = ("double",)
+
+    def num_layers(self) -> int:
+        return len(self.model.transformer_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.transformer_blocks[0].attn.heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.inner_dim) // self.num_heads()
+
+    def layer_of(self, kind, block):
+        return block
+
+    def diffusers_config(self) -> dict:
+        from diffusers import QwenImageTransformer2DModel
+
+        m = self.model
+        kwargs = dict(
+            patch_size=self.patch_size(), in_channels=int(m.in_channels), out_channels=int(m.out_channels),
+            num_layers=self.num_layers(), attention_head_dim=self.head_dim(), num_attention_heads=self.num_heads(),
+            joint_attention_dim=int(m.txt_in.in_features),
+            zero_cond_t=m.default_ref_method == "index_timestep_zero",
+            use_additional_t_cond=bool(getattr(m.time_text_embed, "use_additional_t_cond", False)),
+        )
+        with torch.device("meta"):
+            return dict(QwenImageTransformer2DModel(**kwargs).config)
 
 
 def family_of(model_patcher) -> Family:
@@ -234,13 +387,20 @@ def family_of(model_patcher) -> Family:
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")
     from comfy.ldm.flux.model import Flux
-    from comfy.ldm.wan.model import WanModel
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+    from comfy.ldm.wan.model import VaceWanModel, WanModel
 
     if type(diffusion_model) is WanModel and base_name in ("WAN21", "WAN22"):
         return WanFamily(diffusion_model)
+    if type(diffusion_model) is VaceWanModel and base_name == "WAN21_Vace":
+        return WanVACEFamily(diffusion_model)
     if type(diffusion_model) is Flux and base_name == "Flux" and diffusion_model.params.vec_in_dim:
         return FluxFamily(diffusion_model)
+    if type(diffusion_model) is Flux and base_name == "Flux2":
+        return Flux2Family(diffusion_model)
+    if type(diffusion_model) is QwenImageTransformer2DModel and base_name == "QwenImage":
+        return QwenImageFamily(diffusion_model)
     raise UnsupportedModel(
-        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B) and FLUX.1 models; this MODEL is "
-        f"{base_name} ({module_name}), which they do not support"
+        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2 "
+        f"and Qwen-Image models; this MODEL is {base_name} ({module_name}), which they do not support"
     )

@@ -74,7 +74,7 @@ def plan_problems(plan: Plan, family) -> list[str]:
     """Ways `plan` does not fit the model of `family`: its class, layers, heads, and the config entries the plan
     records (head dim, channels; plans written before they were recorded have their layers and heads checked)."""
     problems = []
-    if plan.model_class and plan.model_class != family.diffusers_class:
+    if plan.model_class and plan.model_class not in family.diffusers_classes:
         problems.append(f"plan was calibrated for {plan.model_class}; this MODEL is a {family.models} model "
                         f"({family.diffusers_class} in diffusers)")
     if plan.num_layers != family.num_layers():

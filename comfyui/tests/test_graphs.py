@@ -25,6 +25,13 @@ WAN_LAYOUT = TokenLayout(0, 3, 5, 6)
 FLUX_SIZE = {"width": 96, "height": 128}
 FLUX_TEXT = 16
 FLUX_LAYOUT = TokenLayout(FLUX_TEXT, 1, 8, 6)
+# FLUX.2: 128 x 96 pixels -> 8 x 6 latent positions, one token each; 512 text tokens (ComfyUI's padding)
+FLUX2_SIZE = {"width": 96, "height": 128}
+FLUX2_LAYOUT = TokenLayout(512, 1, 8, 6)
+# Qwen-Image: 128 x 96 pixels -> latent 16 x 12 -> 8 x 6 tokens (2 x 2 patches); the prompt's 16 text tokens
+QWEN_SIZE = {"width": 96, "height": 128}
+QWEN_TEXT = 16
+QWEN_LAYOUT = TokenLayout(QWEN_TEXT, 1, 8, 6)
 BLOCK = 16  # 64-token blocks would leave these grids one or two blocks: nothing to skip
 # bucket edges that the 3 steps' timesteps cross (Wan's and Flux's shifted schedules start at 1000)
 EDGES = [1000.0, 990.0, 900.0, 0.0]
@@ -91,26 +98,36 @@ def synthetic_plan(layout, layers, model_class, density, seed=0):
     return replace(plan, bucket_edges=EDGES)
 
 
-def graph(family: str, *, plan: str | None = None, record: str | None = None, keep: str = "latent",
-          on_mismatch: str = "error", calibrate: dict | None = None) -> tuple[dict, list[str]]:
-    """The API prompt of the test graph and its output nodes."""
+def family_graph(family: str) -> tuple[str, dict, dict]:
+    """(the model file, the empty latent node, the RandomConditioning inputs) of a family's test graph."""
     import tiny_models
 
-    if family in ("wan", "wan-i2v"):
-        prompt = {
-            "model": {"class_type": "UNETLoader", "inputs": {"unet_name": f"tiny-{family}.safetensors",
-                                                             "weight_dtype": "default"}},
-            "latent": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {**WAN_SIZE, "batch_size": 1}},
-        }
+    if family in ("wan", "wan-i2v", "skyreels-v2", "wan-vace"):
         text = {"tokens": 8, "dim": tiny_models.WAN_TEXT_DIM, "pooled_dim": 0}
         if family == "wan-i2v":  # diffusers' I2V attention takes the keys past the 512th as the image's
             text.update(tokens=512, image_tokens=4, image_dim=tiny_models.WAN_IMAGE_DIM)
-    else:
-        prompt = {
-            "model": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny-flux.safetensors", "weight_dtype": "default"}},
-            "latent": {"class_type": "EmptySD3LatentImage", "inputs": {**FLUX_SIZE, "batch_size": 1}},
-        }
-        text = {"tokens": FLUX_TEXT, "dim": tiny_models.FLUX_TEXT_DIM, "pooled_dim": tiny_models.FLUX_POOLED_DIM}
+        latent = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {**WAN_SIZE, "batch_size": 1}}
+        return f"tiny-{family}.safetensors", latent, text
+    if family == "flux":
+        latent = {"class_type": "EmptySD3LatentImage", "inputs": {**FLUX_SIZE, "batch_size": 1}}
+        return "tiny-flux.safetensors", latent, {"tokens": FLUX_TEXT, "dim": tiny_models.FLUX_TEXT_DIM,
+                                                 "pooled_dim": tiny_models.FLUX_POOLED_DIM}
+    if family == "flux2":  # ComfyUI pads FLUX.2's text to 512 tokens, as diffusers does
+        latent = {"class_type": "EmptyFlux2LatentImage", "inputs": {**FLUX2_SIZE, "batch_size": 1}}
+        return "tiny-flux2.safetensors", latent, {"tokens": FLUX_TEXT, "dim": tiny_models.FLUX_TEXT_DIM, "pooled_dim": 0}
+    if family == "qwen-image":
+        latent = {"class_type": "EmptySD3LatentImage", "inputs": {**QWEN_SIZE, "batch_size": 1}}
+        return "tiny-qwen-image.safetensors", latent, {"tokens": QWEN_TEXT, "dim": tiny_models.QWEN_TEXT_DIM,
+                                                       "pooled_dim": 0}
+    raise ValueError(f"no test graph for {family}")
+
+
+def graph(family: str, *, plan: str | None = None, record: str | None = None, keep: str = "latent",
+          on_mismatch: str = "error", calibrate: dict | None = None) -> tuple[dict, list[str]]:
+    """The API prompt of the test graph and its output nodes."""
+    loader, latent, text = family_graph(family)
+    prompt = {"model": {"class_type": "UNETLoader", "inputs": {"unet_name": loader, "weight_dtype": "default"}},
+              "latent": latent}
     prompt["positive"] = {"class_type": "RandomConditioning", "inputs": {"seed": 1, **text}}
     prompt["negative"] = {"class_type": "RandomConditioning", "inputs": {"seed": 2, **text}}
     model = ["model", 0]

@@ -1,9 +1,13 @@
-"""Tiny random diffusers models whose weights ComfyUI loads as its own Wan 2.1 and FLUX.1 models.
+"""Tiny random diffusers models whose weights ComfyUI loads as its own Wan 2.1 (and SkyReels-V2, Wan VACE),
+FLUX.1, FLUX.2 and Qwen-Image models.
 
 ComfyUI infers a model's shape from its weights with a few fixed settings: Wan's head dim 128 and 256 time
-frequencies, FLUX.1's RoPE axes (16, 56, 56) and so head dim 128. The models below keep those and are small
-everywhere else (2 heads, 2 layers). Wan is saved under ComfyUI's (the original release's) key names, which
-`wan_comfy_state_dict` derives from diffusers'; FLUX.1 under diffusers' own, which ComfyUI converts itself.
+frequencies, FLUX.1's RoPE axes (16, 56, 56) and FLUX.2's (32, 32, 32, 32), so head dim 128, FLUX.2's 128 latent
+channels, and all of Qwen-Image's widths (24 heads of 128, text width 3584). The models below keep those and are
+small everywhere else (2 heads, 1 or 2 layers; Qwen-Image one block of its full width). Wan and FLUX.2 are saved
+under ComfyUI's (the original releases') key names, which `wan_comfy_state_dict` and `flux2_comfy_state_dict`
+derive from diffusers'; FLUX.1 and Qwen-Image under diffusers' own, which ComfyUI reads as they are (FLUX.1
+converted by ComfyUI itself).
 """
 
 from __future__ import annotations
@@ -19,20 +23,29 @@ WAN_TEXT_DIM = 32
 WAN_IMAGE_DIM = 1280  # ComfyUI's Wan I2V takes CLIP vision features of this width
 FLUX_TEXT_DIM = 32
 FLUX_POOLED_DIM = 16
+FLUX2_CHANNELS = 128  # FLUX.2's latent: 32 VAE channels in 2 x 2 patches
+QWEN_HEADS = 24
+QWEN_TEXT_DIM = 3584
+VACE_IN_CHANNELS = 96  # ComfyUI's VACE input: 16 + 16 latent channels (inactive, reactive) and a 64-channel mask
 
 
-def tiny_wan(seed: int = 0, i2v: bool = False):
+def tiny_wan(seed: int = 0, i2v: bool = False, variant: str = "wan"):
     """Wan 2.1 T2V, or I2V (36 input channels: the latent, a 4-channel mask and the 16-channel image latent;
-    CLIP image features of ComfyUI's fixed width 1280 as extra cross-attention keys)."""
-    from diffusers import WanTransformer3DModel
+    CLIP image features of ComfyUI's fixed width 1280 as extra cross-attention keys). `variant` "skyreels_v2":
+    SkyReels-V2's class (Wan's blocks and weight names); "vace": Wan VACE with one VACE block, after block 0."""
+    from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
 
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(
+    kwargs = dict(
         patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=36 if i2v else 16,
         out_channels=16, text_dim=WAN_TEXT_DIM, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=1024, image_dim=WAN_IMAGE_DIM if i2v else None,
         added_kv_proj_dim=HEADS * HEAD_DIM if i2v else None,
     )
+    if variant == "vace":
+        model = WanVACETransformer3DModel(**kwargs, vace_layers=[0], vace_in_channels=VACE_IN_CHANNELS)
+    else:
+        model = {"wan": WanTransformer3DModel, "skyreels_v2": SkyReelsV2Transformer3DModel}[variant](**kwargs)
     return randomized(model, seed)
 
 
@@ -44,6 +57,30 @@ def tiny_flux(seed: int = 0):
         patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
         num_attention_heads=HEADS, joint_attention_dim=FLUX_TEXT_DIM, pooled_projection_dim=FLUX_POOLED_DIM,
         guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    )
+    return randomized(model, seed)
+
+
+def tiny_flux2(seed: int = 0):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=FLUX2_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=HEADS, joint_attention_dim=FLUX_TEXT_DIM, guidance_embeds=True,
+    )
+    return randomized(model, seed)
+
+
+def tiny_qwen_image(seed: int = 0):
+    """One block at Qwen-Image's own widths (ComfyUI reads only the block count and input channels from the
+    weights): about 0.4 G parameters."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=HEAD_DIM,
+        num_attention_heads=QWEN_HEADS, joint_attention_dim=QWEN_TEXT_DIM,
     )
     return randomized(model, seed)
 
@@ -60,36 +97,39 @@ def randomized(model, seed: int):
     return model.eval()
 
 
-# diffusers name -> ComfyUI (original Wan release) name; {i} is a block index
+# diffusers name -> ComfyUI (original Wan release) name; a block is one of `blocks` or (VACE) `vace_blocks`
 _WAN_KEYS = [
+    (r"vace_blocks\.(\d+)\.proj_in\.", r"vace_blocks.\1.before_proj."),
+    (r"vace_blocks\.(\d+)\.proj_out\.", r"vace_blocks.\1.after_proj."),
+    (r"vace_patch_embedding\.", "vace_patch_embedding."),
     (r"condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
     (r"condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
     (r"condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
     (r"condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
     (r"condition_embedder\.time_proj\.", "time_projection.1."),
-    (r"blocks\.(\d+)\.attn1\.to_q\.", r"blocks.\1.self_attn.q."),
-    (r"blocks\.(\d+)\.attn1\.to_k\.", r"blocks.\1.self_attn.k."),
-    (r"blocks\.(\d+)\.attn1\.to_v\.", r"blocks.\1.self_attn.v."),
-    (r"blocks\.(\d+)\.attn1\.to_out\.0\.", r"blocks.\1.self_attn.o."),
-    (r"blocks\.(\d+)\.attn1\.norm_q\.", r"blocks.\1.self_attn.norm_q."),
-    (r"blocks\.(\d+)\.attn1\.norm_k\.", r"blocks.\1.self_attn.norm_k."),
-    (r"blocks\.(\d+)\.attn2\.to_q\.", r"blocks.\1.cross_attn.q."),
-    (r"blocks\.(\d+)\.attn2\.to_k\.", r"blocks.\1.cross_attn.k."),
-    (r"blocks\.(\d+)\.attn2\.to_v\.", r"blocks.\1.cross_attn.v."),
-    (r"blocks\.(\d+)\.attn2\.to_out\.0\.", r"blocks.\1.cross_attn.o."),
-    (r"blocks\.(\d+)\.attn2\.norm_q\.", r"blocks.\1.cross_attn.norm_q."),
-    (r"blocks\.(\d+)\.attn2\.norm_k\.", r"blocks.\1.cross_attn.norm_k."),
-    (r"blocks\.(\d+)\.attn2\.add_k_proj\.", r"blocks.\1.cross_attn.k_img."),
-    (r"blocks\.(\d+)\.attn2\.add_v_proj\.", r"blocks.\1.cross_attn.v_img."),
-    (r"blocks\.(\d+)\.attn2\.norm_added_k\.", r"blocks.\1.cross_attn.norm_k_img."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.to_q\.", r"\1.\2.self_attn.q."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.to_k\.", r"\1.\2.self_attn.k."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.to_v\.", r"\1.\2.self_attn.v."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.to_out\.0\.", r"\1.\2.self_attn.o."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.norm_q\.", r"\1.\2.self_attn.norm_q."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn1\.norm_k\.", r"\1.\2.self_attn.norm_k."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.to_q\.", r"\1.\2.cross_attn.q."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.to_k\.", r"\1.\2.cross_attn.k."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.to_v\.", r"\1.\2.cross_attn.v."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.to_out\.0\.", r"\1.\2.cross_attn.o."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.norm_q\.", r"\1.\2.cross_attn.norm_q."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.norm_k\.", r"\1.\2.cross_attn.norm_k."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.add_k_proj\.", r"\1.\2.cross_attn.k_img."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.add_v_proj\.", r"\1.\2.cross_attn.v_img."),
+    (r"((?:vace_)?blocks)\.(\d+)\.attn2\.norm_added_k\.", r"\1.\2.cross_attn.norm_k_img."),
     (r"condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
     (r"condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
     (r"condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
     (r"condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
-    (r"blocks\.(\d+)\.norm2\.", r"blocks.\1.norm3."),  # the affine norm before cross-attention
-    (r"blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
-    (r"blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
-    (r"blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
+    (r"((?:vace_)?blocks)\.(\d+)\.norm2\.", r"\1.\2.norm3."),  # the affine norm before cross-attention
+    (r"((?:vace_)?blocks)\.(\d+)\.ffn\.net\.0\.proj\.", r"\1.\2.ffn.0."),
+    (r"((?:vace_)?blocks)\.(\d+)\.ffn\.net\.2\.", r"\1.\2.ffn.2."),
+    (r"((?:vace_)?blocks)\.(\d+)\.scale_shift_table$", r"\1.\2.modulation"),
     (r"proj_out\.", "head.head."),
     (r"scale_shift_table$", "head.modulation"),
     (r"patch_embedding\.", "patch_embedding."),
@@ -109,6 +149,65 @@ def wan_comfy_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
+# diffusers name -> ComfyUI (original FLUX.2 release) name, for weights that keep their shape
+_FLUX2_KEYS = [
+    (r"x_embedder\.", "img_in."),
+    (r"context_embedder\.", "txt_in."),
+    (r"time_guidance_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_guidance_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+    (r"time_guidance_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+    (r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.linear\.", r"\1.lin."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_q\.", r"double_blocks.\1.img_attn.norm.query_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_k\.", r"double_blocks.\1.img_attn.norm.key_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_q\.", r"double_blocks.\1.txt_attn.norm.query_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_k\.", r"double_blocks.\1.txt_attn.norm.key_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (r"transformer_blocks\.(\d+)\.attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (r"transformer_blocks\.(\d+)\.ff\.linear_in\.", r"double_blocks.\1.img_mlp.0."),
+    (r"transformer_blocks\.(\d+)\.ff\.linear_out\.", r"double_blocks.\1.img_mlp.2."),
+    (r"transformer_blocks\.(\d+)\.ff_context\.linear_in\.", r"double_blocks.\1.txt_mlp.0."),
+    (r"transformer_blocks\.(\d+)\.ff_context\.linear_out\.", r"double_blocks.\1.txt_mlp.2."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj\.", r"single_blocks.\1.linear1."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_out\.", r"single_blocks.\1.linear2."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_q\.", r"single_blocks.\1.norm.query_norm."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_k\.", r"single_blocks.\1.norm.key_norm."),
+    (r"proj_out\.", "final_layer.linear."),
+]
+# q, k, v projections that ComfyUI fuses into one
+_FLUX2_FUSED = [
+    (r"transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"double_blocks.\1.img_attn.qkv."),
+    (r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.", r"double_blocks.\1.txt_attn.qkv."),
+]
+
+
+def flux2_comfy_state_dict(model) -> dict[str, torch.Tensor]:
+    """The diffusers FLUX.2 model's weights under ComfyUI's key names: q, k, v fused, the final norm's
+    (scale, shift) as ComfyUI's (shift, scale)."""
+    out, fused = {}, {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("norm_out.linear."):
+            scale, shift = tensor.chunk(2, dim=0)
+            out[name.replace("norm_out.linear.", "final_layer.adaLN_modulation.1.")] = torch.cat([shift, scale])
+            continue
+        for pattern, replacement in _FLUX2_FUSED:
+            match = re.match(pattern, name)
+            if match:
+                target = re.sub(pattern, replacement, name, count=1)
+                fused.setdefault(target, {})[match.group(2)] = tensor
+                break
+        else:
+            for pattern, replacement in _FLUX2_KEYS:
+                if re.match(pattern, name):
+                    out[re.sub(pattern, replacement, name, count=1)] = tensor.contiguous()
+                    break
+            else:
+                raise KeyError(f"no ComfyUI name for the diffusers FLUX.2 weight {name}")
+    for target, parts in fused.items():
+        out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return out
+
+
 def save_wan(model, path) -> None:
     """ComfyUI reads the text width from the file's metadata where it is not the released 4096."""
     from safetensors.torch import save_file
@@ -118,6 +217,13 @@ def save_wan(model, path) -> None:
 
 
 def save_flux(model, path) -> None:
+    """FLUX.1 and Qwen-Image under diffusers' names."""
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+def save_flux2(model, path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(flux2_comfy_state_dict(model), str(path))

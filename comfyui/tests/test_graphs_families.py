@@ -1,0 +1,186 @@
+"""The PARO nodes on the families beyond Wan 2.1 / 2.2 and FLUX.1, in ComfyUI graphs on the CPU (backend "torch"):
+SkyReels-V2 (loaded by ComfyUI as Wan 2.1), Wan VACE, FLUX.2 and Qwen-Image.
+
+Each family's graph is test_graphs' (UNETLoader of a tiny random model converted from diffusers -> Load PARO plan
+-> Apply PARO -> empty latent -> KSampler, 3 steps). Checked: a full-density plan gives the unpatched model's
+latent; a sparse plan (random per-head orders, random masks per layer and timestep bucket) gives, at every model
+call of the sampler, what `paroattn.apply` gives on the diffusers model with the same weights and inputs, which a
+call matched to the wrong layer, or a self-attention left to ComfyUI, would not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_graphs import (
+    BLOCK,
+    EDGES,
+    FLUX2_LAYOUT,
+    QWEN_LAYOUT,
+    STEPS,
+    WAN_LAYOUT,
+    compare_with_diffusers,
+    latent_of,
+    plan_folder,
+    records,
+    run_graph,
+    save_plan,
+)
+
+import paroattn
+from paroattn import Plan
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: paroattn.TokenLayout
+    layers: int
+    heads: int
+    model_class: str
+    timestep_scale: float  # brings the timestep ComfyUI passes the model onto the plan's 0..1000
+
+
+CASES = {
+    "skyreels-v2": Case(WAN_LAYOUT, 2, 2, "SkyReelsV2Transformer3DModel", 1.0),
+    "wan-vace": Case(WAN_LAYOUT, 3, 2, "WanVACETransformer3DModel", 1.0),  # 2 Wan blocks, then 1 VACE block
+    "flux2": Case(FLUX2_LAYOUT, 2, 2, "Flux2Transformer2DModel", 1000.0),
+    "qwen-image": Case(QWEN_LAYOUT, 1, 24, "QwenImageTransformer2DModel", 1000.0),
+}
+
+
+def case_plan(family: str, density: float, seed: int = 0) -> Plan:
+    case = CASES[family]
+    plan = Plan.synthetic(layout=case.layout, num_layers=case.layers, num_heads=case.heads, density=density,
+                          orders="random", num_buckets=len(EDGES) - 1, block_size=BLOCK,
+                          model_class=case.model_class, seed=seed)
+    return replace(plan, bucket_edges=EDGES)
+
+
+def save_model(name: str, model, save) -> None:
+    import folder_paths
+
+    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    save(model, folder / f"tiny-{name}.safetensors")
+
+
+def make_model(family: str):
+    import tiny_models
+
+    if family == "skyreels-v2":
+        model = tiny_models.tiny_wan(seed=11, variant="skyreels_v2")
+        save_model(family, model, tiny_models.save_wan)
+    elif family == "wan-vace":
+        model = tiny_models.tiny_wan(seed=12, variant="vace")
+        save_model(family, model, tiny_models.save_wan)
+    elif family == "flux2":
+        model = tiny_models.tiny_flux2(seed=13)
+        save_model(family, model, tiny_models.save_flux2)
+    else:
+        model = tiny_models.tiny_qwen_image(seed=14)
+        save_model(family, model, tiny_models.save_flux)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(comfy):
+    """The diffusers model of each family, made and saved for ComfyUI at first use."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = make_model(family)
+        return made[family]
+    return get
+
+
+# -- the diffusers side of one recorded model call ---------------------------------------------------------
+def vace_control(x: torch.Tensor) -> torch.Tensor:
+    """What ComfyUI's Wan VACE takes without a VACE input node: zero frames (inactive and reactive halves, each
+    brought into the model's latent space) and a mask of ones."""
+    import comfy.latent_formats
+
+    zeros = comfy.latent_formats.Wan21().process_in(torch.zeros_like(x))
+    B, _, F, H, W = x.shape
+    return torch.cat([zeros, zeros, torch.ones(B, 64, F, H, W)], dim=1)
+
+
+def diffusers_runner(family: str, model):
+    if family == "skyreels-v2":
+        def run(x, timestep, context, *_):
+            return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context, return_dict=False)[0]
+    elif family == "wan-vace":
+        def run(x, timestep, context, *_):
+            return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
+                         control_hidden_states=vace_control(x), return_dict=False)[0]
+    elif family == "flux2":
+        def run(x, timestep, context, y, guidance, *_):
+            B, C, H, W = x.shape
+            img_ids = torch.zeros(H, W, 4)
+            img_ids[..., 1] = torch.arange(H)[:, None]
+            img_ids[..., 2] = torch.arange(W)[None, :]
+            txt_ids = torch.zeros(context.shape[1], 4)
+            txt_ids[:, 3] = torch.arange(context.shape[1])
+            out = model(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context, timestep=timestep,
+                        img_ids=img_ids.view(H * W, 4), txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+            return out.transpose(1, 2).reshape(B, C, H, W)
+    else:
+        def run(x, timestep, context, *_):
+            B, C, _, H, W = x.shape
+            h, w = H // 2, W // 2
+            packed = x[:, :, 0].reshape(B, C, h, 2, w, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, h * w, C * 4)
+            out = model(hidden_states=packed, encoder_hidden_states=context, timestep=timestep,
+                        img_shapes=[[(1, h, w)]] * B, return_dict=False)[0]
+            return out.view(B, h, w, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, 1, H, W)
+    return run
+
+
+# -- tests --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", list(CASES))
+def test_full_density_plan_gives_the_unpatched_latent(family, models):
+    models(family)
+    name = save_plan(case_plan(family, 1.0), f"{family}-d1.safetensors")
+    assert run_graph(family, keep=f"{family}-dense") == (True, "")
+    assert run_graph(family, plan=name, keep=f"{family}-d1") == (True, "")
+    dense, paro = latent_of(f"{family}-dense"), latent_of(f"{family}-d1")
+    difference = float((dense - paro).abs().max())
+    print(f"{family}, d=1 plan vs unpatched, final latent after {STEPS} steps: max |difference| {difference:.2e}")
+    assert difference < 1e-4 * float(dense.abs().max())
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(family, models):
+    model = models(family)
+    plan = case_plan(family, 0.5, seed=3)
+    name = save_plan(plan, f"{family}-d05.safetensors")
+    assert run_graph(family, plan=name, record=f"{family}-sparse", keep=f"{family}-sparse-latent") == (True, "")
+    calls = records()[f"{family}-sparse"]
+    scale = CASES[family].timestep_scale
+    buckets = {plan.bucket_of(scale * float(call["args"][1].max())) for call in calls}
+    assert len(buckets) > 1, f"the sampler's timesteps all fell in bucket {buckets}: the test would not see buckets"
+    run = diffusers_runner(family, model)
+    with paroattn.apply(model, Plan.load(plan_folder() / name), backend="torch"):
+        worst = compare_with_diffusers(calls, run, f"{family}, d=0.5 plan")
+    assert worst < 1e-5
+    # and the plan changed the model: without it, the outputs differ by far more
+    assert compare_with_diffusers(calls, run, f"{family}, same calls, diffusers without PARO") > 100 * worst
+
+
+@pytest.mark.parametrize("base, reason", [
+    ("HunyuanVideo15", "puts its conditioning tokens (image, ByT5, text) before the video"),
+    ("HunyuanVideo", "puts the text tokens before the video"),
+    ("CogVideoX", "passes no block index"),
+    ("LTXV", "LTX-Video passes no block index"),
+    ("LTXAV", "LTX-2 passes no block index"),
+])
+def test_models_comfyui_runs_unlike_diffusers_are_refused_with_the_reason(comfy, base, reason):
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    patcher = type("Patcher", (), {"model": type(base, (), {"diffusion_model": object()})()})()
+    with pytest.raises(families.UnsupportedModel, match=re.escape(reason)):
+        families.family_of(patcher)
