@@ -200,3 +200,57 @@ def test_calls_paro_leaves_run_the_attention_function_comfyui_selected(wan, monk
     assert run_chained([apply_paro(density=0.5, block_size=BLOCK)], keep="spied-learning")[:2] == (True, "")
     assert seen.count("self") == model_calls and seen.count("cross") == model_calls
     assert torch.equal(latent_of("spied-learning"), latent_of("unspied"))
+
+
+# -- TorchCompileModel ----------------------------------------------------------------------------------------
+COMPILE = ("TorchCompileModel", {"backend": "inductor"})
+
+
+def compiled_run(nodes, keep: str) -> tuple[list[str], list[str]]:
+    """Run the graph with the model compiled by TorchCompileModel from a fresh dynamo cache; (the reasons of its
+    graph breaks, one per break, the functions it recompiled)."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    recompiled = []
+
+    class Recompiles(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("Recompiling function"):
+                recompiled.append(message.split(" in ")[0].removeprefix("Recompiling function ") + " in "
+                                  + message.split(" in ")[1].split(":")[0].rsplit("/", 2)[-1] + ": "
+                                  + message.split("\n")[2].strip())
+
+    handler = Recompiles()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert run_chained([*nodes, COMPILE], keep=keep)[:2] == (True, "")
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items() for _ in range(count)]
+    return breaks, recompiled
+
+
+def test_torch_compile_model_runs_the_plan_of_every_call(wan):
+    """The PARO hook runs eagerly inside the compiled model (a graph break at each attention call): the compiled
+    run equals the eager one, every layer and step with its own plan entry, and PARO adds no recompile."""
+    plan = synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=16)
+    name = save_plan(plan, "compile-d05.safetensors")
+    plain_breaks, plain_recompiled = compiled_run([], "compiled-plain")
+    breaks, recompiled = compiled_run([apply_paro(name)], "compiled-paro")
+    assert run_chained([apply_paro(name)], keep="eager-paro")[:2] == (True, "")
+    paro, eager, plain = latent_of("compiled-paro"), latent_of("eager-paro"), latent_of("compiled-plain")
+    print(f"compiled vs eager PARO: {relative(paro, eager):.2e}; vs compiled without PARO: {relative(paro, plain):.2e}"
+          f"\ngraph breaks without PARO: {len(plain_breaks)} ({sorted(set(plain_breaks))}); with PARO: {len(breaks)} "
+          f"({sorted(set(breaks))})\nrecompiled without PARO: {plain_recompiled}\nwith PARO: {recompiled}")
+    assert relative(paro, eager) < 1e-5 and relative(paro, plain) > 1e-4
+    assert set(breaks) == {"Skip inlining `torch.compiler.disable()`d function"}  # the hook's, nothing inside it
+    assert not [r for r in recompiled if "hook.py" in r or "paroattn" in r]
