@@ -10,7 +10,8 @@ Two pieces, both in the clone's `model_options["transformer_options"]`:
   function, or to an override installed before this one.
 
 `PARORunner` runs a plan through `paroattn.runner.PlanRunner` (the plan of each size, the masks, the op call);
-`StatsCapture` records the dense calls' statistics for calibration.
+`StatsCapture` records the dense calls' statistics for calibration; `auto.AutoPlan` (plan 'auto') does the one,
+then the other. Inside a model compiled by ComfyUI's TorchCompileModel the override runs eagerly (see `__call__`).
 """
 
 from __future__ import annotations

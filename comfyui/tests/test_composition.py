@@ -235,6 +235,7 @@ def compiled_run(nodes, keep: str) -> tuple[list[str], list[str]]:
     finally:
         logger.removeHandler(handler)
         torch._logging.set_logs()
+        torch._dynamo.reset()  # the graphs of this run only
     breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items() for _ in range(count)]
     return breaks, recompiled
 
