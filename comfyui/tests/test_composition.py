@@ -232,11 +232,11 @@ def compiled_run(nodes, keep: str) -> tuple[list[str], list[str]]:
     counters.clear()
     try:
         assert run_chained([*nodes, COMPILE], keep=keep)[:2] == (True, "")
+        breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items() for _ in range(count)]
     finally:
         logger.removeHandler(handler)
         torch._logging.set_logs()
         torch._dynamo.reset()  # the graphs of this run only
-    breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items() for _ in range(count)]
     return breaks, recompiled
 
 
