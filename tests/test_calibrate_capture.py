@@ -159,7 +159,7 @@ def test_orders_chosen_during_a_sampled_capture_are_the_planted_ones_with_the_fu
         kept = []
         for b in range(acc.num_buckets):
             for layer in range(acc.num_layers):
-                mass = acc._mean_map(b, layer, torch.device("cpu"))[torch.arange(4), slots[layer]]
+                mass = acc.mean_map(b, layer, torch.device("cpu"))[torch.arange(4), slots[layer]]
                 kept.append((mass * masks[b, layer]).sum((-1, -2)) / mass.sum((-1, -2)))
         return float(torch.stack(kept).mean())
 
@@ -187,8 +187,42 @@ def test_the_order_phase_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="order sets .* need every order"):
         StatsRecorder(2, _config(order_steps=1), order_sets={"identity": [0]})
     stats = _feed(StatsRecorder(2, _config(stat_every=1, order_steps=1)), TIMESTEPS).stats(["p"])
-    with pytest.raises(ValueError, match="chosen during the capture by the mass metric"):
+    with pytest.raises(ValueError, match="chose or narrowed the orders by the mass metric"):
         stats.accumulators["all"].finalize(0.3, 0, quant_weight=0.1)
+
+
+def test_keeping_every_order_after_the_first_bucket_is_the_full_capture():
+    """keep_orders=6 narrows nothing but reorders each head's slots by its first-bucket score: the plan must be the
+    full capture's, which a wrong gather of the stored maps or a wrong slot -> order mapping breaks."""
+    full_plan, full_result, _ = _planted_plan(_config(stat_every=1), density=0.3)
+    plan, result, stats = _planted_plan(_config(stat_every=1, keep_orders=6, order_density=0.3), density=0.3)
+    slots = stats.accumulators["all"].kept_slots
+    assert slots.shape == (2, 4, 6) and not torch.equal(slots[0, 0], torch.arange(6))  # reordered per head
+    assert torch.equal(plan.orders, full_plan.orders)
+    assert torch.equal(plan.block_mask, full_plan.block_mask)
+    assert torch.allclose(result.kept_mass, full_result.kept_mass, atol=1e-3)
+
+
+def test_orders_kept_after_the_first_bucket_give_the_planted_orders_with_a_third_of_the_maps():
+    full_plan, _, full_stats = _planted_plan(_config(stat_every=1))
+    plan, result, stats = _planted_plan(_config(stat_every=1, keep_orders=2, order_density=0.2, query_stride=4))
+    assert torch.equal(plan.orders, full_plan.orders)
+    assert (plan.block_mask == full_plan.block_mask).float().mean() >= 0.9
+    acc = stats.accumulators["all"]
+    assert acc.stored_bytes() * 3 == full_stats.accumulators["all"].stored_bytes()
+    # the scores of the dropped orders are unknown, and say so
+    assert int(result.scores.isnan().sum(-1).min()) == 4 and not result.scores.gather(
+        -1, acc.kept_slots).isnan().any()
+
+
+def test_a_wrong_narrowing_fails_the_planted_check(monkeypatch):
+    import paroattn.calibrate.recorder as recorder_module
+
+    real = recorder_module.kept_mass_fraction
+    monkeypatch.setattr(recorder_module, "kept_mass_fraction", lambda m, d: real(m, d).roll(1, dims=-1))
+    plan = _planted_plan(_config(stat_every=1, keep_orders=1, order_density=0.2))[0]
+    assert [[ORDERS[int(o)] for o in layer] for layer in plan.orders] != [[PLANTED_ORDER[a] for a in axes]
+                                                                           for axes in PLANTED]
 
 
 @pytest.mark.parametrize("options, option, expected", [
@@ -200,6 +234,10 @@ def test_the_order_phase_refuses_what_it_cannot_serve():
     ({"order_steps": 0}, "order_steps", "expected an integer >= 1"),
     ({"order_steps": 2, "extras": True}, "order_steps", "use order_steps=None with extras"),
     ({"order_density": 0.0}, "order_density", "in (0, 1]"),
+    ({"keep_orders": 0}, "keep_orders", "from 1 to 6"),
+    ({"keep_orders": 7}, "keep_orders", "from 1 to 6"),
+    ({"keep_orders": 2, "order_steps": 2}, "keep_orders", "set one of the two"),
+    ({"keep_orders": 2, "extras": True}, "keep_orders", "use keep_orders=None with extras"),
 ])
 def test_capture_options_are_checked_when_made(options, option, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)) as info:
@@ -214,6 +252,10 @@ def test_calibrate_turns_the_order_phase_off_for_a_selection_that_needs_every_or
     assert _capture_for(cheap, SelectionConfig(density=0.2)).order_density == 0.2
     full = _capture_for(cheap, SelectionConfig(metric="paper"))
     assert (full.extras, full.order_steps, full.query_stride) == (True, None, 1)
+    narrowing = CaptureConfig(keep_orders=2, query_stride=4)
+    assert _capture_for(narrowing, SelectionConfig(density=0.2)).order_density == 0.2
+    full = _capture_for(narrowing, SelectionConfig(metric="paper"))
+    assert (full.extras, full.keep_orders, full.query_stride) == (True, None, 1)
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ buckets * L * H * O * nb^2 * 2 bytes (CogVideoX-5B with 6 buckets: 11 GB; Wan2.1
 
 A capture that chose each head's order while it ran (`CaptureConfig.order_steps`) calls `fix_orders` before
 its first map: the accumulator then keeps one map per head, [H, 1, nb, nb] in the head's chosen order (the
-memory of one order instead of six), and `finalize` keeps those orders and their scores.
+memory of one order instead of six), and `finalize` keeps those orders and their scores. A capture that narrows
+the candidates after its first bucket (`CaptureConfig.keep_orders`) calls `keep_orders`: the maps stored so far
+keep each head's K kept orders, later maps come as [H, K, nb, nb], and `finalize` chooses among the K.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ class StatsAccumulator:
         self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
-        self.fixed_slots: torch.Tensor | None = None  # [L, H] slots into candidate_orders, with fix_orders
-        self.fixed_scores: torch.Tensor | None = None  # [L, H, O] the scores they were chosen by
+        # [L, H, K] slots into candidate_orders of the orders each head's maps hold (fix_orders: K = 1; keep_orders)
+        self.kept_slots: torch.Tensor | None = None
+        self.fixed_scores: torch.Tensor | None = None  # [L, H, O] the scores fix_orders chose by
 
     def fix_orders(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Keep the order `slots` [L, H] (indices into candidate_orders) of every head, chosen by `scores`
@@ -112,7 +115,27 @@ class StatsAccumulator:
                              f"{tuple(slots.shape)} and {tuple(scores.shape)}")
         if int(slots.min()) < 0 or int(slots.max()) >= O:
             raise ValueError(f"order slots must index the {O} candidate orders, got {slots.unique().tolist()}")
-        self.fixed_slots, self.fixed_scores = slots.long().cpu(), scores.float().cpu()
+        self.kept_slots, self.fixed_scores = slots.long().cpu()[..., None], scores.float().cpu()
+
+    def keep_orders(self, slots: torch.Tensor) -> None:
+        """Keep the orders `slots` [L, H, K] (distinct indices into candidate_orders per head) of every head: the maps
+        stored so far keep those K, and from now on `add` takes maps [H, K, nb, nb] in those orders."""
+        O = len(self.candidate_orders)
+        if self.kept_slots is not None:
+            raise RuntimeError("the orders were narrowed already")
+        if slots.dim() != 3 or slots.shape[0] != self.num_layers or not 1 <= slots.shape[2] <= O:
+            raise ValueError(f"keep_orders takes slots [L={self.num_layers}, H, K <= {O}]; got {tuple(slots.shape)}")
+        slots = slots.long().cpu()
+        if int(slots.min()) < 0 or int(slots.max()) >= O:
+            raise ValueError(f"order slots must index the {O} candidate orders, got {slots.unique().tolist()}")
+        self.flush()
+        for (bucket, layer), mean in self.mass.items():
+            pick = slots[layer].to(mean.device)
+            self.mass[(bucket, layer)] = mean[torch.arange(pick.shape[0], device=mean.device)[:, None], pick]
+        for sums in (self.incoherence_sum, self.sparse_sum):
+            for layer, total in sums.items():
+                sums[layer] = total.gather(1, slots[layer])
+        self.kept_slots = slots
 
     def stored_bytes(self) -> int:
         """Bytes of the stored means (what the accumulator holds between buckets)."""
@@ -121,11 +144,11 @@ class StatsAccumulator:
     def add(self, layer: int, bucket: int, mass: torch.Tensor, pmax: torch.Tensor, below: torch.Tensor, batch: int):
         """Statistics of one layer at one step, [H, O, nb, nb] each, summed over `batch` items.
         pmax and below may be None (then the incoherence and block-sparse scores read 0). With fixed orders
-        (`fix_orders`): [H, 1, nb, nb] in each head's order."""
-        slots = 1 if self.fixed_slots is not None else len(self.candidate_orders)
+        (`fix_orders`, `keep_orders`): [H, K, nb, nb] in each head's kept orders."""
+        slots = len(self.candidate_orders) if self.kept_slots is None else self.kept_slots.shape[2]
         if mass.dim() != 4 or mass.shape[1] != slots:
             raise ValueError(f"expected block statistics [H, {slots}, nb, nb]"
-                             f"{' (each head in its fixed order)' if slots == 1 else ''}, got {tuple(mass.shape)}")
+                             f"{'' if self.kept_slots is None else ' in each head’s kept orders'}, got {tuple(mass.shape)}")
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
@@ -174,7 +197,8 @@ class StatsAccumulator:
         self._staging_bucket = None
 
     # -----------------------------------------------------------------------------------------
-    def _mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
+    def mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
+        """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device`; None if not captured."""
         # moved in the stored float16 and widened where the selection runs (the GPU during a
         # calibration), not widened in host memory first: half the bytes over the bus, no host pass
         if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
@@ -234,16 +258,18 @@ class StatsAccumulator:
         bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nq, nk]
         fig_original, fig_reordered = [], []
         original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
-        fixed = self.fixed_slots is not None
-        if fixed and (metric != "mass" or quant_weight):
-            raise ValueError(f"the orders were chosen during the capture by the mass metric; metric={metric!r} with "
-                             f"quant_weight={quant_weight} needs a capture with every order (order_steps=None)")
+        fixed = self.fixed_scores is not None  # each head's order chosen during the capture
+        narrowed = self.kept_slots is not None  # the maps hold each head's kept orders, not every candidate
+        if narrowed and (metric != "mass" or quant_weight):
+            raise ValueError(f"the capture chose or narrowed the orders by the mass metric; metric={metric!r} with "
+                             f"quant_weight={quant_weight} needs a capture with every order (order_steps=None, "
+                             "keep_orders=None)")
         for layer in range(L):
-            maps = [self._mean_map(b, layer, compute_device) for b in range(B)]
+            maps = [self.mean_map(b, layer, compute_device) for b in range(B)]
             captured = [m for m in maps if m is not None]
             overall = sum(captured) / len(captured)
             if fixed:
-                scores, slot = self.fixed_scores[layer], self.fixed_slots[layer]
+                scores, slot = self.fixed_scores[layer], self.kept_slots[layer, :, 0]
                 pick = torch.zeros_like(slot)  # the maps hold each head's chosen order alone
             else:
                 kept = torch.zeros(overall.shape[:2])
@@ -260,13 +286,18 @@ class StatsAccumulator:
                     metric=metric, quant_weight=quant_weight, alpha=alpha,
                 )
                 slot = pick = scores.argmin(dim=-1)  # [H]
+                if narrowed:  # scores of the kept orders; the orders dropped after the first bucket read NaN
+                    kept_slots = self.kept_slots[layer]
+                    slot = kept_slots.gather(1, pick[:, None])[:, 0]
+                    scores = torch.full((len(slot), len(self.candidate_orders)), float("nan")).scatter_(
+                        1, kept_slots, scores.float())
             per_layer_scores.append(scores)
             per_layer_orders.append(torch.tensor(self.candidate_orders)[slot])
             heads = torch.arange(slot.numel())
             for b in range(B):
                 m = maps[b] if maps[b] is not None else overall
                 bucket_maps[b].append(m[heads, pick.to(m.device)])
-            if layer in figure_layers and not fixed:  # the original order's maps exist only with every order
+            if layer in figure_layers and not narrowed:  # the original order's maps exist only with every order
                 fig_original.append(overall[:, original_slot].half().cpu())
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
         bucket_mass = [torch.stack(maps) for maps in bucket_maps]  # [L, H, nq, nk] each

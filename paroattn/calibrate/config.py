@@ -68,8 +68,13 @@ class CaptureConfig:
     # runs (of the first prompt), then capture only the chosen order's maps: 6x less memory and compute for the
     # masks. None: every order at every captured step, the order chosen when the plan is built
     order_steps: int | None = None
-    # the density whose kept mass chooses the orders with `order_steps`; None: the selection's density where the
-    # calibration knows it (`calibrate`), else 0.3
+    # after the first timestep bucket the capture records, keep each head's `keep_orders` best orders (by the mass
+    # their best `order_density` blocks keep in that bucket) and capture only those from then on: the plan chooses
+    # among them from every bucket's maps. Fewer statistics to compute and hold than every order to the end, without
+    # deciding from the first steps alone as `order_steps` does. None: every order to the end
+    keep_orders: int | None = None
+    # the density whose kept mass chooses the orders with `order_steps` or `keep_orders`; None: the selection's
+    # density where the calibration knows it (`calibrate`, plan="auto"), else 0.3
     order_density: float | None = None
     # also keep per-block maxima and counts below `eps` (the paper metric and the incoherence term need them)
     extras: bool = False
@@ -134,6 +139,18 @@ class CaptureConfig:
             raise ConfigError("order_steps", self.order_steps,
                               "orders chosen during the capture use the mass metric alone, and extras=True asks "
                               "for the statistics of the paper metric: use order_steps=None with extras")
+        if self.keep_orders is not None:
+            if not 1 <= self.keep_orders <= 6:
+                raise ConfigError("keep_orders", self.keep_orders,
+                                  "expected a number of orders from 1 to 6, or None to keep every order")
+            if self.order_steps is not None:
+                raise ConfigError("keep_orders", self.keep_orders,
+                                  f"order_steps={self.order_steps} already keeps one order per head from its first "
+                                  "steps: set one of the two")
+            if self.extras:
+                raise ConfigError("keep_orders", self.keep_orders,
+                                  "the orders it drops lose the statistics of the paper metric that extras=True "
+                                  "asks for: use keep_orders=None with extras")
         if self.order_density is not None and not 0.0 < self.order_density <= 1.0:
             raise ConfigError("order_density", self.order_density,
                               "expected a share of the attention blocks in (0, 1], or None")

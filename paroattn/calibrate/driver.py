@@ -296,8 +296,9 @@ def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfi
     density."""
     capture_config = capture_config if capture_config is not None else CaptureConfig()
     if selection.needs_extras and not capture_config.extras:
-        capture_config = replace(capture_config, extras=True, order_steps=None, query_stride=1)
-    if capture_config.order_steps is not None and capture_config.order_density is None:
+        capture_config = replace(capture_config, extras=True, order_steps=None, keep_orders=None, query_stride=1)
+    chooses = capture_config.order_steps is not None or capture_config.keep_orders is not None
+    if chooses and capture_config.order_density is None:
         capture_config = replace(capture_config, order_density=selection.density)
     return capture_config
 

@@ -21,7 +21,9 @@ k. Statistics are kept at every `config.stat_every`-th step of each prompt, coun
 `config.steps_per_bucket`, at most that many steps per timestep bucket of each prompt, every stat_every-th
 counted from the bucket's first step. With `config.order_steps` the first steps the model runs choose each head's
 order (all orders' mass, reduced at once to the share the best `order_density` of blocks keeps) and the later
-steps capture that order alone. `config.calls="first"` keeps the first call of each layer in a step (the
+steps capture that order alone. With `config.keep_orders` every order is captured in the first timestep bucket the
+recorder sees, each head then keeps its `keep_orders` best there (by the same share), and the later buckets capture
+those alone; the plan chooses among them from every bucket. `config.calls="first"` keeps the first call of each layer in a step (the
 conditional one where the pipeline calls the model once per guidance branch, cond first) and skips the others.
 """
 
@@ -130,17 +132,18 @@ class StatsRecorder:
         self.order_steps_done = 0  # steps of the order phase the model ran in
         self.order_kept: dict[int, torch.Tensor] = {}  # layer -> [H, O] sums of the kept mass share of each order
         self.order_calls = [0] * num_layers
+        self.first_bucket: int | None = None  # the bucket whose maps narrow the orders (keep_orders)
 
     def _start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
         config, L, buckets = self.config, self.layers, len(self.edges) - 1
         orders = list(layout.distinct_orders())
         nb = math.ceil(layout.seq_len / config.block_size)
-        stored_orders = 1 if config.order_steps is not None else len(orders)
+        stored_orders = 1 if config.order_steps is not None else config.keep_orders or len(orders)
         estimate = buckets * L * q.shape[1] * stored_orders * nb * nb * 4
         store, staging = store_device(config, q.device, estimate), None
-        if config.order_steps is not None and config.store_device == "auto":
-            # one order's sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what the
-            # dense generation holds; a captured call moves its maps over once (tens of MB)
+        if (config.order_steps is not None or config.keep_orders is not None) and config.store_device == "auto":
+            # the kept orders' sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what
+            # the dense generation holds; a captured call moves its maps over once (tens of MB)
             store = staging = torch.device("cpu")
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
                                     store_device=store, query_block=config.query_block, staging_device=staging)
@@ -184,6 +187,11 @@ class StatsRecorder:
             return
         if self.acc is None:
             self._start_accumulators(layout, q)
+        if self.mode == "map" and config.keep_orders is not None and self.acc.kept_slots is None:
+            if self.first_bucket is None:
+                self.first_bucket = self.bucket
+            elif self.bucket != self.first_bucket:
+                self._keep_orders(q.device)
         self.ran = True
         start = time.perf_counter()
         phase = self.layer_calls[layer] % config.query_stride
@@ -200,10 +208,12 @@ class StatsRecorder:
                 self.order_kept[layer] = self.order_kept[layer] + kept if layer in self.order_kept else kept
                 self.order_calls[layer] += 1
             else:
-                if self.acc.fixed_slots is not None:
-                    heads = [self.acc.candidate_orders[int(s)] for s in self.acc.fixed_slots[layer]]
-                    mass, pmax, below = block_stats(q, k, layout, None, config.block_size, config.eps,
-                                                    extras=config.extras, head_orders=heads, **sampled)
+                if self.acc.kept_slots is not None:  # each head's kept orders, one pass per kept order
+                    kept = [block_stats(q, k, layout, None, config.block_size, config.eps, extras=config.extras,
+                                        head_orders=[self.acc.candidate_orders[int(s)] for s in slots], **sampled)
+                            for slots in self.acc.kept_slots[layer].T]
+                    mass, pmax, below = (None if kept[0][i] is None else torch.cat([stats[i] for stats in kept], 1)
+                                         for i in range(3))
                 else:
                     mass, pmax, below = block_stats(q, k, layout, self.acc.candidate_orders, config.block_size,
                                                     config.eps, extras=config.extras, **sampled)
@@ -224,7 +234,7 @@ class StatsRecorder:
         """What the current step captures: "order" (all orders' scores, before the orders are chosen), "map" (block
         maps for the masks) or "skip"."""
         config = self.config
-        if config.order_steps is not None and (self.acc is None or self.acc.fixed_slots is None):
+        if config.order_steps is not None and (self.acc is None or self.acc.kept_slots is None):
             return "order"
         if config.steps_per_bucket is None:
             return "skip" if self.step % config.stat_every else "map"
@@ -242,6 +252,21 @@ class StatsRecorder:
         kept = torch.stack([self.order_kept[layer] / self.order_calls[layer] for layer in range(self.layers)])
         scores = 1.0 - kept  # [L, H, O], the mass metric
         self.acc.fix_orders(scores.argmin(dim=-1), scores)
+
+    def _keep_orders(self, device: torch.device) -> None:
+        """Narrow each head's candidates to its `keep_orders` best in the first bucket: the most mass kept by the best
+        `order_density` blocks of the bucket's mean map (computed on `device`, the GPU during a generation)."""
+        acc = self.acc
+        acc.flush()
+        missing = [layer for layer in range(self.layers) if (self.first_bucket, layer) not in acc.mass]
+        if missing:
+            raise RuntimeError(f"no self-attention call of layers {missing} came in the first timestep bucket, whose "
+                               "statistics narrow the orders (keep_orders): every layer must run at every step")
+        density = self.config.order_density if self.config.order_density is not None else 0.3
+        keep = min(self.config.keep_orders, len(acc.candidate_orders))
+        slots = [kept_mass_fraction(acc.mean_map(self.first_bucket, layer, device), density).topk(keep, dim=-1)
+                 .indices.cpu() for layer in range(self.layers)]
+        acc.keep_orders(torch.stack(slots))
 
     def step_done(self) -> None:
         """The end of one denoising step (of every expert of a pipeline: one that did not run in it is not counted)."""
@@ -264,7 +289,7 @@ class StatsRecorder:
     def prompt_done(self) -> None:
         """The end of one generation: the next one counts its steps from 0 again. An order phase still running
         (a generation shorter than `order_steps`) ends here and chooses the orders from the steps it saw."""
-        if self.order_kept and self.acc is not None and self.acc.fixed_slots is None:
+        if self.order_kept and self.acc is not None and self.acc.kept_slots is None:
             self._choose_orders()
         self.step = 0
         self.bucket_start, self.bucket_taken = {}, {}
@@ -279,9 +304,9 @@ class StatsRecorder:
         if self.acc is None:
             raise RuntimeError("no self-attention call was recorded: call record() at each self-attention call of the "
                                f"dense model at a step that is a multiple of stat_every={self.config.stat_every}")
-        if self.order_kept and self.acc.fixed_slots is None:
+        if self.order_kept and self.acc.kept_slots is None:
             self._choose_orders()
-        if self.acc.fixed_slots is not None and not self.acc.weight.any():
+        if self.config.order_steps is not None and not self.acc.weight.any():
             raise RuntimeError(f"the orders were chosen in the first {self.config.order_steps} steps, and no later step "
                                "captured their maps: run more steps than order_steps")
         timings = dict(timings or {}, stats_s=self.stats_s, captured_layer_calls=self.captures)
