@@ -23,9 +23,15 @@ token layout is. Every family below gets RoPE applied by ComfyUI before the call
 - Qwen-Image (`comfy.ldm.qwen_image.model.QwenImageTransformer2DModel`): q, k, v `[B, H, N, D]`, every block one
   joint self-attention over [text ; image] (the prompt's own token count, as diffusers'), block i layer i.
 
-Refused, with the reason (`REFUSED`): HunyuanVideo and HunyuanVideo 1.5 (ComfyUI puts the text before the video,
-diffusers after it, so a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their
-attention calls carry no block index, so a call cannot be matched to a plan layer), and every other model.
+And one family whose tokens ComfyUI orders otherwise: HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo`
+as `HunyuanVideo15`) joins [image ; ByT5 ; text ; video] where diffusers joins [video ; image ; ByT5 ; text]. RoPE is
+applied before the call (the conditioning tokens at position 0, the identity), so attention does not depend on the
+order: the call moves the conditioning tokens after the video, runs diffusers' sequence and moves the output back,
+exactly. Double block i is layer i.
+
+Refused, with the reason (`REFUSED`): HunyuanVideo (ComfyUI puts the text before the video, diffusers after it, so
+a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their attention calls carry no
+block index, so a call cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -51,10 +57,6 @@ _CHECKED = {
 }
 
 REFUSED = {
-    "HunyuanVideo15": "ComfyUI's HunyuanVideo 1.5 puts its conditioning tokens (image, ByT5, text) before the video, "
-                      "while plans (calibrated on diffusers' HunyuanVideo 1.5) have them after the video, with the "
-                      "image tokens that text-to-video leaves as padding: the PARO nodes do not run it yet; use "
-                      "paroattn on the diffusers pipeline",
     "HunyuanVideo": "ComfyUI's HunyuanVideo puts the text tokens before the video and masks padded text inside its "
                     "own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after the "
                     "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
@@ -81,20 +83,31 @@ class SelfAttention:
     v: torch.Tensor
     layer: int
     heads_last: bool  # ComfyUI wants [B, N, H*D] (True) or [B, H, N, D] (False)
+    moved: int = 0  # leading tokens of ComfyUI's sequence that q, k, v carry at the end (diffusers' order)
+
+    @classmethod
+    def text_after(cls, q, k, v, text: int, **kwargs) -> SelfAttention:
+        """The call of ComfyUI's q, k, v [B, H, text + video, D] with the text moved after the video: attention
+        does not depend on the order of the tokens (RoPE is already applied), so PARO runs diffusers' order and
+        `output` moves the text back."""
+        return cls(*(torch.roll(t, -text, dims=2) for t in (q, k, v)), moved=text, **kwargs)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
+        if self.moved:
+            out = torch.roll(out, self.moved, dims=2)
         return out.transpose(1, 2).flatten(2) if self.heads_last else out
 
 
 @dataclass
 class CallGeometry:
-    """What one model call (one sampler evaluation) means for PARO, from the latent and the sigma: the timestep on
-    the 0..1000 scale of plans, the image grid where the attention calls do not carry it (Flux), and the text
-    tokens of the call (Flux)."""
+    """What one model call (one sampler evaluation) means for PARO, from the latent, the sigma and the conditioning:
+    the timestep on the 0..1000 scale of plans, the latent grid where the attention calls do not carry it (Flux,
+    HunyuanVideo 1.5), and the text tokens of the call (Flux, HunyuanVideo 1.5)."""
 
     timestep: float
     grid: tuple[int, int, int] | None = None
     text_tokens: int | None = None
+    reference: bool = False  # a reference latent joins the sequence (HunyuanVideo)
     block: tuple[str, int] | None = None  # the last (block type, index) an attention call came from
     calls: int = 0  # the attention calls of that block so far, less one
 
@@ -140,7 +153,8 @@ class Family:
         return {key: config.get(key) for key in _CHECKED[self.name]}
 
     # -- per model call ------------------------------------------------------------------------------
-    def geometry(self, x: torch.Tensor, timestep: float, c_crossattn) -> CallGeometry:
+    def geometry(self, x: torch.Tensor, timestep: float, c_crossattn, conds: dict) -> CallGeometry:
+        """`conds`: the model's other inputs of this call (ComfyUI's extra conds, by name)."""
         return CallGeometry(timestep * self.timestep_scale)
 
     # -- per attention call --------------------------------------------------------------------------
@@ -261,7 +275,7 @@ class JointFamily(Family):
     def layer_of(self, kind: str, block: int) -> int:
         raise NotImplementedError
 
-    def geometry(self, x, timestep, c_crossattn):
+    def geometry(self, x, timestep, c_crossattn, conds):
         patch = self.patch_size()
         height, width = (int(s) for s in x.shape[-2:])
         frames = int(x.shape[2]) if x.dim() == 5 else 1
@@ -378,11 +392,82 @@ class QwenImageFamily(JointFamily):
             return dict(QwenImageTransformer2DModel(**kwargs).config)
 
 
+class HunyuanVideo15Family(Family):
+    """HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo15`): each double block one
+    joint self-attention, q, k, v [B, H, N, D] (`skip_reshape`), over [image ; ByT5 ; text ; video] where diffusers
+    has [video ; image ; ByT5 ; text]: the call moves the conditioning after the video. ComfyUI passes only the
+    streams a prompt has (no image tokens in text-to-video, ByT5 tokens for quoted text only) and no padding; a
+    diffusers plan, calibrated with the pipeline's padded 1985 conditioning tokens, serves that length through its
+    derived sizes."""
+
+    name = "hunyuan_video15"
+    models = "HunyuanVideo 1.5"
+    diffusers_class = "HunyuanVideo15Transformer3DModel"
+
+    def num_layers(self) -> int:
+        return len(self.model.double_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.hidden_size) // int(self.model.num_heads)
+
+    def diffusers_config(self) -> dict:
+        """target_size and task_type, which only the diffusers pipeline reads, are diffusers' defaults: the weights
+        do not say them."""
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        m, p = self.model, self.model.params
+        patch_t, patch, _ = (int(s) for s in p.patch_size)
+        kwargs = dict(
+            in_channels=int(p.in_channels), out_channels=int(p.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), num_layers=self.num_layers(),
+            num_refiner_layers=len(m.txt_in.individual_token_refiner.blocks), mlp_ratio=float(p.mlp_ratio),
+            patch_size=patch, patch_size_t=patch_t, text_embed_dim=int(p.context_in_dim),
+            text_embed_2_dim=int(m.byt5_in.layernorm.normalized_shape[0]), image_embed_dim=int(p.vision_in_dim),
+            rope_theta=float(p.theta), rope_axes_dim=tuple(int(a) for a in p.axes_dim), use_meanflow=bool(p.meanflow),
+        )
+        with torch.device("meta"):
+            return dict(HunyuanVideo15Transformer3DModel(**kwargs).config)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        grid = tuple((int(n) + int(p) // 2) // int(p) for n, p in zip(x.shape[2:], self.model.patch_size))
+        # the conditioning tokens the model puts before the video: SigLIP image features, ByT5 glyph text, text
+        streams = (conds.get("clip_fea"), conds.get("txt_byt5") if self.model.byt5_in is not None else None,
+                   c_crossattn)
+        text = sum(int(t.shape[1]) for t in streams if t is not None)
+        return CallGeometry(timestep * self.timestep_scale, grid, text, reference=conds.get("ref_latent") is not None)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block = options.get("block_index")
+        if block is None or options.get("block_type") != "double" or q.dim() != 4 or not kwargs.get("skip_reshape"):
+            return None, None, None  # the token refiner's text self-attention runs before the blocks
+        text = geometry.text_tokens
+        frames, height, width = geometry.grid
+        N = q.shape[2]
+        heads_last = not kwargs.get("skip_output_reshape", False)
+        call = SelfAttention(q, k, v, layer=int(block), heads_last=heads_last)
+        if geometry.reference or N != text + frames * height * width:
+            return call, None, (f"the joint attention has {N} tokens where {text} conditioning tokens and the "
+                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}: a "
+                                "reference latent adds its tokens before the video, which is not a PARO token layout")
+        if mask is not None:
+            return call, None, ("the attention call carries an attention mask (padded text), which a block-sparse "
+                                "plan cannot honour")
+        call = SelfAttention.text_after(q, k, v, text, layer=int(block), heads_last=heads_last)
+        return call, TokenLayout(0, frames, height, width, suffix=text), None
+
+
 def family_of(model_patcher) -> Family:
     """The family of a ComfyUI MODEL, or UnsupportedModel saying why there is none."""
     base = model_patcher.model
     diffusion_model = base.diffusion_model
     base_name, module_name = type(base).__name__, type(diffusion_model).__name__
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+
+    if type(diffusion_model) is HunyuanVideo and base_name == "HunyuanVideo15":
+        return HunyuanVideo15Family(diffusion_model)
     for name, reason in REFUSED.items():
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")

@@ -18,8 +18,10 @@ import pytest
 import torch
 from test_graphs import (
     BLOCK,
+    CALIBRATE,
     EDGES,
     FLUX2_LAYOUT,
+    HUNYUAN15_LAYOUT,
     QWEN_LAYOUT,
     STEPS,
     WAN_LAYOUT,
@@ -49,6 +51,7 @@ CASES = {
     "wan-vace": Case(WAN_LAYOUT, 3, 2, "WanVACETransformer3DModel", 1.0),  # 2 Wan blocks, then 1 VACE block
     "flux2": Case(FLUX2_LAYOUT, 2, 2, "Flux2Transformer2DModel", 1000.0),
     "qwen-image": Case(QWEN_LAYOUT, 1, 24, "QwenImageTransformer2DModel", 1000.0),
+    "hunyuan-video15": Case(HUNYUAN15_LAYOUT, 2, 2, "HunyuanVideo15Transformer3DModel", 1.0),
 }
 
 
@@ -80,6 +83,9 @@ def make_model(family: str):
     elif family == "flux2":
         model = tiny_models.tiny_flux2(seed=13)
         save_model(family, model, tiny_models.save_flux2)
+    elif family == "hunyuan-video15":
+        model = tiny_models.tiny_hunyuan_video15(seed=15)
+        save_model(family, model, tiny_models.save_hunyuan_video15)
     else:
         model = tiny_models.tiny_qwen_image(seed=14)
         save_model(family, model, tiny_models.save_flux)
@@ -128,6 +134,14 @@ def diffusers_runner(family: str, model):
             out = model(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context, timestep=timestep,
                         img_ids=img_ids.view(H * W, 4), txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
             return out.transpose(1, 2).reshape(B, C, H, W)
+    elif family == "hunyuan-video15":
+        def run(x, timestep, context, y, txt_byt5, clip_fea, *_):
+            # every token valid: the streams joined as [image ; ByT5 ; text], ComfyUI's order, after the video
+            def valid(t):
+                return torch.ones(t.shape[:2], dtype=torch.long)
+            return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
+                         encoder_attention_mask=valid(context), encoder_hidden_states_2=txt_byt5,
+                         encoder_attention_mask_2=valid(txt_byt5), image_embeds=clip_fea, return_dict=False)[0]
     else:
         def run(x, timestep, context, *_):
             B, C, _, H, W = x.shape
@@ -170,8 +184,37 @@ def test_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(family, models
     assert compare_with_diffusers(calls, run, f"{family}, same calls, diffusers without PARO") > 100 * worst
 
 
+def test_hunyuan_video15_plan_of_another_text_length_derives_its_masks_as_diffusers_does(models):
+    """The diffusers pipeline pads the conditioning to 1985 tokens (729 image, 256 ByT5, 1000 text) where ComfyUI
+    passes the prompt's own: a plan calibrated with more conditioning tokens than the call has serves it through
+    masks derived from its axis profiles, the ones diffusers derives for a call of the same tokens."""
+    model = models("hunyuan-video15")
+    layout = replace(HUNYUAN15_LAYOUT, suffix=2 * HUNYUAN15_LAYOUT.suffix)
+    plan = Plan.synthetic(layout=layout, num_layers=2, num_heads=2, density=0.5, orders="random", num_buckets=1,
+                          block_size=BLOCK, model_class="HunyuanVideo15Transformer3DModel", seed=8, profiles=True)
+    name = save_plan(plan, "hunyuan-video15-longer-text.safetensors")
+    assert run_graph("hunyuan-video15", plan=name, record="hunyuan-derived", keep="hunyuan-derived-latent") == (True, "")
+    calls, run = records()["hunyuan-derived"], diffusers_runner("hunyuan-video15", model)
+    with paroattn.apply(model, Plan.load(plan_folder() / name), backend="torch"):
+        worst = compare_with_diffusers(calls, run, f"hunyuan-video15, plan for {layout.suffix} conditioning tokens")
+    assert worst < 1e-5
+    assert compare_with_diffusers(calls, run, "hunyuan-video15, same calls, without PARO") > 100 * worst
+
+
+def test_hunyuan_video15_calibrate_node_writes_the_plan_of_diffusers_sequence(models):
+    """PARO calibrate records the calls as diffusers' [video ; conditioning] sequence: the plan has that layout,
+    the diffusers class and its config, which the diffusers model with these weights accepts."""
+    model = models("hunyuan-video15")
+    ok, message = run_graph("hunyuan-video15", calibrate={**CALIBRATE, "filename": "calibrated-hunyuan-video15"})
+    assert (ok, message) == (True, "")
+    plan = paroattn.load_plans(plan_folder() / "calibrated-hunyuan-video15.safetensors")[0]
+    assert plan.layout == HUNYUAN15_LAYOUT and (plan.num_layers, plan.num_heads) == (2, 2)
+    assert plan.model_class == "HunyuanVideo15Transformer3DModel"
+    with paroattn.apply(model, plan, backend="torch", on_mismatch="error"):
+        pass
+
+
 @pytest.mark.parametrize("base, reason", [
-    ("HunyuanVideo15", "puts its conditioning tokens (image, ByT5, text) before the video"),
     ("HunyuanVideo", "puts the text tokens before the video"),
     ("CogVideoX", "passes no block index"),
     ("LTXV", "LTX-Video passes no block index"),
