@@ -52,6 +52,8 @@ _CHECKED = {
              "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"),
     "flux2": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
               "joint_attention_dim", "guidance_embeds"),
+    "ltx": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "cross_attention_dim",
+            "caption_channels"),
     "qwen_image": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                    "joint_attention_dim", "zero_cond_t", "use_additional_t_cond"),
 }
@@ -62,8 +64,6 @@ REFUSED = {
                     "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
     "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls, so a call cannot be matched to "
                  "a plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
-    "LTXV": "ComfyUI's LTX-Video passes no block index to its attention calls, so a call cannot be matched to a "
-            "plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
     "LTXAV": "ComfyUI's LTX-2 passes no block index to its attention calls, so a call cannot be matched to a plan "
              "layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
 }
@@ -107,7 +107,7 @@ class CallGeometry:
     timestep: float
     grid: tuple[int, int, int] | None = None
     text_tokens: int | None = None
-    reference: bool = False  # a reference latent joins the sequence (HunyuanVideo)
+    problem: str | None = None  # why no call of this model call has a PARO token layout (extra conditioning tokens)
     block: tuple[str, int] | None = None  # the last (block type, index) an attention call came from
     calls: int = 0  # the attention calls of that block so far, less one
 
@@ -151,6 +151,9 @@ class Family:
     def checked_config(self) -> dict:
         config = self.diffusers_config()
         return {key: config.get(key) for key in _CHECKED[self.name]}
+
+    def patch(self, model_patcher) -> None:
+        """Patches the model needs besides the attention hook (`model_patcher`: a clone the caller owns)."""
 
     # -- per model call ------------------------------------------------------------------------------
     def geometry(self, x: torch.Tensor, timestep: float, c_crossattn, conds: dict) -> CallGeometry:
@@ -437,7 +440,10 @@ class HunyuanVideo15Family(Family):
         streams = (conds.get("clip_fea"), conds.get("txt_byt5") if self.model.byt5_in is not None else None,
                    c_crossattn)
         text = sum(int(t.shape[1]) for t in streams if t is not None)
-        return CallGeometry(timestep * self.timestep_scale, grid, text, reference=conds.get("ref_latent") is not None)
+        problem = None
+        if conds.get("ref_latent") is not None:
+            problem = "a reference latent adds its tokens before the video, which is not a PARO token layout"
+        return CallGeometry(timestep * self.timestep_scale, grid, text, problem=problem)
 
     def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
         block = options.get("block_index")
@@ -448,15 +454,96 @@ class HunyuanVideo15Family(Family):
         N = q.shape[2]
         heads_last = not kwargs.get("skip_output_reshape", False)
         call = SelfAttention(q, k, v, layer=int(block), heads_last=heads_last)
-        if geometry.reference or N != text + frames * height * width:
+        if geometry.problem is not None:
+            return call, None, geometry.problem
+        if N != text + frames * height * width:
             return call, None, (f"the joint attention has {N} tokens where {text} conditioning tokens and the "
-                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}: a "
-                                "reference latent adds its tokens before the video, which is not a PARO token layout")
+                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}, "
+                                "which is not a PARO token layout")
         if mask is not None:
             return call, None, ("the attention call carries an attention mask (padded text), which a block-sparse "
                                 "plan cannot honour")
         call = SelfAttention.text_after(q, k, v, text, layer=int(block), heads_last=heads_last)
         return call, TokenLayout(0, frames, height, width, suffix=text), None
+
+
+class BlockIndex:
+    """ComfyUI's block-replace patch (`patches_replace["dit"][("double_block", i)]`) that runs block i with
+    `block_index` i in the transformer_options its attention calls get, through the patch installed before it,
+    if any."""
+
+    def __init__(self, index: int, previous=None):
+        self.index, self.previous = index, previous
+
+    def __call__(self, args: dict, extra: dict):
+        options = dict(args["transformer_options"])
+        options["block_index"] = self.index
+        args = {**args, "transformer_options": options}
+        return self.previous(args, extra) if self.previous is not None else extra["original_block"](args)
+
+
+class LTXVideoFamily(Family):
+    """LTX-Video 0.9.x (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`): its attention calls carry no block
+    index, so `patch` installs a `BlockIndex` on every block; a block's first call is its self-attention `attn1`
+    (video tokens only, q, k, v [B, N, H*D], RoPE applied), the next its cross-attention. Block i is layer i, the
+    tokens diffusers' (row-major F x H x W, patch size 1); the timestep arrives in 0..1 (diffusers' t / 1000)."""
+
+    name = "ltx"
+    models = "LTX-Video"
+    diffusers_class = "LTXVideoTransformer3DModel"
+    timestep_scale = 1000.0
+
+    def num_layers(self) -> int:
+        return len(self.model.transformer_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_attention_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.attention_head_dim)
+
+    def diffusers_config(self) -> dict:
+        from diffusers import LTXVideoTransformer3DModel
+
+        m = self.model
+        kwargs = dict(
+            in_channels=int(m.in_channels), out_channels=int(m.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), cross_attention_dim=int(m.cross_attention_dim),
+            num_layers=self.num_layers(), caption_channels=int(m.caption_channels),
+        )
+        with torch.device("meta"):
+            return dict(LTXVideoTransformer3DModel(**kwargs).config)
+
+    def patch(self, model_patcher) -> None:
+        replaced = model_patcher.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        for i in range(self.num_layers()):
+            model_patcher.set_model_patch_replace(BlockIndex(i, replaced.get(("double_block", i))), "dit",
+                                                  "double_block", i)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        problem = None
+        if conds.get("keyframe_idxs") is not None:
+            problem = ("guide frames (keyframes) join the video's tokens with positions of their own, which is not a "
+                       "PARO token layout")
+        return CallGeometry(timestep * self.timestep_scale, tuple(int(s) for s in x.shape[2:]), problem=problem)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block = options.get("block_index")
+        if block is None or q.dim() != 3 or geometry.count(("", int(block))) != 0:
+            return None, None, None  # a cross-attention (the block's second call), or not a block's call
+        B, N, HD = q.shape
+        call = SelfAttention(*(t.view(B, t.shape[1], heads, HD // heads).transpose(1, 2) for t in (q, k, v)),
+                             layer=int(block), heads_last=True)
+        frames, height, width = geometry.grid
+        if geometry.problem is not None:
+            return call, None, geometry.problem
+        if N != frames * height * width or k.shape[1] != N:
+            return call, None, (f"block {block}'s self-attention has {N} tokens where the {frames}x{height}x{width} "
+                                f"latent grid has {frames * height * width}, which is not a PARO token layout")
+        if mask is not None:
+            return call, None, ("the self-attention call carries an attention mask (guide attenuation), which a "
+                                "block-sparse plan cannot honour")
+        return call, TokenLayout(0, frames, height, width), None
 
 
 def family_of(model_patcher) -> Family:
@@ -465,9 +552,15 @@ def family_of(model_patcher) -> Family:
     diffusion_model = base.diffusion_model
     base_name, module_name = type(base).__name__, type(diffusion_model).__name__
     from comfy.ldm.hunyuan_video.model import HunyuanVideo
+    from comfy.ldm.lightricks.model import LTXVModel
 
     if type(diffusion_model) is HunyuanVideo and base_name == "HunyuanVideo15":
         return HunyuanVideo15Family(diffusion_model)
+    if type(diffusion_model) is LTXVModel and base_name == "LTXV":
+        if diffusion_model.cross_attention_adaln or diffusion_model.caption_proj_before_connector:
+            raise UnsupportedModel("LTXV: this LTX model modulates its cross-attention or projects its captions "
+                                   "before a connector (LTX-2's blocks), which diffusers' LTX-Video has no class for")
+        return LTXVideoFamily(diffusion_model)
     for name, reason in REFUSED.items():
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")

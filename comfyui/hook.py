@@ -38,6 +38,7 @@ class AttentionHook:
         """Install on `model_patcher` (a clone the caller owns)."""
         import comfy.patcher_extension
 
+        self.family.patch(model_patcher)
         options = model_patcher.model_options.setdefault("transformer_options", {})
         self.previous = options.get("optimized_attention_override")
         options["optimized_attention_override"] = self

@@ -37,6 +37,9 @@ QWEN_LAYOUT = TokenLayout(QWEN_TEXT, 1, 8, 6)
 HUNYUAN15_SIZE = WAN_SIZE
 HUNYUAN15_STREAMS = {"image_tokens": 4, "byt5_tokens": 6, "tokens": 8}
 HUNYUAN15_LAYOUT = TokenLayout(0, 3, 5, 6, suffix=sum(HUNYUAN15_STREAMS.values()))
+# LTX-Video: 160 x 192 pixels x 17 frames -> latent 3 x 5 x 6 (32x spatial, 8x temporal compression), patch 1
+LTX_SIZE = {"width": 192, "height": 160, "length": 17}
+LTX_LAYOUT = TokenLayout(0, 3, 5, 6)
 BLOCK = 16  # 64-token blocks would leave these grids one or two blocks: nothing to skip
 # bucket edges that the 3 steps' timesteps cross (Wan's and Flux's shifted schedules start at 1000)
 EDGES = [1000.0, 990.0, 900.0, 0.0]
@@ -129,6 +132,10 @@ def family_graph(family: str) -> tuple[str, dict, dict]:
         return "tiny-hunyuan-video15.safetensors", latent, {
             **HUNYUAN15_STREAMS, "dim": tiny_models.HUNYUAN15_TEXT_DIM, "pooled_dim": 8,  # read, then unused
             "image_dim": tiny_models.HUNYUAN15_IMAGE_DIM}
+    if family == "ltx-video":
+        latent = {"class_type": "EmptyLTXVLatentVideo", "inputs": {**LTX_SIZE, "batch_size": 1}}
+        return "tiny-ltx-video.safetensors", latent, {"tokens": 8, "dim": tiny_models.LTX_TEXT_DIM, "pooled_dim": 0,
+                                                      "text_mask": True}
     raise ValueError(f"no test graph for {family}")
 
 

@@ -22,6 +22,7 @@ from test_graphs import (
     EDGES,
     FLUX2_LAYOUT,
     HUNYUAN15_LAYOUT,
+    LTX_LAYOUT,
     QWEN_LAYOUT,
     STEPS,
     WAN_LAYOUT,
@@ -52,6 +53,7 @@ CASES = {
     "flux2": Case(FLUX2_LAYOUT, 2, 2, "Flux2Transformer2DModel", 1000.0),
     "qwen-image": Case(QWEN_LAYOUT, 1, 24, "QwenImageTransformer2DModel", 1000.0),
     "hunyuan-video15": Case(HUNYUAN15_LAYOUT, 2, 2, "HunyuanVideo15Transformer3DModel", 1.0),
+    "ltx-video": Case(LTX_LAYOUT, 2, 2, "LTXVideoTransformer3DModel", 1000.0),
 }
 
 
@@ -86,6 +88,9 @@ def make_model(family: str):
     elif family == "hunyuan-video15":
         model = tiny_models.tiny_hunyuan_video15(seed=15)
         save_model(family, model, tiny_models.save_hunyuan_video15)
+    elif family == "ltx-video":
+        model = tiny_models.tiny_ltx_video(seed=16)
+        save_model(family, model, tiny_models.save_ltx_video)
     else:
         model = tiny_models.tiny_qwen_image(seed=14)
         save_model(family, model, tiny_models.save_flux)
@@ -142,6 +147,14 @@ def diffusers_runner(family: str, model):
             return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
                          encoder_attention_mask=valid(context), encoder_hidden_states_2=txt_byt5,
                          encoder_attention_mask_2=valid(txt_byt5), image_embeds=clip_fea, return_dict=False)[0]
+    elif family == "ltx-video":
+        def run(x, timestep, context, *_):
+            # ComfyUI's default frame rate (25) and VAE scales (8 in time, 32 in space), as LTXPipeline passes them
+            B, C, F, H, W = x.shape
+            out = model(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context,
+                        timestep=1000 * timestep, encoder_attention_mask=torch.ones(context.shape[:2]), num_frames=F,
+                        height=H, width=W, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)[0]
+            return out.transpose(1, 2).reshape(B, C, F, H, W)
     else:
         def run(x, timestep, context, *_):
             B, C, _, H, W = x.shape
@@ -214,10 +227,42 @@ def test_hunyuan_video15_calibrate_node_writes_the_plan_of_diffusers_sequence(mo
         pass
 
 
+def test_ltx_block_index_patch_names_the_block_and_keeps_a_patch_installed_before_it(comfy):
+    """Apply PARO gives LTX's blocks their index through ComfyUI's block-replace patch; a patch another node put
+    on the block still runs (with the index in the options it gets)."""
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    seen = []
+
+    def original_block(args):
+        seen.append(("block", args["transformer_options"]["block_index"], args["transformer_options"]["other"]))
+        return {"img": args["img"]}
+
+    def previous(args, extra):
+        seen.append(("previous", args["transformer_options"]["block_index"]))
+        return extra["original_block"](args)
+
+    args = {"img": torch.zeros(1), "transformer_options": {"other": 1}}
+    families.BlockIndex(3)(args, {"original_block": original_block})
+    families.BlockIndex(5, previous)(args, {"original_block": original_block})
+    assert seen == [("block", 3, 1), ("previous", 5), ("block", 5, 1)]
+    assert args["transformer_options"] == {"other": 1}  # the model's own options are left as they were
+
+
+def test_ltx_guide_frames_are_not_a_paro_layout(comfy):
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    geometry = families.LTXVideoFamily(None).geometry(torch.zeros(1, 128, 4, 5, 6), 0.5, None,
+                                                      {"keyframe_idxs": torch.zeros(1, 3, 30, 2)})
+    assert geometry.timestep == 500.0 and geometry.grid == (4, 5, 6)
+    assert "guide frames" in geometry.problem
+
+
 @pytest.mark.parametrize("base, reason", [
     ("HunyuanVideo", "puts the text tokens before the video"),
     ("CogVideoX", "passes no block index"),
-    ("LTXV", "LTX-Video passes no block index"),
     ("LTXAV", "LTX-2 passes no block index"),
 ])
 def test_models_comfyui_runs_unlike_diffusers_are_refused_with_the_reason(comfy, base, reason):

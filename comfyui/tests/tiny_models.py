@@ -30,6 +30,8 @@ HUNYUAN15_CHANNELS = 32  # HunyuanVideo 1.5's latent
 HUNYUAN15_TEXT_DIM = 32
 HUNYUAN15_BYT5_DIM = 1472  # ComfyUI's ByT5 projection takes this width
 HUNYUAN15_IMAGE_DIM = 1152  # and its SigLIP projection this one
+LTX_CHANNELS = 128  # LTX-Video's latent
+LTX_TEXT_DIM = 32
 VACE_IN_CHANNELS = 96  # ComfyUI's VACE input: 16 + 16 latent channels (inactive, reactive) and a 64-channel mask
 
 
@@ -100,6 +102,19 @@ def tiny_hunyuan_video15(seed: int = 0):
         in_channels=2 * HUNYUAN15_CHANNELS + 1, out_channels=HUNYUAN15_CHANNELS, num_attention_heads=HEADS,
         attention_head_dim=HEAD_DIM, num_layers=2, text_embed_dim=HUNYUAN15_TEXT_DIM,
         text_embed_2_dim=HUNYUAN15_BYT5_DIM, image_embed_dim=HUNYUAN15_IMAGE_DIM,
+    )
+    return randomized(model, seed)
+
+
+def tiny_ltx_video(seed: int = 0):
+    """LTX-Video with 128 latent channels (ComfyUI's LTX-Video latent); ComfyUI reads its heads and text width
+    from the file's metadata (`save_ltx_video`)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LTXVideoTransformer3DModel(
+        in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        cross_attention_dim=HEADS * HEAD_DIM, num_layers=2, caption_channels=LTX_TEXT_DIM,
     )
     return randomized(model, seed)
 
@@ -259,13 +274,14 @@ def hunyuan_video15_comfy_state_dict(model) -> dict[str, torch.Tensor]:
                             "final_layer.adaLN_modulation.1.")
 
 
-def comfy_state_dict(model, name: str, keys, fused_keys, swapped: str, swapped_to: str) -> dict[str, torch.Tensor]:
+def comfy_state_dict(model, name: str, keys, fused_keys=(), swapped: str | None = None, swapped_to: str = ""
+                     ) -> dict[str, torch.Tensor]:
     """`model`'s weights renamed by `keys`; the q, k, v projections that `fused_keys` name (the letter in their
-    second group) concatenated into one; `swapped` (a (scale, shift) projection) as (shift, scale) under
+    last group) concatenated into one; `swapped` (a (scale, shift) projection) as (shift, scale) under
     `swapped_to`."""
     out, fused = {}, {}
     for key, tensor in model.state_dict().items():
-        if key.startswith(swapped):
+        if swapped is not None and key.startswith(swapped):
             scale, shift = tensor.chunk(2, dim=0)
             out[key.replace(swapped, swapped_to)] = torch.cat([shift, scale])
             continue
@@ -285,6 +301,28 @@ def comfy_state_dict(model, name: str, keys, fused_keys, swapped: str, swapped_t
     for target, parts in fused.items():
         out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
+
+
+# diffusers name -> ComfyUI (original LTX-Video release) name; every other weight keeps its name
+_LTX_KEYS = [
+    (r"proj_in\.", "patchify_proj."),
+    (r"time_embed\.", "adaln_single."),
+    (r"(transformer_blocks\.\d+\.attn[12])\.norm_q\.", r"\1.q_norm."),
+    (r"(transformer_blocks\.\d+\.attn[12])\.norm_k\.", r"\1.k_norm."),
+    (r"(caption_projection|transformer_blocks|scale_shift_table|proj_out)", r"\1"),
+]
+
+
+def save_ltx_video(model, path) -> None:
+    """Under ComfyUI's key names; ComfyUI's LTX-Video takes 32 heads and a text width of 4096 unless the file's
+    metadata says otherwise."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    transformer = {"num_attention_heads": config.num_attention_heads, "attention_head_dim": config.attention_head_dim,
+                   "caption_channels": config.caption_channels, "in_channels": config.in_channels}
+    save_file(comfy_state_dict(model, "LTX-Video", _LTX_KEYS), str(path),
+              metadata={"config": json.dumps({"transformer": transformer})})
 
 
 def save_wan(model, path) -> None:
