@@ -29,9 +29,12 @@ applied before the call (the conditioning tokens at position 0, the identity), s
 order: the call moves the conditioning tokens after the video, runs diffusers' sequence and moves the output back,
 exactly. Double block i is layer i.
 
-Refused, with the reason (`REFUSED`): HunyuanVideo (ComfyUI puts the text before the video, diffusers after it, so
-a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their attention calls carry no
-block index, so a call cannot be matched to a plan layer), and every other model.
+LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) passes no block index to its attention calls:
+`LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace patch.
+
+Refused, with the reason (`REFUSED`): HunyuanVideo 1.0 and LTX-2 (not matched call for call to their diffusers
+models), CogVideoX (its attention calls carry no block index and its blocks take no block-replace patch, so a call
+cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -59,13 +62,17 @@ _CHECKED = {
 }
 
 REFUSED = {
-    "HunyuanVideo": "ComfyUI's HunyuanVideo puts the text tokens before the video and masks padded text inside its "
-                    "own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after the "
-                    "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
-    "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls, so a call cannot be matched to "
-                 "a plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
-    "LTXAV": "ComfyUI's LTX-2 passes no block index to its attention calls, so a call cannot be matched to a plan "
-             "layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
+    "HunyuanVideo": "ComfyUI's HunyuanVideo (1.0) has not been matched call for call to diffusers' "
+                    "HunyuanVideoTransformer3DModel (its single-stream blocks, CLIP vector and image-to-video token "
+                    "replacement are untested): the PARO nodes do not run it yet; use paroattn on the diffusers "
+                    "pipeline",
+    "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls and its blocks take no "
+                 "block-replace patch, so a call cannot be matched to a plan layer: the PARO nodes do not run it; use "
+                 "paroattn on the diffusers pipeline",
+    "LTXAV": "ComfyUI's LTX-2 runs video and audio in one model (a packed audio-video latent, the text connectors "
+             "inside the model where diffusers runs them in the pipeline) and has not been matched call for call to "
+             "diffusers' LTX2VideoTransformer3DModel: the PARO nodes do not run it yet; use paroattn on the "
+             "diffusers pipeline",
 }
 
 
@@ -579,6 +586,7 @@ def family_of(model_patcher) -> Family:
     if type(diffusion_model) is QwenImageTransformer2DModel and base_name == "QwenImage":
         return QwenImageFamily(diffusion_model)
     raise UnsupportedModel(
-        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2 "
-        f"and Qwen-Image models; this MODEL is {base_name} ({module_name}), which they do not support"
+        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2, "
+        f"Qwen-Image, HunyuanVideo 1.5 and LTX-Video models; this MODEL is {base_name} ({module_name}), which they "
+        "do not support"
     )

@@ -1,11 +1,11 @@
 """The PARO nodes on the families beyond Wan 2.1 / 2.2 and FLUX.1, in ComfyUI graphs on the CPU (backend "torch"):
-SkyReels-V2 (loaded by ComfyUI as Wan 2.1), Wan VACE, FLUX.2 and Qwen-Image.
+SkyReels-V2 (loaded by ComfyUI as Wan 2.1), Wan VACE, FLUX.2, Qwen-Image, HunyuanVideo 1.5 and LTX-Video.
 
 Each family's graph is test_graphs' (UNETLoader of a tiny random model converted from diffusers -> Load PARO plan
 -> Apply PARO -> empty latent -> KSampler, 3 steps). Checked: a full-density plan gives the unpatched model's
 latent; a sparse plan (random per-head orders, random masks per layer and timestep bucket) gives, at every model
 call of the sampler, what `paroattn.apply` gives on the diffusers model with the same weights and inputs, which a
-call matched to the wrong layer, or a self-attention left to ComfyUI, would not.
+call matched to the wrong layer, tokens in another order, or a self-attention left to ComfyUI, would not.
 """
 
 from __future__ import annotations
@@ -214,15 +214,17 @@ def test_hunyuan_video15_plan_of_another_text_length_derives_its_masks_as_diffus
     assert compare_with_diffusers(calls, run, "hunyuan-video15, same calls, without PARO") > 100 * worst
 
 
-def test_hunyuan_video15_calibrate_node_writes_the_plan_of_diffusers_sequence(models):
-    """PARO calibrate records the calls as diffusers' [video ; conditioning] sequence: the plan has that layout,
-    the diffusers class and its config, which the diffusers model with these weights accepts."""
-    model = models("hunyuan-video15")
-    ok, message = run_graph("hunyuan-video15", calibrate={**CALIBRATE, "filename": "calibrated-hunyuan-video15"})
+@pytest.mark.parametrize("family", ["hunyuan-video15", "ltx-video"])
+def test_calibrate_node_writes_the_plan_of_the_diffusers_model(family, models):
+    """PARO calibrate records the calls as the diffusers model makes them (HunyuanVideo 1.5: [video ;
+    conditioning]; LTX-Video: block i as layer i): the plan has that layout, the diffusers class and its config,
+    which the diffusers model with these weights accepts."""
+    model, case = models(family), CASES[family]
+    ok, message = run_graph(family, calibrate={**CALIBRATE, "filename": f"calibrated-{family}"})
     assert (ok, message) == (True, "")
-    plan = paroattn.load_plans(plan_folder() / "calibrated-hunyuan-video15.safetensors")[0]
-    assert plan.layout == HUNYUAN15_LAYOUT and (plan.num_layers, plan.num_heads) == (2, 2)
-    assert plan.model_class == "HunyuanVideo15Transformer3DModel"
+    plan = paroattn.load_plans(plan_folder() / f"calibrated-{family}.safetensors")[0]
+    assert plan.layout == case.layout and (plan.num_layers, plan.num_heads) == (case.layers, case.heads)
+    assert plan.model_class == case.model_class
     with paroattn.apply(model, plan, backend="torch", on_mismatch="error"):
         pass
 
@@ -261,11 +263,11 @@ def test_ltx_guide_frames_are_not_a_paro_layout(comfy):
 
 
 @pytest.mark.parametrize("base, reason", [
-    ("HunyuanVideo", "puts the text tokens before the video"),
-    ("CogVideoX", "passes no block index"),
-    ("LTXAV", "LTX-2 passes no block index"),
+    ("HunyuanVideo", "HunyuanVideo (1.0) has not been matched call for call"),
+    ("CogVideoX", "passes no block index to its attention calls and its blocks take no block-replace patch"),
+    ("LTXAV", "LTX-2 runs video and audio in one model"),
 ])
-def test_models_comfyui_runs_unlike_diffusers_are_refused_with_the_reason(comfy, base, reason):
+def test_models_the_nodes_do_not_match_to_diffusers_are_refused_with_the_reason(comfy, base, reason):
     import comfy_env
 
     families = comfy_env.pack_module("families")
