@@ -10,12 +10,15 @@ Two pieces, both in the clone's `model_options["transformer_options"]`:
   function, or to an override installed before this one.
 
 `PARORunner` runs a plan through `paroattn.runner.PlanRunner` (the plan of each size, the masks, the op call);
-`StatsCapture` records the dense calls' statistics for calibration.
+`StatsCapture` records the dense calls' statistics for calibration; `auto.AutoPlan` (plan 'auto') does the one,
+then the other. Inside a model compiled by ComfyUI's TorchCompileModel the override runs eagerly (see `__call__`).
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from paroattn import PlanError
 from paroattn.runner import PlanRunner
@@ -58,6 +61,11 @@ class AttentionHook:
             return self.previous(func, *args, **kwargs)
         return func(*args, **kwargs)
 
+    # ComfyUI's TorchCompileModel drops every guard on transformer_options: a graph traced through this hook would
+    # keep the block index, timestep bucket and plan of the call it was traced at for every later call that reuses
+    # it. The hook runs eagerly instead (a graph break at each attention call), reading the options of each call.
+    @torch.compiler.disable(reason="PARO's attention hook reads each call's transformer_options, which ComfyUI's "
+                            "TorchCompileModel does not guard on")
     def __call__(self, func, *args, **kwargs):
         options = kwargs.get("transformer_options") or {}
         geometry: CallGeometry | None = options.get(GEOMETRY_KEY)

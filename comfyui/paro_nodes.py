@@ -1,4 +1,4 @@
-"""The PARO nodes: Load PARO plan, Apply PARO, PARO calibrate.
+"""The PARO nodes: Load PARO plan, Apply PARO (with a plan, or plan 'auto': `auto.py`), PARO calibrate.
 
 Plans live in ComfyUI's `models/paroattn/` (or any folder named `paroattn` in extra_model_paths.yaml): the files
 `paro calibrate` writes for diffusers, and those PARO calibrate writes here; both sides read both.
@@ -16,10 +16,12 @@ import folder_paths
 from paroattn import Plan, PlanError, load_plans
 from paroattn.attention import BACKENDS
 from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder
+from paroattn.calibrate.auto import cheap_capture
 from paroattn.calibrate.driver import STATS_SUFFIX, plan_from_stats, save_calibration
 from paroattn.modes import PV_MODES, QK_MODES
 from paroattn.plan import expert_plan_path
 
+from .auto import AutoPlan, auto_entry
 from .families import UnsupportedModel, family_of
 from .hook import OR_DENSE, PARORunner, StatsCapture
 
@@ -110,28 +112,41 @@ class LoadPAROPlan:
 
 class ApplyPARO:
     DESCRIPTION = ("The MODEL with PARO attention: each self-attention call runs with the plan's token orders and "
-                   "the block mask of its timestep bucket; cross-attention and other calls keep ComfyUI's attention.")
+                   "the block mask of its timestep bucket; cross-attention and other calls keep ComfyUI's attention. "
+                   "Without a PARO_PLAN connected the plan is 'auto': the cached plan of this model at the density, "
+                   "qk, pv and block size set here, or, without one, learnt by the next sampling run (which runs "
+                   "dense) and cached for the runs after it.")
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL",),
-            "plan": ("PARO_PLAN",),
             "backend": (list(BACKENDS), {"default": "auto", "tooltip": "auto: the Triton kernels on a CUDA GPU, "
                                          "else the torch reference; torch runs anywhere"}),
             "on_mismatch": (["error", "dense"], {"default": "error", "tooltip": "a plan that does not fit the model "
                             "or a call: error stops with what does not match; dense runs the model's own attention"}),
             "expert": (list(EXPERT_CHOICES), {"default": "auto", "tooltip": "for a Wan 2.2 A14B plan pair: which "
-                       "expert this MODEL is (transformer: high noise, transformer_2: low noise)"}),
+                       "expert this MODEL is (transformer: high noise, transformer_2: low noise); with plan 'auto', "
+                       "set it on both experts' nodes so that each learns a plan of its own"}),
+        }, "optional": {
+            "plan": ("PARO_PLAN", {"tooltip": "a plan from Load PARO plan or PARO calibrate; unconnected: plan 'auto'"}),
+            "density": ("FLOAT", {"default": 0.3, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip": "plan 'auto' "
+                        "only: share of attention blocks kept, averaged over the steps"}),
+            "qk": (list(QK_MODES), {"default": "bf16", "tooltip": "plan 'auto' only"}),
+            "pv": (list(PV_MODES), {"default": "bf16", "tooltip": "plan 'auto' only"}),
+            "block_size": ("INT", {"default": 64, "min": 16, "max": 128, "step": 16, "tooltip": "plan 'auto' only: "
+                           "tokens per mask block (the Triton kernels run 64 and 128)"}),
         }}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     CATEGORY = CATEGORY
 
-    def apply(self, model, plan, backend, on_mismatch, expert):
+    def apply(self, model, backend, on_mismatch, expert, plan=None, density=0.3, qk="bf16", pv="bf16", block_size=64):
         try:
             family = family_of(model)
+            if plan is None:
+                return self.apply_auto(model, family, backend, on_mismatch, expert, density, qk, pv, block_size)
             chosen = plan.for_expert(expert)
             problems = plan_problems(chosen, family)
             if problems:
@@ -146,6 +161,23 @@ class ApplyPARO:
         patched = model.clone()
         PARORunner(family, chosen, backend=backend, on_mismatch=on_mismatch).install(patched)
         return {"ui": {"text": [f"PARO on: {describe(chosen)}; backend {backend}"]}, "result": (patched,)}
+
+    @staticmethod
+    def apply_auto(model, family, backend, on_mismatch, expert, density, qk, pv, block_size):
+        """Plan 'auto': the cached plan, or the hook that learns it during the next sampling run."""
+        expert = "" if expert == "auto" else expert
+        path = auto_entry(family, density=density, qk=qk, pv=pv, block_size=block_size, expert=expert)
+        hook = AutoPlan(family, path, SelectionConfig(density=density, qk=qk, pv=pv), cheap_capture(block_size),
+                        expert=expert, backend=backend, on_mismatch=on_mismatch)
+        if hook.load():
+            message = f"PARO on: cached plan {path}: {describe(hook.plan)}; backend {backend}"
+        else:
+            message = (f"PARO learns: no cached plan at {path}; the next sampling run with this MODEL runs dense, "
+                       "learns the plan and caches it there, and the runs after it are sparse")
+        logging.info("%s", message)
+        patched = model.clone()
+        hook.install(patched)
+        return {"ui": {"text": [message]}, "result": (patched,)}
 
 
 class PAROCalibrate:

