@@ -23,9 +23,18 @@ token layout is. Every family below gets RoPE applied by ComfyUI before the call
 - Qwen-Image (`comfy.ldm.qwen_image.model.QwenImageTransformer2DModel`): q, k, v `[B, H, N, D]`, every block one
   joint self-attention over [text ; image] (the prompt's own token count, as diffusers'), block i layer i.
 
-Refused, with the reason (`REFUSED`): HunyuanVideo and HunyuanVideo 1.5 (ComfyUI puts the text before the video,
-diffusers after it, so a plan's masks do not describe ComfyUI's sequence), CogVideoX, LTX-Video and LTX-2 (their
-attention calls carry no block index, so a call cannot be matched to a plan layer), and every other model.
+And one family whose tokens ComfyUI orders otherwise: HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo`
+as `HunyuanVideo15`) joins [image ; ByT5 ; text ; video] where diffusers joins [video ; image ; ByT5 ; text]. RoPE is
+applied before the call (the conditioning tokens at position 0, the identity), so attention does not depend on the
+order: the call moves the conditioning tokens after the video, runs diffusers' sequence and moves the output back,
+exactly. Double block i is layer i.
+
+LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) passes no block index to its attention calls:
+`LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace patch.
+
+Refused, with the reason (`REFUSED`): HunyuanVideo 1.0 and LTX-2 (not matched call for call to their diffusers
+models), CogVideoX (its attention calls carry no block index and its blocks take no block-replace patch, so a call
+cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -46,24 +55,24 @@ _CHECKED = {
              "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"),
     "flux2": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
               "joint_attention_dim", "guidance_embeds"),
+    "ltx": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "cross_attention_dim",
+            "caption_channels"),
     "qwen_image": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                    "joint_attention_dim", "zero_cond_t", "use_additional_t_cond"),
 }
 
 REFUSED = {
-    "HunyuanVideo15": "ComfyUI's HunyuanVideo 1.5 puts its conditioning tokens (image, ByT5, text) before the video, "
-                      "while plans (calibrated on diffusers' HunyuanVideo 1.5) have them after the video, with the "
-                      "image tokens that text-to-video leaves as padding: the PARO nodes do not run it yet; use "
-                      "paroattn on the diffusers pipeline",
-    "HunyuanVideo": "ComfyUI's HunyuanVideo puts the text tokens before the video and masks padded text inside its "
-                    "own attention, while plans (calibrated on diffusers' HunyuanVideo) have the text after the "
-                    "video: the PARO nodes do not run it yet; use paroattn on the diffusers pipeline",
-    "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls, so a call cannot be matched to "
-                 "a plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
-    "LTXV": "ComfyUI's LTX-Video passes no block index to its attention calls, so a call cannot be matched to a "
-            "plan layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
-    "LTXAV": "ComfyUI's LTX-2 passes no block index to its attention calls, so a call cannot be matched to a plan "
-             "layer: the PARO nodes do not run it; use paroattn on the diffusers pipeline",
+    "HunyuanVideo": "ComfyUI's HunyuanVideo (1.0) has not been matched call for call to diffusers' "
+                    "HunyuanVideoTransformer3DModel (its single-stream blocks, CLIP vector and image-to-video token "
+                    "replacement are untested): the PARO nodes do not run it yet; use paroattn on the diffusers "
+                    "pipeline",
+    "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls and its blocks take no "
+                 "block-replace patch, so a call cannot be matched to a plan layer: the PARO nodes do not run it; use "
+                 "paroattn on the diffusers pipeline",
+    "LTXAV": "ComfyUI's LTX-2 runs video and audio in one model (a packed audio-video latent, the text connectors "
+             "inside the model where diffusers runs them in the pipeline) and has not been matched call for call to "
+             "diffusers' LTX2VideoTransformer3DModel: the PARO nodes do not run it yet; use paroattn on the "
+             "diffusers pipeline",
 }
 
 
@@ -81,20 +90,31 @@ class SelfAttention:
     v: torch.Tensor
     layer: int
     heads_last: bool  # ComfyUI wants [B, N, H*D] (True) or [B, H, N, D] (False)
+    moved: int = 0  # leading tokens of ComfyUI's sequence that q, k, v carry at the end (diffusers' order)
+
+    @classmethod
+    def text_after(cls, q, k, v, text: int, **kwargs) -> SelfAttention:
+        """The call of ComfyUI's q, k, v [B, H, text + video, D] with the text moved after the video: attention
+        does not depend on the order of the tokens (RoPE is already applied), so PARO runs diffusers' order and
+        `output` moves the text back."""
+        return cls(*(torch.roll(t, -text, dims=2) for t in (q, k, v)), moved=text, **kwargs)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
+        if self.moved:
+            out = torch.roll(out, self.moved, dims=2)
         return out.transpose(1, 2).flatten(2) if self.heads_last else out
 
 
 @dataclass
 class CallGeometry:
-    """What one model call (one sampler evaluation) means for PARO, from the latent and the sigma: the timestep on
-    the 0..1000 scale of plans, the image grid where the attention calls do not carry it (Flux), and the text
-    tokens of the call (Flux)."""
+    """What one model call (one sampler evaluation) means for PARO, from the latent, the sigma and the conditioning:
+    the timestep on the 0..1000 scale of plans, the latent grid where the attention calls do not carry it (Flux,
+    HunyuanVideo 1.5), and the text tokens of the call (Flux, HunyuanVideo 1.5)."""
 
     timestep: float
     grid: tuple[int, int, int] | None = None
     text_tokens: int | None = None
+    problem: str | None = None  # why no call of this model call has a PARO token layout (extra conditioning tokens)
     block: tuple[str, int] | None = None  # the last (block type, index) an attention call came from
     calls: int = 0  # the attention calls of that block so far, less one
 
@@ -139,8 +159,12 @@ class Family:
         config = self.diffusers_config()
         return {key: config.get(key) for key in _CHECKED[self.name]}
 
+    def patch(self, model_patcher) -> None:
+        """Patches the model needs besides the attention hook (`model_patcher`: a clone the caller owns)."""
+
     # -- per model call ------------------------------------------------------------------------------
-    def geometry(self, x: torch.Tensor, timestep: float, c_crossattn) -> CallGeometry:
+    def geometry(self, x: torch.Tensor, timestep: float, c_crossattn, conds: dict) -> CallGeometry:
+        """`conds`: the model's other inputs of this call (ComfyUI's extra conds, by name)."""
         return CallGeometry(timestep * self.timestep_scale)
 
     # -- per attention call --------------------------------------------------------------------------
@@ -261,7 +285,7 @@ class JointFamily(Family):
     def layer_of(self, kind: str, block: int) -> int:
         raise NotImplementedError
 
-    def geometry(self, x, timestep, c_crossattn):
+    def geometry(self, x, timestep, c_crossattn, conds):
         patch = self.patch_size()
         height, width = (int(s) for s in x.shape[-2:])
         frames = int(x.shape[2]) if x.dim() == 5 else 1
@@ -378,11 +402,172 @@ class QwenImageFamily(JointFamily):
             return dict(QwenImageTransformer2DModel(**kwargs).config)
 
 
+class HunyuanVideo15Family(Family):
+    """HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo15`): each double block one
+    joint self-attention, q, k, v [B, H, N, D] (`skip_reshape`), over [image ; ByT5 ; text ; video] where diffusers
+    has [video ; image ; ByT5 ; text]: the call moves the conditioning after the video. ComfyUI passes only the
+    streams a prompt has (no image tokens in text-to-video, ByT5 tokens for quoted text only) and no padding; a
+    diffusers plan, calibrated with the pipeline's padded 1985 conditioning tokens, serves that length through its
+    derived sizes."""
+
+    name = "hunyuan_video15"
+    models = "HunyuanVideo 1.5"
+    diffusers_class = "HunyuanVideo15Transformer3DModel"
+
+    def num_layers(self) -> int:
+        return len(self.model.double_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.hidden_size) // int(self.model.num_heads)
+
+    def diffusers_config(self) -> dict:
+        """target_size and task_type, which only the diffusers pipeline reads, are diffusers' defaults: the weights
+        do not say them."""
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        m, p = self.model, self.model.params
+        patch_t, patch, _ = (int(s) for s in p.patch_size)
+        kwargs = dict(
+            in_channels=int(p.in_channels), out_channels=int(p.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), num_layers=self.num_layers(),
+            num_refiner_layers=len(m.txt_in.individual_token_refiner.blocks), mlp_ratio=float(p.mlp_ratio),
+            patch_size=patch, patch_size_t=patch_t, text_embed_dim=int(p.context_in_dim),
+            text_embed_2_dim=int(m.byt5_in.layernorm.normalized_shape[0]), image_embed_dim=int(p.vision_in_dim),
+            rope_theta=float(p.theta), rope_axes_dim=tuple(int(a) for a in p.axes_dim), use_meanflow=bool(p.meanflow),
+        )
+        with torch.device("meta"):
+            return dict(HunyuanVideo15Transformer3DModel(**kwargs).config)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        grid = tuple((int(n) + int(p) // 2) // int(p) for n, p in zip(x.shape[2:], self.model.patch_size))
+        # the conditioning tokens the model puts before the video: SigLIP image features, ByT5 glyph text, text
+        streams = (conds.get("clip_fea"), conds.get("txt_byt5") if self.model.byt5_in is not None else None,
+                   c_crossattn)
+        text = sum(int(t.shape[1]) for t in streams if t is not None)
+        problem = None
+        if conds.get("ref_latent") is not None:
+            problem = "a reference latent adds its tokens before the video, which is not a PARO token layout"
+        return CallGeometry(timestep * self.timestep_scale, grid, text, problem=problem)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block = options.get("block_index")
+        if block is None or options.get("block_type") != "double" or q.dim() != 4 or not kwargs.get("skip_reshape"):
+            return None, None, None  # the token refiner's text self-attention runs before the blocks
+        text = geometry.text_tokens
+        frames, height, width = geometry.grid
+        N = q.shape[2]
+        heads_last = not kwargs.get("skip_output_reshape", False)
+        call = SelfAttention(q, k, v, layer=int(block), heads_last=heads_last)
+        if geometry.problem is not None:
+            return call, None, geometry.problem
+        if N != text + frames * height * width:
+            return call, None, (f"the joint attention has {N} tokens where {text} conditioning tokens and the "
+                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}, "
+                                "which is not a PARO token layout")
+        if mask is not None:
+            return call, None, ("the attention call carries an attention mask (padded text), which a block-sparse "
+                                "plan cannot honour")
+        call = SelfAttention.text_after(q, k, v, text, layer=int(block), heads_last=heads_last)
+        return call, TokenLayout(0, frames, height, width, suffix=text), None
+
+
+class BlockIndex:
+    """ComfyUI's block-replace patch (`patches_replace["dit"][("double_block", i)]`) that runs block i with
+    `block_index` i in the transformer_options its attention calls get, through the patch installed before it,
+    if any."""
+
+    def __init__(self, index: int, previous=None):
+        self.index, self.previous = index, previous
+
+    def __call__(self, args: dict, extra: dict):
+        options = dict(args["transformer_options"])
+        options["block_index"] = self.index
+        args = {**args, "transformer_options": options}
+        return self.previous(args, extra) if self.previous is not None else extra["original_block"](args)
+
+
+class LTXVideoFamily(Family):
+    """LTX-Video 0.9.x (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`): its attention calls carry no block
+    index, so `patch` installs a `BlockIndex` on every block; a block's first call is its self-attention `attn1`
+    (video tokens only, q, k, v [B, N, H*D], RoPE applied), the next its cross-attention. Block i is layer i, the
+    tokens diffusers' (row-major F x H x W, patch size 1); the timestep arrives in 0..1 (diffusers' t / 1000)."""
+
+    name = "ltx"
+    models = "LTX-Video"
+    diffusers_class = "LTXVideoTransformer3DModel"
+    timestep_scale = 1000.0
+
+    def num_layers(self) -> int:
+        return len(self.model.transformer_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_attention_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.attention_head_dim)
+
+    def diffusers_config(self) -> dict:
+        from diffusers import LTXVideoTransformer3DModel
+
+        m = self.model
+        kwargs = dict(
+            in_channels=int(m.in_channels), out_channels=int(m.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), cross_attention_dim=int(m.cross_attention_dim),
+            num_layers=self.num_layers(), caption_channels=int(m.caption_channels),
+        )
+        with torch.device("meta"):
+            return dict(LTXVideoTransformer3DModel(**kwargs).config)
+
+    def patch(self, model_patcher) -> None:
+        replaced = model_patcher.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+        for i in range(self.num_layers()):
+            model_patcher.set_model_patch_replace(BlockIndex(i, replaced.get(("double_block", i))), "dit",
+                                                  "double_block", i)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        problem = None
+        if conds.get("keyframe_idxs") is not None:
+            problem = ("guide frames (keyframes) join the video's tokens with positions of their own, which is not a "
+                       "PARO token layout")
+        return CallGeometry(timestep * self.timestep_scale, tuple(int(s) for s in x.shape[2:]), problem=problem)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block = options.get("block_index")
+        if block is None or q.dim() != 3 or geometry.count(("", int(block))) != 0:
+            return None, None, None  # a cross-attention (the block's second call), or not a block's call
+        B, N, HD = q.shape
+        call = SelfAttention(*(t.view(B, t.shape[1], heads, HD // heads).transpose(1, 2) for t in (q, k, v)),
+                             layer=int(block), heads_last=True)
+        frames, height, width = geometry.grid
+        if geometry.problem is not None:
+            return call, None, geometry.problem
+        if N != frames * height * width or k.shape[1] != N:
+            return call, None, (f"block {block}'s self-attention has {N} tokens where the {frames}x{height}x{width} "
+                                f"latent grid has {frames * height * width}, which is not a PARO token layout")
+        if mask is not None:
+            return call, None, ("the self-attention call carries an attention mask (guide attenuation), which a "
+                                "block-sparse plan cannot honour")
+        return call, TokenLayout(0, frames, height, width), None
+
+
 def family_of(model_patcher) -> Family:
     """The family of a ComfyUI MODEL, or UnsupportedModel saying why there is none."""
     base = model_patcher.model
     diffusion_model = base.diffusion_model
     base_name, module_name = type(base).__name__, type(diffusion_model).__name__
+    from comfy.ldm.hunyuan_video.model import HunyuanVideo
+    from comfy.ldm.lightricks.model import LTXVModel
+
+    if type(diffusion_model) is HunyuanVideo and base_name == "HunyuanVideo15":
+        return HunyuanVideo15Family(diffusion_model)
+    if type(diffusion_model) is LTXVModel and base_name == "LTXV":
+        if diffusion_model.cross_attention_adaln or diffusion_model.caption_proj_before_connector:
+            raise UnsupportedModel("LTXV: this LTX model modulates its cross-attention or projects its captions "
+                                   "before a connector (LTX-2's blocks), which diffusers' LTX-Video has no class for")
+        return LTXVideoFamily(diffusion_model)
     for name, reason in REFUSED.items():
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")
@@ -401,6 +586,7 @@ def family_of(model_patcher) -> Family:
     if type(diffusion_model) is QwenImageTransformer2DModel and base_name == "QwenImage":
         return QwenImageFamily(diffusion_model)
     raise UnsupportedModel(
-        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2 "
-        f"and Qwen-Image models; this MODEL is {base_name} ({module_name}), which they do not support"
+        f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2, "
+        f"Qwen-Image, HunyuanVideo 1.5 and LTX-Video models; this MODEL is {base_name} ({module_name}), which they "
+        "do not support"
     )

@@ -41,6 +41,7 @@ class AttentionHook:
         """Install on `model_patcher` (a clone the caller owns)."""
         import comfy.patcher_extension
 
+        self.family.patch(model_patcher)
         options = model_patcher.model_options.setdefault("transformer_options", {})
         self.previous = options.get("optimized_attention_override")
         options["optimized_attention_override"] = self
@@ -50,7 +51,7 @@ class AttentionHook:
     def wrap_apply_model(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None,
                          **kwargs):
         timestep = executor.class_obj.model_sampling.timestep(t)
-        geometry = self.family.geometry(x, float(timestep.detach().max()), c_crossattn)
+        geometry = self.family.geometry(x, float(timestep.detach().max()), c_crossattn, kwargs)
         transformer_options = dict(transformer_options or {})
         transformer_options[GEOMETRY_KEY] = geometry
         return executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)

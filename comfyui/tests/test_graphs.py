@@ -32,6 +32,14 @@ FLUX2_LAYOUT = TokenLayout(512, 1, 8, 6)
 QWEN_SIZE = {"width": 96, "height": 128}
 QWEN_TEXT = 16
 QWEN_LAYOUT = TokenLayout(QWEN_TEXT, 1, 8, 6)
+# HunyuanVideo 1.5: 80 x 96 pixels x 9 frames -> latent 3 x 5 x 6 (16x spatial compression, patch 1), after it
+# (diffusers' order) the SigLIP image, ByT5 glyph and MLLM text tokens
+HUNYUAN15_SIZE = WAN_SIZE
+HUNYUAN15_STREAMS = {"image_tokens": 4, "byt5_tokens": 6, "tokens": 8}
+HUNYUAN15_LAYOUT = TokenLayout(0, 3, 5, 6, suffix=sum(HUNYUAN15_STREAMS.values()))
+# LTX-Video: 160 x 192 pixels x 17 frames -> latent 3 x 5 x 6 (32x spatial, 8x temporal compression), patch 1
+LTX_SIZE = {"width": 192, "height": 160, "length": 17}
+LTX_LAYOUT = TokenLayout(0, 3, 5, 6)
 BLOCK = 16  # 64-token blocks would leave these grids one or two blocks: nothing to skip
 # bucket edges that the 3 steps' timesteps cross (Wan's and Flux's shifted schedules start at 1000)
 EDGES = [1000.0, 990.0, 900.0, 0.0]
@@ -107,6 +115,15 @@ def family_graph(family: str) -> tuple[str, dict, dict]:
         latent = {"class_type": "EmptySD3LatentImage", "inputs": {**QWEN_SIZE, "batch_size": 1}}
         return "tiny-qwen-image.safetensors", latent, {"tokens": QWEN_TEXT, "dim": tiny_models.QWEN_TEXT_DIM,
                                                        "pooled_dim": 0}
+    if family == "hunyuan-video15":
+        latent = {"class_type": "EmptyHunyuanVideo15Latent", "inputs": {**HUNYUAN15_SIZE, "batch_size": 1}}
+        return "tiny-hunyuan-video15.safetensors", latent, {
+            **HUNYUAN15_STREAMS, "dim": tiny_models.HUNYUAN15_TEXT_DIM, "pooled_dim": 8,  # read, then unused
+            "image_dim": tiny_models.HUNYUAN15_IMAGE_DIM}
+    if family == "ltx-video":
+        latent = {"class_type": "EmptyLTXVLatentVideo", "inputs": {**LTX_SIZE, "batch_size": 1}}
+        return "tiny-ltx-video.safetensors", latent, {"tokens": 8, "dim": tiny_models.LTX_TEXT_DIM, "pooled_dim": 0,
+                                                      "text_mask": True}
     raise ValueError(f"no test graph for {family}")
 
 
@@ -313,7 +330,7 @@ def test_models_without_a_paro_layout_are_refused_with_the_reason(comfy):
     class Patcher:
         model = HunyuanVideo()
 
-    with pytest.raises(families.UnsupportedModel, match="puts the text tokens before the video"):
+    with pytest.raises(families.UnsupportedModel, match="has not been matched call for call"):
         families.family_of(Patcher())
 
 

@@ -1,11 +1,11 @@
 """The PARO nodes on the families beyond Wan 2.1 / 2.2 and FLUX.1, in ComfyUI graphs on the CPU (backend "torch"):
-SkyReels-V2 (loaded by ComfyUI as Wan 2.1), Wan VACE, FLUX.2 and Qwen-Image.
+SkyReels-V2 (loaded by ComfyUI as Wan 2.1), Wan VACE, FLUX.2, Qwen-Image, HunyuanVideo 1.5 and LTX-Video.
 
 Each family's graph is test_graphs' (UNETLoader of a tiny random model converted from diffusers -> Load PARO plan
 -> Apply PARO -> empty latent -> KSampler, 3 steps). Checked: a full-density plan gives the unpatched model's
 latent; a sparse plan (random per-head orders, random masks per layer and timestep bucket) gives, at every model
 call of the sampler, what `paroattn.apply` gives on the diffusers model with the same weights and inputs, which a
-call matched to the wrong layer, or a self-attention left to ComfyUI, would not.
+call matched to the wrong layer, tokens in another order, or a self-attention left to ComfyUI, would not.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import pytest
 import torch
 from test_graphs import (
     BLOCK,
+    CALIBRATE,
     EDGES,
     FLUX2_LAYOUT,
+    HUNYUAN15_LAYOUT,
+    LTX_LAYOUT,
     QWEN_LAYOUT,
     STEPS,
     WAN_LAYOUT,
@@ -49,6 +52,8 @@ CASES = {
     "wan-vace": Case(WAN_LAYOUT, 3, 2, "WanVACETransformer3DModel", 1.0),  # 2 Wan blocks, then 1 VACE block
     "flux2": Case(FLUX2_LAYOUT, 2, 2, "Flux2Transformer2DModel", 1000.0),
     "qwen-image": Case(QWEN_LAYOUT, 1, 24, "QwenImageTransformer2DModel", 1000.0),
+    "hunyuan-video15": Case(HUNYUAN15_LAYOUT, 2, 2, "HunyuanVideo15Transformer3DModel", 1.0),
+    "ltx-video": Case(LTX_LAYOUT, 2, 2, "LTXVideoTransformer3DModel", 1000.0),
 }
 
 
@@ -80,6 +85,12 @@ def make_model(family: str):
     elif family == "flux2":
         model = tiny_models.tiny_flux2(seed=13)
         save_model(family, model, tiny_models.save_flux2)
+    elif family == "hunyuan-video15":
+        model = tiny_models.tiny_hunyuan_video15(seed=15)
+        save_model(family, model, tiny_models.save_hunyuan_video15)
+    elif family == "ltx-video":
+        model = tiny_models.tiny_ltx_video(seed=16)
+        save_model(family, model, tiny_models.save_ltx_video)
     else:
         model = tiny_models.tiny_qwen_image(seed=14)
         save_model(family, model, tiny_models.save_flux)
@@ -128,6 +139,22 @@ def diffusers_runner(family: str, model):
             out = model(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context, timestep=timestep,
                         img_ids=img_ids.view(H * W, 4), txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
             return out.transpose(1, 2).reshape(B, C, H, W)
+    elif family == "hunyuan-video15":
+        def run(x, timestep, context, y, txt_byt5, clip_fea, *_):
+            # every token valid: the streams joined as [image ; ByT5 ; text], ComfyUI's order, after the video
+            def valid(t):
+                return torch.ones(t.shape[:2], dtype=torch.long)
+            return model(hidden_states=x, timestep=timestep, encoder_hidden_states=context,
+                         encoder_attention_mask=valid(context), encoder_hidden_states_2=txt_byt5,
+                         encoder_attention_mask_2=valid(txt_byt5), image_embeds=clip_fea, return_dict=False)[0]
+    elif family == "ltx-video":
+        def run(x, timestep, context, *_):
+            # ComfyUI's default frame rate (25) and VAE scales (8 in time, 32 in space), as LTXPipeline passes them
+            B, C, F, H, W = x.shape
+            out = model(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context,
+                        timestep=1000 * timestep, encoder_attention_mask=torch.ones(context.shape[:2]), num_frames=F,
+                        height=H, width=W, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)[0]
+            return out.transpose(1, 2).reshape(B, C, F, H, W)
     else:
         def run(x, timestep, context, *_):
             B, C, _, H, W = x.shape
@@ -170,14 +197,77 @@ def test_sparse_plan_equals_paroattn_apply_on_the_diffusers_model(family, models
     assert compare_with_diffusers(calls, run, f"{family}, same calls, diffusers without PARO") > 100 * worst
 
 
+def test_hunyuan_video15_plan_of_another_text_length_derives_its_masks_as_diffusers_does(models):
+    """The diffusers pipeline pads the conditioning to 1985 tokens (729 image, 256 ByT5, 1000 text) where ComfyUI
+    passes the prompt's own: a plan calibrated with more conditioning tokens than the call has serves it through
+    masks derived from its axis profiles, the ones diffusers derives for a call of the same tokens."""
+    model = models("hunyuan-video15")
+    layout = replace(HUNYUAN15_LAYOUT, suffix=2 * HUNYUAN15_LAYOUT.suffix)
+    plan = Plan.synthetic(layout=layout, num_layers=2, num_heads=2, density=0.5, orders="random", num_buckets=1,
+                          block_size=BLOCK, model_class="HunyuanVideo15Transformer3DModel", seed=8, profiles=True)
+    name = save_plan(plan, "hunyuan-video15-longer-text.safetensors")
+    assert run_graph("hunyuan-video15", plan=name, record="hunyuan-derived", keep="hunyuan-derived-latent") == (True, "")
+    calls, run = records()["hunyuan-derived"], diffusers_runner("hunyuan-video15", model)
+    with paroattn.apply(model, Plan.load(plan_folder() / name), backend="torch"):
+        worst = compare_with_diffusers(calls, run, f"hunyuan-video15, plan for {layout.suffix} conditioning tokens")
+    assert worst < 1e-5
+    assert compare_with_diffusers(calls, run, "hunyuan-video15, same calls, without PARO") > 100 * worst
+
+
+@pytest.mark.parametrize("family", ["hunyuan-video15", "ltx-video"])
+def test_calibrate_node_writes_the_plan_of_the_diffusers_model(family, models):
+    """PARO calibrate records the calls as the diffusers model makes them (HunyuanVideo 1.5: [video ;
+    conditioning]; LTX-Video: block i as layer i): the plan has that layout, the diffusers class and its config,
+    which the diffusers model with these weights accepts."""
+    model, case = models(family), CASES[family]
+    ok, message = run_graph(family, calibrate={**CALIBRATE, "filename": f"calibrated-{family}"})
+    assert (ok, message) == (True, "")
+    plan = paroattn.load_plans(plan_folder() / f"calibrated-{family}.safetensors")[0]
+    assert plan.layout == case.layout and (plan.num_layers, plan.num_heads) == (case.layers, case.heads)
+    assert plan.model_class == case.model_class
+    with paroattn.apply(model, plan, backend="torch", on_mismatch="error"):
+        pass
+
+
+def test_ltx_block_index_patch_names_the_block_and_keeps_a_patch_installed_before_it(comfy):
+    """Apply PARO gives LTX's blocks their index through ComfyUI's block-replace patch; a patch another node put
+    on the block still runs (with the index in the options it gets)."""
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    seen = []
+
+    def original_block(args):
+        seen.append(("block", args["transformer_options"]["block_index"], args["transformer_options"]["other"]))
+        return {"img": args["img"]}
+
+    def previous(args, extra):
+        seen.append(("previous", args["transformer_options"]["block_index"]))
+        return extra["original_block"](args)
+
+    args = {"img": torch.zeros(1), "transformer_options": {"other": 1}}
+    families.BlockIndex(3)(args, {"original_block": original_block})
+    families.BlockIndex(5, previous)(args, {"original_block": original_block})
+    assert seen == [("block", 3, 1), ("previous", 5), ("block", 5, 1)]
+    assert args["transformer_options"] == {"other": 1}  # the model's own options are left as they were
+
+
+def test_ltx_guide_frames_are_not_a_paro_layout(comfy):
+    import comfy_env
+
+    families = comfy_env.pack_module("families")
+    geometry = families.LTXVideoFamily(None).geometry(torch.zeros(1, 128, 4, 5, 6), 0.5, None,
+                                                      {"keyframe_idxs": torch.zeros(1, 3, 30, 2)})
+    assert geometry.timestep == 500.0 and geometry.grid == (4, 5, 6)
+    assert "guide frames" in geometry.problem
+
+
 @pytest.mark.parametrize("base, reason", [
-    ("HunyuanVideo15", "puts its conditioning tokens (image, ByT5, text) before the video"),
-    ("HunyuanVideo", "puts the text tokens before the video"),
-    ("CogVideoX", "passes no block index"),
-    ("LTXV", "LTX-Video passes no block index"),
-    ("LTXAV", "LTX-2 passes no block index"),
+    ("HunyuanVideo", "HunyuanVideo (1.0) has not been matched call for call"),
+    ("CogVideoX", "passes no block index to its attention calls and its blocks take no block-replace patch"),
+    ("LTXAV", "LTX-2 runs video and audio in one model"),
 ])
-def test_models_comfyui_runs_unlike_diffusers_are_refused_with_the_reason(comfy, base, reason):
+def test_models_the_nodes_do_not_match_to_diffusers_are_refused_with_the_reason(comfy, base, reason):
     import comfy_env
 
     families = comfy_env.pack_module("families")

@@ -12,8 +12,8 @@ import pytest
 
 WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "example_workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
-FOLDERS = {"UNETLoader": "diffusion_models", "CLIPLoader": "text_encoders", "DualCLIPLoader": "text_encoders",
-           "VAELoader": "vae", "LoadPAROPlan": "paroattn"}
+FOLDERS = {"UNETLoader": "diffusion_models", "CheckpointLoaderSimple": "checkpoints", "CLIPLoader": "text_encoders",
+           "DualCLIPLoader": "text_encoders", "VAELoader": "vae", "LoadPAROPlan": "paroattn"}
 
 
 def _type(spec):

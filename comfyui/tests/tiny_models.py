@@ -1,13 +1,13 @@
 """Tiny random diffusers models whose weights ComfyUI loads as its own Wan 2.1 (and SkyReels-V2, Wan VACE),
-FLUX.1, FLUX.2 and Qwen-Image models.
+FLUX.1, FLUX.2, Qwen-Image and HunyuanVideo 1.5 models.
 
 ComfyUI infers a model's shape from its weights with a few fixed settings: Wan's head dim 128 and 256 time
 frequencies, FLUX.1's RoPE axes (16, 56, 56) and FLUX.2's (32, 32, 32, 32), so head dim 128, FLUX.2's 128 latent
-channels, and all of Qwen-Image's widths (24 heads of 128, text width 3584). The models below keep those and are
-small everywhere else (2 heads, 1 or 2 layers; Qwen-Image one block of its full width). Wan and FLUX.2 are saved
-under ComfyUI's (the original releases') key names, which `wan_comfy_state_dict` and `flux2_comfy_state_dict`
-derive from diffusers'; FLUX.1 and Qwen-Image under diffusers' own, which ComfyUI reads as they are (FLUX.1
-converted by ComfyUI itself).
+channels, all of Qwen-Image's widths (24 heads of 128, text width 3584), and HunyuanVideo 1.5's head dim 128 and
+ByT5 and SigLIP widths. The models below keep those and are small everywhere else (2 heads, 1 or 2 layers;
+Qwen-Image one block of its full width). Wan, FLUX.2 and HunyuanVideo 1.5 are saved under ComfyUI's (the original
+releases') key names, which `wan_comfy_state_dict` and `comfy_state_dict` derive from diffusers'; FLUX.1 and
+Qwen-Image under diffusers' own, which ComfyUI reads as they are (FLUX.1 converted by ComfyUI itself).
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ FLUX_POOLED_DIM = 16
 FLUX2_CHANNELS = 128  # FLUX.2's latent: 32 VAE channels in 2 x 2 patches
 QWEN_HEADS = 24
 QWEN_TEXT_DIM = 3584
+HUNYUAN15_CHANNELS = 32  # HunyuanVideo 1.5's latent
+HUNYUAN15_TEXT_DIM = 32
+HUNYUAN15_BYT5_DIM = 1472  # ComfyUI's ByT5 projection takes this width
+HUNYUAN15_IMAGE_DIM = 1152  # and its SigLIP projection this one
+LTX_CHANNELS = 128  # LTX-Video's latent
+LTX_TEXT_DIM = 32
 VACE_IN_CHANNELS = 96  # ComfyUI's VACE input: 16 + 16 latent channels (inactive, reactive) and a 64-channel mask
 
 
@@ -81,6 +87,34 @@ def tiny_qwen_image(seed: int = 0):
     model = QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=HEAD_DIM,
         num_attention_heads=QWEN_HEADS, joint_attention_dim=QWEN_TEXT_DIM,
+    )
+    return randomized(model, seed)
+
+
+def tiny_hunyuan_video15(seed: int = 0):
+    """HunyuanVideo 1.5 (65 input channels: the latent, the image latent and a mask) with its fixed widths: ByT5
+    features of 1472 channels through a 2048-wide projection, SigLIP features of 1152 (which ComfyUI needs to tell
+    the model from HunyuanVideo 1.0)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * HUNYUAN15_CHANNELS + 1, out_channels=HUNYUAN15_CHANNELS, num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM, num_layers=2, text_embed_dim=HUNYUAN15_TEXT_DIM,
+        text_embed_2_dim=HUNYUAN15_BYT5_DIM, image_embed_dim=HUNYUAN15_IMAGE_DIM,
+    )
+    return randomized(model, seed)
+
+
+def tiny_ltx_video(seed: int = 0):
+    """LTX-Video with 128 latent channels (ComfyUI's LTX-Video latent); ComfyUI reads its heads and text width
+    from the file's metadata (`save_ltx_video`)."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LTXVideoTransformer3DModel(
+        in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        cross_attention_dim=HEADS * HEAD_DIM, num_layers=2, caption_channels=LTX_TEXT_DIM,
     )
     return randomized(model, seed)
 
@@ -184,28 +218,111 @@ _FLUX2_FUSED = [
 def flux2_comfy_state_dict(model) -> dict[str, torch.Tensor]:
     """The diffusers FLUX.2 model's weights under ComfyUI's key names: q, k, v fused, the final norm's
     (scale, shift) as ComfyUI's (shift, scale)."""
+    return comfy_state_dict(model, "FLUX.2", _FLUX2_KEYS, _FLUX2_FUSED, "norm_out.linear.",
+                            "final_layer.adaLN_modulation.1.")
+
+
+# diffusers name -> ComfyUI (original HunyuanVideo 1.5 release) name, for weights that keep their shape
+_REFINER = r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)\."
+_REFINED = r"txt_in.individual_token_refiner.blocks.\1."
+_HUNYUAN15_KEYS = [
+    (r"x_embedder\.proj\.", "img_in.proj."),
+    (r"image_embedder\.norm_in\.", "vision_in.proj.0."),
+    (r"image_embedder\.linear_1\.", "vision_in.proj.1."),
+    (r"image_embedder\.linear_2\.", "vision_in.proj.3."),
+    (r"image_embedder\.norm_out\.", "vision_in.proj.4."),
+    (r"context_embedder\.time_text_embed\.timestep_embedder\.linear_1\.", "txt_in.t_embedder.in_layer."),
+    (r"context_embedder\.time_text_embed\.timestep_embedder\.linear_2\.", "txt_in.t_embedder.out_layer."),
+    (r"context_embedder\.time_text_embed\.text_embedder\.linear_1\.", "txt_in.c_embedder.in_layer."),
+    (r"context_embedder\.time_text_embed\.text_embedder\.linear_2\.", "txt_in.c_embedder.out_layer."),
+    (r"context_embedder\.proj_in\.", "txt_in.input_embedder."),
+    (_REFINER + r"norm([12])\.", _REFINED + r"norm\2."),
+    (_REFINER + r"attn\.to_out\.0\.", _REFINED + "self_attn.proj."),
+    (_REFINER + r"ff\.net\.0\.proj\.", _REFINED + "mlp.0."),
+    (_REFINER + r"ff\.net\.2\.", _REFINED + "mlp.2."),
+    (_REFINER + r"norm_out\.linear\.", _REFINED + "adaLN_modulation.1."),
+    (r"context_embedder_2\.norm\.", "byt5_in.layernorm."),
+    (r"context_embedder_2\.linear_([123])\.", r"byt5_in.fc\1."),
+    (r"time_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"cond_type_embed\.", "cond_type_embedding."),
+    (r"transformer_blocks\.(\d+)\.norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
+    (r"transformer_blocks\.(\d+)\.norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_q\.", r"double_blocks.\1.img_attn.norm.query_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_k\.", r"double_blocks.\1.img_attn.norm.key_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_q\.", r"double_blocks.\1.txt_attn.norm.query_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.norm_added_k\.", r"double_blocks.\1.txt_attn.norm.key_norm."),
+    (r"transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"double_blocks.\1.img_attn.proj."),
+    (r"transformer_blocks\.(\d+)\.attn\.to_add_out\.", r"double_blocks.\1.txt_attn.proj."),
+    (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj\.", r"double_blocks.\1.img_mlp.0."),
+    (r"transformer_blocks\.(\d+)\.ff\.net\.2\.", r"double_blocks.\1.img_mlp.2."),
+    (r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj\.", r"double_blocks.\1.txt_mlp.0."),
+    (r"transformer_blocks\.(\d+)\.ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
+    (r"proj_out\.", "final_layer.linear."),
+]
+_HUNYUAN15_FUSED = [
+    (_REFINER + r"attn\.to_([qkv])\.", _REFINED + "self_attn.qkv."),
+    (r"transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"double_blocks.\1.img_attn.qkv."),
+    (r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.", r"double_blocks.\1.txt_attn.qkv."),
+]
+
+
+def hunyuan_video15_comfy_state_dict(model) -> dict[str, torch.Tensor]:
+    """The diffusers HunyuanVideo 1.5 model's weights under ComfyUI's key names: q, k, v fused, the final norm's
+    (scale, shift) as ComfyUI's (shift, scale)."""
+    return comfy_state_dict(model, "HunyuanVideo 1.5", _HUNYUAN15_KEYS, _HUNYUAN15_FUSED, "norm_out.linear.",
+                            "final_layer.adaLN_modulation.1.")
+
+
+def comfy_state_dict(model, name: str, keys, fused_keys=(), swapped: str | None = None, swapped_to: str = ""
+                     ) -> dict[str, torch.Tensor]:
+    """`model`'s weights renamed by `keys`; the q, k, v projections that `fused_keys` name (the letter in their
+    last group) concatenated into one; `swapped` (a (scale, shift) projection) as (shift, scale) under
+    `swapped_to`."""
     out, fused = {}, {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("norm_out.linear."):
+    for key, tensor in model.state_dict().items():
+        if swapped is not None and key.startswith(swapped):
             scale, shift = tensor.chunk(2, dim=0)
-            out[name.replace("norm_out.linear.", "final_layer.adaLN_modulation.1.")] = torch.cat([shift, scale])
+            out[key.replace(swapped, swapped_to)] = torch.cat([shift, scale])
             continue
-        for pattern, replacement in _FLUX2_FUSED:
-            match = re.match(pattern, name)
+        for pattern, replacement in fused_keys:
+            match = re.match(pattern, key)
             if match:
-                target = re.sub(pattern, replacement, name, count=1)
-                fused.setdefault(target, {})[match.group(2)] = tensor
+                target = re.sub(pattern, replacement, key, count=1)
+                fused.setdefault(target, {})[match.group(match.re.groups)] = tensor
                 break
         else:
-            for pattern, replacement in _FLUX2_KEYS:
-                if re.match(pattern, name):
-                    out[re.sub(pattern, replacement, name, count=1)] = tensor.contiguous()
+            for pattern, replacement in keys:
+                if re.match(pattern, key):
+                    out[re.sub(pattern, replacement, key, count=1)] = tensor.contiguous()
                     break
             else:
-                raise KeyError(f"no ComfyUI name for the diffusers FLUX.2 weight {name}")
+                raise KeyError(f"no ComfyUI name for the diffusers {name} weight {key}")
     for target, parts in fused.items():
         out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
+
+
+# diffusers name -> ComfyUI (original LTX-Video release) name; every other weight keeps its name
+_LTX_KEYS = [
+    (r"proj_in\.", "patchify_proj."),
+    (r"time_embed\.", "adaln_single."),
+    (r"(transformer_blocks\.\d+\.attn[12])\.norm_q\.", r"\1.q_norm."),
+    (r"(transformer_blocks\.\d+\.attn[12])\.norm_k\.", r"\1.k_norm."),
+    (r"(caption_projection|transformer_blocks|scale_shift_table|proj_out)", r"\1"),
+]
+
+
+def save_ltx_video(model, path) -> None:
+    """Under ComfyUI's key names; ComfyUI's LTX-Video takes 32 heads and a text width of 4096 unless the file's
+    metadata says otherwise."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    transformer = {"num_attention_heads": config.num_attention_heads, "attention_head_dim": config.attention_head_dim,
+                   "caption_channels": config.caption_channels, "in_channels": config.in_channels}
+    save_file(comfy_state_dict(model, "LTX-Video", _LTX_KEYS), str(path),
+              metadata={"config": json.dumps({"transformer": transformer})})
 
 
 def save_wan(model, path) -> None:
@@ -227,3 +344,9 @@ def save_flux2(model, path) -> None:
     from safetensors.torch import save_file
 
     save_file(flux2_comfy_state_dict(model), str(path))
+
+
+def save_hunyuan_video15(model, path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(hunyuan_video15_comfy_state_dict(model), str(path))
