@@ -89,10 +89,7 @@ class UlyssesGroup:
 
         # the sums of different processes are joined only if each counted the same calls in the same buckets
         counts = [join(acc.weight[None], 0) for acc in stats.accumulators.values()]
-        for accumulator in stats.accumulators.values():
-            accumulator.join_heads(join)
-        if stats.profiles is not None:
-            stats.profiles.join_heads(join)
+        join_heads(stats, join)
         if not self.first:
             return None
         for weights in counts:
@@ -100,3 +97,12 @@ class UlyssesGroup:
                 raise RuntimeError("the processes of the Ulysses group captured different calls per bucket (statistics "
                                    f"counts {weights.tolist()}): every process must run the same pipeline call")
         return stats
+
+
+def join_heads(stats: CapturedStats, join) -> None:
+    """Replace each per-head statistic t of `stats` by `join(t, dim)`, dim its head dimension, in an order that is
+    the same on every process (`StatsAccumulator.join_heads`)."""
+    for accumulator in stats.accumulators.values():
+        accumulator.join_heads(join)
+    if stats.profiles is not None:
+        stats.profiles.join_heads(join)
