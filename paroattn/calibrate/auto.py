@@ -16,6 +16,17 @@ later call loads the entry once it exists.
 Steps are told apart by the timestep of the transformer's calls (a new timestep: a new denoising step), so no
 pipeline callback is needed; pipelines that call the transformer twice per step (cond, then uncond) record the
 first call (`calls="first"`).
+
+Under diffusers' Ulysses context parallelism (`enable_parallelism`, one process per GPU) the group's first process
+decides each call (the cached plan; learning it, under the entry's lock; or dense while another process learns it)
+and every process follows, until all of them run the plan. A learning call exchanges q, k and v as Ulysses does,
+so each process records its own slice of the heads over the whole sequence, at its share of the capture's cost
+(`capture_attention(..., context_parallel=True)`); when the call returns, the statistics are gathered along the
+heads on the first process (`parallel.UlyssesGroup.gather_heads`), which builds the plan one process recording
+every head would build and writes the entry; then every process loads that file. A call that raises on any
+process raises on all of them and writes nothing; an interruption (KeyboardInterrupt) that leaves another process
+inside the generation's collectives leaves it there (as any collective does), and writes nothing either.
+`paro calibrate` and `paro generate --plan auto` run on one GPU.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ dispatcher, because:
   other groups' all-to-alls are in flight (q, k and v of a group in one all-to-all);
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
-take at most 1/N of the plan's memory.
+take at most 1/N of the plan's memory. The capture of `plan="auto"` makes the same exchange, so each GPU records
+its own heads (`CaptureProcessor`).
 
 Families diffusers 0.42.1 has no plan for get one from their adapter (`FamilyAdapter.context_parallel_plan`), in
 diffusers' own plan format, passed to `enable_parallelism(cp_plan=...)`:
