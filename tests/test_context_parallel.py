@@ -446,8 +446,8 @@ def _auto_plan(rank: int, folder: Path) -> dict:
             _enable_ulysses(pipe.transformer)
         return pipe
 
-    def generate(pipe, **extra):
-        kwargs = {**tiny_call_kwargs("wan"), "output_type": "latent", **extra}
+    def generate(pipe, family="wan", **extra):
+        kwargs = {**tiny_call_kwargs(family), "output_type": "latent", **extra}
         with torch.no_grad():
             return pipe("a red ball", generator=torch.Generator().manual_seed(0), **kwargs).frames
 
@@ -498,6 +498,25 @@ def _auto_plan(rank: int, folder: Path) -> dict:
         dist.barrier()  # both looked before the next generation takes the lock
         generate(failing)  # the next generation learns it
         found["relearnt"] = handle.plan is not None and (failed / handle.path.name).is_file()
+
+    # another process holds the entry's lock: every process runs dense and writes nothing. CogVideoX: its own
+    # attention cannot run under Ulysses but through PARO's exchange (the text whole on every GPU)
+    from paroattn.runner.cache import EntryLock
+
+    found["cog_dense"] = generate(tiny_pipeline("cogvideox"), "cogvideox")
+    cog = tiny_pipeline("cogvideox")
+    _enable_ulysses(cog.transformer)
+    lines = []
+    with paroattn.apply(cog, "auto", cache=folder / "waiting", **{**options, "log": lines.append}) as handle:
+        holder = EntryLock(handle.path)
+        if rank == 0:
+            assert holder.acquire()  # as another process learning the plan would
+        dist.barrier()
+        found["cog_waiting"] = generate(cog, "cogvideox")
+        found["cog_waiting_state"] = {"plan": handle.plan, "captured": handle.captured, "log": lines[-1],
+                                      "entries": sorted(p.name for p in (folder / "waiting").iterdir())}
+        dist.barrier()
+        holder.release()
     return found
 
 
@@ -764,6 +783,17 @@ def test_auto_plan_learning_that_fails_on_one_process_under_ulysses_writes_nothi
     for found in (first, second):
         assert found["failed_entries"] == [] and found["failed_plan"] is None  # no plan, no partial file, no lock
         assert found["relearnt"]  # the lock was released: the next generation learns it
+
+
+@pytest.mark.slow
+def test_auto_plan_under_ulysses_runs_dense_on_every_process_while_another_learns_it(ranks):
+    for rank, found in enumerate(ranks):
+        found = found["auto"]
+        torch.testing.assert_close(found["cog_waiting"], found["cog_dense"], rtol=1e-5, atol=1e-6)
+        state = found["cog_waiting_state"]
+        assert state["plan"] is None and state["captured"] == 0 and state["entries"] == [
+            next(name for name in state["entries"] if name.endswith(".lock"))]  # the holder's lock alone
+        assert ("another process is learning" in state["log"]) == (rank == 0)  # the first process says so
 
 
 # -- refusals and pieces that need no process group ---------------------------------------------------------------

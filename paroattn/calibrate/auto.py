@@ -187,22 +187,27 @@ class AutoHandle:
                 if self.load():
                     decision = LOAD
                 elif lock.acquire():
-                    decision = LOAD if self.load() else LEARN  # written by another process before the lock
+                    decision = LEARN
+                    if self.load():  # written by another process before the lock
+                        decision = LOAD
+                        lock.release()
             decision = group.broadcast(decision)
-            if decision == LOAD:
-                self._load_everywhere(group)
-                return call(*args, **kwargs)
-            self._drop()
-            if decision == DENSE:
-                if group.first and not self.waited:
-                    self.log(f"paroattn: another process is learning the plan {self.path} (lock {lock.path}); this "
-                             "generation runs dense, and a later one loads the plan once it is written")
-                    self.waited = True
-                return self._own_attention(call, args, kwargs)
-            output = self._learn_parallel(group, call, args, kwargs)
+            if decision == LEARN:
+                self._drop()  # a process that still ran a plan the first one no longer finds
+                output = self._learn_parallel(group, call, args, kwargs)
         finally:
             if lock is not None:
                 lock.release()
+        if decision == LOAD:
+            self._load_everywhere(group)
+            return call(*args, **kwargs)
+        if decision == DENSE:
+            self._drop()
+            if group.first and not self.waited:
+                self.log(f"paroattn: another process is learning the plan {self.path} (lock {lock.path}); this "
+                         "generation runs dense, and a later one loads the plan once it is written")
+                self.waited = True
+            return self._own_attention(call, args, kwargs)
         if group.first:
             self.log(f"paroattn: learnt a plan at density {self.selection.density:g} over {group.size} processes "
                      f"(each recorded its heads) and cached it at {self.path}; the next generation runs sparse")
