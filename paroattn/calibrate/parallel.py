@@ -6,7 +6,7 @@ Each process records the statistics of its own slice of the heads over the whole
 the capture costs each GPU its share of the heads, as on one GPU it costs all of them. `gather_heads` joins
 the slices, in rank order, on the group's first process, one statistic at a time (each is moved to the
 group's device for the collective: NCCL gathers GPU tensors only), which then holds what one process
-recording every head would hold. The others decide nothing alone: `broadcast` and `all_true` make every
+recording every head would hold. The others decide nothing alone: `broadcast` and `first_failed` make every
 process of the group take the same branch, since a process that took another would wait forever in the
 next collective.
 """
@@ -63,12 +63,6 @@ class UlyssesGroup:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
         return int(tensor.item())
-
-    def all_true(self, flag: bool) -> bool:
-        """Whether `flag` holds on every process of the group."""
-        tensor = torch.tensor([int(bool(flag))], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(tensor.item())
 
     def first_failed(self, flag: bool) -> int | None:
         """The lowest rank whose `flag` is False, or None where it holds on every process."""

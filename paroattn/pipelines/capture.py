@@ -27,19 +27,14 @@ class CaptureProcessor(BoundProcessor):
     `callback(layer, q, k, layout, timestep, suffix_mask)` with q, k [B, H, N, D] after norms and RoPE and
     the op's `suffix_mask` of the call ([B, suffix] bool, False at padded text keys; None: none padded).
 
-    `context_parallel`: under Ulysses, q and k are this GPU's slice of the heads, `heads` (a (start, stop)
-    range, contiguous in rank order), over the whole sequence; False: context parallelism is refused."""
+    `context_parallel`: under Ulysses over N GPUs, q and k are this GPU's slice of the H heads (rank r: heads
+    r*H/N to (r+1)*H/N - 1) over the whole sequence; False: context parallelism is refused."""
 
     def __init__(self, callback, context_parallel: bool = False):
         super().__init__()
         self.callback = callback
         self.context_parallel = context_parallel
         self._ulysses: UlyssesShard | None = None
-
-    @property
-    def heads(self) -> tuple[int, int] | None:
-        """The heads the callback gets under Ulysses; None: every head (no context parallelism)."""
-        return None if self._ulysses is None else self._ulysses.heads
 
     def on_bind(self, binding) -> None:
         # CogVideoX's processors take no config: what enable_parallelism recorded on the model
