@@ -314,15 +314,13 @@ def test_paro_generate_plan_auto_learns_then_runs_the_cached_plan(tmp_path, monk
     assert refused.exit_code != 0 and "--qk" in refused.output
 
 
-def test_a_miss_under_context_parallelism_says_to_learn_on_one_gpu_first(tmp_path):
+def test_a_miss_under_a_parallel_config_paro_cannot_run_under_is_refused_before_anything_runs(tmp_path):
     import types
 
-    from paroattn.pipelines import self_attention_layers
-
-    pipe = tiny_pipeline("wan")
-    first = pipe.transformer.attn_processors[self_attention_layers(pipe)[0]]
-    first._parallel_config = types.SimpleNamespace(context_parallel_config=object())  # as enable_parallelism sets
+    pipe = tiny_pipeline("wan")  # (learning under Ulysses itself: tests/test_context_parallel.py, two processes)
+    ring = types.SimpleNamespace(ulysses_degree=1, ring_degree=2, _ulysses_mesh=None)
+    pipe.transformer._parallel_config = types.SimpleNamespace(context_parallel_config=ring)  # as enable_parallelism
     with paroattn.apply(pipe, "auto", cache=tmp_path, log=lambda _: None, **OPTIONS) as handle:
-        with pytest.raises(paroattn.PlanError, match="without enable_parallelism first.*every rank then loads"):
+        with pytest.raises(paroattn.PlanError, match="plan='auto' under context parallelism.*ring_degree=2"):
             generate(pipe)
-        assert handle.plan is None and list(tmp_path.iterdir()) == []
+        assert handle.plan is None and handle.captured == 0 and list(tmp_path.iterdir()) == []

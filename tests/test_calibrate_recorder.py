@@ -57,6 +57,40 @@ def test_statistics_are_kept_every_stat_every_steps_of_each_prompt():
     assert recorder.bucket_steps == [6]  # every step the model ran counts for the bucket weights
 
 
+@pytest.mark.parametrize("order_steps", [None, 1])
+def test_statistics_of_head_slices_joined_in_order_are_those_of_every_head(order_steps):
+    """Under Ulysses each process records its slice of the heads; joined along the heads in rank order
+    (`calibrate.parallel`), the slices' statistics are one recorder's of every head, and give its plan."""
+    from paroattn.calibrate.parallel import join_heads
+
+    layout = TokenLayout(0, 4, 4, 8)
+    capture = CaptureConfig(block_size=16, num_buckets=2, stat_every=1, profile_queries=32, backend="torch",
+                            extras=order_steps is None, order_steps=order_steps)
+    whole, *slices = (StatsRecorder(2, capture, model_class="Planted", model_config=CONFIG) for _ in range(3))
+    g = torch.Generator().manual_seed(0)
+    for timestep in (900.0, 700.0, 200.0):
+        for layer, axes in enumerate(PLANTED):
+            q, k = planted_qk(layout, axes, secondary=[0.8] * len(axes), generator=g)
+            whole.record(layer, q, k, layout, timestep)
+            for part, recorder in enumerate(slices):
+                recorder.record(layer, q[:, 2 * part:2 * part + 2], k[:, 2 * part:2 * part + 2], layout, timestep)
+        for recorder in (whole, *slices):
+            recorder.step_done()
+    stats = [recorder.stats(["a prompt"]) for recorder in (whole, *slices)]
+    second = []  # the second slice's statistics, in the order the join asks for them
+    join_heads(stats[2], lambda tensor, dim: second.append(tensor) or tensor)
+    join_heads(stats[1], lambda tensor, dim: torch.cat([tensor, second.pop(0)], dim))
+    assert second == []
+    # the paper metric reads the joined maxima and counts too; orders chosen while capturing need the mass metric
+    selection = SelectionConfig(density=0.4, metric="paper" if order_steps is None else "mass")
+    expected, _ = plan_from_stats(stats[0], selection, compute_device="cpu")
+    joined, _ = plan_from_stats(stats[1], selection, compute_device="cpu")
+    assert joined.num_heads == 4 and len(set(expected.orders.flatten().tolist())) > 1  # heads that differ, in order
+    assert torch.equal(joined.orders, expected.orders) and torch.equal(joined.block_mask, expected.block_mask)
+    for ours, theirs in zip(joined.profiles, expected.profiles, strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_recorder_refuses_calls_it_cannot_use():
     recorder = StatsRecorder(2, CaptureConfig(block_size=16, stat_every=1, backend="torch"))
     q, k = planted_qk(LAYOUT, [0, 1])

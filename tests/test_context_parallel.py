@@ -9,6 +9,7 @@ GPU picks one process's bucket), SkyReels-V2's per-frame timesteps of diffusion 
 out, with chunks of equal and of unequal length (`ulysses_anything`). Ring attention, head counts the degree does not
 divide, transformers without a plan or whose plan does not hold (HunyuanVideo's first-frame token replacement),
 calibration capture and frame binding are refused with what to do; a plan balanced for another number of GPUs warns.
+`apply(pipe, "auto")` on a miss learns under Ulysses, each process recording its heads, the plan one process learns.
 
 diffusers places each process on accelerator `rank % torch.accelerator.device_count()`, which is 0 on CPU: the
 workers patch it to 1 and pass a CPU device mesh. One spawn runs every distributed case (the imports dominate)."""
@@ -106,6 +107,17 @@ def _one_process_then_ulysses(transformer, calls) -> tuple[Plan, list]:
     return plan, single
 
 
+def _captured(transformer, calls, context_parallel: bool = False) -> tuple[list, list]:
+    """The outputs of `calls` under `capture_attention`, and what its callback got at each self-attention call."""
+    seen = []
+
+    def record(layer, q, k, layout, timestep, suffix_mask):
+        seen.append((layer, q.clone(), k.clone(), layout, timestep, suffix_mask))
+
+    with capture_attention(transformer, record, context_parallel=context_parallel):
+        return [run(transformer, inputs) for inputs in calls], seen
+
+
 def _ulysses_family(family: str, rank: int) -> dict:
     """PARO on one process, then under Ulysses 2 with the plan applied after and before enable_parallelism."""
     transformer = tiny_transformer(family, heads=HEADS)
@@ -120,8 +132,10 @@ def _ulysses_family(family: str, rank: int) -> dict:
         calls = [{**inputs, "encoder_attention_mask": None, "audio_encoder_attention_mask": None,
                   "isolate_modalities": True} for inputs in calls]
     own = [run(transformer, inputs) for inputs in calls]  # the model's own attention, on this process alone
+    captured = _captured(transformer, calls)
     plan, single = _one_process_then_ulysses(transformer, calls)
-    found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single, "own": own}
+    found = {"plan_orders": plan.orders.clone(), "mask_blocks": plan.mask_blocks, "single": single, "own": own,
+             "capture_single": captured, "capture_ulysses": _captured(transformer, calls, context_parallel=True)}
     if family in WAN_BLOCKS:  # the model's own attention under Ulysses, no PARO anywhere
         found["own_ulysses"] = [run(transformer, inputs) for inputs in calls]
     with apply(transformer, dense_plan(transformer, calls[0]), backend="torch"):
@@ -227,8 +241,7 @@ def _exchange(rank: int) -> dict:
         uneven = any(n % WORLD for n in (layout.prefix, layout.grid_tokens, layout.suffix))
         config = ContextParallelConfig(ulysses_degree=WORLD, mesh=_mesh((1, WORLD)), ulysses_anything=uneven)
         config.setup(rank, WORLD, torch.device("cpu"), config.mesh)
-        plan = Plan.synthetic(layout=layout, num_layers=1, num_heads=HEADS, block_size=TINY_BLOCK)
-        shard = UlyssesShard(config, plan, text)
+        shard = UlyssesShard(config, HEADS, text)
         split = shard.split(layout)
         g = torch.Generator().manual_seed(case)
         whole = torch.randn(2, HEADS, layout.seq_len, 8, generator=g)
@@ -416,6 +429,97 @@ def _generate(rank: int, folder: Path) -> dict:
     return found
 
 
+def _auto_plan(rank: int, folder: Path) -> dict:
+    """`apply(pipe, "auto")` on a miss under Ulysses 2 (tiny Wan pipeline, 4 heads: 2 recorded per process), against
+    one process learning the plan without parallelism on the same prompt and seed; then a generation that fails on
+    the second process, and a hit in a fresh pipeline."""
+    import torch.distributed as dist
+    from diffusers import WanPipeline
+    from tiny_models import tiny_pipeline
+
+    import paroattn
+
+    def pipeline(ulysses: bool):
+        pipe = WanPipeline(**{**tiny_pipeline("wan").components, "transformer": tiny_transformer("wan", heads=HEADS)})
+        pipe.set_progress_bar_config(disable=True)
+        if ulysses:
+            _enable_ulysses(pipe.transformer)
+        return pipe
+
+    def generate(pipe, family="wan", **extra):
+        kwargs = {**tiny_call_kwargs(family), "output_type": "latent", **extra}
+        with torch.no_grad():
+            return pipe("a red ball", generator=torch.Generator().manual_seed(0), **kwargs).frames
+
+    options = {"density": 0.5, "block_size": TINY_BLOCK, "backend": "torch", "log": lambda message: None}
+    found = {}
+    single = pipeline(ulysses=False)
+    found["single_dense"] = generate(single)
+    with paroattn.apply(single, "auto", cache=folder / f"single{rank}", **options) as handle:
+        generate(single)
+        found["single_sparse"] = generate(single)
+        found["single_plan"] = handle.plan
+
+    pipe = pipeline(ulysses=True)
+    found["dense"] = generate(pipe)  # the model's own attention under Ulysses
+    cache = folder / "auto"
+    handle = paroattn.apply(pipe, "auto", cache=cache, **options)
+    found["first"] = generate(pipe)
+    dist.barrier()
+    found["entries"] = sorted(p.name for p in cache.iterdir())
+    found["learnt"], found["captured"], found["plan"] = handle.learnt, handle.captured, handle.plan
+    found["second"] = generate(pipe)
+    found["captured_after"] = handle.captured
+    found["heads"] = handle.handle.processor._ulysses.heads
+    handle.remove()
+
+    fresh = pipeline(ulysses=True)  # a hit: every process loads the entry
+    with paroattn.apply(fresh, "auto", cache=cache, **options) as hit:
+        found["hit"] = generate(fresh)
+        found["hit_learnt"] = hit.learnt
+
+    failing = pipeline(ulysses=True)
+    steps = tiny_call_kwargs("wan")["num_inference_steps"]
+
+    def fail_on_second(pipe, step, timestep, kwargs):
+        if rank == 1 and step == steps - 1:  # after the last transformer call: the first process finishes its own
+            raise ValueError("the second process failed")
+        return {}
+
+    failed = folder / "failed"
+    with paroattn.apply(failing, "auto", cache=failed, **options) as handle:
+        try:
+            generate(failing, callback_on_step_end=fail_on_second)
+        except (ValueError, RuntimeError) as exc:
+            found["failure"] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+        found["failed_entries"] = sorted(p.name for p in failed.iterdir()) if failed.exists() else []
+        found["failed_plan"] = handle.plan
+        dist.barrier()  # both looked before the next generation takes the lock
+        generate(failing)  # the next generation learns it
+        found["relearnt"] = handle.plan is not None and (failed / handle.path.name).is_file()
+
+    # another process holds the entry's lock: every process runs dense and writes nothing. CogVideoX: its own
+    # attention cannot run under Ulysses but through PARO's exchange (the text whole on every GPU)
+    from paroattn.runner.cache import EntryLock
+
+    found["cog_dense"] = generate(tiny_pipeline("cogvideox"), "cogvideox")
+    cog = tiny_pipeline("cogvideox")
+    _enable_ulysses(cog.transformer)
+    lines = []
+    with paroattn.apply(cog, "auto", cache=folder / "waiting", **{**options, "log": lines.append}) as handle:
+        holder = EntryLock(handle.path)
+        if rank == 0:
+            assert holder.acquire()  # as another process learning the plan would
+        dist.barrier()
+        found["cog_waiting"] = generate(cog, "cogvideox")
+        found["cog_waiting_state"] = {"plan": handle.plan, "captured": handle.captured, "log": lines[-1],
+                                      "entries": sorted(p.name for p in (folder / "waiting").iterdir())}
+        dist.barrier()
+        holder.release()
+    return found
+
+
 def _worker(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
@@ -425,7 +529,8 @@ def _worker(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     folder = Path(folder)
-    results = {family: _ulysses_family(family, rank) for family in ULYSSES_FAMILIES}
+    results = {"auto": _auto_plan(rank, folder)}
+    results.update({family: _ulysses_family(family, rank) for family in ULYSSES_FAMILIES})
     results.update({"pair": _expert_pair(rank), "per_token": _per_token_timesteps(rank),
                     "forcing": _diffusion_forcing(rank), "exchange": _exchange(rank),
                     "balance": _balance_warning(rank),
@@ -498,6 +603,26 @@ def test_the_models_own_attention_through_paro_under_ulysses_equals_the_model(ra
                                             found[family]["dense_pipelined"], strict=True):
             torch.testing.assert_close(parallel, own, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(pipelined, own, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ULYSSES_FAMILIES)
+@pytest.mark.slow
+def test_capture_under_ulysses_gives_each_process_its_heads_of_the_whole_sequence(ranks, family):
+    """`capture_attention(..., context_parallel=True)`: each process's callback gets its heads of what one process's
+    capture gets (every token, in [prefix ; grid ; suffix] order), and the output is the model's own."""
+    per_gpu = HEADS // WORLD
+    for rank, found in enumerate(ranks):
+        found = found[family]
+        outputs, seen = found["capture_ulysses"]
+        for parallel, own in zip(outputs, found["own"], strict=True):
+            torch.testing.assert_close(parallel, own, rtol=1e-5, atol=1e-6)
+        heads = slice(rank * per_gpu, (rank + 1) * per_gpu)
+        for (layer, q, k, layout, t, mask), (layer1, q1, k1, layout1, t1, mask1) in zip(
+                seen, found["capture_single"][1], strict=True):
+            assert (layer, layout, t) == (layer1, layout1, t1) and q.shape[1] == per_gpu
+            torch.testing.assert_close(q, q1[:, heads], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(k, k1[:, heads], rtol=1e-5, atol=1e-6)
+            assert (mask is None and mask1 is None) or torch.equal(mask, mask1)
 
 
 @pytest.mark.parametrize("family", ULYSSES_FAMILIES)
@@ -624,6 +749,51 @@ def test_generate_ulysses_runs_cogvideox_and_its_own_attention_through_paro(rank
                                    torch.as_tensor(pixels[f"cog_single{run}.gif"]), rtol=1e-4, atol=1e-4)
     assert ranks[1]["generate"]["cogvideox"] == {}  # rank 0 writes
     assert "needs a plan: pass --plan PLAN" in ranks[0]["generate"]["no_plan"]
+
+
+@pytest.mark.slow
+def test_auto_plan_learnt_under_ulysses_is_the_one_process_plan_on_every_process(ranks):
+    first, second = (found["auto"] for found in ranks)
+    assert first["learnt"] and not second["learnt"]  # the first process wrote the entry, once
+    assert first["heads"] == (0, HEADS // WORLD) and second["heads"] == (HEADS // WORLD, HEADS)
+    for found in (first, second):
+        assert len(found["entries"]) == 1 and found["entries"][0].endswith(".safetensors")  # no lock, no partial file
+        # the learning generation is the model's own attention, under Ulysses as on one process
+        torch.testing.assert_close(found["first"], found["dense"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(found["first"], found["single_dense"], rtol=1e-5, atol=1e-6)
+        # the plan of every head, in order, as one process recording them all learns it
+        plan, single = found["plan"], found["single_plan"]
+        assert plan.num_heads == HEADS and len(set(plan.orders.flatten().tolist())) > 1
+        assert torch.equal(plan.orders, single.orders) and torch.equal(plan.block_mask, single.block_mask)
+        assert torch.equal(plan.orders, first["plan"].orders) and torch.equal(plan.block_mask, first["plan"].block_mask)
+        # the next generation runs it, sparse, capturing nothing, as one process runs its own plan
+        assert found["captured"] > 0 and found["captured_after"] == found["captured"]
+        torch.testing.assert_close(found["second"], found["single_sparse"], rtol=1e-5, atol=1e-6)
+        assert (found["second"] - found["dense"]).abs().max() > 1e-3
+        torch.testing.assert_close(found["hit"], found["second"], rtol=1e-5, atol=1e-6)  # a fresh pipeline loads it
+        assert not found["hit_learnt"]
+
+
+@pytest.mark.slow
+def test_auto_plan_learning_that_fails_on_one_process_under_ulysses_writes_nothing(ranks):
+    first, second = (found["auto"] for found in ranks)
+    assert second["failure"] == "ValueError: the second process failed"
+    assert first["failure"].startswith("RuntimeError: plan='auto': process 1 of the Ulysses group failed")
+    assert "nothing was written" in first["failure"]
+    for found in (first, second):
+        assert found["failed_entries"] == [] and found["failed_plan"] is None  # no plan, no partial file, no lock
+        assert found["relearnt"]  # the lock was released: the next generation learns it
+
+
+@pytest.mark.slow
+def test_auto_plan_under_ulysses_runs_dense_on_every_process_while_another_learns_it(ranks):
+    for rank, found in enumerate(ranks):
+        found = found["auto"]
+        torch.testing.assert_close(found["cog_waiting"], found["cog_dense"], rtol=1e-5, atol=1e-6)
+        state = found["cog_waiting_state"]
+        assert state["plan"] is None and state["captured"] == 0 and state["entries"] == [
+            next(name for name in state["entries"] if name.endswith(".lock"))]  # the holder's lock alone
+        assert ("another process is learning" in state["log"]) == (rank == 0)  # the first process says so
 
 
 # -- refusals and pieces that need no process group ---------------------------------------------------------------

@@ -196,6 +196,19 @@ class StatsAccumulator:
         self._staging, self._staged_weight = {}, {}
         self._staging_bucket = None
 
+    def join_heads(self, join) -> None:
+        """Replace each per-head statistic t by `join(t, dim)`, dim its head dimension: under Ulysses each process
+        recorded a slice of the heads, and `join` gathers the slices (`calibrate.parallel`). Called by every
+        process, in this order of tensors; the counts (weights, steps) are the same on each and stay."""
+        self.flush()
+        for key in sorted(self.mass):
+            self.mass[key] = join(self.mass[key], 0)
+        for sums in (self.incoherence_sum, self.sparse_sum):
+            for layer in sorted(sums):
+                sums[layer] = join(sums[layer], 0)
+        if self.fixed_slots is not None:
+            self.fixed_slots, self.fixed_scores = join(self.fixed_slots, 1), join(self.fixed_scores, 1)
+
     # -----------------------------------------------------------------------------------------
     def mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
         """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device`; None if not captured."""

@@ -16,6 +16,17 @@ later call loads the entry once it exists.
 Steps are told apart by the timestep of the transformer's calls (a new timestep: a new denoising step), so no
 pipeline callback is needed; pipelines that call the transformer twice per step (cond, then uncond) record the
 first call (`calls="first"`).
+
+Under diffusers' Ulysses context parallelism (`enable_parallelism`, one process per GPU) the group's first process
+decides each call (the cached plan; learning it, under the entry's lock; or dense while another process learns it)
+and every process follows, until all of them run the plan. A learning call exchanges q, k and v as Ulysses does,
+so each process records its own slice of the heads over the whole sequence, at its share of the capture's cost
+(`capture_attention(..., context_parallel=True)`); when the call returns, the statistics are gathered along the
+heads on the first process (`parallel.UlyssesGroup.gather_heads`), which builds the plan one process recording
+every head would build and writes the entry; then every process loads that file. A call that raises on any
+process raises on all of them and writes nothing; an interruption (KeyboardInterrupt) that leaves another process
+inside the generation's collectives leaves it there (as any collective does), and writes nothing either.
+`paro calibrate` and `paro generate --plan auto` run on one GPU.
 """
 
 from __future__ import annotations
@@ -28,8 +39,11 @@ from ..errors import PlanError
 from ..plan import Plan, model_fingerprint
 from ..runner.cache import EntryLock, entry_name, entry_path, load_entry, write_entry
 from .config import CHEAP, CaptureConfig, SelectionConfig
+from .parallel import UlyssesGroup
 
 AUTO = "auto"
+# what the first process of a Ulysses group decides for a generation, and every process does
+LOAD, LEARN, DENSE = 0, 1, 2
 
 # the cheap capture of a learning generation (`config.CHEAP`), every step eligible (one prompt's generation must
 # fill each timestep bucket by itself; `steps_per_bucket` still bounds what is captured there) and the orders chosen
@@ -67,6 +81,7 @@ class AutoHandle:
         self.learnt = False
         self.captured = 0
         self.waited = False  # said once that another process holds the lock
+        self.agreed = False  # under Ulysses: every process of the group runs the plan
         self._class = None  # the pipeline's own class while it is swapped
 
     # -- the plan ---------------------------------------------------------------------------
@@ -86,9 +101,17 @@ class AutoHandle:
         self.handle = apply(self.pipe, plan, **self.apply_kwargs)
         self.plan = plan
 
+    def _drop(self) -> None:
+        """Stop running the plan (its entry is gone where the group's first process looked)."""
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle, self.plan = None, None
+
     # -- a pipeline call ------------------------------------------------------------------------
     def generation(self, call, args, kwargs):
         """One pipeline call: sparse with the plan, else learning it (the entry's lock taken), else dense."""
+        if not self.agreed and (group := UlyssesGroup.of(self.transformer)) is not None:
+            return self._parallel_generation(group, call, args, kwargs)
         if self.load():
             return call(*args, **kwargs)
         lock = EntryLock(self.path)
@@ -113,8 +136,20 @@ class AutoHandle:
 
     def _learn(self, call, args, kwargs):
         """Run the call dense with the capture processors; (its output, the plan built from what it recorded)."""
-        from ..pipelines import capture_attention, self_attention_layers
+        output, stats = self._capture(call, args, kwargs)
+        return output, self._plan(stats)
+
+    def _plan(self, stats):
         from .driver import plan_from_stats
+
+        plan, _ = plan_from_stats(stats, self.selection)
+        plan.info["learnt_by"] = "plan='auto'"
+        return plan
+
+    def _capture(self, call, args, kwargs, context_parallel: bool = False):
+        """Run the call dense with the capture processors; (its output, the `CapturedStats` it recorded: of this
+        process's heads under Ulysses with `context_parallel`)."""
+        from ..pipelines import capture_attention, self_attention_layers
         from .recorder import StatsRecorder
 
         recorder = StatsRecorder(len(self_attention_layers(self.transformer)), self.capture,
@@ -129,17 +164,8 @@ class AutoHandle:
             recorder.record(layer, q, k, layout, timestep, suffix_mask)
             self.captured += 1
 
-        try:
-            with capture_attention(self.transformer, on_call):
-                output = call(*args, **kwargs)
-        except PlanError as exc:
-            if "context parallelism" not in str(exc):
-                raise
-            raise PlanError(
-                f"plan='auto' found no cached plan at {self.path} and learns one on one GPU: run one generation "
-                "without enable_parallelism first (every rank then loads the cached plan), or calibrate with "
-                "`paro calibrate` and apply the plan file"
-            ) from None
+        with capture_attention(self.transformer, on_call, context_parallel=context_parallel):
+            output = call(*args, **kwargs)
         if last[0] is not None:
             recorder.step_done()
         recorder.prompt_done()
@@ -148,9 +174,94 @@ class AutoHandle:
                                "supported model?")
         prompt = kwargs.get("prompt", args[0] if args else None)
         prompts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
-        plan, _ = plan_from_stats(recorder.stats(prompts), self.selection)
-        plan.info["learnt_by"] = "plan='auto'"
-        return output, plan
+        return output, recorder.stats(prompts)
+
+    # -- under Ulysses context parallelism ------------------------------------------------------
+    def _parallel_generation(self, group: UlyssesGroup, call, args, kwargs):
+        """One pipeline call under Ulysses: the group's first process decides (the cached plan; learning it; dense
+        while another process learns it) and every process follows, so that every process runs the same plan."""
+        lock = EntryLock(self.path) if group.first else None
+        decision = DENSE
+        try:
+            if group.first:
+                if self.load():
+                    decision = LOAD
+                elif lock.acquire():
+                    decision = LEARN
+                    if self.load():  # written by another process before the lock
+                        decision = LOAD
+                        lock.release()
+            decision = group.broadcast(decision)
+            if decision == LEARN:
+                self._drop()  # a process that still ran a plan the first one no longer finds
+                output = self._learn_parallel(group, call, args, kwargs)
+        finally:
+            if lock is not None:
+                lock.release()
+        if decision == LOAD:
+            self._load_everywhere(group)
+            return call(*args, **kwargs)
+        if decision == DENSE:
+            self._drop()
+            if group.first and not self.waited:
+                self.log(f"paroattn: another process is learning the plan {self.path} (lock {lock.path}); this "
+                         "generation runs dense, and a later one loads the plan once it is written")
+                self.waited = True
+            return self._own_attention(call, args, kwargs)
+        if group.first:
+            self.log(f"paroattn: learnt a plan at density {self.selection.density:g} over {group.size} processes "
+                     f"(each recorded its heads) and cached it at {self.path}; the next generation runs sparse")
+        return output
+
+    def _learn_parallel(self, group: UlyssesGroup, call, args, kwargs):
+        """The call with every process capturing its heads; the first process builds the plan from every head's
+        statistics and writes the entry, then every process loads it. Nothing is written unless every process
+        captured, and a failure on one process raises on all of them."""
+        failure = None
+        try:
+            output, stats = self._capture(call, args, kwargs, context_parallel=True)
+        except Exception as exc:  # told to every process before any of them moves on
+            failure = exc
+        if (failed := group.first_failed(failure is None)) is not None:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"plan='auto': process {failed} of the Ulysses group failed while learning the plan "
+                               f"{self.path}; nothing was written")
+        try:
+            stats = group.gather_heads(stats)
+            if group.first:
+                write_entry(self._plan(stats), self.path)
+        except Exception as exc:
+            failure = exc
+        if group.first_failed(failure is None) is not None:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"plan='auto': the first process of the Ulysses group failed to build or write the "
+                               f"plan {self.path}; nothing was written")
+        self._load_everywhere(group)
+        self.learnt = group.first
+        return output
+
+    def _own_attention(self, call, args, kwargs):
+        """The call with the model's own attention under Ulysses: through the capture's exchange, recording nothing,
+        for the families whose own processors cannot run under it (CogVideoX, HunyuanVideo: the text whole on
+        every GPU)."""
+        from ..pipelines import capture_attention
+        from ..pipelines.base import TEXT_WHOLE
+        from ..pipelines.registry import require_family
+
+        if require_family(self.transformer).ulysses_text != TEXT_WHOLE:
+            return call(*args, **kwargs)
+        with capture_attention(self.transformer, lambda *recorded: None, context_parallel=True):
+            return call(*args, **kwargs)
+
+    def _load_everywhere(self, group: UlyssesGroup) -> None:
+        """Every process loads the entry the first process found or wrote."""
+        if (failed := group.first_failed(self.load())) is not None:
+            raise PlanError(f"plan='auto': process {failed} of the Ulysses group found no usable plan at {self.path}, "
+                            "which its first process loaded: every process must read the same cache folder (set "
+                            "PAROATTN_CACHE to a folder they share)")
+        self.agreed = True
 
     # -- the pipeline's class -----------------------------------------------------------------------
     def _wrap(self) -> None:
@@ -238,6 +349,8 @@ def apply_auto(pipe, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16"
     handle = AutoHandle(pipe, transformer, expert, entry_path(name, cache), selection, capture, apply_kwargs, log)
     if handle.load():
         log(f"paroattn: cached plan {handle.path}")
+        if UlyssesGroup.of(transformer) is not None:
+            handle._wrap()  # the first call checks that every process of the group loaded it too
         return handle
     log(f"paroattn: no cached plan for {type(transformer).__name__} at density {density:g}, qk={qk}, pv={pv}; this "
         f"generation runs dense and learns one (cached at {handle.path})")

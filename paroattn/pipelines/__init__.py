@@ -391,14 +391,16 @@ def reset() -> None:
 
 
 @contextmanager
-def capture_attention(pipe_or_transformer, callback):
+def capture_attention(pipe_or_transformer, callback, *, context_parallel: bool = False):
     """Dense attention identical to the model's own, calling `callback(layer, q, k, layout, timestep, suffix_mask)`
     for every self-attention call: q, k [B, H, N, D] after norms and RoPE, `layout` the call's
     TokenLayout, `timestep` on the 0..1000 scale (Wan calls twice per step: cond, then uncond),
     `suffix_mask` the op's [B, suffix] bool mask of real text keys, None when no key is padding.
+    `context_parallel`: under diffusers' Ulysses context parallelism each process's callback gets its slice of
+    the heads over the whole sequence (`CaptureProcessor`); False: a transformer under it is refused.
     The original processors come back on exit. Yields the list of self-attention processor keys."""
     transformer = resolve_transformer(pipe_or_transformer)
-    processor = CaptureProcessor(callback)
+    processor = CaptureProcessor(callback, context_parallel=context_parallel)
     binding = processor.bind(transformer)
     keys = binding.keys
     try:

@@ -21,7 +21,8 @@ dispatcher, because:
   other groups' all-to-alls are in flight (q, k and v of a group in one all-to-all);
 - the op's rotary tables are split with the sequence as well: they are gathered once per forward.
 Each GPU runs `plan.head_slice` of its heads, made once when the config arrives, so the masks on each GPU
-take at most 1/N of the plan's memory.
+take at most 1/N of the plan's memory. The capture of `plan="auto"` makes the same exchange, so each GPU records
+its own heads (`CaptureProcessor`).
 
 Families diffusers 0.42.1 has no plan for get one from their adapter (`FamilyAdapter.context_parallel_plan`), in
 diffusers' own plan format, passed to `enable_parallelism(cp_plan=...)`:
@@ -65,7 +66,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..layout import TokenLayout
-from ..plan import Plan
 from .base import TEXT_SPLIT, TEXT_WHOLE
 
 
@@ -208,12 +208,12 @@ def exchange_groups_problem(heads_per_gpu: int, groups) -> str | None:
 
 
 class UlyssesShard:
-    """One GPU's share of the heads under Ulysses: its rank and group, its slice of the plan, and the all-to-all
-    exchanges between the GPUs' sequence chunks and its heads over the whole sequence. `text`: how the family's
-    context-parallel plan spreads its text (`TEXT_SPLIT` or `TEXT_WHOLE`); `groups`: the groups of heads the
-    exchange is pipelined over (`attend`)."""
+    """One GPU's share of the `num_heads` heads of each layer under Ulysses: its rank and group, its heads
+    (`heads`: a (start, stop) range), and the all-to-all exchanges between the GPUs' sequence chunks and its heads
+    over the whole sequence. `text`: how the family's context-parallel plan spreads its text (`TEXT_SPLIT` or
+    `TEXT_WHOLE`); `groups`: the groups of heads the exchange is pipelined over (`attend`)."""
 
-    def __init__(self, cp_config, plan: Plan, text: str = TEXT_SPLIT, groups: int = 1):
+    def __init__(self, cp_config, num_heads: int, text: str = TEXT_SPLIT, groups: int = 1):
         mesh = cp_config._ulysses_mesh
         if mesh is None:
             raise RuntimeError(
@@ -225,12 +225,11 @@ class UlyssesShard:
         self.uneven = bool(getattr(cp_config, "ulysses_anything", False))
         self.text = text
         self.group = mesh.get_group()
-        heads = plan.num_heads // self.degree
+        heads = int(num_heads) // self.degree
         self.heads = (self.rank * heads, (self.rank + 1) * heads)
         if problem := exchange_groups_problem(heads, groups):
             raise ValueError(problem)
         self.groups = groups
-        self.plan = plan.head_slice(*self.heads)
         self._splits: dict[TokenLayout, SequenceSplit] = {}
         self._rotary_source: tuple | None = None  # the local tables last gathered (held: `is` cannot match a new one)
         self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None

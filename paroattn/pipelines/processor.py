@@ -188,9 +188,9 @@ class PAROProcessor(BoundProcessor):
             family = binding.family
             problem = problem or model_problem(binding.transformer, family)
         if not self._parallel_refused(problem, family):
-            self._ulysses = UlyssesShard(cp_config, self.plan, family.ulysses_text if family is not None else "split",
-                                         self.exchange_groups)
-            self.runner.set_heads(self._ulysses.heads, self._ulysses.plan)
+            self._ulysses = UlyssesShard(cp_config, self.plan.num_heads,
+                                         family.ulysses_text if family is not None else "split", self.exchange_groups)
+            self.runner.set_heads(self._ulysses.heads, self.plan.head_slice(*self._ulysses.heads))
             if unbalanced := balance_problem(self.plan, degree):
                 warn(unbalanced, stacklevel=3)
 

@@ -105,6 +105,10 @@ class ProfileAccumulator:
             self.mass[axis][bucket, layer] += mass[axis]
             self.count[axis][bucket, layer] += count[axis]
 
+    def join_heads(self, join) -> None:
+        """Replace the per-head sums t by `join(t, dim)`, dim their head dimension (`StatsAccumulator.join_heads`)."""
+        self.mass = [join(mass, 2) for mass in self.mass]
+
     def finalize(self) -> list[torch.Tensor]:
         """Per axis float32 [buckets, L, H, 2n-1]: mean mass per query at each offset. A (bucket, layer) without
         captured steps borrows the mean over the buckets that have them."""
