@@ -206,8 +206,10 @@ class StatsAccumulator:
         for sums in (self.incoherence_sum, self.sparse_sum):
             for layer in sorted(sums):
                 sums[layer] = join(sums[layer], 0)
-        if self.fixed_slots is not None:
-            self.fixed_slots, self.fixed_scores = join(self.fixed_slots, 1), join(self.fixed_scores, 1)
+        if self.kept_slots is not None:
+            self.kept_slots = join(self.kept_slots, 1)
+        if self.fixed_scores is not None:
+            self.fixed_scores = join(self.fixed_scores, 1)
 
     # -----------------------------------------------------------------------------------------
     def mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
