@@ -246,15 +246,15 @@ def test_capture_options_are_checked_when_made(options, option, expected):
 
 
 def test_calibrate_turns_the_order_phase_off_for_a_selection_that_needs_every_order():
-    from paroattn.calibrate.driver import _capture_for
+    from paroattn.calibrate.driver import capture_for
 
     cheap = CaptureConfig(order_steps=2, query_stride=4)
-    assert _capture_for(cheap, SelectionConfig(density=0.2)).order_density == 0.2
-    full = _capture_for(cheap, SelectionConfig(metric="paper"))
+    assert capture_for(cheap, SelectionConfig(density=0.2)).order_density == 0.2
+    full = capture_for(cheap, SelectionConfig(metric="paper"))
     assert (full.extras, full.order_steps, full.query_stride) == (True, None, 1)
     narrowing = CaptureConfig(keep_orders=2, query_stride=4)
-    assert _capture_for(narrowing, SelectionConfig(density=0.2)).order_density == 0.2
-    full = _capture_for(narrowing, SelectionConfig(metric="paper"))
+    assert capture_for(narrowing, SelectionConfig(density=0.2)).order_density == 0.2
+    full = capture_for(narrowing, SelectionConfig(metric="paper"))
     assert (full.extras, full.keep_orders, full.query_stride) == (True, None, 1)
 
 

@@ -162,7 +162,7 @@ class AutoHandle:
                 recorder.step_done()
             last[0] = timestep
             recorder.record(layer, q, k, layout, timestep, suffix_mask)
-            self.captured += 1
+            self.captured = recorder.captures
 
         with capture_attention(self.transformer, on_call, context_parallel=context_parallel):
             output = call(*args, **kwargs)
@@ -323,6 +323,7 @@ def apply_auto(pipe, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16"
     `paroattn.runner.cache.cache_folder()`). `log`: where the one line saying which happened goes (default
     stderr). `apply_kwargs`: what `paroattn.pipelines.apply` takes besides the plan."""
     from ..pipelines import check_apply_options, pipeline_experts
+    from .driver import capture_for
 
     log = log if log is not None else _stderr
     selection = SelectionConfig(density=density, qk=qk, pv=pv)
@@ -332,6 +333,7 @@ def apply_auto(pipe, *, density: float = 0.3, qk: str = "bf16", pv: str = "bf16"
     if (capture.block_size, capture.query_block) != (block_size, query_block):
         raise ValueError(f"capture has blocks {capture.block_size} x {capture.query_block} and apply asks for "
                          f"{block_size} x {query_block}: pass the same block_size and query_block to both")
+    capture = capture_for(capture, selection)  # orders narrowed at the plan's density
     check_apply_options(apply_kwargs.get("backend", "auto"), apply_kwargs.get("on_mismatch", "error"))
     experts = pipeline_experts(pipe)
     if experts[0][0] == "":

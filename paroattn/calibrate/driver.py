@@ -290,7 +290,7 @@ def empty_buckets_advice(empty: list[int], config: CaptureConfig, bucket_steps: 
     return "To fill every bucket: " + "; ".join(advice) + "."
 
 
-def _capture_for(capture_config: CaptureConfig | None, selection: SelectionConfig) -> CaptureConfig:
+def capture_for(capture_config: CaptureConfig | None, selection: SelectionConfig) -> CaptureConfig:
     """The capture config, with the extra statistics turned on when the selection needs them (and with them every
     order's exact statistics, which they are kept for), and the orders chosen during the capture at the selection's
     density."""
@@ -323,7 +323,7 @@ def calibrate(pipe, prompts: list[str], capture_config: CaptureConfig | None = N
     `plan_from_stats(stats, selection)`."""
     selection = selection if selection is not None else SelectionConfig()
     _check_ulysses(pipe, selection)
-    stats = capture(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
+    stats = capture(pipe, prompts, capture_for(capture_config, selection), progress=progress)
     return plan_from_stats(stats, selection, log=log)
 
 
@@ -334,7 +334,7 @@ def calibrate_experts(pipe, prompts: list[str], capture_config: CaptureConfig | 
     (plan, result) per expert, each plan naming its expert (`Plan.expert`)."""
     selection = selection if selection is not None else SelectionConfig()
     _check_ulysses(pipe, selection)
-    captured = capture_experts(pipe, prompts, _capture_for(capture_config, selection), progress=progress)
+    captured = capture_experts(pipe, prompts, capture_for(capture_config, selection), progress=progress)
     return [plan_from_stats(stats, selection, log=log) for stats in captured]
 
 
