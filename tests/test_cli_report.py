@@ -251,7 +251,7 @@ def test_the_demo_pipelines_calibrate_recipe_fills_every_bucket(tmp_path):
     assert result.exit_code == 0, result.output
     recipe = next(line for line in result.output.splitlines() if "paro calibrate" in line)
     steps = int(re.search(r"--steps (\d+)", recipe).group(1))
-    every = int(m.group(1)) if (m := re.search(r"--stat-every (\d+)", recipe)) else 2
+    every = int(m.group(1)) if (m := re.search(r"--stat-every (\d+)", recipe)) else 1  # the cheap capture's
     buckets = int(m.group(1)) if (m := re.search(r"--buckets (\d+)", recipe)) else 6
     scheduler = load_demo_pipeline(tmp_path / "dp", device="cpu").scheduler
     scheduler.set_timesteps(steps)

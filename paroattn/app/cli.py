@@ -222,7 +222,8 @@ def calibrate(
     steps: int = typer.Option(50, help="denoising steps of each calibration run, >= 1"),
     buckets: int | None = typer.Option(None, help="timestep buckets, 1 to 100 (default: 6): timesteps above 500 split into N-1, one shared by the rest"),
     bucket_edges: str | None = typer.Option(None, help="explicit descending edges from 1000 to 0, e.g. '1000,800,500,0' (instead of --buckets)"),
-    stat_every: int = typer.Option(2, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step)"),
+    stat_every: int | None = typer.Option(None, help="capture statistics at every k-th step, k >= 1 (the pipeline still runs every step; default: 1 with the cheap capture, which keeps at most 2 steps per timestep bucket, 2 with --full-capture)"),
+    full_capture: bool = typer.Option(False, "--full-capture", help="capture every call, every query row and every order at every --stat-every-th step (about 3x the time and memory of the default cheap capture, whose plans measure as close to dense: QUALITY.md)"),
     metric: str = typer.Option("mass", help="how each head's order is chosen: mass (the order whose mask at --density keeps the most attention mass) or paper (the PAROAttention paper's score: the share of nearly empty blocks, weighed against incoherence)"),
     quant_weight: float = typer.Option(0.0, help="weight >= 0 of incoherence in the mass metric: a block's largest attention value over its mean, which makes it harder to quantize; 0 (the default) ignores it"),
     block_size: int = typer.Option(64, help="block size of the masks: a power of two >= 16"),
@@ -243,7 +244,7 @@ def calibrate(
 
     Runs on one GPU (or, slowly, the CPU); the plan it writes also serves generations split over several GPUs
     (`paro generate --ulysses N`). What each option costs in quality: QUALITY.md."""
-    from ..calibrate.config import CaptureConfig, ConfigError, SelectionConfig
+    from ..calibrate.config import CHEAP, CaptureConfig, ConfigError, SelectionConfig
     from ..calibrate.driver import (
         calibrate_sizes,
         calibration_outputs,
@@ -301,7 +302,8 @@ def calibrate(
         edges = _parse_numbers(bucket_edges, "--bucket-edges", "1000,800,500,0")
         if problem := bucket_edges_problem(edges):
             _fail(f"--bucket-edges {bucket_edges!r}: {problem.replace('bucket_edges', 'the edges', 1)}")
-    _check(range_problem("--stat-every", stat_every, 1, MAX_STEPS, "steps k", "1 captures every step"))
+    if stat_every is not None:
+        _check(range_problem("--stat-every", stat_every, 1, MAX_STEPS, "steps k", "1 captures every step"))
     if metric not in METRICS:
         _fail(f"--metric {metric!r} is not one of {', '.join(METRICS)}: pass one of them")
     if not (math.isfinite(quant_weight) and 0 <= quant_weight <= MAX_QUANT_WEIGHT):
@@ -335,10 +337,13 @@ def calibrate(
         prompt_list = _read_prompts(read_prompts, prompts, num_prompts)
     if prompt_list is not None and (problem := prompts_problem(model_dir, prompt_list)):
         _fail(f"--prompts {prompts}: {problem}; pass a file of prompts in its words, e.g. {model_dir / PROMPTS_FILE}")
+    capture_options = {} if full_capture else dict(CHEAP)  # the full capture: CaptureConfig's own defaults
+    if stat_every is not None:
+        capture_options["stat_every"] = stat_every
     try:
         capture_config = CaptureConfig(
             block_size=block_size, query_block=query_block, steps=steps, height=height, width=width, frames=frames,
-            num_buckets=buckets or CaptureConfig.num_buckets, stat_every=stat_every, seed=seed, bucket_edges=edges,
+            num_buckets=buckets or CaptureConfig.num_buckets, seed=seed, bucket_edges=edges, **capture_options,
         )
         selection = SelectionConfig(
             density=density, qk=qk, pv=pv, metric=metric, quant_weight=quant_weight, figure_layers=layers_for_figures,

@@ -2,7 +2,7 @@
 
     from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder, calibrate, plan_from_stats
     plan, result = calibrate(pipe, ["a prompt", "another"], CaptureConfig(steps=50), SelectionConfig(density=0.3))
-    # the cheap capture: orders from the first steps, a few steps per bucket, the cond call, sampled query rows
+    # the cheap capture (paro calibrate's): a few steps per bucket, sampled query rows, orders narrowed after one bucket
     plan, result = calibrate(pipe, prompts, CaptureConfig(steps=50, **CHEAP), SelectionConfig(density=0.3))
     plan.save("plan.safetensors")
     # a host that runs the model itself (a node graph, a custom sampler) hands over each self-attention call

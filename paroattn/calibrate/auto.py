@@ -45,10 +45,9 @@ AUTO = "auto"
 # what the first process of a Ulysses group decides for a generation, and every process does
 LOAD, LEARN, DENSE = 0, 1, 2
 
-# the cheap capture of a learning generation (`config.CHEAP`), every step eligible (one prompt's generation must
-# fill each timestep bucket by itself; `steps_per_bucket` still bounds what is captured there) and the orders chosen
-# from every captured step (choosing them first needs steps beyond `order_steps`, which a short generation lacks)
-CHEAP_CAPTURE = {**CHEAP, "stat_every": 1, "order_steps": None}
+# the cheap capture of a learning generation (`config.CHEAP`): one prompt's generation fills each timestep bucket by
+# itself (every step eligible; `steps_per_bucket` bounds what is captured there)
+CHEAP_CAPTURE = {**CHEAP, "stat_every": 1}
 
 # the pipeline each learning handle serves (its class is swapped for one whose __call__ goes through the handle)
 _HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
