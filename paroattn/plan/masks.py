@@ -215,8 +215,8 @@ class BlockMasks:
                 break
             first -= 1  # from_chunks made sure bucket 0 stands alone
         packed = last[2] if self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS else None
-        # the cache lets go of what the walk does not start from before anything is decoded: a decoded chunk is
-        # as large as a quarter of a real plan's file
+        # the cache lets go before anything is decoded (the walk holds what it starts from): a decoded (bucket,
+        # layer) of Wan2.1-14B at 720p is 3.5 MB, and a walk holds two
         last = self._last = None
         for b in range(first, bucket + 1):
             packed = self._decoded(b, layer, packed)
@@ -287,7 +287,7 @@ class BlockMasks:
                     continue
                 for start in range(0, h, step):
                     yield bucket, layer, start, *self._slice_statistics(bucket, layer, start, min(h, start + step))
-        self._last = None  # the scan's last decoded chunk is what a reader wants next no more than any other
+        self._last = None  # a scan reads every chunk once: keeping its last would only hold memory
 
     def _slice_statistics(self, bucket: int, layer: int, start: int, stop: int):
         """`scan`'s statistics of heads start..stop-1 of one (bucket, layer); their unpacked masks are freed on
