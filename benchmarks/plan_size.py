@@ -43,7 +43,8 @@ CHECKPOINT_BYTES = 14.3e9 * 2  # Wan2.1-14B's transformer in bf16
 RESULT = Path(__file__).parent / "results" / "plan-size-load-memory-wan2.1-14b-720p-cpu.json"
 
 # run in a fresh process: after loading a small plan (the demo model's) once, resident memory (VmRSS) before
-# loading, and its peak (VmHWM, reset to the current value first where the kernel allows) during Plan.load
+# loading, and its peak (VmHWM, reset to the current value first where the kernel allows) during Plan.load;
+# the load's wall and CPU seconds (the CPU seconds hold on a machine shared with other work)
 LOAD_PROBE = r"""
 import gc, json, sys, time, warnings
 import torch
@@ -64,13 +65,14 @@ try:
 except OSError:
     reset = False
 before = status("VmRSS")
-start = time.perf_counter()
+start, start_cpu = time.perf_counter(), time.process_time()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     plan = Plan.load(sys.argv[1])
-seconds = time.perf_counter() - start
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
 print(json.dumps({"rss_before": before, "peak_rss": status("VmHWM"), "rss_after": status("VmRSS"),
-                  "peak_reset": reset, "load_s": seconds, "masks_held_bytes": plan.masks.stored_bytes(),
+                  "peak_reset": reset, "load_s": seconds, "load_cpu_s": cpu_seconds,
+                  "masks_held_bytes": plan.masks.stored_bytes(),
                   "masks_form": plan.masks.form}))
 """
 
@@ -162,7 +164,9 @@ def main():
     result = {
         "what": "plan file size and Plan.load memory, Wan2.1-14B 720p (40 layers x 40 heads, 75600 tokens, blocks "
                 "128 x 64 = 591 x 1182 per head), synthetic masks at density 0.5; peak_increase: VmHWM during the "
-                "load minus VmRSS before it, in a fresh process that loaded the demo model's plan once first",
+                "load minus VmRSS before it, in a fresh process that loaded the demo model's plan once first (what "
+                "the load adds, the interpreter and torch not counted); load_s wall and load_cpu_s CPU seconds of "
+                "the load, one thread",
         "layout": str(LAYOUT), "layers": LAYERS, "heads": HEADS, "block_size": list(BLOCK), "density": DENSITY,
         "checkpoint_bytes_bf16": CHECKPOINT_BYTES,
         "before": "format 2 read by paroattn before this change (issue probe, main at ad95571): 1 bucket 133 MB "

@@ -6,15 +6,19 @@ import json
 import math
 import random
 import struct
+import tracemalloc
 import warnings
+import zlib
 
 import pytest
 import torch
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.errors import PlanWarning
-from paroattn.plan import METADATA_KEY, BlockMasks, load_plans
-from paroattn.plan.masks import DEFLATED_XOR_PREVIOUS
+from paroattn.masks import synthetic_block_mask
+from paroattn.plan import METADATA_KEY, BlockMasks, default_bucket_edges, load_plans, pack_bits
+from paroattn.plan import masks as masks_module
+from paroattn.plan.masks import DEFLATED, DEFLATED_XOR_PREVIOUS, INFLATE_PIECE, SCAN_BITS
 from paroattn.plan.model import CHECKSUM_KEY
 from paroattn.plan.storage import checksum
 from paroattn.plan.summary import describe_plan
@@ -398,3 +402,86 @@ def test_chunks_relative_to_the_previous_bucket_decode_in_any_order():
     random.Random(0).shuffle(pairs)
     for b, layer in pairs + pairs[::-1]:
         assert torch.equal(stored.layer(b, layer), masks[b, layer]), (b, layer)
+
+
+def test_chunks_inflate_a_piece_at_a_time_whatever_the_piece_size(monkeypatch):
+    """Pieces of 7 bytes split every chunk's stream and its packed mask (144 bytes) many times, at places
+    that are no boundary of the stream's own: each (bucket, layer) still decodes as it was stored."""
+    monkeypatch.setattr(masks_module, "INFLATE_PIECE", 7)
+    g = torch.Generator().manual_seed(1)
+    masks = torch.stack([synthetic_block_mask(2, 24, 24, 0.2, generator=g) for _ in range(3)])
+    masks = masks.expand(4, 3, 2, 24, 24).clone()
+    masks[2:] ^= torch.rand(2, 3, 2, 24, 24, generator=g) < 0.02
+    chunks, index = BlockMasks.of(masks).encode()
+    methods = {int(chunks[offset]) for offset, _ in index.tolist()}
+    assert {DEFLATED, DEFLATED_XOR_PREVIOUS} <= methods
+    stored = BlockMasks.from_chunks(chunks, index, masks.shape)
+    for b in range(4):
+        for layer in range(3):
+            assert torch.equal(stored.layer(b, layer), masks[b, layer]), (b, layer)
+
+
+_ONE_LAYER = torch.rand(1, 1, 2, 9, 11, generator=torch.Generator().manual_seed(2)) < 0.5
+_PACKED = pack_bits(_ONE_LAYER).numpy().tobytes()  # 25 bytes
+
+
+# pieces: smaller than the stream, as long as it (trailing bytes start a piece), longer
+@pytest.mark.parametrize("piece", [7, len(zlib.compress(_PACKED)), INFLATE_PIECE])
+@pytest.mark.parametrize("payload, message", [
+    (zlib.compress(_PACKED + b"\0"), "does not inflate to 25 bytes"),
+    (zlib.compress(_PACKED[:-1]), "does not inflate to 25 bytes"),
+    (zlib.compress(_PACKED) + b"more", "does not inflate to 25 bytes"),
+    (zlib.compress(_PACKED)[:-3], "does not inflate to 25 bytes"),
+    (b"\x78\x9c" + bytes(range(40)), "does not inflate \\("),
+    (zlib.compress(_PACKED), None),
+], ids=["one-byte-long", "one-byte-short", "trailing-bytes", "cut-short", "not-deflate", "exact"])
+def test_a_deflated_chunk_must_inflate_to_exactly_its_mask(monkeypatch, piece, payload, message):
+    monkeypatch.setattr(masks_module, "INFLATE_PIECE", piece)
+    chunks = torch.frombuffer(bytearray(bytes([DEFLATED]) + payload), dtype=torch.uint8)
+    stored = BlockMasks.from_chunks(chunks, torch.tensor([[0, len(chunks)]]), _ONE_LAYER.shape)
+    if message is None:
+        assert torch.equal(stored.layer(0, 0), _ONE_LAYER[0, 0])
+    else:
+        with pytest.raises(PlanError, match=message):
+            stored.layer(0, 0)
+
+
+def test_loading_allocates_the_file_and_at_most_two_decoded_masks_beside_it(tmp_path):
+    """What `Plan.load` allocates beside the file's bytes (traced: Python and numpy buffers), at its peak: the
+    larger of the packed masks of two (bucket, layer) pairs with the inflate's pieces (a chunk relative to the
+    previous bucket is decoded beside that bucket's) and one packed mask with the slice of heads the validating
+    scan unpacks from it. Three buckets of the same masks, as `benchmarks/e2e.py` builds them: every chunk past
+    the first bucket is relative to the one before."""
+    layout, layers, heads, buckets = TokenLayout(0, 4, 64, 64), 2, 8, 3
+    nq = nk = layout.seq_len // 16
+    g = torch.Generator().manual_seed(0)
+    layer_masks = [(torch.rand(heads, nq, nk, generator=g) < 0.3) | torch.eye(nq, dtype=torch.bool)
+                   for _ in range(layers)]
+    store = BlockMasks.from_layers((buckets, layers, heads, nq, nk), lambda b, layer: layer_masks[layer])
+    plan = Plan(model_class="TinyModel", model_fingerprint="f00d", layout=layout, block_size=(16, 16),
+                orders=torch.zeros(layers, heads, dtype=torch.int8), block_mask=store,
+                bucket_edges=default_bucket_edges(buckets), target_density=0.3)
+    path = tmp_path / "plan.safetensors"
+    plan.save(path)
+    packed = heads * nq * nk // 8  # 1 MB per (bucket, layer)
+    scan_slice = max(SCAN_BITS // (nq * nk), 1) * nq * nk  # a byte per block
+    small = 256 << 10  # metadata, small tensors, numpy's reduction buffers
+    tracemalloc.start()
+    try:
+        loaded = Plan.load(path)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    file_bytes = path.stat().st_size
+    assert held <= file_bytes + small, (held, file_bytes)  # the chunks; nothing decoded is kept
+    assert peak <= file_bytes + max(2 * packed + 3 * INFLATE_PIECE, packed + scan_slice) + small, (peak, file_bytes)
+    # read bucket-major, as the runner does (each walk decodes from bucket 0), one head a time: the walks hold
+    # two decoded masks at most, whatever was decoded before
+    tracemalloc.start()
+    try:
+        assert all(torch.equal(loaded.masks.heads(b, layer, head, head + 1), layer_masks[layer][head:head + 1])
+                   for b in range(buckets) for layer in range(layers) for head in (0, heads - 1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= max(2 * packed + 3 * INFLATE_PIECE, packed + nq * nk) + small, peak

@@ -30,8 +30,9 @@ DEFLATE_LEVEL = 6
 # deflate cannot expand a stream more than about 1032 times: a chunk claiming more is not a deflate stream
 DEFLATE_MAX_RATIO = 1032
 DEFLATE_SLACK = 64  # zlib header and the last partial block
+INFLATE_PIECE = 1 << 16  # bytes of a chunk inflated at once (and of its stream fed at once)
 # bits of mask unpacked at once while computing statistics: bounds the transient memory of a scan
-SCAN_BITS = 1 << 22
+SCAN_BITS = 1 << 20
 # bounds on what a file may declare, far above real models (Wan2.1-14B at 720p: 698,562 blocks per head, 3.5 MB
 # per (bucket, layer) packed): a scan unpacks a head at least, and inflates a (bucket, layer) whole
 MAX_BLOCKS_PER_HEAD = 1 << 26
@@ -91,7 +92,7 @@ class BlockMasks:
         self._shape = tuple(int(s) for s in shape)  # as stored: all heads
         self._full, self._bits, self._chunks, self._index = full, bits, chunks, index
         self._heads = heads  # (start, stop): a head slice of the stored masks, or None for all
-        self._last = None  # (bucket, layer, packed bytes) of the last chunk decoded: decoding walks buckets
+        self._last = None  # (bucket, layer, packed array) of the last chunk decoded: decoding walks buckets
         # active blocks per (bucket, layer, head) and the most of any query block, set by the plan's validation
         # of a packed form (which does not change afterwards): later checks trust them instead of scanning again
         self.counts: torch.Tensor | None = None
@@ -178,29 +179,33 @@ class BlockMasks:
         offset, length = (int(x) for x in self._index[bucket * self._shape[1] + layer])
         return memoryview(self._chunks.numpy())[offset:offset + length]
 
-    def _payload_bytes(self, bucket: int, layer: int) -> bytes:
-        """The chunk's payload as packed bytes: inflated when deflated (still relative to the previous bucket
-        for that method)."""
+    def _decoded(self, bucket: int, layer: int, previous: np.ndarray | None) -> np.ndarray:
+        """Packed bytes of (bucket, layer)'s stored mask, all heads, as a read-only array: a view of a raw chunk,
+        else inflated into an array of its own; `previous` is the same layer's packed mask in the previous
+        bucket, read for a chunk relative to it."""
         _, _, h, nq, nk = self._shape
-        expected = -(-h * nq * nk // 8)
         chunk = self._chunk(bucket, layer)
         if chunk[0] == RAW:
-            return chunk[1:].tobytes()
-        inflater = zlib.decompressobj()
-        try:
-            packed = inflater.decompress(chunk[1:], expected)
-        except zlib.error as exc:
-            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
-                            "the plan is corrupt, recalibrate") from None
-        if len(packed) != expected or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
-            raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
-                            f"{expected} bytes: the plan is corrupt, recalibrate")
+            packed = np.frombuffer(chunk[1:], dtype=np.uint8)
+        else:
+            packed = np.empty(-(-h * nq * nk // 8), dtype=np.uint8)
+            try:
+                whole = _inflate_into(packed, chunk[1:])
+            except zlib.error as exc:
+                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate ({exc}): "
+                                "the plan is corrupt, recalibrate") from None
+            if not whole:
+                raise PlanError(f"plan block mask chunk of bucket {bucket}, layer {layer} does not inflate to "
+                                f"{len(packed)} bytes: the plan is corrupt, recalibrate")
+            if chunk[0] == DEFLATED_XOR_PREVIOUS:
+                np.bitwise_xor(packed, previous, out=packed)
+        packed.flags.writeable = False  # shared by readers of the cache, and a view of the file's chunks when raw
         return packed
 
-    def _chunk_bytes(self, bucket: int, layer: int) -> bytes:
-        """Packed bytes of (bucket, layer)'s stored mask, all heads. A chunk relative to the previous bucket is
-        decoded forward from the nearest one that is not (or from the last decoded, when that is the previous
-        bucket of the layer), holding two chunks at a time."""
+    def _packed(self, bucket: int, layer: int) -> np.ndarray:
+        """Packed bytes of (bucket, layer)'s stored mask, all heads (read-only). A chunk relative to the previous
+        bucket is decoded forward from the nearest one that is not (or from the last decoded, when that is the
+        previous bucket of the layer), holding two decoded chunks at a time."""
         last = self._last  # one read: another thread may replace it
         if last is not None and last[:2] == (bucket, layer):
             return last[2]
@@ -210,9 +215,11 @@ class BlockMasks:
                 break
             first -= 1  # from_chunks made sure bucket 0 stands alone
         packed = last[2] if self._chunk(first, layer)[0] == DEFLATED_XOR_PREVIOUS else None
+        # the cache lets go before anything is decoded (the walk holds what it starts from): a decoded (bucket,
+        # layer) of Wan2.1-14B at 720p is 3.5 MB, and a walk holds two
+        last = self._last = None
         for b in range(first, bucket + 1):
-            payload = self._payload_bytes(b, layer)
-            packed = _xor(payload, packed) if self._chunk(b, layer)[0] == DEFLATED_XOR_PREVIOUS else payload
+            packed = self._decoded(b, layer, packed)
         self._last = (bucket, layer, packed)
         return packed
 
@@ -235,8 +242,7 @@ class BlockMasks:
             at = ((bucket * layers + layer) * h + first) * per_head
             bits = _unpacked(self._bits.numpy(), at, count)
         else:
-            packed = np.frombuffer(self._chunk_bytes(bucket, layer), dtype=np.uint8)
-            bits = _unpacked(packed, first * per_head, count)
+            bits = _unpacked(self._packed(bucket, layer), first * per_head, count)
         return bits.reshape(stop - start, nq, nk)
 
     def layer(self, bucket: int, layer: int) -> torch.Tensor:
@@ -275,16 +281,23 @@ class BlockMasks:
         with `dense[bucket, layer]` True are skipped."""
         b, layers, h, nq, nk = self.shape
         step = max(1, SCAN_BITS // max(1, nq * nk))
-        diagonal = np.arange(nq)
         for layer in range(layers):  # layer-major: a chunk relative to the previous bucket finds it decoded
             for bucket in range(b):
                 if dense is not None and bool(dense[bucket, layer]):
                     continue
                 for start in range(0, h, step):
-                    mask = self._heads_array(bucket, layer, start, min(h, start + step))
-                    rows = np.count_nonzero(mask, axis=-1)  # active blocks per query block
-                    missing = ~mask[:, diagonal, diagonal] if nq == nk else None
-                    yield bucket, layer, start, torch.from_numpy(rows), None if missing is None else torch.from_numpy(missing)
+                    yield bucket, layer, start, *self._slice_statistics(bucket, layer, start, min(h, start + step))
+        self._last = None  # a scan reads every chunk once: keeping its last would only hold memory
+
+    def _slice_statistics(self, bucket: int, layer: int, start: int, stop: int):
+        """`scan`'s statistics of heads start..stop-1 of one (bucket, layer); their unpacked masks are freed on
+        return, before the next slice is unpacked."""
+        mask = self._heads_array(bucket, layer, start, stop)
+        rows = np.count_nonzero(mask, axis=-1)  # active blocks per query block
+        nq, nk = mask.shape[1:]
+        diagonal = np.arange(nq)
+        missing = torch.from_numpy(~mask[:, diagonal, diagonal]) if nq == nk else None
+        return torch.from_numpy(rows), missing
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunks uint8 [n], index int64 [buckets * layers, 2]): the format version 3 storage."""
@@ -309,6 +322,30 @@ class BlockMasks:
         if self._bits is not None:
             return self._bits.numel()
         return self._chunks.numel() + self._index.numel() * 8
+
+
+def _inflate_into(out: np.ndarray, stream: memoryview) -> bool:
+    """Inflate the zlib `stream` into `out` (uint8), a piece at a time: whether it inflated to exactly `out`'s
+    size and ended with the stream. Pieces, in and out, bound what zlib allocates beside `out` (whole, it would
+    copy the output once more, and the unconsumed input on every call); a stream inflating beyond `out` is cut
+    one byte past it."""
+    inflater = zlib.decompressobj()
+    filled, read = 0, 0
+    pending = stream[:0]
+    while not inflater.eof:
+        if not pending and read < len(stream):
+            pending = stream[read:read + INFLATE_PIECE]
+            read += len(pending)
+        piece = inflater.decompress(pending, min(INFLATE_PIECE, len(out) - filled + 1))
+        if filled + len(piece) > len(out):
+            return False
+        out[filled:filled + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        filled += len(piece)
+        tail = inflater.unconsumed_tail
+        if not piece and len(tail) == len(pending):  # no progress: the input ended before the stream did
+            return False
+        pending = tail
+    return filled == len(out) and read == len(stream) and not pending and not inflater.unused_data
 
 
 def _check_declared(shape) -> None:

@@ -610,9 +610,9 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         """Read a plan file. Every problem with the file, whatever its cause, is a PlanError naming the path
-        and the field. Allocates at most about the file's size (the masks stay packed, `masks`); a file whose
-        checksum disagrees with its contents is refused, one without a checksum (written before checksums
-        existed) loads with a `PlanWarning`."""
+        and the field. Holds about the file's size (the masks stay packed, `masks`), and while it checks them
+        two decoded (bucket, layer) masks beside it at most; a file whose checksum disagrees with its contents is
+        refused, one without a checksum (written before checksums existed) loads with a `PlanWarning`."""
         if not isinstance(path, (str, os.PathLike)):
             raise PlanError(f"Plan.load takes the path of a plan file, got {type(path).__name__}")
         path = Path(path)
