@@ -201,17 +201,21 @@ def main() -> int:
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                  "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
     failures = compiled = 0
-    variants = itertools.product(MODES, (64, 128), (True, False), (False, True), (False, True), (False, True))
-    for (qk_mode, pv_mode), head_dim, even, tma, overlap, q_tma in variants:
+    variants = itertools.product(MODES, (64, 128), (True, False), (False, True), (False, True), (False, True),
+                                 (False, True))
+    for (qk_mode, pv_mode), head_dim, even, tma, overlap, q_tma, per_token in variants:
         if config_problem(KernelConfig(args.warps, args.stages, tma, overlap, q_tma), args.block, bk):
             continue  # a config the backend refuses
+        if per_token and not qk_mode:
+            continue  # K scales per key exist with integer QK only
         kq, vq = _buffers(qk_mode, pv_mode)
-        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} even={even} tma={tma} overlap={overlap} q_tma={q_tma}"
+        label = (f"qk={qk_mode} pv={pv_mode} D={head_dim} even={even} tma={tma} overlap={overlap} q_tma={q_tma} "
+                 f"k_per_token={per_token}")
         if not all(word in label.split() for word in args.match.split()):
             continue
         pointers = dict(Q="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
                         VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32",
-                        QScale="*fp32")
+                        QScale="*fp32", KeyMask="*i8")
         pointers["QDesc"] = f"tensordesc<{'i8' if qk_mode else 'bf16'}[{args.block}, {head_dim}]>" if q_tma else kq
         if tma:
             pointers["KDesc"] = f"tensordesc<{kq[1:]}[{bk}, {head_dim}]>"
@@ -221,7 +225,7 @@ def main() -> int:
             pointers.update(KDesc=kq, VDesc=vq)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=bk, QK_MODE=qk_mode,
                          PV_MODE=pv_mode, EVEN_N=even, USE_TMA=tma, OVERLAP_QK=overlap,
-                         Q_TMA=q_tma,
+                         Q_TMA=q_tma, K_PER_TOKEN=per_token, HAS_KEY_MASK=False,
                          P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
             kernel = _compile(kernels._attention_kernel, pointers, constants,
@@ -232,9 +236,10 @@ def main() -> int:
                       f"{_sass_counts(kernel)}")
             prologue_pointers = dict(K="*bf16", V="*bf16", KMean="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
                                      VQ=vq, Orders="*i32", Q="*bf16", QQ="*i8" if qk_mode else "*bf16",
-                                     QScale="*fp32")
+                                     QScale="*fp32", KeyMask="*i8")
             prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=bk, QK_MODE=qk_mode, PV_MODE=pv_mode,
-                                      WRITE_Q=q_tma, BLOCK_Q=args.block, stride_kd=1,
+                                      WRITE_Q=q_tma, BLOCK_Q=args.block, K_PER_TOKEN=per_token, HAS_KEY_MASK=False,
+                                      stride_kd=1,
                                       stride_vd=1, stride_qd=1)
             _compile(kernels._kv_prologue_kernel, prologue_pointers, prologue_constants,
                      divisible + list(prologue_pointers), dict(num_warps=4))
