@@ -71,11 +71,11 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
     nk, nq = -(-N // bk), -(-N // bq)
     n_pad = nk * bk
     placeholder = torch.zeros(1, dtype=torch.float32, device=device)
-    k_scale = qq = q_scale = placeholder
+    k_scales = qq = q_scale = placeholder
     if qk != "bf16":
         kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
         # a scale per key block, or per key (k_scale="token")
-        k_scale = torch.empty(B * H, n_pad if k_scale == "token" else nk, dtype=torch.float32, device=device)
+        k_scales = torch.empty(B * H, n_pad if k_scale == "token" else nk, dtype=torch.float32, device=device)
     else:
         kq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
     if pv != "bf16":
@@ -91,7 +91,7 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
         q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
         rotated = (q_rot, torch.empty_like(q_rot))
     stats = Statistics(B, H, N, D, device) if qk != "bf16" or pv != "bf16" else None
-    return Buffers(kq, k_scale, vq, qq, q_scale, placeholder, rotated, stats)
+    return Buffers(kq, k_scales, vq, qq, q_scale, placeholder, rotated, stats)
 
 
 def stream_of(device: torch.device) -> int | None:
