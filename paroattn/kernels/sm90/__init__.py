@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ...modes import K_SCALES  # K's scale granularities: one build each
+
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128)
 BLOCK_M, BLOCK_N = 128, 64
@@ -41,7 +43,6 @@ KERNEL_NAME = "paro_attention_int8_fp8"
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 BARRIER_BYTES = 48  # attention.cu's kBarrierBytes: three mbarriers and the CTA's indices
-K_SCALES = ("block", "token")  # K's scale granularities, one build each (modes.K_SCALES)
 
 
 def shared_bytes(head_dim: int, max_active: int, k_scale: str = "block") -> int:
