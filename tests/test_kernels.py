@@ -387,26 +387,34 @@ def test_custom_op_schema_and_fake_tensor():
     rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
     torch.library.opcheck(launch.block_sparse_attention, args + rotary,
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(launch.block_sparse_attention, args + (None, None, None, "token"),  # K scales per key
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_has_no_graph_break():
-    """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node."""
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_compile_fullgraph_has_no_graph_break(k_scale):
+    """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node (with the call's K
+    scale granularity: keys of mixed norms, where the two differ)."""
     layout = LAYOUT
     q, k, v = make_inputs(1, 2, layout.seq_len, 64, seed=10)
+    mixed_key_norms(k, seed=10)
     n_blocks = -(-layout.seq_len // SMALL_BLOCK)
     blocks = ActiveBlocks.from_mask(torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)).to(DEVICE)
     orders = torch.tensor([3, 5], device=DEVICE)
 
     rotary = rope_tables(layout.seq_len, 64, seed=10)
 
-    def layer(q, k, v, orders):
+    def layer(q, k, v, orders, k_scale=k_scale):
         out = paro_attention(q * 1.0, k, v, layout=layout, orders=orders, block_mask=blocks,
-                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton", rotary=rotary)
+                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton", rotary=rotary,
+                             k_scale=k_scale)
         return out + 1
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if INTERPRETED else "inductor")
-    assert rel_err(compiled(q, k, v, orders), layer(q, k, v, orders)) <= 1e-3
+    out = compiled(q, k, v, orders)
+    other = layer(q, k, v, orders, k_scale="token" if k_scale == "block" else "block")
+    assert rel_err(out, layer(q, k, v, orders)) <= 1e-3 < rel_err(out, other)
 
 
 @pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])
