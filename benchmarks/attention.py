@@ -30,7 +30,9 @@ call would use. "paro-sm90-..." rows are the whole op call on the sm_90a CUDA ke
 (`backend="cuda"`: the same prologue, then the hand-scheduled kernel), with their
 relative L2 distance to the Triton kernel's output on the first input set. `--rope` also times each paro
 mode with RoPE tables handed to the op (`rotary=`, rows "paro-...-rope"): what the op's RoPE pass costs (what it
-saves, the model's own RoPE code, is in benchmarks/e2e.py). The JSON records the GPU, driver, torch, triton, date
+saves, the model's own RoPE code, is in benchmarks/e2e.py). `--k-scale block,token` times every integer-QK mode
+with K's scales per key block and per key (rows "paro-...-ktoken", prologue rows with "k_scale"): what the
+finer scales cost. The JSON records the GPU, driver, torch, triton, date
 and, when run from a git checkout, the commit.
 """
 
@@ -237,7 +239,7 @@ def _fa3_methods(sets):
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
         block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False, sage2=None,
-        sol=False) -> dict:
+        sol=False, k_scales=("block",)) -> dict:
 
     timer = _graph_ms if graph else median_ms
 
@@ -253,6 +255,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "sm90": sm90,
         "sage2": None,
         "sol": None,
+        "k_scales": list(k_scales),
         "rows": [],
         "sweep": [],
         "prologue": [],
@@ -373,38 +376,43 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
                     runtime.set_kernel_config(D, block_q, block_k, qk, pv, dataclasses.replace(config, tma=True))
 
                 variants = [("", None)] + ([("-rope", rotary)] if rope else [])
-                for suffix, tables in variants:
-                    def paro(q, k, v, qk=qk, pv=pv, tables=tables):
-                        return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk,
-                                              pv=pv, block_size=(block_q, block_k), backend="triton", rotary=tables)
+                for k_scale in mode_k_scales(qk, k_scales):
+                    for suffix, tables in variants:
+                        def paro(q, k, v, qk=qk, pv=pv, tables=tables, k_scale=k_scale):
+                            return paro_attention(q, k, v, layout=layout, orders=orders_cpu, block_mask=blocks, qk=qk,
+                                                  pv=pv, block_size=(block_q, block_k), backend="triton",
+                                                  rotary=tables, k_scale=k_scale)
 
-                    ms, err = _try(lambda: timer(paro, sets, warmup, rep))
-                    decision = decide(sets[0][0], block_q, block_k, qk, pv, "triton", rotary=tables is not None)
-                    row = record(f"paro-{qk}-{pv}{suffix}", density, ms, err, mask_density=actual,
-                                 kernel=getattr(decision, "kernel", None), launch=_describe(decision),
-                                 config=vars(runtime.kernel_config(D, block_q, block_k, qk, pv)))
-                    if sdpa_ms and ms:
-                        row["speedup_vs_sdpa"] = sdpa_ms / ms
-                if sm90:
-                    _time_sm90(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv, density,
-                               actual, sdpa_ms, warmup, rep)
-                    _time_auto(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv, density,
-                               actual, sdpa_ms, warmup, rep)
+                        ms, err = _try(lambda: timer(paro, sets, warmup, rep))
+                        decision = decide(sets[0][0], block_q, block_k, qk, pv, "triton", rotary=tables is not None,
+                                          k_scale=k_scale)
+                        row = record(f"paro-{qk}-{pv}{k_scale_suffix(k_scale)}{suffix}", density, ms, err,
+                                     mask_density=actual, kernel=getattr(decision, "kernel", None),
+                                     launch=_describe(decision), k_scale=k_scale,
+                                     config=vars(runtime.kernel_config(D, block_q, block_k, qk, pv)))
+                        if sdpa_ms and ms:
+                            row["speedup_vs_sdpa"] = sdpa_ms / ms
+                    if sm90:
+                        _time_sm90(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv,
+                                   density, actual, sdpa_ms, warmup, rep, k_scale)
+                        _time_auto(record, timer, sets, layout, orders_cpu, blocks, (block_q, block_k), qk, pv,
+                                   density, actual, sdpa_ms, warmup, rep, k_scale)
         # the prologue alone (statistics + K/V prologue kernel), per quantized mode
         orders_dev = orders_cpu.to("cuda", torch.int32)
-        for qk, pv in modes:
+        for (qk, pv), k_scale in ((mode, k_scale) for mode in modes for k_scale in mode_k_scales(mode[0], k_scales)):
             q0 = sets[0][0]  # the op's output is laid out like q
-            decision = decide(q0, block_q, block_k, qk, pv, "triton")
+            decision = decide(q0, block_q, block_k, qk, pv, "triton", k_scale=k_scale)
             with_q = isinstance(decision, Launch) and decision.q_tma
 
-            def prologue(q, k, v, qk=qk, pv=pv, with_q=with_q):
-                buffers = runtime.allocate(*k.shape, k.dtype, k.device, block_q, block_k, qk, pv, with_q)
+            def prologue(q, k, v, qk=qk, pv=pv, with_q=with_q, k_scale=k_scale):
+                buffers = runtime.allocate(*k.shape, k.dtype, k.device, block_q, block_k, qk, pv, with_q,
+                                           k_scale=k_scale)
                 return launch.prepare_kv(k, v, orders_dev, layout.prefix, layout.frames, layout.height, layout.width,
-                                         block_k, qk, pv, buffers, q if with_q else None, block_q)
+                                         block_k, qk, pv, buffers, q if with_q else None, block_q, k_scale=k_scale)
 
             ms, err = _try(lambda: timer(prologue, sets, warmup, rep))
-            results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "ms": ms, "error": err})
-            print(f"{name:16s} prologue {qk}/{pv}: {ms} {err or ''}", flush=True)
+            results["prologue"].append({"shape": name, "qk": qk, "pv": pv, "k_scale": k_scale, "ms": ms, "error": err})
+            print(f"{name:16s} prologue {qk}/{pv} k_scale={k_scale}: {ms} {err or ''}", flush=True)
         if name == "short":
             mask = synthetic_block_mask(H, nq, nk, 0.5, generator=torch.Generator().manual_seed(2))
             blocks = ActiveBlocks.from_mask(mask).to("cuda")
@@ -434,48 +442,60 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
     return results
 
 
-def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep):
+def mode_k_scales(qk: str, k_scales) -> tuple[str, ...]:
+    """The K scale granularities timed for a mode: those asked for with integer QK (none differ without it)."""
+    return tuple(k_scales) if qk != "bf16" else ("block",)
+
+
+def k_scale_suffix(k_scale: str) -> str:
+    """What a row's method adds for its K scales: nothing per key block (the rows as before), "-ktoken" per key."""
+    return "" if k_scale == "block" else f"-k{k_scale}"
+
+
+def _time_sm90(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep,
+               k_scale="block"):
     """One "paro-sm90-{qk}-{pv}" row: the whole op call on the sm_90a CUDA kernels, or the reason they could
     not be built; none for modes the family refuses."""
     from paroattn.kernels import sm90
 
-    method = f"paro-sm90-{qk}-{pv}"
+    method = f"paro-sm90-{qk}-{pv}{k_scale_suffix(k_scale)}"
     q0 = sets[0][0]
     B, H, N, D = q0.shape
     refused = sm90.refusal(q0.shape, q0.dtype, D, *block, qk, pv, False, torch.cuda.get_device_capability())
     if refused:  # a mode or tiling the family does not take: no row
         print(f"{method}: {refused}")
         return
-    reason = runtime.runtime_of(q0.device).build_cuda_kernel(D, q0.dtype)
+    reason = runtime.runtime_of(q0.device).build_cuda_kernel(D, q0.dtype, k_scale)
     if reason:
-        record(method, density, None, reason, mask_density=actual)
+        record(method, density, None, reason, mask_density=actual, k_scale=k_scale)
         return
 
     def paro(q, k, v):
         return paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
-                              block_size=block, backend="cuda")
+                              block_size=block, backend="cuda", k_scale=k_scale)
 
     def error_vs_triton():
         q, k, v = sets[0]
         triton_out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
-                                    block_size=block, backend="triton").float()
+                                    block_size=block, backend="triton", k_scale=k_scale).float()
         return float((paro(q, k, v).float() - triton_out).norm() / triton_out.norm())
 
     ms, err = _try(lambda: timer(paro, sets, warmup, rep))
-    row = record(method, density, ms, err, mask_density=actual, kernel=SM90_KERNEL)
+    row = record(method, density, ms, err, mask_density=actual, kernel=SM90_KERNEL, k_scale=k_scale)
     row["rel_err_vs_triton"], _ = _try(error_vs_triton)
     if sdpa_ms and ms:
         row["speedup_vs_sdpa"] = sdpa_ms / ms
 
 
-def _time_auto(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep):
+def _time_auto(record, timer, sets, layout, orders, blocks, block, qk, pv, density, actual, sdpa_ms, warmup, rep,
+               k_scale="block"):
     """One "paro-auto-{qk}-{pv}" row: the op call as a user makes it (`backend="auto"`), the kernel the runtime
     decides for it, and which explicit backend's output it reproduces bit for bit (what actually ran)."""
-    method = f"paro-auto-{qk}-{pv}"
+    method = f"paro-auto-{qk}-{pv}{k_scale_suffix(k_scale)}"
 
     def paro(q, k, v, backend="auto"):
         return paro_attention(q, k, v, layout=layout, orders=orders, block_mask=blocks, qk=qk, pv=pv,
-                              block_size=block, backend=backend)
+                              block_size=block, backend=backend, k_scale=k_scale)
 
     def ran():
         q, k, v = sets[0]
@@ -486,10 +506,10 @@ def _time_auto(record, timer, sets, layout, orders, blocks, block, qk, pv, densi
                 return backend
         return "neither"
 
-    decision = decide(sets[0][0], *block, qk, pv, "auto")
+    decision = decide(sets[0][0], *block, qk, pv, "auto", k_scale=k_scale)
     ms, err = _try(lambda: timer(paro, sets, warmup, rep))
     row = record(method, density, ms, err, mask_density=actual, kernel=getattr(decision, "kernel", None),
-                 launch=_describe(decision))
+                 launch=_describe(decision), k_scale=k_scale)
     row["same_output_as"], _ = _try(ran)
     if sdpa_ms and ms:
         row["speedup_vs_sdpa"] = sdpa_ms / ms
@@ -727,7 +747,8 @@ def format_table(results: dict) -> str:
             lines.append(f"| {r['shape']} | {r['method']} | {r['density']} | failed: {r['error']} | | |")
     for p in results["prologue"]:
         if p["ms"]:
-            lines.append(f"prologue {p['shape']} {p['qk']}/{p['pv']}: {p['ms']:.3f} ms")
+            lines.append(f"prologue {p['shape']} {p['qk']}/{p['pv']}{k_scale_suffix(p.get('k_scale', 'block'))}: "
+                         f"{p['ms']:.3f} ms")
     if results.get("host"):
         lines.append(f"host overhead (short shape): paro int8+fp8 {results['host']}, bf16 {results.get('host_bf16')}, "
                      f"sdpa {results.get('host_sdpa')}")
@@ -902,6 +923,14 @@ def _mode(text: str) -> tuple[str, str]:
     return parts
 
 
+def _k_scale(text: str) -> str:
+    from paroattn.modes import K_SCALES, k_scale_problem
+
+    if k_scale_problem(text):
+        raise ValueError(f"{text!r} is not one of {', '.join(K_SCALES)}")
+    return text
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     """The benchmark's options, every one checked (names, ranges, files) before any GPU work; a bad one
     exits with one line and code 2."""
@@ -912,6 +941,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         f"with --summary: {','.join(map(str, SUMMARY_DENSITIES))})")
     parser.add_argument("--modes", default=None, help="qk+pv pairs, comma list (default: all five; with --summary: "
                         "bf16+bf16,int8+fp8)")
+    parser.add_argument("--k-scale", default="block",
+                        help="K scale granularities of the integer-QK modes, comma list of block, token (default: "
+                        "block; block,token times both: rows of token are named paro-...-ktoken)")
     parser.add_argument("--no-flex", action="store_true", help="skip flex_attention (it compiles per shape)")
     parser.add_argument("--sweep", action="store_true", help="also time warps x stages configs at d=0.5")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"),
@@ -949,6 +981,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         args.shapes = _comma_list(args.shapes, _shape, "--shapes", "cogvideox-5b,flux.1-dev")
         args.densities = _comma_list(args.densities, _density, "--densities", "1.0,0.5")
         args.modes = _comma_list(args.modes, _mode, "--modes", "bf16+bf16,int8+fp8")
+        args.k_scale = _comma_list(args.k_scale, _k_scale, "--k-scale", "block,token")
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if args.rep <= 0:
@@ -1022,6 +1055,7 @@ def run_arguments(args: argparse.Namespace) -> dict:
         sm90=args.sm90,
         sage2=args.sage2,
         sol=args.sol,
+        k_scales=args.k_scale or ("block",),
     )
 
 

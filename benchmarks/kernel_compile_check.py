@@ -105,7 +105,9 @@ def _check_gluon_kernel(sass: bool) -> int:
     return failures
 
 
-SM90_MAX_LOOP_INSTRUCTIONS = 300  # per thread per 64 keys in the unmasked key loop
+# per thread per 64 keys in the unmasked key loop, by K scale granularity: a scale per key costs an FMA per score
+# (the score times its key's scale before the row max), a multiply per column and the scales' shared loads
+SM90_MAX_LOOP_INSTRUCTIONS = {"block": 300, "token": 372}
 
 
 def cuobjdump() -> str | None:
@@ -131,14 +133,15 @@ def key_loop_instructions(sass: str) -> tuple[int, int]:
     return min(loops), 128
 
 
-def sm90_compile(head_dim: int, out_bf16: bool, workdir: Path) -> dict:
-    """nvcc's report on one variant of kernels/sm90/attention.cu: registers, spill bytes, and SASS instructions per
-    thread per 64 keys of the unmasked key loop."""
+def sm90_compile(head_dim: int, out_bf16: bool, workdir: Path, k_scale: str = "block") -> dict:
+    """nvcc's report on one variant of kernels/sm90/attention.cu (K scales per key block, or per key with
+    k_scale="token"): registers, spill bytes, and SASS instructions per thread per 64 keys of the unmasked key loop."""
     source = Path(__file__).resolve().parents[1] / "paroattn" / "kernels" / "sm90" / "attention.cu"
-    cubin = workdir / f"sm90-d{head_dim}-{int(out_bf16)}.cubin"
+    cubin = workdir / f"sm90-d{head_dim}-{int(out_bf16)}-{k_scale}.cubin"
     result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17",
                              "--use_fast_math", "-Xptxas", "-v", f"-DPARO_HEAD_DIM={head_dim}",
-                             f"-DPARO_OUT_BF16={int(out_bf16)}", "-o", str(cubin), str(source)],
+                             f"-DPARO_OUT_BF16={int(out_bf16)}", f"-DPARO_K_PER_KEY={int(k_scale == 'token')}",
+                             "-o", str(cubin), str(source)],
                             capture_output=True, text=True, timeout=600)
     log = result.stdout + result.stderr
     if result.returncode != 0:
@@ -161,17 +164,18 @@ def _check_sm90() -> int:
 
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for head_dim, dtype in sm90.VARIANTS:
-            report = sm90_compile(head_dim, dtype == torch.bfloat16, Path(tmp))
+        for (head_dim, dtype), k_scale in itertools.product(sm90.VARIANTS, sm90.K_SCALES):
+            report = sm90_compile(head_dim, dtype == torch.bfloat16, Path(tmp), k_scale)
             ceiling = sm90.REGISTER_CEILING[head_dim]
+            budget = SM90_MAX_LOOP_INSTRUCTIONS[k_scale]
             problems = [text for bad, text in (
                 (report["spill_bytes"], f"{report['spill_bytes']} bytes of spills"),
                 (report["registers"] > ceiling, f"{report['registers']} registers, over {ceiling}"),
                 (report["serialized_wgmma"], "ptxas serialized the wgmma pipeline"),
-                (report["loop_instructions_per_64_keys"] > SM90_MAX_LOOP_INSTRUCTIONS,
-                 f"over {SM90_MAX_LOOP_INSTRUCTIONS} instructions per 64 keys")) if bad]
+                (report["loop_instructions_per_64_keys"] > budget, f"over {budget} instructions per 64 keys")) if bad]
             failures += bool(problems)
-            print(f"sm90 D={head_dim} {dtype}: {report['registers']} registers, {report['spill_bytes']} spill bytes, "
+            print(f"sm90 D={head_dim} {dtype} k_scale={k_scale}: {report['registers']} registers, "
+                  f"{report['spill_bytes']} spill bytes, "
                   f"{report['loop_instructions_per_64_keys']:.1f} SASS instructions per thread per 64 keys"
                   + (f"  FAILED: {'; '.join(problems)}" if problems else ""))
     return failures
@@ -201,17 +205,21 @@ def main() -> int:
     divisible = ["stride_qb", "stride_qh", "stride_qn", "stride_kb", "stride_kh", "stride_kn", "stride_vb",
                  "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_on", "N", "N_PAD", "H"]
     failures = compiled = 0
-    variants = itertools.product(MODES, (64, 128), (True, False), (False, True), (False, True), (False, True))
-    for (qk_mode, pv_mode), head_dim, even, tma, overlap, q_tma in variants:
+    variants = itertools.product(MODES, (64, 128), (True, False), (False, True), (False, True), (False, True),
+                                 (False, True))
+    for (qk_mode, pv_mode), head_dim, even, tma, overlap, q_tma, per_token in variants:
         if config_problem(KernelConfig(args.warps, args.stages, tma, overlap, q_tma), args.block, bk):
             continue  # a config the backend refuses
+        if per_token and not qk_mode:
+            continue  # K scales per key exist with integer QK only
         kq, vq = _buffers(qk_mode, pv_mode)
-        label = f"qk={qk_mode} pv={pv_mode} D={head_dim} even={even} tma={tma} overlap={overlap} q_tma={q_tma}"
+        label = (f"qk={qk_mode} pv={pv_mode} D={head_dim} even={even} tma={tma} overlap={overlap} q_tma={q_tma} "
+                 f"k_per_token={per_token}")
         if not all(word in label.split() for word in args.match.split()):
             continue
         pointers = dict(Q="*bf16", Out="*bf16", KQ=kq, KScale="*fp32", VQ=vq,
                         VAmax="*fp32", Orders="*i32", Counts="*i32", Indices="*i32", Schedule="*i32",
-                        QScale="*fp32")
+                        QScale="*fp32", KeyMask="*i8")
         pointers["QDesc"] = f"tensordesc<{'i8' if qk_mode else 'bf16'}[{args.block}, {head_dim}]>" if q_tma else kq
         if tma:
             pointers["KDesc"] = f"tensordesc<{kq[1:]}[{bk}, {head_dim}]>"
@@ -221,7 +229,7 @@ def main() -> int:
             pointers.update(KDesc=kq, VDesc=vq)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=args.block, BLOCK_N=bk, QK_MODE=qk_mode,
                          PV_MODE=pv_mode, EVEN_N=even, USE_TMA=tma, OVERLAP_QK=overlap,
-                         Q_TMA=q_tma,
+                         Q_TMA=q_tma, K_PER_TOKEN=per_token, HAS_KEY_MASK=False,
                          P_LOG2_SCALE=kernels.P_LOG2_SCALES[pv_mode], **{n: 1 for n in unit})
         try:
             kernel = _compile(kernels._attention_kernel, pointers, constants,
@@ -232,9 +240,10 @@ def main() -> int:
                       f"{_sass_counts(kernel)}")
             prologue_pointers = dict(K="*bf16", V="*bf16", KMean="*fp32", VAmax="*fp32", KQ=kq, KScale="*fp32",
                                      VQ=vq, Orders="*i32", Q="*bf16", QQ="*i8" if qk_mode else "*bf16",
-                                     QScale="*fp32")
+                                     QScale="*fp32", KeyMask="*i8")
             prologue_constants = dict(HEAD_DIM=head_dim, BLOCK_N=bk, QK_MODE=qk_mode, PV_MODE=pv_mode,
-                                      WRITE_Q=q_tma, BLOCK_Q=args.block, stride_kd=1,
+                                      WRITE_Q=q_tma, BLOCK_Q=args.block, K_PER_TOKEN=per_token, HAS_KEY_MASK=False,
+                                      stride_kd=1,
                                       stride_vd=1, stride_qd=1)
             _compile(kernels._kv_prologue_kernel, prologue_pointers, prologue_constants,
                      divisible + list(prologue_pointers), dict(num_warps=4))

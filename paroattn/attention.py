@@ -20,7 +20,7 @@ from .kernels.reference import paro_attention_reference
 from .kernels.runtime import PROCESS, decide_launch
 from .layout import ORDERS, TokenLayout
 from .masks import block_sizes, mask_shape
-from .modes import modes_problem
+from .modes import k_scale_problem, modes_problem
 
 
 @torch._dynamo.assume_constant_result
@@ -75,16 +75,17 @@ def check_suffix_mask(suffix_mask, q: torch.Tensor, layout: TokenLayout) -> None
 
 
 def decide(q: torch.Tensor, bq: int, bk: int, qk: str, pv: str, backend: str, *, key_mask: bool = False,
-           rotary: bool = False, device: torch.device | None = None) -> Launch | Refusal:
+           rotary: bool = False, device: torch.device | None = None, k_scale: str = "block") -> Launch | Refusal:
     """Which kernel runs a call of `paro_attention` with q on `device` (by default q's), eager or traced by
     torch.compile (`kernels.runtime.decide_launch`): the op and benchmarks ask this, never the kernels' modules
     (`kernel_for` asks the same without a tensor)."""
     return decide_launch(q.device if device is None else torch.device(device), q.shape[-1], q.dtype, bq, bk, qk, pv,
-                       key_mask, rotary, q.stride(-1), backend)
+                       key_mask, rotary, q.stride(-1), backend, k_scale)
 
 
 def kernel_for(device: torch.device | str, dtype: torch.dtype, head_dim: int, block_size: int | tuple[int, int],
-               qk: str, pv: str, backend: str, *, key_mask: bool = False, rotary: bool = False) -> str | None:
+               qk: str, pv: str, backend: str, *, key_mask: bool = False, rotary: bool = False,
+               k_scale: str = "block") -> str | None:
     """Which kernel would run a `paro_attention` call of q with `dtype` and `head_dim` on `device`, these block
     sizes, modes and backend (q with unit stride along D, as models pass it): the kernel's name
     (`kernels.dispatch`: "cuda-sm90a", "gluon-warp-specialized", "triton"), or None where the torch reference
@@ -93,12 +94,13 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, head_dim: int, bl
     if backend == "torch":
         return None
     bq, bk = block_sizes(block_size)
-    decision = decide_launch(torch.device(device), head_dim, dtype, bq, bk, qk, pv, key_mask, rotary, 1, backend)
+    decision = decide_launch(torch.device(device), head_dim, dtype, bq, bk, qk, pv, key_mask, rotary, 1, backend,
+                             k_scale)
     return decision.kernel if isinstance(decision, Launch) and decision.backend != "torch" else None
 
 
-def _check_arguments(qk, pv, backend, block_size) -> None:
-    if problem := modes_problem(qk, pv):
+def _check_arguments(qk, pv, backend, block_size, k_scale="block") -> None:
+    if problem := modes_problem(qk, pv) or k_scale_problem(k_scale):
         raise PAROInputError(problem)
     if backend not in BACKENDS:
         raise PAROInputError(f"backend={backend!r}; expected one of {BACKENDS}")
@@ -138,19 +140,19 @@ def check_orders(orders, H: int) -> None:
 
 
 def check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary=None,
-                 suffix_mask=None, sm_scale=None) -> None:
+                 suffix_mask=None, sm_scale=None, k_scale="block") -> None:
     """Raise PAROInputError naming what was expected, what was found and what to do."""
     # the arguments that are not tensors repeat from call to call: checked once per combination (strings,
     # and an exact int or pair of ints as block_size, so that True never passes for 1 and nothing
     # unhashable is looked up). Not while traced: the set would change between the trace and the next
     # call, which would recompile it
-    exact = (type(qk) is str and type(pv) is str and type(backend) is str
+    exact = (type(qk) is str and type(pv) is str and type(backend) is str and type(k_scale) is str
              and (type(block_size) is int or (type(block_size) is tuple and len(block_size) == 2
                                               and type(block_size[0]) is int and type(block_size[1]) is int)))
-    static = (qk, pv, backend, block_size) if exact and not torch.compiler.is_compiling() else None
+    static = (qk, pv, backend, block_size, k_scale) if exact and not torch.compiler.is_compiling() else None
     checked = PROCESS.checked_arguments
     if static is None or static not in checked:
-        _check_arguments(qk, pv, backend, block_size)
+        _check_arguments(qk, pv, backend, block_size, k_scale)
         if static is not None and len(checked) < 256:
             checked.add(static)
     if not isinstance(layout, TokenLayout):
@@ -230,6 +232,7 @@ def paro_attention(
     backend: str = "auto",
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     suffix_mask: torch.Tensor | None = None,
+    k_scale: str = "block",
 ) -> torch.Tensor:
     """Block-sparse attention over per-head reordered tokens, with optional INT8/INT4 QK and FP8/INT8 PV.
 
@@ -248,9 +251,9 @@ def paro_attention(
     attends (any key of its active key blocks):
     - qk="bf16": a NaN in q[i] or in k[j] makes row i NaN (every channel).
     - qk="int8"/"int4" (per-block scales): a NaN in q makes every row of its query block (bq reordered
-      queries) NaN; a NaN in k makes every row that attends its key block NaN, and every row of the head
-      when the token is in the sample of K smoothing's mean (every s-th token,
-      `kernels.reference.key_mean_stride`: all tokens of short sequences).
+      queries) NaN; a NaN in k makes every row that attends its key block NaN (with k_scale="token": every
+      row that attends its key), and every row of the head when the token is in the sample of K smoothing's
+      mean (every s-th token, `kernels.reference.key_mean_stride`: all tokens of short sequences).
     - pv="bf16": a NaN in v[j, c] makes channel c of row i NaN.
     - pv="fp8"/"int8" (per-channel scales of V): a NaN in v[:, c] makes channel c of every row of the
       head NaN.
@@ -277,7 +280,8 @@ def paro_attention(
         Query and key block sizes of the mask, positive ints. The Triton kernels take 32, 64 or 128 (16 in the interpreter).
     qk : {"bf16", "int8", "int4"}
         QK product precision. "int8"/"int4": Q symmetric per query block, K minus its per-head mean then
-        symmetric per key block (softmax is invariant to the shift). int4 values run on int8 units.
+        symmetric per key block, or per key with k_scale="token" (softmax is invariant to the shift). int4
+        values run on int8 units.
     pv : {"bf16", "fp8", "int8"}
         PV product precision: P (in [0, 1] after the running max) with a fixed scale, V per channel.
         "bf16" means the inputs' own 16-bit type in both.
@@ -295,11 +299,15 @@ def paro_attention(
         float32 tables [S, D] of the model's rotary embedding for the last S tokens (S <= N), applied to q
         and k before anything else (`kernels.reference.apply_rotary`); the Triton backend fuses it into
         one pass over q and k.
+    k_scale : {"block", "token"}
+        With integer QK, K's scales: one per key block (bk keys), or one per key, which keeps a key of large
+        norm from coarsening the grid of the others in its block (closer to unquantized QK; a multiply per score
+        more in the kernels). No effect with qk="bf16".
     suffix_mask : bool Tensor [B, layout.suffix], optional
         False where a suffix token is padding (a padded text prompt): no query attends that key. Padded
         queries are computed like the others. Padded keys still enter the statistics of the quantized
         modes, as in the reference: K smoothing's mean (any vector may be subtracted), the per-block
-        scales of K (qk int8/int4) and the per-channel scales of V (pv fp8/int8), so a NaN there reaches
+        scales of K (qk int8/int4; with k_scale="token" a padded key's scale is its own) and the per-channel scales of V (pv fp8/int8), so a NaN there reaches
         the outputs those scales reach (the NaN paragraph). The Triton kernels take it (one key-mask
         load per key block that overlaps the suffix); without padding, pass None, which skips the mask.
 
@@ -312,17 +320,19 @@ def paro_attention(
     PAROInputError
         When an argument breaks this contract; the message says what was expected and what was found.
     """
-    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask, sm_scale)
+    check_inputs(q, k, v, layout, orders, block_mask, block_size, qk, pv, backend, rotary, suffix_mask, sm_scale,
+                 k_scale)
     bq, bk = block_sizes(block_size)
     if backend != "torch":
-        decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None)
+        decision = decide(q, bq, bk, qk, pv, backend, key_mask=suffix_mask is not None, rotary=rotary is not None,
+                          k_scale=k_scale)
         if isinstance(decision, Launch) and decision.backend != "torch":
             if decision.warning:  # a kernel asked for could not run (once per call site)
                 warn(decision.warning, stacklevel=2)
             from .kernels import launch  # defining the kernels takes seconds: imported on first use
 
             return launch.run(q, k, v, layout=layout, orders=orders, block_mask=block_mask, bq=bq, bk=bk, qk=qk, pv=pv,
-                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision)
+                          sm_scale=sm_scale, rotary=rotary, suffix_mask=suffix_mask, decision=decision, k_scale=k_scale)
         reason = decision.reason if isinstance(decision, Refusal) else decision.fallback_reason
         if backend in ("triton", "cuda"):
             raise PAROInputError(f"{reason}. Use backend='torch' (the reference, slow) or backend='auto'.")
@@ -330,4 +340,5 @@ def paro_attention(
             warn(f"{reason}: backend='auto' runs the torch reference instead, which is much slower", stacklevel=2)
     if isinstance(block_mask, ActiveBlocks):
         block_mask = block_mask.to_mask()
-    return paro_attention_reference(q, k, v, layout, orders, block_mask, bq, bk, qk, pv, sm_scale, rotary, suffix_mask)
+    return paro_attention_reference(q, k, v, layout, orders, block_mask, bq, bk, qk, pv, sm_scale, rotary, suffix_mask,
+                                    k_scale)

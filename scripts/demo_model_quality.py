@@ -18,7 +18,8 @@ linear layers in fp8 (`apply(..., linear="fp8")`, a CUDA GPU of sm_89 or newer w
 bf16 it is the dense model with fp8 linear layers and no plan. Writes `quality.jsonl` (one row per line, as
 soon as it is measured), `quality.json` and `quality_table.md` into --out; with --ship, the demo's
 plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`,
-`demo.study_selection`).
+`demo.study_selection`). `--k-scale block,token` runs each integer-QK row with K's scales per key block and per
+key (`Plan.k_scale`, on any backend: the kernels run both), one row each.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from paroattn.app import demo
 from paroattn.calibrate import CHEAP
 from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
+from paroattn.modes import k_scale_problem
 from paroattn.pipelines import apply
 from paroattn.plan.balance import rank_imbalance
 
@@ -110,10 +112,23 @@ def parse_args(argv=None):
     p.add_argument("--cheap-capture", default=",".join(f"{k}={v}" for k, v in CHEAP.items()),
                    help="CaptureConfig options of the variant 'cheap capture', comma-separated name=value")
     p.add_argument("--time-limit", type=float, default=None, help="measure no new row after this many seconds")
+    p.add_argument("--k-scale", default="block",
+                   help="K's scales in the integer-QK rows, as the kernels run them (Plan.k_scale), comma list of "
+                        "block, token: each such row once per granularity (default: block)")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
                    help="study only, with --backend torch: integer Q (and K) quantized with finer scales than the "
                         "kernels' one per block: per token, or K per thread group (QK_SCALES)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.k_scale = [k.strip() for k in args.k_scale.split(",") if k.strip()]
+    for k_scale in args.k_scale:
+        if problem := k_scale_problem(k_scale):
+            p.error(f"--k-scale {problem}: pass block, token or block,token")
+    if not args.k_scale:
+        p.error("--k-scale: pass block, token or block,token")
+    if args.qk_scales != "block" and args.k_scale != ["block"]:
+        p.error(f"--qk-scales {args.qk_scales} replaces the reference's per-block quantization, which --k-scale token "
+                "does not use: pass one of them")
+    return args
 
 
 # how the torch reference quantizes Q and K under --qk-scales (the kernels: one scale per block of each): per token,
@@ -331,43 +346,47 @@ def main(argv=None) -> int:
             except ValueError as exc:
                 say(f"d={density} {quant} {variant}: not built ({exc})")
                 continue
-        per_video = {"psnr_db": [], "ssim": [], "cosine": []}
-        seconds = 0.0
-        for seed in seeds:
-            with apply(pipe, plan, backend=args.backend, linear=linear):
-                frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
-            seconds += timing["total_s"]
-            for i in range(len(prompts)):
-                m = demo.compare(dense[seed][i:i + 1], frames[i:i + 1])
-                for key in per_video:
-                    per_video[key].append(m[key])
-        row = {
-            "density": density, "quant": quant, "qk": qk, "pv": pv, "variant": variant, "linear": linear or "bf16",
-            **({"capture_options": args.cheap_capture} if variant.startswith("cheap") else {}),
-            **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
-        }
-        if plan is None:
-            row.update({"achieved_density": 1.0, "kept_mass": 1.0})
-        else:
-            row.update({
-                "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
-                "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
-                "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
-                "step_shares": result.step_shares,
-                "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
-                "orders": plan.orders.tolist(),
-                # the share of the attention mass its orders and masks keep on the full capture's statistics
-                **({"kept_mass_on_full_capture": kept_on(captures["two"], plan)} if "two" in captures else {}),
-                # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
-                "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
-            })
-        rows.append(row)
-        jsonl.write(json.dumps(row) + "\n")
-        jsonl.flush()
-        say(f"d={density:.1f} {quant:7s} {variant:28s} computed={row['achieved_density']:.3f} "
-            f"kept={row['kept_mass']:.4f} PSNR={row['psnr_db']['mean']:6.2f} "
-            f"[{row['psnr_db']['min']:5.2f}, {row['psnr_db']['max']:5.2f}] SSIM={row['ssim']['mean']:.4f} "
-            f"[{row['ssim']['min']:.3f}] ({seconds:.1f} s)")
+        # the plan's K scale granularities: each integer-QK row once per --k-scale (the same orders and masks)
+        for k_scale in (args.k_scale if qk != "bf16" else ["block"]):
+            per_video = {"psnr_db": [], "ssim": [], "cosine": []}
+            seconds = 0.0
+            for seed in seeds:
+                with apply(pipe, None if plan is None else replace(plan, k_scale=k_scale), backend=args.backend,
+                       linear=linear):
+                    frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
+                seconds += timing["total_s"]
+                for i in range(len(prompts)):
+                    m = demo.compare(dense[seed][i:i + 1], frames[i:i + 1])
+                    for key in per_video:
+                        per_video[key].append(m[key])
+            row = {
+                "density": density, "quant": quant, "qk": qk, "pv": pv, "k_scale": k_scale, "variant": variant,
+                "linear": linear or "bf16",
+                **({"capture_options": args.cheap_capture} if variant.startswith("cheap") else {}),
+                **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
+            }
+            if plan is None:
+                row.update({"achieved_density": 1.0, "kept_mass": 1.0})
+            else:
+                row.update({
+                    "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
+                    "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
+                    "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
+                    "step_shares": result.step_shares,
+                    "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
+                    "orders": plan.orders.tolist(),
+                    # the share of the attention mass its orders and masks keep on the full capture's statistics
+                    **({"kept_mass_on_full_capture": kept_on(captures["two"], plan)} if "two" in captures else {}),
+                    # how much longer the slowest GPU's attention runs than the mean GPU's under Ulysses, in blocks
+                    "gpu_imbalance": {gpus: float(rank_imbalance(plan, gpus).mean()) for gpus in (2, 4)},
+                })
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
+            say(f"d={density:.1f} {quant:7s} K per {k_scale:5s} {variant:28s} computed={row['achieved_density']:.3f} "
+                f"kept={row['kept_mass']:.4f} PSNR={row['psnr_db']['mean']:6.2f} "
+                f"[{row['psnr_db']['min']:5.2f}, {row['psnr_db']['max']:5.2f}] SSIM={row['ssim']['mean']:.4f} "
+                f"[{row['ssim']['min']:.3f}] ({seconds:.1f} s)")
     jsonl.close()
 
     report = {
@@ -378,7 +397,7 @@ def main(argv=None) -> int:
         "layout": str(next(iter(captures.values())).layout) if captures else None,
         "calibration_steps": args.calibration_steps, "prompts": prompts, "seeds": seeds,
         "block_size": args.block_size, "query_block": args.query_block, "quant_weight": args.quant_weight,
-        "qk_scales": args.qk_scales,
+        "qk_scales": args.qk_scales, "k_scales": args.k_scale,
         "calibration_prompts": {name: stats.prompts for name, stats in captures.items()},
         "calibration": {k: v for k, v in {**vars(demo.study_config(args.calibration_steps)),
                                           **vars(demo.study_selection(0.5))}.items()
@@ -430,23 +449,25 @@ def demo_summary(rows: list[dict], device: str, prompts: int, seeds: list[int]) 
     the demo's default quantization, by density."""
     qk, pv = demo.DEFAULT_QK, demo.DEFAULT_PV
     by_density = {f"{r['density']:.2f}": {"psnr_db": round(r["psnr_db"]["mean"], 2), "ssim": round(r["ssim"]["mean"], 3)}
-                  for r in rows if r["variant"] == "calibrated" and (r["qk"], r["pv"]) == (qk, pv)}
+                  for r in rows if r["variant"] == "calibrated" and (r["qk"], r["pv"]) == (qk, pv)
+                  and r.get("k_scale", "block") == "block"}  # what the shipped plans run
     return {"device": device, "qk": qk, "pv": pv, "eval_prompts": prompts, "seeds": seeds,
             "by_density": dict(sorted(by_density.items(), reverse=True))}
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| density (computed) | quantization | variant | kept mass | PSNR dB mean [min, max] | SSIM mean [min] "
+        "| density (computed) | quantization | K scales | variant | kept mass | PSNR dB mean [min, max] | SSIM mean [min] "
         "| slowest GPU's blocks over the mean, 2 / 4 GPUs |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, s = r["psnr_db"], r["ssim"]
         gpus = r.get("gpu_imbalance", {})
         imbalance = " / ".join(f"{gpus[n]:+.1%}" for n in (2, 4)) if gpus else "-"
         lines.append(
-            f"| {r['density']:g} ({r['achieved_density']:.3f}) | {QUANTS[r['quant']]} | {r['variant']} | "
+            f"| {r['density']:g} ({r['achieved_density']:.3f}) | {QUANTS[r['quant']]} | "
+            f"{'per key' if r.get('k_scale') == 'token' else 'per block' if r['qk'] != 'bf16' else '-'} | {r['variant']} | "
             f"{r['kept_mass']:.3f} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] "
             f"| {imbalance} |"
         )

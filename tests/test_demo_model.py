@@ -247,3 +247,14 @@ def test_quality_study_scales_k_per_thread_group():
     group_bound = k[:, :64][:, quiet[:64]].abs().max() / 254 * 1.001  # a quiet group's own step
     assert float((k_values - k)[:, :64][:, quiet[:64]].abs().max()) <= float(group_bound)
     assert float((k_values - k)[:, loud].abs().max()) <= float(k[:, loud].abs().max()) / 254 * 1.001
+
+
+def test_quality_study_runs_k_scales_and_refuses_them_beside_qk_scales(tmp_path):
+    """--k-scale: the granularities each integer-QK row runs (as the kernels do); --qk-scales replaces the
+    reference's per-block quantization, which per-key K scales do not take, so the two are refused together."""
+    module = _script("demo_model_quality")
+    assert module.parse_args(["--out", str(tmp_path), "--k-scale", "block,token"]).k_scale == ["block", "token"]
+    assert module.parse_args(["--out", str(tmp_path)]).k_scale == ["block"]
+    for bad in (["--k-scale", "channel"], ["--k-scale", ","], ["--k-scale", "token", "--qk-scales", "token-qk"]):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--out", str(tmp_path), *bad])

@@ -219,14 +219,32 @@ def test_the_runtime_builds_the_cuda_kernel_only_where_it_may_run(monkeypatch, b
     from paroattn.kernels import sm90
 
     built = []
-    monkeypatch.setattr(sm90, "build", lambda head_dim, dtype, device: built.append((head_dim, dtype)) or "kernel")
+    monkeypatch.setattr(sm90, "build", lambda head_dim, dtype, device, k_scale: built.append((head_dim, dtype, k_scale))
+                        or "kernel")
     monkeypatch.setattr(dispatch, "CUDA_PREFERRED", {INT8_FP8} if preferred else set())
     device_runtime = runtime.Runtime(torch.device("cuda", 0))
     device_runtime._gpu = H100
     D, bq, bk, qk, pv = key
     decision = device_runtime.decide(D, torch.bfloat16, bq, bk, qk, pv, False, True, backend)
     device_runtime.decide(D, torch.bfloat16, bq, bk, qk, pv, True, True, backend)  # another key, same kernel
-    assert built == ([(D, torch.bfloat16)] if builds else [])
+    assert built == ([(D, torch.bfloat16, "block")] if builds else [])
     assert decision.kernel == (dispatch.CUDA if builds else TRITON)
     if builds:
         assert device_runtime.cuda_kernel(D, torch.bfloat16) == "kernel"
+
+
+def test_the_runtime_builds_one_cuda_kernel_per_k_scale(monkeypatch):
+    """K's scales per key block and per key are two builds of the sm90 kernel: each call runs its own."""
+    from paroattn.kernels import sm90
+
+    built = []
+    monkeypatch.setattr(sm90, "build", lambda head_dim, dtype, device, k_scale: built.append(k_scale)
+                        or f"kernel {k_scale}")
+    device_runtime = runtime.Runtime(torch.device("cuda", 0))
+    device_runtime._gpu = H100
+    for k_scale in ("block", "token", "token"):
+        decision = device_runtime.decide(128, torch.bfloat16, 128, 64, "int8", "fp8", False, True, "cuda", k_scale)
+        assert decision.kernel == dispatch.CUDA
+    assert built == ["block", "token"]
+    assert device_runtime.cuda_kernel(128, torch.bfloat16, "token") == "kernel token"
+    assert device_runtime.cuda_kernel(128, torch.bfloat16) == "kernel block"

@@ -203,13 +203,16 @@ def small_key_mean_sample(monkeypatch):
     reference.key_mean_stride.cache_clear()
 
 
-@pytest.mark.parametrize("qk,pv,D", [("int8", "fp8", 64), ("int4", "int8", 128), ("int8", "fp8", 128)])
+@pytest.mark.parametrize("qk,pv,D,k_scale", [("int8", "fp8", 64, "block"), ("int4", "int8", 128, "block"),
+                                             ("int8", "fp8", 128, "block"), ("int8", "fp8", 64, "token"),
+                                             ("int4", "int8", 128, "token")])
 @pytest.mark.slow
-def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_mean_sample):
+def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, k_scale, small_key_mean_sample):
     """The prologue's quantized Q, K and V are the reference's values bit for bit (same grid, same
     IEEE reciprocal, round half to even), from the statistics the backend computes; K smoothing's mean
     is the reference's sampled mean (at least 16 tokens here, so the stride is > 1: 7, 22 tokens). B=2, mixed
-    orders, [B, N, H, D] storage, a ragged last block, query blocks twice the key blocks."""
+    orders, [B, N, H, D] storage, a ragged last block, query blocks twice the key blocks. K per key block, or per
+    key (k_scale="token": a scale per key of the padded length, eps / qmax past the sequence)."""
     from paroattn.kernels import reference, statistics
     from paroattn.layout import reorder_index
 
@@ -219,9 +222,10 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
     q, k, v = make_inputs(2, H, N, D, dtype=torch.bfloat16, seq_major=True, seed=21)
     k = k * 3.0 + 2.0  # keys with a large common offset, as DiT keys have
     orders = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
-    buffers = runtime.allocate(2, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q=True)
-    kq, k_scale, vq, v_amax, qq, q_scale = launch.prepare_kv(
-        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, buffers, q, bq)
+    buffers = runtime.allocate(2, H, N, D, q.dtype, q.device, bq, bk, qk, pv, write_q=True, k_scale=k_scale)
+    kq, k_scales, vq, v_amax, qq, q_scale = launch.prepare_kv(
+        k, v, orders, layout.prefix, layout.frames, layout.height, layout.width, bk, qk, pv, buffers, q, bq,
+        k_scale=k_scale)
     stride = reference.key_mean_stride(N, layout.height, layout.width)
     assert stride == 7  # the largest stride coprime with 8 x 6 that keeps >= 16 of 149 tokens
     stats = statistics.Statistics(2, H, N, D, k.device)
@@ -234,14 +238,21 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
     store = 16.0 if qk == "int4" else 1.0
     nk = -(-N // bk)
     j = torch.arange(nk * bk)
+    assert k_scales.shape == (2 * H, nk * bk if k_scale == "token" else nk)
     for b in range(2):
         for h in range(H):
             bh = b * H + h
             index = reorder_index(layout, int(orders[h])).to(DEVICE)
             keys = k[b, h, index].float() - k_mean[b, h]
-            values, scales = reference.quantize_per_block(keys[None], bk, qmax)
-            assert torch.equal(kq[bh, :N].float(), values[0] * store)
-            assert torch.equal(k_scale[bh], scales[0] / store)
+            if k_scale == "token":
+                values, scales = reference.quantize_symmetric(keys, dim=-1, qmax=qmax)
+                assert torch.equal(kq[bh, :N].float(), values * store)
+                assert torch.equal(k_scales[bh, :N], scales[:, 0] / store)
+                assert (k_scales[bh, N:] == reference.quant_scale(torch.zeros(1, device=DEVICE), qmax) / store).all()
+            else:
+                values, scales = reference.quantize_per_block(keys[None], bk, qmax)
+                assert torch.equal(kq[bh, :N].float(), values[0] * store)
+                assert torch.equal(k_scales[bh], scales[0] / store)
             values, scales = reference.quantize_per_block(q[b, h, index].float()[None], bq, qmax)
             assert torch.equal(qq[bh, :N].float(), values[0] * store)
             assert torch.equal(q_scale[bh], scales[0] / store)
@@ -251,6 +262,63 @@ def test_prologue_buffers_equal_the_reference_quantization(qk, pv, D, small_key_
             held = _pv_key_at(j)
             real = held < N
             assert torch.equal(vq[bh][:, j[real]].float().T, expected[held[real]])
+
+
+def mixed_key_norms(k: torch.Tensor, seed: int) -> torch.Tensor:
+    """k with its keys' norms spread over two decades, in place (its strides kept): where one scale per key block
+    coarsens the grid of the block's quiet keys and one scale per key does not, so the two granularities give
+    results far apart (the tests below check they do: a kernel that ignored k_scale fails them)."""
+    g = torch.Generator().manual_seed(seed)
+    return k.mul_(torch.exp(1.5 * torch.randn(*k.shape[:-1], 1, generator=g)).to(k.dtype).to(k.device))
+
+
+LAYOUT_SUFFIX = TokenLayout(3, 2, 3, 5, suffix=11)  # 44 tokens: text and grid tokens share a block
+
+
+@pytest.mark.parametrize("qk,pv,D,layout,block,flags,seq_major", [
+    ("int8", "bf16", 64, LAYOUT, SMALL_BLOCK, None, False),  # prefix, ragged last block, B=2, three orders
+    ("int8", "fp8", 128, TokenLayout(3, 1, 5, 7), (2 * SMALL_BLOCK, SMALL_BLOCK), dict(tma=True, overlap_qk=True), True),
+    ("int4", "int8", 64, LAYOUT, (2 * SMALL_BLOCK, SMALL_BLOCK), dict(tma=True, q_tma=True), False),
+    ("int8", "fp8", 64, LAYOUT_SUFFIX, SMALL_BLOCK, None, True),  # padded suffix keys (the masked tail blocks)
+])
+@pytest.mark.slow
+def test_per_key_k_scales_match_reference(qk, pv, D, layout, block, flags, seq_major):
+    """k_scale="token": K quantized with one scale per key (the prologue) and each score scaled by its key's
+    scale (the kernel), against the reference of the same granularity, which it is far closer to than to the
+    reference per key block. Both head dims, int8 and int4, odd lengths, B=2, mixed orders per head, [B, N, H, D]
+    storage, 128 x 64-like tiles with K/V and Q by descriptor and the pipelined loop, padded suffix keys."""
+    bq, bk = (block, block) if isinstance(block, int) else block
+    B, H = 2, 3
+    q, k, v = make_inputs(B, H, layout.seq_len, D, seq_major=seq_major, seed=31)
+    mixed_key_norms(k, seed=32)
+    nq, nk = -(-layout.seq_len // bq), -(-layout.seq_len // bk)
+    mask = synthetic_block_mask(H, nq, nk, 0.6, generator=torch.Generator().manual_seed(33))
+    mask[0, 0] = False  # an empty row
+    mask[1, -1] = False
+    mask[1, -1, -1] = True  # a row whose only block is the ragged tail
+    suffix_mask = None
+    if layout.suffix:
+        suffix_mask = torch.ones(B, layout.suffix, dtype=torch.bool, device=DEVICE)
+        suffix_mask[0, 4:] = False
+        suffix_mask[1, ::2] = False
+    kwargs = dict(layout=layout, orders=torch.tensor([3, 0, 5]), block_mask=mask, block_size=(bq, bk), qk=qk, pv=pv,
+                  suffix_mask=suffix_mask)
+    key = (D, bq, bk, qk, pv)
+    if flags:
+        runtime.set_kernel_config(*key, dispatch.KernelConfig(4, 2, **flags))
+    try:
+        out = paro_attention(q, k, v, backend="triton", k_scale="token", **kwargs)
+    finally:
+        runtime.set_kernel_config(*key, None)
+    assert runtime.runtime_of(q.device).last_launch.k_scale == "token"
+    ref = paro_attention(q, k, v, backend="torch", k_scale="token", **kwargs)
+    per_block = paro_attention(q, k, v, backend="torch", k_scale="block", **kwargs)
+    bound = max(BOUND[pv], 1e-2) if qk == "int4" else BOUND[pv]
+    print(f"{qk}/{pv} D={D}: kernel vs reference {rel_err(out, ref):.2e}, per block vs per key "
+          f"{rel_err(per_block, ref):.2e}")
+    assert torch.isfinite(out).all() and out.stride() == q.stride()
+    assert rel_err(out, ref) <= bound
+    assert 5 * rel_err(out, ref) < rel_err(per_block, ref)  # far closer to per key than per block
 
 
 def test_zero_active_rows_write_zeros_and_every_element_is_written():
@@ -319,26 +387,34 @@ def test_custom_op_schema_and_fake_tensor():
     rotary = rope_tables(layout.grid_tokens, 64, seed=9)  # the optional RoPE tables
     torch.library.opcheck(launch.block_sparse_attention, args + rotary,
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(launch.block_sparse_attention, args + (None, None, None, "token"),  # K scales per key
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_has_no_graph_break():
-    """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node."""
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_compile_fullgraph_has_no_graph_break(k_scale):
+    """torch.compile(fullgraph=True) of a function calling the op: the op is one opaque node (with the call's K
+    scale granularity: keys of mixed norms, where the two differ)."""
     layout = LAYOUT
     q, k, v = make_inputs(1, 2, layout.seq_len, 64, seed=10)
+    mixed_key_norms(k, seed=10)
     n_blocks = -(-layout.seq_len // SMALL_BLOCK)
     blocks = ActiveBlocks.from_mask(torch.ones(2, n_blocks, n_blocks, dtype=torch.bool)).to(DEVICE)
     orders = torch.tensor([3, 5], device=DEVICE)
 
     rotary = rope_tables(layout.seq_len, 64, seed=10)
 
-    def layer(q, k, v, orders):
+    def layer(q, k, v, orders, k_scale=k_scale):
         out = paro_attention(q * 1.0, k, v, layout=layout, orders=orders, block_mask=blocks,
-                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton", rotary=rotary)
+                             block_size=SMALL_BLOCK, qk="int8", pv="fp8", backend="triton", rotary=rotary,
+                             k_scale=k_scale)
         return out + 1
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if INTERPRETED else "inductor")
-    assert rel_err(compiled(q, k, v, orders), layer(q, k, v, orders)) <= 1e-3
+    out = compiled(q, k, v, orders)
+    other = layer(q, k, v, orders, k_scale="token" if k_scale == "block" else "block")
+    assert rel_err(out, layer(q, k, v, orders)) <= 1e-3 < rel_err(out, other)
 
 
 @pytest.mark.parametrize("flags", [dict(tma=True), dict(overlap_qk=True), dict(tma=True, overlap_qk=True)])

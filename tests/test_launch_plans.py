@@ -223,7 +223,7 @@ def test_every_launch_cache_is_keyed_by_the_decided_launch():
     device_runtime = runtime.Runtime(torch.device("cpu"))
     shape = torch.Size((1, 2, 43, 64))
     plans = [dispatch.LaunchPlan(dispatch.Launch(kernel, config), shape, torch.float16, (3, 2, 4, 5), 16, 16, "int8",
-                                 "int8", (), None, None, (), 0.125)
+                                 "int8", "block", (), None, None, (), 0.125)
              for kernel, config in ((dispatch.TRITON, PINS["pointer loads"]), (dispatch.TRITON, PINS["descriptor loads"]),
                                     (dispatch.CUDA, None))]
     sets = [device_runtime.workspace(plan, stream=0) for plan in plans]

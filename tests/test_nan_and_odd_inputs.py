@@ -9,6 +9,8 @@ the op's statistics being per (batch, head):
 - (1, 0): k at a token the mean's sample skips (integer QK: the rows attending its key block);
 - (1, 1): v at one (token, channel), and q at a token of a query block with no active key block.
 Head 1 has a query block with no active key block: its rows stay zero whatever reaches the head.
+With K's scales per key (k_scale="token") a NaN key reaches the rows attending it rather than its block: the same
+rows here, where no key is padding (tests/test_sm90_kernel.py has the padded key that tells them apart).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from paroattn.layout import reorder_index
 from paroattn.masks import dense_mask_from_blocks, synthetic_block_mask
 
 MODES = [(qk, pv) for qk in ("bf16", "int8", "int4") for pv in ("bf16", "fp8", "int8")]
+PER_KEY_MODES = [("int8", "fp8", "token"), ("int4", "bf16", "token")]  # (qk, pv, k_scale)
 LAYOUT = TokenLayout(2, 2, 4, 4)  # 34 tokens: the last blocks are partial
 B, H, D = 2, 2, 64
 ORDERS = torch.tensor([0, 3])
@@ -63,7 +66,7 @@ def _inputs(dtype, block, device="cpu"):
     return clean, (q, k, v)
 
 
-def expected_nan(q, k, v, mask, bq, bk, qk, pv) -> torch.Tensor:
+def expected_nan(q, k, v, mask, bq, bk, qk, pv, k_scale="block") -> torch.Tensor:
     """bool [B, H, N, D]: the outputs the docstring's NaN rule makes NaN."""
     n = LAYOUT.seq_len
     q_nan, k_nan, v_nan = (torch.isnan(t.cpu()) for t in (q, k, v))
@@ -76,10 +79,10 @@ def expected_nan(q, k, v, mask, bq, bk, qk, pv) -> torch.Tensor:
         v_h = v_nan[:, h, index]  # [B, n, D]
         if qk == "bf16":
             reached_q, reached_k = q_row, k_row
-        else:  # per-block scales; a NaN in the mean's sample reaches every key
+        else:  # per-block scales (K's per key with k_scale="token"); a NaN in the mean's sample reaches every key
             q_blocks = torch.arange(n) // bq
             reached_q = torch.stack([q_row[:, q_blocks == q_blocks[r]].any(-1) for r in range(n)], dim=1)
-            k_blocks = torch.arange(n) // bk
+            k_blocks = torch.arange(n) // bk if k_scale == "block" else torch.arange(n)
             reached_k = torch.stack([k_row[:, k_blocks == k_blocks[r]].any(-1) for r in range(n)], dim=1)
             reached_k |= k_nan[:, h, ::STRIDE].any(dim=(-1, -2))[:, None]
         row = reached_q | (allowed[None] & reached_k[:, None, :]).any(-1)  # [B, n]
@@ -118,13 +121,14 @@ def test_the_placements_cover_each_case():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("qk", "pv"), MODES)
-def test_torch_backend_propagates_nan_by_the_rule(dtype, qk, pv):
+@pytest.mark.parametrize(("qk", "pv", "k_scale"), [(qk, pv, "block") for qk, pv in MODES] + PER_KEY_MODES)
+def test_torch_backend_propagates_nan_by_the_rule(dtype, qk, pv, k_scale):
     mask = _mask(16)
     clean, nan_inputs = _inputs(dtype, 16)
-    args = dict(layout=LAYOUT, orders=ORDERS, block_mask=mask, block_size=16, qk=qk, pv=pv, backend="torch")
+    args = dict(layout=LAYOUT, orders=ORDERS, block_mask=mask, block_size=16, qk=qk, pv=pv, backend="torch",
+                k_scale=k_scale)
     out = paro_attention(*nan_inputs, **args)
-    _check(out, paro_attention(*clean, **args), expected_nan(*nan_inputs, mask, 16, 16, qk, pv))
+    _check(out, paro_attention(*clean, **args), expected_nan(*nan_inputs, mask, 16, 16, qk, pv, k_scale))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -142,9 +146,9 @@ def test_float32_unquantized_paths_agree_on_nan(fused, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, on NaN in the interpreter
-@pytest.mark.parametrize(("qk", "pv"), MODES)
+@pytest.mark.parametrize(("qk", "pv", "k_scale"), [(qk, pv, "block") for qk, pv in MODES] + PER_KEY_MODES)
 @pytest.mark.slow
-def test_triton_backend_propagates_nan_like_the_reference(qk, pv):
+def test_triton_backend_propagates_nan_like_the_reference(qk, pv, k_scale):
     """fp16 in the interpreter (block 16) or on a GPU (block 32): the reference's NaN positions exactly."""
     pytest.importorskip("triton")
     from paroattn.kernels.dispatch import interpreting
@@ -155,9 +159,9 @@ def test_triton_backend_propagates_nan_like_the_reference(qk, pv):
     block = 32 if torch.cuda.is_available() else 16
     mask = _mask(block)
     clean, nan_inputs = _inputs(torch.float16, block, device)
-    args = dict(layout=LAYOUT, orders=ORDERS, block_mask=mask, block_size=block, qk=qk, pv=pv)
+    args = dict(layout=LAYOUT, orders=ORDERS, block_mask=mask, block_size=block, qk=qk, pv=pv, k_scale=k_scale)
     out = paro_attention(*nan_inputs, backend="triton", **args)
-    expected = expected_nan(*nan_inputs, mask, block, block, qk, pv)
+    expected = expected_nan(*nan_inputs, mask, block, block, qk, pv, k_scale)
     _check(out, paro_attention(*clean, backend="triton", **args), expected)
     assert torch.equal(torch.isnan(paro_attention(*nan_inputs, backend="torch", **args)).cpu(), expected)
 

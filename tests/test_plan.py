@@ -40,9 +40,27 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert torch.equal(loaded.orders, plan.orders)
     assert torch.equal(loaded.density, plan.density)
     assert torch.equal(loaded.dense, plan.dense)
-    for name in ("model_class", "model_fingerprint", "layout", "block_size", "bucket_edges", "qk", "pv",
+    for name in ("model_class", "model_fingerprint", "layout", "block_size", "bucket_edges", "qk", "pv", "k_scale",
                  "target_density", "prompts", "info", "format_version"):
         assert getattr(loaded, name) == getattr(plan, name), name
+
+
+def test_k_scale_round_trips_and_files_without_it_read_as_per_block(tmp_path):
+    from safetensors import safe_open
+
+    path = tmp_path / "plan.safetensors"
+    _plan(k_scale="token").save(path)
+    assert Plan.load(path).k_scale == "token"
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()[METADATA_KEY])
+    del meta["k_scale"]  # a file written before the option existed
+    _rewrite(path, raw_meta=json.dumps(meta))
+    assert Plan.load(path).k_scale == "block"
+    _rewrite(path, meta_update={"k_scale": "channel"})
+    with pytest.raises(PlanError, match="k_scale='channel' is not one of"):
+        Plan.load(path)
+    with pytest.raises(PlanError, match="k_scale='channel' is not one of"):
+        _plan(k_scale="channel")
 
 
 def test_masks_are_stored_packed_and_deflated_on_disk(tmp_path):

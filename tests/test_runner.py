@@ -80,6 +80,22 @@ def test_attention_is_the_op_on_the_layers_orders_and_mask():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_attention_quantizes_as_the_plan_says():
+    """The plan's modes reach the op: integer QK with K's scales per key block or per key (`Plan.k_scale`)."""
+    q, k, v = qkv(LAYOUT, dim=64)
+    k = k * torch.exp(1.5 * torch.randn(*k.shape[:-1], 1, generator=torch.Generator().manual_seed(1)))
+    outs = {}
+    for k_scale in ("block", "token"):
+        plan = small_plan(qk="int8", k_scale=k_scale)
+        runner = PlanRunner(plan, backend="torch")
+        got = runner.attention(runner.store(LAYOUT, torch.device("cpu"), torch.float32, 64), 1, 0, LAYOUT)(q, k, v)
+        want = paro_attention(q, k, v, layout=LAYOUT, orders=plan.orders[0].long(), block_mask=plan.block_mask[1, 0],
+                              block_size=plan.block_size, qk="int8", k_scale=k_scale, backend="torch")
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        outs[k_scale] = got
+    assert not torch.equal(outs["block"], outs["token"])
+
+
 def test_sizes_keep_their_masks_or_one_at_a_time():
     other = TokenLayout(0, 2, 8, 8)
     cpu = torch.device("cpu")

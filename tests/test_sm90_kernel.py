@@ -42,18 +42,20 @@ def _compile_check():
     return module
 
 
+@pytest.mark.parametrize("k_scale", sm90.K_SCALES)
 @pytest.mark.parametrize("head_dim,dtype", sm90.VARIANTS)
-def test_every_variant_compiles_for_sm90a_within_its_register_and_instruction_budgets(head_dim, dtype, tmp_path):
+def test_every_variant_compiles_for_sm90a_within_its_register_and_instruction_budgets(head_dim, dtype, k_scale,
+                                                                                      tmp_path):
     check = _compile_check()
     if shutil.which("nvcc") is None or check.cuobjdump() is None:
         pytest.skip("nvcc or cuobjdump not found")
-    report = check.sm90_compile(head_dim, dtype == torch.bfloat16, tmp_path)
-    print(f"D={head_dim} {dtype}: {report['registers']} registers, {report['spill_bytes']} spill bytes, "
-          f"{report['loop_instructions_per_64_keys']} instructions per 64 keys")
+    report = check.sm90_compile(head_dim, dtype == torch.bfloat16, tmp_path, k_scale)
+    print(f"D={head_dim} {dtype} k_scale={k_scale}: {report['registers']} registers, {report['spill_bytes']} spill "
+          f"bytes, {report['loop_instructions_per_64_keys']} instructions per 64 keys")
     assert report["spill_bytes"] == 0, report["log"][-2000:]
     assert report["registers"] <= sm90.REGISTER_CEILING[head_dim], report["log"][-2000:]
     assert not report["serialized_wgmma"], report["log"][-2000:]
-    assert report["loop_instructions_per_64_keys"] <= check.SM90_MAX_LOOP_INSTRUCTIONS
+    assert report["loop_instructions_per_64_keys"] <= check.SM90_MAX_LOOP_INSTRUCTIONS[k_scale]
 
 
 def test_key_loop_counter_finds_the_unmasked_loop():
@@ -130,11 +132,19 @@ def make_inputs(B, H, N, D, dtype, seq_major, seed):
     return [t.transpose(1, 2) if seq_major else t for t in qkv]
 
 
-def run_both(q, k, v, layout, orders, mask, qk="int8", suffix_mask=None):
-    out = kernel_calls.sm90_attention(q, k, v, layout=layout, orders=orders, block_mask=mask, qk=qk, suffix_mask=suffix_mask)
+def run_both(q, k, v, layout, orders, mask, qk="int8", suffix_mask=None, k_scale="block"):
+    out = kernel_calls.sm90_attention(q, k, v, layout=layout, orders=orders, block_mask=mask, qk=qk,
+                                      suffix_mask=suffix_mask, k_scale=k_scale)
     ref = paro_attention_reference(q, k, v, layout, orders.cpu(), mask.cuda(), 128, 64, qk, "fp8",
-                                   suffix_mask=suffix_mask)
+                                   suffix_mask=suffix_mask, k_scale=k_scale)
     return out, ref
+
+
+def mixed_key_norms(k, seed, spread=1.0):
+    """k with its keys' norms spread (a factor exp(spread * N(0, 1)) per key), in place: per-key K scales then
+    differ from per-block ones, so a kernel that mixed up which scale goes with which key fails."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return k.mul_(torch.exp(spread * torch.randn(*k.shape[:-1], 1, device="cuda", generator=g)).to(k.dtype))
 
 
 # (B, H, layout, D, dtype, inputs stored [B, N, H, D]): odd lengths (partial last key and query blocks),
@@ -150,31 +160,35 @@ CASES = [
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_scale", ["block", "token"])
 @pytest.mark.parametrize("density", [1.0, 0.5, 0.2])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(case, density):
+def test_matches_reference(case, density, k_scale):
     B, H, layout, D, dtype, seq_major = CASES[case]
     N = layout.seq_len
     q, k, v = make_inputs(B, H, N, D, dtype, seq_major, seed=case)
+    if k_scale == "token":
+        mixed_key_norms(k, seed=case)
     orders = torch.tensor([0, 3, 5, 2][:H], dtype=torch.int32)  # mixed orders per head
     mask = random_mask(H, N, density, seed=case + int(10 * density))
-    out, ref = run_both(q, k, v, layout, orders, mask)
+    out, ref = run_both(q, k, v, layout, orders, mask, k_scale=k_scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     err = rel_err(out, ref)
-    print(f"case {case} N={N} D={D} d={density}: rel err {err:.3e}")
+    print(f"case {case} N={N} D={D} d={density} k_scale={k_scale}: rel err {err:.3e}")
     assert err < BOUND
     assert_empty_rows_zero(out, ref, mask, layout, orders)
 
 
 @requires_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_scale", ["block", "token"])
 @pytest.mark.parametrize("head_dim", sm90.HEAD_DIMS)
 @pytest.mark.parametrize("active", [1, 2, 3, 4, 5, 8, 9])
-def test_every_list_length_and_step_split(head_dim, active):
+def test_every_list_length_and_step_split(head_dim, active, k_scale):
     """Lists of 1 to 9 blocks: steps of two blocks, the odd block's step, the partial last block (masked) at the
     end of a pair or alone; the blocks are spread (TMA coordinates of distant blocks) and differ per query
-    block and head."""
+    block and head. Per key, the scales of consecutive steps alternate between two shared buffers."""
     layout = TokenLayout(0, 2, 10, 29)  # N = 580: 10 key blocks, the last partial; 5 query blocks
     B, H, N = 2, 2, layout.seq_len
     nq, nk = -(-N // 128), -(-N // 64)
@@ -184,10 +198,12 @@ def test_every_list_length_and_step_split(head_dim, active):
         for qb in range(nq):
             mask[h, qb, torch.randperm(nk, generator=g)[:active]] = True
     q, k, v = make_inputs(B, H, N, head_dim, torch.bfloat16, False, seed=40 + active)
+    if k_scale == "token":
+        mixed_key_norms(k, seed=40 + active)
     orders = torch.tensor([1, 4], dtype=torch.int32)
-    out, ref = run_both(q, k, v, layout, orders, mask)
+    out, ref = run_both(q, k, v, layout, orders, mask, k_scale=k_scale)
     err = rel_err(out, ref)
-    print(f"{active} active blocks, D={head_dim}: rel err {err:.3e}")
+    print(f"{active} active blocks, D={head_dim}, k_scale={k_scale}: rel err {err:.3e}")
     assert torch.isfinite(out).all() and err < BOUND
 
 
@@ -203,7 +219,26 @@ def assert_empty_rows_zero(out, ref, mask, layout, orders):
 
 @requires_sm90
 @pytest.mark.gpu
-def test_matches_triton_kernel_on_the_same_prologue():
+@pytest.mark.parametrize("head_dim", sm90.HEAD_DIMS)
+def test_per_key_scales_go_with_their_keys(head_dim):
+    """k_scale="token" on keys whose norms span decades: the kernel lands far closer to the reference per key than
+    to the one per key block (a scale applied to the wrong column, or one per block, would not)."""
+    layout = TokenLayout(0, 3, 17, 23)
+    q, k, v = make_inputs(1, 4, layout.seq_len, head_dim, torch.bfloat16, False, seed=50)
+    mixed_key_norms(k, seed=51, spread=2.0)
+    orders = torch.tensor([0, 3, 5, 2], dtype=torch.int32)
+    mask = random_mask(4, layout.seq_len, 0.5, seed=52)
+    out, ref = run_both(q, k, v, layout, orders, mask, k_scale="token")
+    per_block = paro_attention_reference(q, k, v, layout, orders, mask.cuda(), 128, 64, "int8", "fp8")
+    err, other = rel_err(out, ref), rel_err(out, per_block)
+    print(f"D={head_dim}: rel err {err:.3e} to the reference per key, {other:.3e} to the one per block")
+    assert err < BOUND and 2 * err < other
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_matches_triton_kernel_on_the_same_prologue(k_scale):
     """Same prologue buffers, same formulas: the two kernels differ by summation order, the fp32 addition of each
     step's P V, and the running max P is rounded to e4m3 after (the Triton kernel's per 64-key block, this one's
     per step of two blocks; 1.04e-2 apart here on an H100). A misplaced tile would be off by far more."""
@@ -214,28 +249,31 @@ def test_matches_triton_kernel_on_the_same_prologue():
     q, k, v = make_inputs(B, H, layout.seq_len, D, torch.bfloat16, True, seed=9)
     orders = torch.tensor([1, 4, 0, 5])
     mask = random_mask(H, layout.seq_len, 0.4, seed=9)
-    out = kernel_calls.sm90_attention(q, k, v, layout=layout, orders=orders, block_mask=mask)
+    out = kernel_calls.sm90_attention(q, k, v, layout=layout, orders=orders, block_mask=mask, k_scale=k_scale)
     triton_out = paro_attention(q, k, v, layout=layout, orders=orders, block_mask=mask, block_size=(128, 64),
-                                qk="int8", pv="fp8", backend="triton")
+                                qk="int8", pv="fp8", backend="triton", k_scale=k_scale)
     err = rel_err(out, triton_out)
-    print(f"sm90 vs triton: rel err {err:.3e}")
+    print(f"sm90 vs triton, k_scale={k_scale}: rel err {err:.3e}")
     assert err < 2e-2
 
 
 @requires_sm90
 @pytest.mark.gpu
-def test_key_padding_mask_matches_reference():
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_key_padding_mask_matches_reference(k_scale):
     layout = TokenLayout(0, 2, 6, 10, suffix=150)  # suffix longer than two key blocks, not a multiple of one
     B, H, D = 3, 2, 64
     q, k, v = make_inputs(B, H, layout.seq_len, D, torch.bfloat16, False, seed=3)
+    if k_scale == "token":
+        mixed_key_norms(k, seed=3)
     suffix = torch.zeros(B, layout.suffix, dtype=torch.bool, device="cuda")
     suffix[0, :5] = True  # a short prompt
     suffix[1, ::3] = True
     suffix[2, 64:] = True  # a key block of padding only before kept keys
     orders = torch.tensor([2, 5], dtype=torch.int32)
     mask = random_mask(H, layout.seq_len, 0.6, seed=3, empty_rows=False)
-    out, ref = run_both(q, k, v, layout, orders, mask, suffix_mask=suffix)
-    unmasked = paro_attention_reference(q, k, v, layout, orders, mask.cuda(), 128, 64, "int8", "fp8")
+    out, ref = run_both(q, k, v, layout, orders, mask, suffix_mask=suffix, k_scale=k_scale)
+    unmasked = paro_attention_reference(q, k, v, layout, orders, mask.cuda(), 128, 64, "int8", "fp8", k_scale=k_scale)
     err, moved = rel_err(out, ref), rel_err(unmasked, ref)
     print(f"key mask: rel err {err:.3e} (the mask moves the result by {moved:.3e})")
     assert torch.isfinite(out).all() and err < BOUND < moved
@@ -243,11 +281,13 @@ def test_key_padding_mask_matches_reference():
 
 @requires_sm90
 @pytest.mark.gpu
-def test_int4_values_match_reference():
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_int4_values_match_reference(k_scale):
     layout = TokenLayout(13, 2, 7, 11)
     q, k, v = make_inputs(2, 2, layout.seq_len, 64, torch.bfloat16, False, seed=4)
     orders = torch.tensor([3, 1], dtype=torch.int32)
-    out, ref = run_both(q, k, v, layout, orders, random_mask(2, layout.seq_len, 0.5, seed=4), qk="int4")
+    out, ref = run_both(q, k, v, layout, orders, random_mask(2, layout.seq_len, 0.5, seed=4), qk="int4",
+                        k_scale=k_scale)
     assert rel_err(out, ref) < BOUND
 
 
@@ -267,6 +307,35 @@ def test_nan_reaches_the_outputs_the_contract_names():
     assert torch.equal(out.isnan(), ref.isnan())
     assert out[0, 0, :128].isnan().all() and not out[0, 0, 128:].isnan().any()
     assert out[0, 1, :, 9].isnan().sum() > 0 and not out[0, 1, :, [8, 10]].isnan().any()
+    finite = ~ref.isnan()
+    assert rel_err(out[finite], ref[finite]) < BOUND
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_scale", ["block", "token"])
+def test_nan_in_k_reaches_the_rows_of_its_scale(k_scale):
+    """A NaN in k makes NaN the rows that attend its key block (one scale per block) or its key (one per key); a
+    NaN in a padded suffix key reaches no row per key, and the rows attending its block per block. The NaN keys
+    are off K smoothing's sample (every other token here), which would take them to every row of the head."""
+    from paroattn.kernels.reference import key_mean_stride
+
+    layout = TokenLayout(0, 8, 17, 31, suffix=70)  # 4286 tokens: the mean samples every 2nd (odd H x W)
+    B, H, D = 1, 2, 64
+    assert key_mean_stride(layout.seq_len, layout.height, layout.width) == 2
+    q, k, v = make_inputs(B, H, layout.seq_len, D, torch.bfloat16, False, seed=6)
+    grid_end = layout.seq_len - layout.suffix
+    nan_key, padded_key = 333, grid_end + 31  # odd: off the sample; head 0's order 0 keeps positions
+    k[0, 0, nan_key, 5] = float("nan")
+    k[0, 1, padded_key, 7] = float("nan")
+    suffix = torch.ones(B, layout.suffix, dtype=torch.bool, device="cuda")
+    suffix[0, padded_key - grid_end] = False
+    orders = torch.tensor([0, 2], dtype=torch.int32)
+    mask = random_mask(H, layout.seq_len, 0.5, seed=6)
+    out, ref = run_both(q, k, v, layout, orders, mask, suffix_mask=suffix, k_scale=k_scale)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert ref[0, 0].isnan().any() and not ref[0, 0].isnan().all()
+    assert bool(ref[0, 1].isnan().any()) == (k_scale == "block")
     finite = ~ref.isnan()
     assert rel_err(out[finite], ref[finite]) < BOUND
 

@@ -10,8 +10,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
 2. `_kv_prologue_kernel`, grid (key block, b*H + h): gathers the key block of the REORDERED
    sequence straight from the caller's k / v (index arithmetic, any strides) and writes it
    contiguously (and with `KernelConfig.q_tma` the query blocks too, for descriptor loads of Q): K in
-   the input dtype, or with the mean subtracted and quantized per block to int8 or
-   int4 values, both stored one per byte, int4 ones times 16 (`_quantize_block`; Hopper has no INT4
+   the input dtype, or with the mean subtracted and quantized per block (or with K_PER_TOKEN per key) to int8
+   or int4 values, both stored one per byte, int4 ones times 16 (`_quantize_block`; Hopper has no INT4
    matrix instruction, so int4 values run the int8 product; nibble packing, which needs an unpack and
    two half-depth products per tile, measured slower than int8: attention-nvidia-h200-bq64-bk64-packed-int4.json
    against attention-int4-nvidia-h200.json); V in the input dtype, or quantized per channel (fp8 e4m3 or
@@ -23,7 +23,8 @@ them. Data flow of one call, for a [B, H, N, D] problem with per-head orders:
    quantizes them per block in registers when QK is int8/int4 (each query block is read once), or
    with q_tma loads the prologue's copy through a descriptor (faster at 128-row tiles), then loops over its
    active key blocks only: online softmax in base 2 with `sm_scale * log2(e)` and the dequantization
-   scales folded into one multiplier per key block, applied inside exp2's argument; integer results
+   scales folded into one multiplier per key block, applied inside exp2's argument (with per-key K scales,
+   K_PER_TOKEN, the scores are scaled per column before the row max instead); integer results
    become floats by magic-number adds (no I2F/F2I, which Hopper runs at a quarter rate). K and V tiles
    come from the prologue's buffers, by pointer loads or TMA descriptors (`KernelConfig.tma`);
    `KernelConfig.overlap_qk` issues the next block's QK
@@ -131,6 +132,19 @@ def _quantize_block(x, QK_MODE: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows(x, QK_MODE: tl.constexpr):
+    # `_quantize_block` with one scale per row of the tile (per key: the reference's k_scale="token"), [rows]
+    qmax = 127.0 if QK_MODE == 1 else 7.0
+    amax = tl.reduce(tl.abs(x), 1, _max_nan)
+    scale = tl.math.div_rn(tl.maximum(amax, QUANT_EPS, propagate_nan=tl.PropagateNan.ALL), qmax)
+    values = _quantize(x, scale[:, None], qmax)
+    if QK_MODE == 2:
+        values *= 16.0
+        scale *= 0.0625
+    return values.to(tl.int8), scale
+
+
+@triton.jit
 def _kept_keys(KeyMask, stride_mb, stride_ms, b64, offs_n, N, suffix_start):
     # bool per position of offs_n (reordered key positions): a key a query may attend, i.e. a position < N
     # before the suffix or one the key mask [B, suffix] keeps (the suffix is never reordered: its positions
@@ -175,7 +189,7 @@ def _kv_prologue_kernel(
     stride_qb, stride_qh, stride_qn, stride_qd, stride_mb, stride_ms,
     Orders, N, N_PAD, H, NQ, prefix, frames, height, width, suffix_start,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
-    WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    WRITE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_KEY_MASK: tl.constexpr, K_PER_TOKEN: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -198,9 +212,13 @@ def _kv_prologue_kernel(
         k = _gather_rows(k_base, orig, valid, stride_kn, stride_kd, offs_d)
         mean = tl.load(KMean + bh64 * HEAD_DIM + offs_d)
         k = tl.where(valid[:, None], k.to(tl.float32) - mean[None, :], 0.0)
-        kq, scale = _quantize_block(k, QK_MODE)
+        if K_PER_TOKEN:  # KScale [B*H, N_PAD]: keys past the sequence are zeros, their scale eps / qmax
+            kq, scale = _quantize_rows(k, QK_MODE)
+            tl.store(KScale + bh64 * N_PAD + offs_n, scale)
+        else:  # KScale [B*H, NK]
+            kq, scale = _quantize_block(k, QK_MODE)
+            tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
         tl.store(KQ + bh64 * N_PAD * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :], kq)
-        tl.store(KScale + bh64 * (N_PAD // BLOCK_N) + kb, scale)
 
     if WRITE_Q and kb < NQ:
         # query block kb (BLOCK_Q >= BLOCK_N rows, so the key-block grid covers every query block),
@@ -273,15 +291,21 @@ def _load_key_columns(Buf_bh, Desc, bh, kb, N_PAD, BLOCK_N: tl.constexpr, HEAD_D
 def _key_block_scores(
     q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QK_MODE: tl.constexpr, MASK_N: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, K_PER_TOKEN: tl.constexpr,
 ):
     # raw scores of key block kb (integer ones offset by INT_SCORE_OFFSET), and the one multiplier that
     # takes them to log2 units (softmax scale, log2(e) and the Q/K dequantization scales): the update
-    # applies it inside exp2's argument, so scaling and subtracting the row max are one FMA per score
+    # applies it inside exp2's argument, so scaling and subtracting the row max are one FMA per score.
+    # With a scale per key (K_PER_TOKEN) the scores come back times their key's scale, without the offset
+    # (which no longer folds into one per-row term), and the multiplier holds the rest
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if QK_MODE == 0:
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
         s = tl.dot(q, tl.trans(k))
+        scale = score_scale
+    elif K_PER_TOKEN:
+        k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
+        s = _int_to_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32)) * tl.load(KScale_bh + offs_n)[None, :]
         scale = score_scale
     else:  # int8 or int4 values, one per byte
         k = _load_key_rows(KQ_bh, KDesc, bh, kb, N_PAD, BLOCK_N, HEAD_DIM, USE_TMA)
@@ -335,7 +359,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EVEN_N: tl.constexpr,
     P_LOG2_SCALE: tl.constexpr, USE_TMA: tl.constexpr, OVERLAP_QK: tl.constexpr, Q_TMA: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, K_PER_TOKEN: tl.constexpr,
 ):
     rank = tl.program_id(0)
     bh = tl.program_id(1)
@@ -369,7 +393,9 @@ def _attention_kernel(
             score_scale = q_scale * qk_scale
 
     KQ_bh = KQ + bh64 * N_PAD * HEAD_DIM
-    KScale_bh = KScale + bh64 * NK
+    KScale_bh = KScale + bh64 * (N_PAD if K_PER_TOKEN else NK)  # a scale per key, or per key block
+    # integer scores carry INT_SCORE_OFFSET into the update unless they were scaled per key
+    OFFSET_SCORES: tl.constexpr = QK_MODE != 0 and not K_PER_TOKEN
     VQ_bh = VQ + bh64 * HEAD_DIM * N_PAD
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -397,25 +423,25 @@ def _attention_kernel(
         kb = tl.load(active)
         s, scale = _key_block_scores(
             q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE, False,
-            USE_TMA)
+            USE_TMA, K_PER_TOKEN)
         for i in range(0, n_unmasked):
             kb_next = tl.load(active + tl.minimum(i + 1, n_unmasked - 1))
             s_next, scale_next = _key_block_scores(
                 q, score_scale, kb_next, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
-                False, USE_TMA)
+                False, USE_TMA, K_PER_TOKEN)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
+                P_LOG2_SCALE, USE_TMA, OFFSET_SCORES)
             s, scale, kb = s_next, scale_next, kb_next
     else:
         for i in range(0, n_unmasked):
             kb = tl.load(active + i)
             s, scale = _key_block_scores(
                 q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE, False,
-                USE_TMA)
+                USE_TMA, K_PER_TOKEN)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
+                P_LOG2_SCALE, USE_TMA, OFFSET_SCORES)
     if HAS_KEY_MASK:
         for i in range(n_unmasked, count):
             kb = tl.load(active + i)
@@ -427,19 +453,19 @@ def _attention_kernel(
             if tl.max(kept.to(tl.int32), axis=0) > 0:
                 s, scale = _key_block_scores(
                     q, score_scale, kb, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
-                    False, USE_TMA)
+                    False, USE_TMA, K_PER_TOKEN)
                 s = tl.where(kept[None, :], s, float("-inf"))
                 acc, l_i, m_i = _key_block_update(
                     acc, l_i, m_i, s, scale, kb, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                    P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
+                    P_LOG2_SCALE, USE_TMA, OFFSET_SCORES)
     elif not EVEN_N:
         if has_tail:
             s, scale = _key_block_scores(
                 q, score_scale, NK - 1, KQ_bh, KScale_bh, KDesc, bh, N, N_PAD, HEAD_DIM, BLOCK_N, QK_MODE,
-                True, USE_TMA)
+                True, USE_TMA, K_PER_TOKEN)
             acc, l_i, m_i = _key_block_update(
                 acc, l_i, m_i, s, scale, NK - 1, VQ_bh, VDesc, bh, N_PAD, HEAD_DIM, BLOCK_N, PV_MODE,
-                P_LOG2_SCALE, USE_TMA, QK_MODE != 0)
+                P_LOG2_SCALE, USE_TMA, OFFSET_SCORES)
 
     # epilogue: normalize, dequantize V per channel, write rows at their original positions
     offs_d = tl.arange(0, HEAD_DIM)

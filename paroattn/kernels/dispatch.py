@@ -174,7 +174,7 @@ class Launch:
 
 class LaunchPlan(NamedTuple):
     """Everything one call's launches depend on besides the addresses of its tensors: the decided kernel
-    (`launch`, with its config), the geometry, modes and dtype, the strides of q, k, v and out, the RoPE tables'
+    (`launch`, with its config), the geometry, modes (K's scale granularity included) and dtype, the strides of q, k, v and out, the RoPE tables'
     and the key mask's shapes and strides, and the active-block lists' width and dtypes. Built once per eager
     call (`launch.launch`) and once per call of the compiled graph's custom op; every cache of the
     launches derives its key from it (the buffer set, each launcher's compiled kernel, the recorded launch
@@ -189,6 +189,7 @@ class LaunchPlan(NamedTuple):
     bk: int
     qk: str
     pv: str
+    k_scale: str  # K's scale granularity with integer QK, "block" or "token" ("block" without integer QK)
     strides: tuple  # q's, k's, v's and out's
     rotary: tuple | None  # (cos shape, cos strides, sin strides)
     key_mask: tuple | None  # its strides

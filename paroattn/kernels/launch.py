@@ -76,6 +76,7 @@ def run(
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     suffix_mask: torch.Tensor | None,
     decision: Launch,
+    k_scale: str = "block",
 ) -> torch.Tensor:
     """See `paroattn.paro_attention`: a call checked against the op contract, run by the kernels of
     `decision` (eagerly, or through the custom op while torch.compile traces)."""
@@ -89,13 +90,13 @@ def run(
     rotary = rotary if rotary is not None else (None, None)
     geometry = (layout.prefix, layout.frames, layout.height, layout.width, bq, bk, qk, pv, float(sm_scale))
     if not torch.compiler.is_compiling():  # eager: the custom op's function without its dispatch
-        return launch(decision, q, k, v, orders, block_mask, *geometry, *rotary, suffix_mask)
+        return launch(decision, q, k, v, orders, block_mask, *geometry, *rotary, suffix_mask, k_scale=k_scale)
     # traced: one opaque node in the graph, its inputs prepared in the graph (traced code reads no runtime cache)
     blocks = block_mask if isinstance(block_mask, ActiveBlocks) else ActiveBlocks.from_mask(
         block_mask.to(q.device), sync=False)
     orders = orders.to(device=q.device, dtype=torch.int32).contiguous()
     return block_sparse_attention(q, k, v, orders, blocks.counts, blocks.indices, blocks.schedule, *geometry,
-                                  decision.encode(), *rotary, suffix_mask)
+                                  decision.encode(), *rotary, suffix_mask, k_scale)
 
 
 @torch.library.custom_op("paroattn::block_sparse_attention", mutates_args=())
@@ -104,10 +105,11 @@ def block_sparse_attention(
     orders: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor, schedule: torch.Tensor,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     launch_code: str, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, k_scale: str = "block",
 ) -> torch.Tensor:
     """The PARO op on prepared arguments (device int32 orders, active-block lists, schedule, optional
-    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens) with the kernel decided while
+    float32 RoPE tables, optional bool key mask [B, suffix] of the suffix tokens, K's scale granularity) with the
+    kernel decided while
     the graph was traced (`dispatch.Launch.encode`). One opaque node for torch.compile; its output has q's
     shape, dtype and strides. On the device's default stream it takes the stream's kept buffer set, as an eager
     call does (a new set per call, its launches recorded anew, cost 210-260 us more host time per call at
@@ -116,7 +118,7 @@ def block_sparse_attention(
     pool, whose memory they hand out again: a set kept from there would be overwritten."""
     blocks = ActiveBlocks(counts, indices, -(-q.shape[2] // bk), schedule)
     return launch(PROCESS.launch_of(launch_code), q, k, v, orders, blocks, prefix, frames, height, width, bq, bk, qk,
-                  pv, sm_scale, cos, sin, key_mask, reuse_buffers=on_default_stream(q.device))
+                  pv, sm_scale, cos, sin, key_mask, reuse_buffers=on_default_stream(q.device), k_scale=k_scale)
 
 
 def on_default_stream(device: torch.device) -> bool:
@@ -128,12 +130,19 @@ def on_default_stream(device: torch.device) -> bool:
 
 @block_sparse_attention.register_fake
 def _block_sparse_attention_fake(q, k, v, orders, counts, indices, schedule, prefix, frames, height, width,
-                                 bq, bk, qk, pv, sm_scale, launch_code, cos=None, sin=None, key_mask=None):
+                                 bq, bk, qk, pv, sm_scale, launch_code, cos=None, sin=None, key_mask=None,
+                                 k_scale="block"):
     return torch.empty_like(q)
 
 
 # ---------------------------------------------------------------------------------------------
 # The launches.
+
+
+def key_scales(qk: str, k_scale: str) -> str:
+    """K's scale granularity as the kernels see it: without integer QK there are no K scales, and both
+    granularities are one computation (one plan, one compiled kernel)."""
+    return k_scale if qk != "bf16" else "block"
 
 
 class Keys(NamedTuple):
@@ -149,21 +158,22 @@ def launch(
     decision: Launch, q, k, v, orders, block_mask: torch.Tensor | ActiveBlocks,
     prefix: int, frames: int, height: int, width: int, bq: int, bk: int, qk: str, pv: str, sm_scale: float,
     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, reuse_buffers: bool = True,
+    out: torch.Tensor | None = None, reuse_buffers: bool = True, k_scale: str = "block",
 ) -> torch.Tensor:
     """Run the RoPE pass (with cos/sin: float32 [S, D] tables for the last S tokens), the prologue and the
     attention kernel of `decision` on q's device. Inputs are checked already; `orders` and `block_mask` (a bool
     mask or active-block lists) as the op takes them. `key_mask`: bool [B, suffix] (any strides), False at the
     padded keys of the tokens after the grid (the op's `suffix_mask`). `out` (tests poison it) defaults to a new
     tensor shaped and strided like q. `reuse_buffers`: the stream's buffer set of this plan
-    (`Runtime.workspace`), else new ones."""
+    (`Runtime.workspace`), else new ones. `k_scale`: K's scales per key block or per key ("token") with integer
+    QK."""
     runtime = runtime_of(q.device)
     orders, blocks = runtime.kernel_inputs(orders, block_mask)
     counts, indices, schedule = blocks.counts, blocks.indices, blocks.schedule
     if out is None:
         out = torch.empty_like(q)
     plan = LaunchPlan(
-        decision, q.shape, q.dtype, (prefix, frames, height, width), bq, bk, qk, pv,
+        decision, q.shape, q.dtype, (prefix, frames, height, width), bq, bk, qk, pv, key_scales(qk, k_scale),
         (q.stride(), k.stride(), v.stride(), out.stride()),
         None if cos is None else (cos.shape, cos.stride(), sin.stride()),
         None if key_mask is None else key_mask.stride(),
@@ -210,23 +220,25 @@ def _launch(runtime: Runtime, plan: LaunchPlan, arguments: tuple, buffers: Buffe
     decision = plan.launch
     B, H, N, D = plan.shape
     prefix, frames, height, width = plan.grid
-    bq, bk, qk, pv, sm_scale = plan.bq, plan.bk, plan.qk, plan.pv, plan.sm_scale
+    bq, bk, qk, pv, k_scale, sm_scale = plan.bq, plan.bk, plan.qk, plan.pv, plan.k_scale, plan.sm_scale
     nq, nk = -(-N // bq), -(-N // bk)
     config = decision.config
     q_tma = decision.q_tma
     key = keys.attention
-    kq, k_scale, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
-                                                      buffers, q if q_tma else None, bq, keys.prologue, key_mask)
+    kq, k_scales, vq, v_amax, qq, q_scale = prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv,
+                                                       buffers, q if q_tma else None, bq, keys.prologue, key_mask,
+                                                       k_scale)
     if decision.kernel == CUDA:
         from . import sm90
 
         PROCESS.launches.record(None)  # launched outside the Triton launchers: a recorded sequence could not replay it
-        kernel = runtime.cuda_kernel(D, plan.dtype)
+        kernel = runtime.cuda_kernel(D, plan.dtype, k_scale)
         maps = buffers.descriptors.get("cuda")
         if maps is None:
             maps = buffers.descriptors["cuda"] = sm90.tensor_maps(qq, kq, vq)
-        sm90.launch(kernel, maps, qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=N,
-                    prefix=prefix, frames=frames, height=height, width=width, sm_scale=sm_scale, key_mask=key_mask)
+        sm90.launch(kernel, maps, qq, q_scale, kq, k_scales, vq, v_amax, out, orders, counts, indices, schedule, N=N,
+                    prefix=prefix, frames=frames, height=height, width=width, sm_scale=sm_scale, key_mask=key_mask,
+                    k_scale=k_scale)
         return
     if decision.kernel == GLUON:
         descriptors = buffers.descriptors.get("gluon")
@@ -249,21 +261,22 @@ def _launch(runtime: Runtime, plan: LaunchPlan, arguments: tuple, buffers: Buffe
     mask_arg, mask_strides = (key_mask, key_mask.stride()) if key_mask is not None else (kq, (0, 0))  # kq: unread
     PROCESS.launcher(_attention_kernel)(
         key, (nq, B * H),
-        (q, out, kq, k_scale, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule, mask_arg,
+        (q, out, kq, k_scales, vq, v_amax, k_desc, v_desc, q_desc, q_scale, orders, counts, indices, schedule, mask_arg,
          *q.stride(), *out.stride(), *mask_strides,
          N, nk * bk, H, nq, nk, indices.shape[-1], prefix, frames, height, width, suffix_start, sm_scale * LOG2E),
         dict(HEAD_DIM=D, BLOCK_M=bq, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], EVEN_N=(N % bk == 0),
              P_LOG2_SCALE=P_LOG2_SCALES[PV_CODES[pv]], USE_TMA=decision.kv_tma, OVERLAP_QK=config.overlap_qk,
-             Q_TMA=q_tma, HAS_KEY_MASK=key_mask is not None),
+             Q_TMA=q_tma, HAS_KEY_MASK=key_mask is not None, K_PER_TOKEN=k_scale == "token"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
 def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, buffers: Buffers, q=None, bq=None, key=None,
-               key_mask=None):
-    """The statistics and the K/V prologue, into `buffers` (`runtime.allocate`): returns (kq, k_scale, vq, v_amax,
+               key_mask=None, k_scale="block"):
+    """The statistics and the K/V prologue, into `buffers` (`runtime.allocate`): returns (kq, k_scales, vq, v_amax,
     qq, q_scale), placeholders for the parts the modes do not use. K and V are written reordered and contiguous,
-    quantized in the integer/8-bit modes. With q (and its block bq >= bk) it also writes the reordered Q: in q's
+    quantized in the integer/8-bit modes, K with a scale per key block ([B*H, NK]) or with k_scale="token" per key
+    ([B*H, N_PAD]). With q (and its block bq >= bk) it also writes the reordered Q: in q's
     dtype, or int8/int4 values with per-block scales for integer QK. `key`: the launch's `CachedLauncher` key
     (None: a full launch). `key_mask` (bool [B, suffix], False at padded suffix keys): V's rows of padded keys are
     stored as zeros. Separate so benchmarks can time the prologue alone."""
@@ -287,7 +300,7 @@ def prepare_kv(k, v, orders, prefix, frames, height, width, bk, qk, pv, buffers:
          *k.stride(), *v.stride(), *q_src.stride(), *mask_strides, orders, N, n_pad, H, nq, prefix, frames, height,
          width, prefix + frames * height * width),
         dict(HEAD_DIM=D, BLOCK_N=bk, QK_MODE=QK_CODES[qk], PV_MODE=PV_CODES[pv], WRITE_Q=q is not None,
-             BLOCK_Q=bq or bk, HAS_KEY_MASK=key_mask is not None),
+             BLOCK_Q=bq or bk, HAS_KEY_MASK=key_mask is not None, K_PER_TOKEN=k_scale == "token" and qk != "bf16"),
         num_warps=4,  # 8 warps were slower (docs/notes/prologue.md)
     )
     return buffers.kq, buffers.k_scale, buffers.vq, v_amax, buffers.qq, buffers.q_scale

@@ -5,7 +5,8 @@ chunks of query blocks, so it also runs at N ~ 20k on a GPU.
 Quantization is emulated in float32 with exactly the grid a kernel uses:
 - Q: symmetric per block of `bq` reordered queries; K: a per-(batch, head) mean is subtracted first
   (softmax is invariant to subtracting any vector from every key; the mean makes the values small),
-  then symmetric per block of `bk` keys. The mean is taken over every s-th token of the original
+  then symmetric per block of `bk` keys, or with k_scale="token" per key (one scale per key token of
+  each head: `quantize_symmetric` over its channels). The mean is taken over every s-th token of the original
   order (`key_mean_stride`: s <= 16 keeps >= 2048 tokens, and s shares no factor with the frame's
   H x W, so the sample visits every row and column alike): as exact as the full mean, since any
   vector may be subtracted, and it reads 1/s of K.
@@ -147,11 +148,13 @@ def paro_attention_reference(
     sm_scale: float | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     suffix_mask: torch.Tensor | None = None,
+    k_scale: str = "block",
 ) -> torch.Tensor:
     """q, k, v: [B, H, N, D]; orders [H]; block_mask bool [H, ceil(N/bq), ceil(N/bk)] in reordered
     coordinates (both on any device: they are read on q's); rotary: RoPE tables (cos, sin) [S, D] for the last S tokens of q and k (`apply_rotary`),
     applied before everything else; suffix_mask: bool [B, layout.suffix], False where a suffix token is
-    padding, a key no query attends (on top of the block mask). Returns [B, H, N, D] in q's dtype and
+    padding, a key no query attends (on top of the block mask); k_scale: K's scales with integer QK, one per
+    key block ("block") or one per key ("token"). Returns [B, H, N, D] in q's dtype and
     original token order."""
     B, H, N, D = q.shape
     orders, block_mask = orders.to(q.device), block_mask.to(q.device)
@@ -188,13 +191,16 @@ def paro_attention_reference(
             vh = vh.masked_fill(v_nan, 0.0)
         else:
             v_nan = None
-        q_scale = k_scale = None
+        q_scale = key_scale = None  # key_scale: [B, N], each key's dequantization scale
         if qk != "bf16":
             kh = kh - key_smoothing_mean(k[:, h], stride)
             qh, q_scale = quantize_per_block(qh, bq, QK_QMAX[qk])
-            kh, k_scale = quantize_per_block(kh, bk, QK_QMAX[qk])
-            # per-key dequantization scale, folded into the scores like a kernel does
-            k_scale = k_scale.repeat_interleave(bk, dim=1)[:, :N]
+            if k_scale == "token":
+                kh, key_scale = quantize_symmetric(kh, dim=-1, qmax=QK_QMAX[qk])
+                key_scale = key_scale[..., 0]
+            else:
+                kh, key_scale = quantize_per_block(kh, bk, QK_QMAX[qk])
+                key_scale = key_scale.repeat_interleave(bk, dim=1)[:, :N]
         out_h = torch.empty(B, N, D, dtype=torch.float32, device=q.device)
         for start in range(0, N, _QUERY_CHUNK):
             stop = min(start + _QUERY_CHUNK, N)
@@ -205,7 +211,7 @@ def paro_attention_reference(
             scores = qh[:, start:stop] @ kh.transpose(1, 2)
             if qk != "bf16":
                 row_scale = q_scale.repeat_interleave(bq, dim=1)[:, start:stop]
-                scores = scores * row_scale[:, :, None] * k_scale[:, None, :]
+                scores = scores * row_scale[:, :, None] * key_scale[:, None, :]
             scores = scores * sm_scale
             scores = scores.masked_fill(~allowed, float("-inf"))
             row_max = scores.amax(dim=-1, keepdim=True)

@@ -67,14 +67,15 @@ class Buffers:
 
 
 def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int, bk: int, qk: str, pv: str,
-             write_q: bool, rotary: bool = False) -> Buffers:
+             write_q: bool, rotary: bool = False, k_scale: str = "block") -> Buffers:
     nk, nq = -(-N // bk), -(-N // bq)
     n_pad = nk * bk
     placeholder = torch.zeros(1, dtype=torch.float32, device=device)
-    k_scale = qq = q_scale = placeholder
+    k_scales = qq = q_scale = placeholder
     if qk != "bf16":
         kq = torch.empty(B * H, n_pad, D, dtype=torch.int8, device=device)  # int8 or int4 values
-        k_scale = torch.empty(B * H, nk, dtype=torch.float32, device=device)
+        # a scale per key block, or per key (k_scale="token")
+        k_scales = torch.empty(B * H, n_pad if k_scale == "token" else nk, dtype=torch.float32, device=device)
     else:
         kq = torch.empty(B * H, n_pad, D, dtype=dtype, device=device)
     if pv != "bf16":
@@ -90,7 +91,7 @@ def allocate(B: int, H: int, N: int, D: int, dtype: torch.dtype, device, bq: int
         q_rot = torch.empty(B, H, N, D, dtype=dtype, device=device)
         rotated = (q_rot, torch.empty_like(q_rot))
     stats = Statistics(B, H, N, D, device) if qk != "bf16" or pv != "bf16" else None
-    return Buffers(kq, k_scale, vq, qq, q_scale, placeholder, rotated, stats)
+    return Buffers(kq, k_scales, vq, qq, q_scale, placeholder, rotated, stats)
 
 
 def stream_of(device: torch.device) -> int | None:
@@ -138,9 +139,10 @@ class Runtime:
         self.mask_lists: OrderedDict[tuple, tuple[torch.Tensor, int, ActiveBlocks]] = OrderedDict()
         self.orders: dict[tuple, torch.Tensor] = {}
         self.last_launch: dispatch.LaunchPlan | None = None  # what the latest kernel call here ran (tests read it)
-        # the sm90 CUDA kernel of each (head dim, dtype) built and loaded here, and why others could not be
-        self.cuda_kernels: dict[tuple[int, torch.dtype], object] = {}
-        self.cuda_failures: dict[tuple[int, torch.dtype], str] = {}
+        # the sm90 CUDA kernel of each (head dim, dtype, K scale granularity) built and loaded here, and why others
+        # could not be
+        self.cuda_kernels: dict[tuple[int, torch.dtype, str], object] = {}
+        self.cuda_failures: dict[tuple[int, torch.dtype, str], str] = {}
 
     @property
     def gpu(self) -> dispatch.GPU:
@@ -149,41 +151,42 @@ class Runtime:
         return self._gpu
 
     def decide(self, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str, key_mask: bool,
-               unit_stride: bool, backend: str) -> dispatch.Launch | dispatch.Refusal:
+               unit_stride: bool, backend: str, k_scale: str = "block") -> dispatch.Launch | dispatch.Refusal:
         """`dispatch.resolve` of this call on this device, decided once per key. The one place that builds a
         `dispatch.Call`: with the pinned config of its key, and, where the call may run the sm90 CUDA kernel,
-        with how building that kernel went (built here first: NVRTC, or the disk cache, then loaded)."""
-        key = (head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride, backend)
+        with how building that kernel went (built here first: NVRTC, or the disk cache, then loaded; the variant of
+        `k_scale`, which picks no kernel but is compiled into the CUDA one)."""
+        key = (head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride, backend, k_scale)
         decision = self.decisions.get(key)
         if decision is None:
             call = dispatch.Call(self.gpu, head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
                                  pinned=PROCESS.pins.get((head_dim, bq, bk, qk, pv)))
             if dispatch.asks_for_cuda_build(call, backend):
-                call = replace(call, cuda_build_problem=self.build_cuda_kernel(head_dim, dtype))
+                call = replace(call, cuda_build_problem=self.build_cuda_kernel(head_dim, dtype, k_scale))
             decision = self.decisions[key] = dispatch.resolve(call, backend)
         return decision
 
-    def build_cuda_kernel(self, head_dim: int, dtype: torch.dtype) -> str | None:
-        """Build (or read from the disk cache) and load the sm90 CUDA kernel of a head dim and dtype on this
-        device, once; None when it is ready, else why it is not."""
+    def build_cuda_kernel(self, head_dim: int, dtype: torch.dtype, k_scale: str = "block") -> str | None:
+        """Build (or read from the disk cache) and load the sm90 CUDA kernel of a head dim, dtype and K scale
+        granularity on this device, once; None when it is ready, else why it is not."""
         from . import sm90
 
-        key = (head_dim, dtype)
+        key = (head_dim, dtype, k_scale)
         if key not in self.cuda_kernels and key not in self.cuda_failures:
             try:
-                self.cuda_kernels[key] = sm90.build(head_dim, dtype, self.device)
+                self.cuda_kernels[key] = sm90.build(head_dim, dtype, self.device, k_scale)
             except sm90.KernelLoadError as error:
                 self.cuda_failures[key] = f"the sm90 CUDA kernel could not be built: {error}"
         return self.cuda_failures.get(key)
 
-    def cuda_kernel(self, head_dim: int, dtype: torch.dtype):
-        """The loaded sm90 CUDA kernel of a head dim and dtype (built first if no decision asked for it yet);
-        raises KernelLoadError with why it could not be built."""
-        if (problem := self.build_cuda_kernel(head_dim, dtype)) is not None:
+    def cuda_kernel(self, head_dim: int, dtype: torch.dtype, k_scale: str = "block"):
+        """The loaded sm90 CUDA kernel of a head dim, dtype and K scale granularity (built first if no decision
+        asked for it yet); raises KernelLoadError with why it could not be built."""
+        if (problem := self.build_cuda_kernel(head_dim, dtype, k_scale)) is not None:
             from .sm90 import KernelLoadError
 
             raise KernelLoadError(problem)
-        return self.cuda_kernels[(head_dim, dtype)]
+        return self.cuda_kernels[(head_dim, dtype, k_scale)]
 
     def workspace(self, plan: dispatch.LaunchPlan, stream: int | None) -> Buffers:
         """The reused buffer set of `stream` (`stream_of`) for calls of `plan`'s kernel and shape, with the launch
@@ -193,12 +196,12 @@ class Runtime:
         allocates (from the graph's pool)."""
         B, H, N, D = plan.shape
         rotary = plan.rotary is not None
-        key = (stream, plan.launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, rotary)
+        key = (stream, plan.launch, plan.shape, plan.dtype, plan.bq, plan.bk, plan.qk, plan.pv, plan.k_scale, rotary)
         kept = self.workspaces
         buffers = kept.get(key) if stream is not None else None
         if buffers is None:
             buffers = allocate(B, H, N, D, plan.dtype, self.device, plan.bq, plan.bk, plan.qk, plan.pv,
-                               plan.launch.q_tma, rotary)
+                               plan.launch.q_tma, rotary, plan.k_scale)
             if stream is not None:
                 buffers.sequences = LaunchSequences(PROCESS.launches, buffers.addresses, SEQUENCES)
                 kept[key] = buffers
@@ -285,7 +288,8 @@ def runtime_of(device: torch.device) -> Runtime:
 
 
 def decide_launch(device: torch.device, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
-           key_mask: bool, rotary: bool, stride: int, backend: str) -> dispatch.Launch | dispatch.Refusal:
+           key_mask: bool, rotary: bool, stride: int, backend: str, k_scale: str = "block"
+           ) -> dispatch.Launch | dispatch.Refusal:
     """The decision for a call on `device` of q with this head dim, dtype and stride along D: the device
     runtime's (`Runtime.decide`), eagerly; while torch.compile traces the call, the same made eagerly and kept
     in the graph as a constant (`_decided_while_traced`). q and out have unit stride along D where the RoPE
@@ -293,20 +297,21 @@ def decide_launch(device: torch.device, head_dim: int, dtype: torch.dtype, bq: i
     if torch.compiler.is_compiling():
         code = _decided_while_traced(str(device), _plain(head_dim, _TRACED_SIZES), dtype, _plain(bq, _TRACED_SIZES),
                                      _plain(bk, _TRACED_SIZES), qk, pv, key_mask, rotary or _plain(stride, (1,)) == 1,
-                                     backend)
+                                     backend, k_scale)
         return dispatch.Refusal(code[1:]) if code.startswith("!") else dispatch.Launch.decode(code)
-    return runtime_of(device).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, rotary or stride == 1, backend)
+    return runtime_of(device).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, rotary or stride == 1, backend,
+                                     k_scale)
 
 
 @torch._dynamo.assume_constant_result
 def _decided_while_traced(device: str, head_dim: int, dtype: torch.dtype, bq: int, bk: int, qk: str, pv: str,
-                          key_mask: bool, unit_stride: bool, backend: str) -> str:
+                          key_mask: bool, unit_stride: bool, backend: str, k_scale: str) -> str:
     """`Runtime.decide` of a call being traced, made eagerly while it is traced (dynamo cannot trace the
     dispatcher, and a memo filled while tracing would recompile the next call), as a string dynamo keeps as a
     constant: the decided launch (`Launch.encode`) where a kernel runs it, else "!" and the reason it does not
     (if any)."""
     decision = runtime_of(torch.device(device)).decide(head_dim, dtype, bq, bk, qk, pv, key_mask, unit_stride,
-                                                       backend)
+                                                       backend, k_scale)
     if isinstance(decision, dispatch.Refusal):
         return "!" + decision.reason
     return decision.encode() if decision.backend != "torch" else "!" + (decision.fallback_reason or "")

@@ -38,7 +38,7 @@ import torch
 from ..errors import PlanError, PlanWarning
 from ..layout import ORDERS, TokenLayout
 from ..masks import block_sizes, mask_shape, synthetic_block_mask
-from ..modes import modes_problem
+from ..modes import k_scale_problem, modes_problem
 from .masks import BlockMasks
 from .storage import checksum, file_size, read_header, read_tensors
 
@@ -259,6 +259,8 @@ class Plan:
     bucket_edges: list[float]
     qk: str = "bf16"
     pv: str = "bf16"
+    # with integer QK, K's scales per key block or per key ("token"); files written before it existed: "block"
+    k_scale: str = "block"
     target_density: float = 1.0
     density: torch.Tensor | None = None  # float [buckets, L, H]; computed from the masks if None
     dense: torch.Tensor | None = None  # bool [buckets, L]; all False if None
@@ -306,7 +308,7 @@ class Plan:
         sizes = ", ".join(str(p.layout) for p in self.calibrated_plans())
         return (f"Plan(model_class={self.model_class!r}, expert={self.expert!r}, sizes=[{sizes}], "
                 f"layers={self.num_layers}, heads={self.num_heads}, buckets={self.num_buckets}, "
-                f"block_size={self.block_size}, qk={self.qk!r}, pv={self.pv!r}, "
+                f"block_size={self.block_size}, qk={self.qk!r}, pv={self.pv!r}, k_scale={self.k_scale!r}, "
                 f"target_density={self.target_density}, masks held as {self.masks.form})")
 
     # -- masks -------------------------------------------------------------------------------
@@ -418,7 +420,7 @@ class Plan:
                 f"plan format version {self.format_version} is newer than this paroattn reads "
                 f"(up to {FORMAT_VERSION}): upgrade paroattn, or recalibrate with this version"
             )
-        if problem := modes_problem(self.qk, self.pv):
+        if problem := modes_problem(self.qk, self.pv) or k_scale_problem(self.k_scale):
             raise PlanError(f"plan modes are unusable: {problem}; the plan is corrupt, recalibrate")
         if (len(self.block_size) != 2 or not all(_is_int(b) for b in self.block_size)
                 or not all(16 <= b <= MAX_SIZE for b in self.block_size)):
@@ -478,8 +480,8 @@ class Plan:
                 if not bool((torch.isfinite(p) & (p >= 0)).all()):
                     raise PlanError(f"plan {name} must hold finite masses >= 0: the plan is corrupt, recalibrate")
         for other in self.extra_shapes:
-            mismatch = [name for name in ("model_class", "model_fingerprint", "bucket_edges", "qk", "pv", "block_size",
-                                          "expert") if getattr(other, name) != getattr(self, name)]
+            mismatch = [name for name in ("model_class", "model_fingerprint", "bucket_edges", "qk", "pv", "k_scale",
+                                          "block_size", "expert") if getattr(other, name) != getattr(self, name)]
             if mismatch or other.num_layers != L or other.num_heads != H or not torch.equal(other.dense, self.dense):
                 raise PlanError(f"the plan calibrated for {other.layout} differs from the one for {self.layout} in "
                                 f"{mismatch or 'its layers, heads or dense flags'}: one plan holds sizes of one model "
@@ -540,6 +542,7 @@ class Plan:
             "bucket_edges": self.bucket_edges,
             "qk": self.qk,
             "pv": self.pv,
+            "k_scale": self.k_scale,
             "target_density": self.target_density,
             "prompts": self.prompts,
             "info": self.info,
@@ -597,6 +600,7 @@ class Plan:
             bucket_edges=meta["bucket_edges"],
             qk=meta["qk"],
             pv=meta["pv"],
+            k_scale=meta["k_scale"],
             target_density=shape_meta["target_density"],
             density=own["density"],
             dense=own["dense"].bool(),
@@ -674,6 +678,7 @@ class Plan:
         block_size: int | tuple[int, int] = 64,
         qk: str = "bf16",
         pv: str = "bf16",
+        k_scale: str = "block",
         model_class: str = "",
         model_fingerprint: str = "",
         seed: int = 0,
@@ -709,6 +714,7 @@ class Plan:
             bucket_edges=default_bucket_edges(num_buckets),
             qk=qk,
             pv=pv,
+            k_scale=k_scale,
             target_density=density,
             profiles=profiles or None,
         )
@@ -815,6 +821,7 @@ def _checked_metadata(text: str) -> dict:
         "bucket_edges": [float(e) for e in edges],
         "qk": _str_entry(meta, "qk"),
         "pv": _str_entry(meta, "pv"),
+        "k_scale": _str_entry(meta, "k_scale", "", "block"),
         "expert": _str_entry(meta, "expert", "", ""),
         **_size_entries(meta, ""),
         "extra_shapes": [_size_entries(e, f"extra_shapes[{i}].") for i, e in enumerate(extra)],

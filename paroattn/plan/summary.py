@@ -26,7 +26,7 @@ def describe_plan(plan: Plan, size_on_disk: int | None = None) -> str:
             "no axis profiles (plan format version 1, or calibrated without them): other sizes need their own "
             "calibration"),
         f"attention    {L} layers x {H} heads, blocks {plan.block_size[0]}x{plan.block_size[1]} ({nq}x{nk} per head)",
-        f"quantization qk={plan.qk} pv={plan.pv}",
+        f"quantization qk={plan.qk} pv={plan.pv}" + (f" k_scale={plan.k_scale}" if plan.qk != "bf16" else ""),
         f"density      target {plan.target_density:.3f}, achieved {plan.achieved_density():.3f}",
         "buckets      " + ", ".join(
             f"{b}: ({plan.bucket_edges[b + 1]:g}, {plan.bucket_edges[b]:g}]" for b in range(plan.num_buckets)

@@ -110,7 +110,8 @@ class PlanRunner:
         """Whether a kernel runs calls of q with `dtype` and `head_dim` on `device` (then masks go to the op as
         active-block lists, built once; the reference takes bool masks)."""
         plan = self.plan
-        return kernel_for(device, dtype, head_dim, plan.block_size, plan.qk, plan.pv, self.backend) is not None
+        return kernel_for(device, dtype, head_dim, plan.block_size, plan.qk, plan.pv, self.backend,
+                          k_scale=plan.k_scale) is not None
 
     def store_key(self, layout: TokenLayout | None, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                   traced: bool = False, bucket: int | None = None) -> str:
@@ -191,7 +192,7 @@ class PlanRunner:
             some = (orders, block_mask) if heads is None else (orders[heads[0]:heads[1]], head_range(block_mask, *heads))
             return paro_attention(q, k, v, layout=layout, orders=some[0], block_mask=some[1], block_size=plan.block_size,
                                   qk=plan.qk, pv=plan.pv, sm_scale=sm_scale, backend=self.backend, rotary=rotary,
-                                  suffix_mask=suffix_mask)
+                                  suffix_mask=suffix_mask, k_scale=plan.k_scale)
 
         return attend
 

@@ -2,9 +2,9 @@
 side, launched on the Triton K/V prologue's outputs:
 
     reason = refusal(q.shape, q.dtype, D, bq, bk, qk, pv, key_mask is not None, arch)  # None: it runs
-    kernel = build(D, q.dtype, q.device)     # compiled (or read from the disk cache) and loaded; KernelLoadError
+    kernel = build(D, q.dtype, q.device, k_scale)  # compiled (or read from the disk cache) and loaded; KernelLoadError
     maps = tensor_maps(qq, kq, vq)           # once per buffer set
-    launch(kernel, maps, qq, q_scale, kq, k_scale, vq, v_amax, out, orders, counts, indices, schedule, N=..., ...)
+    launch(kernel, maps, qq, q_scale, kq, k_scales, vq, v_amax, out, orders, counts, indices, schedule, N=..., ...)
 
 `build` compiles the source at first use with NVRTC (from torch's CUDA wheel; no nvcc and no build step) to a
 cubin, cached on disk, and loads it with the driver API. This is the one place that talks to NVRTC and the CUDA
@@ -14,7 +14,8 @@ what failed, which callers turn into a refusal (another kernel family runs the c
 
 The device's runtime keeps what `build` returns (`kernels.runtime.Runtime.cuda_kernel`): nothing here keeps
 state. What it computes is `reference.paro_attention_reference`'s definition; the kernel reads the same
-prologue buffers as the Triton kernel with `KernelConfig.q_tma` (reordered int8 Q with per-block scales).
+prologue buffers as the Triton kernel with `KernelConfig.q_tma` (reordered int8 Q with per-block scales), K's scales
+per key block or, in the variant built for k_scale="token", per key.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ...modes import K_SCALES  # K's scale granularities: one build each
+
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128)
 BLOCK_M, BLOCK_N = 128, 64
@@ -42,10 +45,12 @@ LOG2E = 1.4426950408889634
 BARRIER_BYTES = 48  # attention.cu's kBarrierBytes: three mbarriers and the CTA's indices
 
 
-def shared_bytes(head_dim: int, max_active: int) -> int:
-    """Dynamic shared memory of a launch: the Q tile (64 rows), two K and two V^T blocks, the barriers, and the
-    active list (an index and a K scale per entry)."""
-    return TILE_M * head_dim + 4 * BLOCK_N * head_dim + BARRIER_BYTES + 8 * max_active
+def shared_bytes(head_dim: int, max_active: int, k_scale: str = "block") -> int:
+    """Dynamic shared memory of a launch: the Q tile (64 rows), two K and two V^T blocks, with per-key K scales
+    two buffers of two blocks' scales (float32), the barriers, and the active list (an index and a K scale per
+    entry)."""
+    key_scales = 4 * BLOCK_N * 4 if k_scale == "token" else 0
+    return TILE_M * head_dim + 4 * BLOCK_N * head_dim + key_scales + BARRIER_BYTES + 8 * max_active
 
 
 MAX_SHARED_BYTES = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -78,11 +83,13 @@ def source() -> str:
     return resources.files(__package__).joinpath("attention.cu").read_text()
 
 
-def defines(head_dim: int, dtype: torch.dtype) -> dict[str, int]:
-    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16)}
+def defines(head_dim: int, dtype: torch.dtype, k_scale: str = "block") -> dict[str, int]:
+    return {"PARO_HEAD_DIM": head_dim, "PARO_OUT_BF16": int(dtype == torch.bfloat16),
+            "PARO_K_PER_KEY": int(k_scale == "token")}
 
 
-# every variant `refusal` lets through (head dim, output dtype), for the compile check
+# every variant `refusal` lets through (head dim, output dtype), for the compile check; each is built per K scale
+# granularity (K_SCALES)
 VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
 
 # registers per thread at most, by head dim: what __launch_bounds__ allows for 3 CTAs of 128 threads per SM at
@@ -90,10 +97,12 @@ VARIANTS = [(d, dtype) for d in HEAD_DIMS for dtype in OUT_DTYPES]
 REGISTER_CEILING = {64: 128, 128: 168}
 
 
-def build(head_dim: int, dtype: torch.dtype, device: torch.device) -> Kernel:
-    """The kernel of a variant compiled with NVRTC (once per machine: the cubin is cached on disk) and loaded on
-    `device`; raises KernelLoadError saying what failed."""
-    cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype))
+def build(head_dim: int, dtype: torch.dtype, device: torch.device, k_scale: str = "block") -> Kernel:
+    """The kernel of a variant and K scale granularity compiled with NVRTC (once per machine: the cubin is cached
+    on disk) and loaded on `device`; raises KernelLoadError saying what failed."""
+    if k_scale not in K_SCALES:
+        raise ValueError(f"k_scale={k_scale!r} is not one of {K_SCALES}")
+    cubin = compile_cubin(source(), KERNEL_NAME, ARCH, defines(head_dim, dtype, k_scale))
     return load(cubin, KERNEL_NAME, device, MAX_SHARED_BYTES)
 
 
@@ -118,11 +127,12 @@ def tensor_maps(qq: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor) -> tuple[T
                               BLOCK_N))
 
 
-def launch(kernel, maps: tuple[TensorMap, TensorMap, TensorMap], qq, q_scale, kq, k_scale, vq, v_amax, out, orders,
+def launch(kernel, maps: tuple[TensorMap, TensorMap, TensorMap], qq, q_scale, kq, k_scales, vq, v_amax, out, orders,
            counts, indices, schedule, *, N: int, prefix: int, frames: int, height: int, width: int, sm_scale: float,
-           key_mask: torch.Tensor | None = None) -> None:
-    """`kernel` (`build`'s) with the tensor maps of the buffers it reads (`tensor_maps(qq, kq, vq)`): attention
-    over the prologue's buffers (`launch.prepare_kv` with q and bq=128, bk=64) into
+           key_mask: torch.Tensor | None = None, k_scale: str = "block") -> None:
+    """`kernel` (`build`'s, of granularity `k_scale`) with the tensor maps of the buffers it reads
+    (`tensor_maps(qq, kq, vq)`): attention over the prologue's buffers (`launch.prepare_kv` with q, bq=128, bk=64
+    and the same `k_scale`: `k_scales` [B*H, NK] per key block, [B*H, N_PAD] per key) into
     `out` [B, H, N, D] (any strides), rows at their original positions. `orders` int32 [H]; `counts`,
     `schedule` int32 [H, nq] and `indices` int32 [H, nq, max_active] (contiguous, `ActiveBlocks`);
     `key_mask` bool [B, suffix], False at padded keys of the tokens after the grid."""
@@ -138,14 +148,19 @@ def launch(kernel, maps: tuple[TensorMap, TensorMap, TensorMap], qq, q_scale, kq
     else:
         mask, mask_strides = counts, (0, 0)  # not read
     c_long, c_int = ctypes.c_longlong, ctypes.c_int
-    args = [q_map, k_map, v_map, _pointer(q_scale), _pointer(k_scale), _pointer(v_amax), _pointer(out),
+    expected = (B * H, nk * BLOCK_N if k_scale == "token" else nk)
+    if tuple(k_scales.shape) != expected or k_scales.dtype != torch.float32 or not k_scales.is_contiguous():
+        raise ValueError(f"k_scales must be contiguous float32 {list(expected)} for k_scale={k_scale!r}, got "
+                         f"{k_scales.dtype} {list(k_scales.shape)} with strides {k_scales.stride()}")
+    args = [q_map, k_map, v_map, _pointer(q_scale), _pointer(k_scales), _pointer(v_amax), _pointer(out),
             _pointer(orders), _pointer(counts), _pointer(indices), _pointer(schedule), _pointer(mask),
             *(c_long(s) for s in out.stride()), *(c_long(s) for s in mask_strides),
             c_int(N), c_int(nk * BLOCK_N), c_int(H), c_int(nq), c_int(nk), c_int(indices.shape[-1]), c_int(prefix),
             c_int(frames), c_int(height), c_int(width), c_int(suffix_start), ctypes.c_float(sm_scale * LOG2E),
             c_int(int(key_mask is not None))]
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    kernel.launch((nq * BLOCK_M // TILE_M, B * H, 1), (128, 1, 1), args, stream, shared_bytes(D, indices.shape[-1]))
+    kernel.launch((nq * BLOCK_M // TILE_M, B * H, 1), (128, 1, 1), args, stream,
+                  shared_bytes(D, indices.shape[-1], k_scale))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,16 +5,20 @@
 // (`launch.prepare_kv`) through TMA tensor maps built on the host:
 //   QQ  int8 [B*H, NQ*128, D]   reordered queries, per query block scale QScale [B*H, NQ]
 //   KQ  int8 [B*H, N_PAD, D]    reordered keys minus K smoothing's mean, per key block scale KScale [B*H, NK]
+//                               (PARO_K_PER_KEY: per key, KScale [B*H, N_PAD])
 //   VQ  e4m3 [B*H, D, N_PAD]    reordered values, transposed, divided by their per-channel scale
 //                               VAmax / 448; inside every 16 keys in the order the PV operand reads (below)
 // A key step takes two blocks of the list (a list of odd length ends with a step of one):
 //   copies      one thread issues the TMA copies: the two K blocks into the halves of one 128-row K tile,
 //               their V^T blocks into two tiles, each tile set completing on its mbarrier (expect_tx). The
 //               next step's K is issued as soon as this step's Q K^T has completed, its V as soon as this
-//               step's P V has: one buffer each, and no CTA barrier in the loop
+//               step's P V has: one buffer each, and no CTA barrier in the loop. With per-key K scales the
+//               blocks' scales come with K (bulk copies on K's mbarrier) into one of two buffers by step
+//               parity: the softmax still reads this step's while the next step's land
 //   S = Q K^T   wgmma m64n128k32 s32.s8.s8, one product over both blocks, Q and K from shared memory
 //   softmax     online, in base 2, one running max per step: sm_scale * log2(e) and the Q/K scales are one
-//               multiplier per block, applied inside exp2's argument; P carries the fp8 multiplier 448
+//               multiplier per block, applied inside exp2's argument (per-key K scales: each score is taken
+//               times its key's scale first, one FMA, and the multiplier is Q's); P carries the fp8 multiplier 448
 //   T = P V     wgmma m64nDk32 f32.e4m3.e4m3 with P in registers and V^T from shared memory, into a zeroed
 //               accumulator added to O in fp32 (Hopper's fp8 product accumulates with ~22 bits, O would lose
 //               low bits over a long row)
@@ -26,13 +30,17 @@
 // definition of every value.
 //
 // Compile-time configuration (defines passed to the compiler): PARO_HEAD_DIM (64 or 128), PARO_OUT_BF16
-// (1: bf16 output, 0: fp16). No headers: NVRTC compiles this file as is.
+// (1: bf16 output, 0: fp16), PARO_K_PER_KEY (1: one K scale per key, 0: per key block). No headers: NVRTC
+// compiles this file as is.
 
 #ifndef PARO_HEAD_DIM
 #define PARO_HEAD_DIM 128
 #endif
 #ifndef PARO_OUT_BF16
 #define PARO_OUT_BF16 1
+#endif
+#ifndef PARO_K_PER_KEY
+#define PARO_K_PER_KEY 0
 #endif
 
 namespace paro {
@@ -46,7 +54,10 @@ constexpr int kCtasPerSm = kHeadDim == 128 ? 3 : 4;  // register ceilings 168 an
 constexpr int kQBytes = kTileM * kHeadDim;
 constexpr int kKBlockBytes = kBlockN * kHeadDim;
 constexpr int kVBlockBytes = kHeadDim * kBlockN;
-constexpr int kTileBytes = kQBytes + 2 * kKBlockBytes + 2 * kVBlockBytes;  // Q, two K blocks, two V^T blocks
+constexpr bool kPerKey = PARO_K_PER_KEY;
+constexpr int kKeyScaleBytes = kBlockN * 4;  // one K block's scales per key (float)
+// Q, two K blocks, two V^T blocks, and with per-key K scales two buffers (by step parity) of two blocks' scales
+constexpr int kTileBytes = kQBytes + 2 * kKBlockBytes + 2 * kVBlockBytes + (kPerKey ? 4 * kKeyScaleBytes : 0);
 constexpr int kBarrierBytes = 48;  // three mbarriers, then CtaInfo
 constexpr float kPLog2Scale = 8.807354922057604f;  // log2(448): P is stored as P * 448 in e4m3
 constexpr float kScoreOffset = 12582912.0f;         // 1.5 * 2^23 (see score_with_offset)
@@ -118,6 +129,13 @@ __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap* map, uns
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
       ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(x), "r"(y)
       : "memory");
+}
+// A bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory at src into shared
+// memory at dst, completing on bar
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 template <int n>
@@ -269,6 +287,11 @@ __device__ __forceinline__ unsigned keys_kept(int kb, int first_masked, int t, i
   return kept;
 }
 
+// The per-key K scales of a thread's two adjacent columns 2t, 2t + 1 of one 8 (one 8-byte shared load)
+struct alignas(8) KeyScales {
+  float even, odd;
+};
+
 // The online softmax of the warpgroup's 64 rows; a thread holds rows g and g + 8 of its warp's 16 (index
 // r = 0, 1) and of each 64-key block the columns 8j + 2t + {0, 1}, j < 8.
 struct Softmax {
@@ -276,12 +299,13 @@ struct Softmax {
   float l[2] = {0.f, 0.f};  // this thread's part of the row sums (of P * 448)
   float score_scale;        // sm_scale * log2(e) * Q's block scale
 
-  // kB key blocks in one step: their integer scores s[b] (K scale block_scale[b], keys kept[b]: keys_kept)
-  // -> their P as e4m3 A operands p[b] (P * 448), with one running max and one factor alpha that rescales
-  // what came before. A step whose keys are all excluded (padding) leaves everything as it was.
+  // kB key blocks in one step: their integer scores s[b] (K scale block_scale[b], or with kPerKey the scale of
+  // key 8j + 2t + e at key_scale[b * 64 + 8j + e], key_scale in shared memory and offset by 2t already; keys
+  // kept[b]: keys_kept) -> their P as e4m3 A operands p[b] (P * 448), with one running max and one factor alpha
+  // that rescales what came before. A step whose keys are all excluded (padding) leaves everything as it was.
   template <int kB, bool kMasked>
   __device__ __forceinline__ void step(int (&s)[kB][32], const unsigned (&kept)[kB], const float (&block_scale)[kB],
-                                       unsigned (&p)[kB][2][4], float (&alpha)[2]) {
+                                       const float* key_scale, unsigned (&p)[kB][2][4], float (&alpha)[2]) {
     // the mask is one row for all queries: the same decision in every thread of the CTA
     unsigned any = 0;
 #pragma unroll
@@ -294,11 +318,21 @@ struct Softmax {
     float f[kB][32];
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
-      scale[b] = score_scale * block_scale[b];
+      // the multiplier that takes f to log2 units. Per key, f is the score times its key's scale already (and
+      // without the offset, which no longer folds into one term per row): Q's scale and the softmax's are left
+      scale[b] = kPerKey ? score_scale : score_scale * block_scale[b];
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         // f[b][4 * (j / 4) + e]: column 8 * (j / 4) + 2t + (e & 1), row g + 8 * (e >> 1)
         f[b][j] = score_with_offset(s[b][j]);
+        if (kPerKey) {
+          // (1.5 * 2^23 + x) c - 1.5 * 2^23 c, the product exact in the FMA: x c within an ulp of 1.5 * 2^23 c
+          // (below one integer unit of x, as the per-block offset term's rounding), then rounded once
+          const KeyScales c = reinterpret_cast<const KeyScales*>(key_scale + b * kBlockN + 8 * (j / 4))[0];
+          const float cj = (j & 1) ? c.odd : c.even;
+          f[b][j] = fmaf(f[b][j], cj, -kScoreOffset * cj);
+        }
+        // excluded after the scaling: a NaN scale of an excluded key (padding) reaches no row
         if (kMasked && !((kept[b] >> (2 * (j / 4) + (j & 1))) & 1u)) f[b][j] = -__int_as_float(0x7f800000);
       }
     }
@@ -312,7 +346,7 @@ struct Softmax {
 #pragma unroll
         for (int j = 0; j < 8; ++j) mb = fmaxf(mb, fmaxf(f[b][4 * j + 2 * r], f[b][4 * j + 2 * r + 1]));
         // scale > 0: the max commutes with it (each block has its own K scale)
-        mx = fmaxf(mx, (mb - kScoreOffset) * scale[b]);
+        mx = fmaxf(mx, (kPerKey ? mb : mb - kScoreOffset) * scale[b]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -320,7 +354,7 @@ struct Softmax {
       alpha[r] = any ? exp2_approx(m[r] - m_new) : 1.f;
       // P's multiplier 448 rides in the exponent: p = 448 * exp2(x * scale - m_new)
 #pragma unroll
-      for (int b = 0; b < kB; ++b) shift[b][r] = m_new - kPLog2Scale + kScoreOffset * scale[b];
+      for (int b = 0; b < kB; ++b) shift[b][r] = m_new - kPLog2Scale + (kPerKey ? 0.f : kScoreOffset * scale[b]);
       m[r] = m_new;
     }
     float rowsum[2] = {0.f, 0.f};
@@ -352,13 +386,14 @@ struct Softmax {
   }
 };
 
-// The query block's active key blocks and their K scales (`k_scale_bh`: this head's), into shared memory
+// The query block's active key blocks and their K scales (`k_scale_bh`: this head's; per key they come with the K
+// blocks instead), into shared memory
 __device__ __forceinline__ void stage_list(const int* active, const float* k_scale_bh, int count, int* list_kb,
                                            float* list_scale) {
   for (int j = threadIdx.x; j < count; j += kThreads) {
     const int kb = active[j];
     list_kb[j] = kb;
-    list_scale[j] = k_scale_bh[kb];
+    if (!kPerKey) list_scale[j] = k_scale_bh[kb];
   }
 }
 
@@ -422,6 +457,8 @@ struct Pass {
   int k_row, v_row;         // this head's first row in k_map and in v_map
   const int* list_kb;       // the active list and the blocks' K scales, in shared memory
   const float* list_scale;
+  const float* k_scale_bh;  // kPerKey: this head's K scales per key [N_PAD] in global memory
+  const float* key_scales;  // kPerKey: their two buffers in shared memory (two blocks each, one buffer per step parity)
   int count;
   bool copier;              // the thread that issues the copies
   // excluded keys (keys_kept)
@@ -430,12 +467,19 @@ struct Pass {
   long long stride_mb, stride_ms;
   const volatile CtaInfo* info;
 
-  // the K and V^T blocks of list entries e .. e + nb - 1 (nb 1 or 2) into their tiles, by the calling thread
+  // the K and V^T blocks of list entries e .. e + nb - 1 (nb 1 or 2) into their tiles, by the calling thread; per
+  // key, K's scales into the buffer of the step's parity (steps start at even e: step e / 2)
   __device__ __forceinline__ void copy_k(int e, int nb) const {
-    mbar_expect_tx(k_bar, nb * kKBlockBytes);
+    mbar_expect_tx(k_bar, nb * (kKBlockBytes + (kPerKey ? kKeyScaleBytes : 0)));
 #pragma unroll
-    for (int x = 0; x < 2; ++x)
-      if (x < nb) tma_load(k_tile + x * kKBlockBytes, k_map, k_bar, 0, k_row + list_kb[e + x] * kBlockN);
+    for (int x = 0; x < 2; ++x) {
+      if (x < nb) {
+        tma_load(k_tile + x * kKBlockBytes, k_map, k_bar, 0, k_row + list_kb[e + x] * kBlockN);
+        if (kPerKey)
+          bulk_load(v_tile + 2 * kVBlockBytes + (((e >> 1) & 1) * 2 + x) * kKeyScaleBytes,
+                    k_scale_bh + list_kb[e + x] * kBlockN, kKeyScaleBytes, k_bar);
+      }
+    }
   }
   __device__ __forceinline__ void copy_v(int e, int nb) const {
     mbar_expect_tx(v_bar, nb * kVBlockBytes);
@@ -460,14 +504,15 @@ struct Pass {
     float scale[kB];
 #pragma unroll
     for (int x = 0; x < kB; ++x) {
-      scale[x] = list_scale[e + x];
+      scale[x] = kPerKey ? 1.f : list_scale[e + x];
       kept[x] = kMasked ? keys_kept(list_kb[e + x], first_masked, t, N, mask_start, key_mask + info->b * stride_mb,
                                     stride_ms)
                         : 0xFFFFu;
     }
     unsigned p[kB][2][4];
     float alpha[2];
-    sm.step<kB, kMasked>(s, kept, scale, p, alpha);
+    // per key: this step's buffer (the next step's copies fill the other), at this thread's columns 2t, 2t + 1
+    sm.step<kB, kMasked>(s, kept, scale, key_scales + ((e >> 1) & 1) * 2 * kBlockN + 2 * t, p, alpha);
     mbar_wait(v_bar, phase);
     float pv[kHeadDim / 2];
     pv_product(pv, p, q_desc + (kQBytes + 2 * kKBlockBytes) / 16);
@@ -489,8 +534,8 @@ using namespace paro;
 //   q_map  [B*H*NQ*128 rows, D]   box 64 x D, swizzled by D bytes (128B or 64B)
 //   k_map  [B*H*N_PAD rows, D]    box 64 x D, the same swizzle
 //   v_map  [B*H*D rows, N_PAD]    box D x 64, 64B swizzle
-// Dynamic shared memory: the tiles (kTileBytes), three mbarriers, then the active list (max_active block indices
-// and as many K scales).
+// Dynamic shared memory: the tiles (kTileBytes, per-key K scales included), three mbarriers, then the active list
+// (max_active block indices and as many K scales).
 extern "C" __global__ void __launch_bounds__(kThreads, kCtasPerSm) paro_attention_int8_fp8(
     const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
     const __grid_constant__ TensorMap v_map, const float* __restrict__ q_scale, const float* __restrict__ k_scale,
@@ -507,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, kCtasPerSm) paro_attentio
   if (q_tile % 1024u != 0) asm volatile("trap;");
   const unsigned k_tile = q_tile + kQBytes;           // two 64-row K blocks: one 128-row operand
   const unsigned v_tile = k_tile + 2 * kKBlockBytes;  // two V^T blocks of D rows x 64 keys
-  const unsigned q_bar = v_tile + 2 * kVBlockBytes;   // mbarriers: the Q, K and V tiles have landed
+  const unsigned q_bar = q_tile + kTileBytes;         // mbarriers: the Q, K and V tiles have landed
   const unsigned k_bar = q_bar + 8, v_bar = q_bar + 16;
   volatile CtaInfo* info = reinterpret_cast<volatile CtaInfo*>(shared_raw + kTileBytes + 24);
   // the query block's active key blocks and their K scales, staged in shared memory: read from global memory
@@ -538,7 +583,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, kCtasPerSm) paro_attentio
   __syncthreads();
 
   const Pass pass{&k_map, &v_map, k_bar, v_bar, k_tile, v_tile, low_word(q_tile), bh * n_pad, bh * kHeadDim,
-                  list_kb, list_scale, count, tid == 0,
+                  list_kb, list_scale, k_scale + (long long)bh * n_pad,
+                  reinterpret_cast<const float*>(shared_raw + kQBytes + 2 * kKBlockBytes + 2 * kVBlockBytes), count,
+                  tid == 0,
                   // key blocks from this one on may hold keys a query must not attend: positions >= N (the partial
                   // last block) or padded keys of the suffix. Lists are ascending: they are a list's last entries.
                   has_key_mask ? suffix_start / kBlockN : (N % kBlockN ? NK - 1 : NK), N,
