@@ -177,7 +177,7 @@ def kept_on(stats, plan) -> float:
     kept = []
     for b in range(acc.num_buckets):
         for layer in range(acc.num_layers):
-            mass = acc._mean_map(b, layer, torch.device("cpu"))
+            mass = acc.mean_map(b, layer, torch.device("cpu"))
             if mass is None:
                 continue
             mass = mass[torch.arange(mass.shape[0]), slots[layer]]  # [H, nq, nk] in each head's plan order

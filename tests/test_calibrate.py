@@ -372,7 +372,7 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
         stored = acc.mass[(bucket, layer)]
         assert stored.dtype == torch.float16
         expected = torch.stack(maps).sum(0) / items[(bucket, layer)]
-        assert torch.allclose(acc._mean_map(bucket, layer, expected.device), expected, rtol=2e-3, atol=1e-3)
+        assert torch.allclose(acc.mean_map(bucket, layer, expected.device), expected, rtol=2e-3, atol=1e-3)
 
 
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------

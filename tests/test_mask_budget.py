@@ -184,7 +184,7 @@ def test_shared_budget_uses_one_mass_threshold_over_the_buckets_at_the_step_weig
     assert float(result.block_mask[2].float().mean()) < float(per_bucket.block_mask[2].float().mean())
     # one threshold: every block chosen in any sparse bucket holds at least the mass of every block left out
     forced = forced_blocks(16, 0, 16)
-    maps = [torch.stack([acc._mean_map(b, layer, torch.device("cpu"))[:, 0] for layer in range(2)]) for b in range(3)]
+    maps = [torch.stack([acc.mean_map(b, layer, torch.device("cpu"))[:, 0] for layer in range(2)]) for b in range(3)]
     chosen = torch.cat([maps[b][result.block_mask[b] & ~forced] for b in sparse])
     left = torch.cat([maps[b][~result.block_mask[b]] for b in sparse])
     assert float(chosen.min()) >= float(left.max())
