@@ -720,7 +720,7 @@ def demo_pipeline(
     typer.echo(f"wrote {path}: the demo model as a diffusers pipeline (DemoVideoPipeline), and {path / PROMPTS_FILE}")
     typer.echo("try:")
     typer.echo(f"  paro calibrate {path} --prompts {path / PROMPTS_FILE} --out demo-d0.3.safetensors --density 0.3 "
-               "--steps 10 --stat-every 1 --num-prompts 1 --device cpu")  # every step captured: fills all 6 buckets
+               "--steps 10 --num-prompts 1 --device cpu")  # the cheap capture's every step: fills all 6 buckets
     typer.echo("  paro inspect demo-d0.3.safetensors --png figures/")
     typer.echo(f"  paro generate {path} --plan demo-d0.3.safetensors --prompt \"red circle moving left quickly, cloudy "
                "background\" --steps 10 --compare --out demo.gif --device cpu")
