@@ -170,13 +170,15 @@ def test_orders_chosen_during_a_sampled_capture_are_the_planted_ones_with_the_fu
     assert plan.info["calibration"]["order_steps"] == 1
 
 
-def test_a_wrong_order_choice_in_the_capture_fails_the_planted_check(monkeypatch):
-    """The order phase's choice reaches the plan: scores read one slot over give other orders."""
+@pytest.mark.parametrize("choice", [{"order_steps": 1}, {"keep_orders": 1}])
+def test_a_wrong_order_choice_in_the_capture_fails_the_planted_check(monkeypatch, choice):
+    """The order phase's choice, or the narrowing after the first bucket, reaches the plan: scores read one slot over
+    give other orders."""
     import paroattn.calibrate.recorder as recorder_module
 
     real = recorder_module.kept_mass_fraction
     monkeypatch.setattr(recorder_module, "kept_mass_fraction", lambda m, d: real(m, d).roll(1, dims=-1))
-    plan = _planted_plan(_config(stat_every=1, order_steps=1, order_density=0.2))[0]
+    plan = _planted_plan(_config(stat_every=1, order_density=0.2, **choice))[0]
     assert [[ORDERS[int(o)] for o in layer] for layer in plan.orders] != [[PLANTED_ORDER[a] for a in axes]
                                                                            for axes in PLANTED]
 
@@ -213,16 +215,6 @@ def test_orders_kept_after_the_first_bucket_give_the_planted_orders_with_a_third
     # the scores of the dropped orders are unknown, and say so
     assert int(result.scores.isnan().sum(-1).min()) == 4 and not result.scores.gather(
         -1, acc.kept_slots).isnan().any()
-
-
-def test_a_wrong_narrowing_fails_the_planted_check(monkeypatch):
-    import paroattn.calibrate.recorder as recorder_module
-
-    real = recorder_module.kept_mass_fraction
-    monkeypatch.setattr(recorder_module, "kept_mass_fraction", lambda m, d: real(m, d).roll(1, dims=-1))
-    plan = _planted_plan(_config(stat_every=1, keep_orders=1, order_density=0.2))[0]
-    assert [[ORDERS[int(o)] for o in layer] for layer in plan.orders] != [[PLANTED_ORDER[a] for a in axes]
-                                                                           for axes in PLANTED]
 
 
 @pytest.mark.parametrize("options, option, expected", [
