@@ -148,7 +148,7 @@ class StatsAccumulator:
         slots = len(self.candidate_orders) if self.kept_slots is None else self.kept_slots.shape[2]
         if mass.dim() != 4 or mass.shape[1] != slots:
             raise ValueError(f"expected block statistics [H, {slots}, nb, nb]"
-                             f"{'' if self.kept_slots is None else ' in each head’s kept orders'}, got {tuple(mass.shape)}")
+                             f"{'' if self.kept_slots is None else ' in the kept orders of each head'}, got {tuple(mass.shape)}")
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket

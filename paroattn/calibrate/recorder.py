@@ -21,10 +21,11 @@ k. Statistics are kept at every `config.stat_every`-th step of each prompt, coun
 `config.steps_per_bucket`, at most that many steps per timestep bucket of each prompt, every stat_every-th
 counted from the bucket's first step. With `config.order_steps` the first steps the model runs choose each head's
 order (all orders' mass, reduced at once to the share the best `order_density` of blocks keeps) and the later
-steps capture that order alone. With `config.keep_orders` every order is captured in the first timestep bucket the
-recorder sees, each head then keeps its `keep_orders` best there (by the same share), and the later buckets capture
-those alone; the plan chooses among them from every bucket. `config.calls="first"` keeps the first call of each layer in a step (the
-conditional one where the pipeline calls the model once per guidance branch, cond first) and skips the others.
+steps capture that order alone. With `config.keep_orders` every order is captured in the first timestep bucket
+the recorder sees, each head then keeps its `keep_orders` best there (by the same share), and the later buckets
+capture those alone; the plan chooses among them from every bucket. `config.calls="first"` keeps the first call of
+each layer in a step (the conditional one where the pipeline calls the model once per guidance branch, cond
+first) and skips the others.
 """
 
 from __future__ import annotations
