@@ -167,7 +167,8 @@ class ApplyPARO:
         """Plan 'auto': the cached plan, or the hook that learns it during the next sampling run."""
         expert = "" if expert == "auto" else expert
         path = auto_entry(family, density=density, qk=qk, pv=pv, block_size=block_size, expert=expert)
-        hook = AutoPlan(family, path, SelectionConfig(density=density, qk=qk, pv=pv), cheap_capture(block_size),
+        hook = AutoPlan(family, path, SelectionConfig(density=density, qk=qk, pv=pv),
+                        cheap_capture(block_size, density=density),
                         expert=expert, backend=backend, on_mismatch=on_mismatch)
         if hook.load():
             message = f"PARO on: cached plan {path}: {describe(hook.plan)}; backend {backend}"

@@ -58,10 +58,11 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def cheap_capture(block_size: int = 64, query_block: int | None = None) -> CaptureConfig:
-    """The capture config of a learning generation at these block sizes."""
+def cheap_capture(block_size: int = 64, query_block: int | None = None, density: float | None = None) -> CaptureConfig:
+    """The capture config of a learning generation at these block sizes, its orders narrowed at the plan's `density`
+    (None: `CaptureConfig.order_density`'s default)."""
     options = {**CHEAP_CAPTURE, "query_stride": min(CHEAP_CAPTURE["query_stride"], block_size)}
-    return CaptureConfig(block_size=block_size, query_block=query_block, **options)
+    return CaptureConfig(block_size=block_size, query_block=query_block, order_density=density, **options)
 
 
 class AutoHandle:
