@@ -20,27 +20,30 @@ class ClipVisionOutput:
 class RandomConditioning:
     """Seeded random text embeddings (and pooled output, CLIP vision features of `image_tokens` tokens of
     `image_dim` channels, `byt5_tokens` tokens of ByT5 glyph text, and with `text_mask` a text attention mask of
-    ones) in place of the encoders'."""
+    ones, its last `padded_tokens` zero) in place of the encoders'."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 8}),
                              "dim": ("INT", {"default": 32}), "pooled_dim": ("INT", {"default": 0})},
                 "optional": {"image_tokens": ("INT", {"default": 0}), "image_dim": ("INT", {"default": 1280}),
-                             "byt5_tokens": ("INT", {"default": 0}), "text_mask": ("BOOLEAN", {"default": False})}}
+                             "byt5_tokens": ("INT", {"default": 0}), "text_mask": ("BOOLEAN", {"default": False}),
+                             "padded_tokens": ("INT", {"default": 0})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280, byt5_tokens=0, text_mask=False):
+    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280, byt5_tokens=0, text_mask=False,
+             padded_tokens=0):
         g = torch.Generator().manual_seed(seed)
         extra = {"pooled_output": torch.randn(1, pooled_dim, generator=g)} if pooled_dim else {}
         text = torch.randn(1, tokens, dim, generator=g)
         if image_tokens:
             extra["clip_vision_output"] = ClipVisionOutput(torch.randn(1, image_tokens, image_dim, generator=g))
-        if text_mask:  # LTX-Video's model takes the mask as an argument of its own
+        if text_mask:  # LTX-Video's and HunyuanVideo's models take the mask as an argument of their own
             extra["attention_mask"] = torch.ones(1, tokens, dtype=torch.long)
+            extra["attention_mask"][:, tokens - padded_tokens:] = 0
         if byt5_tokens:
             extra["conditioning_byt5small"] = torch.randn(1, byt5_tokens, BYT5_DIM, generator=g)
         return ([[text, extra]],)

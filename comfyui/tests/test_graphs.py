@@ -32,6 +32,11 @@ FLUX2_LAYOUT = TokenLayout(512, 1, 8, 6)
 QWEN_SIZE = {"width": 96, "height": 128}
 QWEN_TEXT = 16
 QWEN_LAYOUT = TokenLayout(QWEN_TEXT, 1, 8, 6)
+# HunyuanVideo 1.0: 80 x 96 pixels x 9 frames -> latent 3 x 10 x 12 -> 3 x 5 x 6 tokens (2 x 2 patches), the text
+# after them (diffusers' order)
+HUNYUAN_SIZE = WAN_SIZE
+HUNYUAN_TEXT = 8
+HUNYUAN_LAYOUT = TokenLayout(0, 3, 5, 6, suffix=HUNYUAN_TEXT)
 # HunyuanVideo 1.5: 80 x 96 pixels x 9 frames -> latent 3 x 5 x 6 (16x spatial compression, patch 1), after it
 # (diffusers' order) the SigLIP image, ByT5 glyph and MLLM text tokens
 HUNYUAN15_SIZE = WAN_SIZE
@@ -115,6 +120,10 @@ def family_graph(family: str) -> tuple[str, dict, dict]:
         latent = {"class_type": "EmptySD3LatentImage", "inputs": {**QWEN_SIZE, "batch_size": 1}}
         return "tiny-qwen-image.safetensors", latent, {"tokens": QWEN_TEXT, "dim": tiny_models.QWEN_TEXT_DIM,
                                                        "pooled_dim": 0}
+    if family == "hunyuan-video":
+        latent = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {**HUNYUAN_SIZE, "batch_size": 1}}
+        return "tiny-hunyuan-video.safetensors", latent, {"tokens": HUNYUAN_TEXT, "dim": tiny_models.HUNYUAN_TEXT_DIM,
+                                                          "pooled_dim": tiny_models.HUNYUAN_POOLED_DIM}
     if family == "hunyuan-video15":
         latent = {"class_type": "EmptyHunyuanVideo15Latent", "inputs": {**HUNYUAN15_SIZE, "batch_size": 1}}
         return "tiny-hunyuan-video15.safetensors", latent, {
@@ -324,13 +333,13 @@ def test_models_without_a_paro_layout_are_refused_with_the_reason(comfy):
 
     families = comfy_env.pack_module("families")
 
-    class HunyuanVideo:  # stands for ComfyUI's model_base.HunyuanVideo
+    class CogVideoX:  # stands for ComfyUI's model_base.CogVideoX
         diffusion_model = object()
 
     class Patcher:
-        model = HunyuanVideo()
+        model = CogVideoX()
 
-    with pytest.raises(families.UnsupportedModel, match="has not been matched call for call"):
+    with pytest.raises(families.UnsupportedModel, match="cannot be matched to a plan layer"):
         families.family_of(Patcher())
 
 
