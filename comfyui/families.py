@@ -62,6 +62,8 @@ _CHECKED = {
     "hunyuan_video": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
                       "out_channels", "patch_size", "patch_size_t", "text_embed_dim", "pooled_projection_dim",
                       "guidance_embeds"),
+    "ltx2": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "cross_attention_dim",
+             "audio_num_attention_heads", "audio_attention_head_dim", "audio_cross_attention_dim", "caption_channels"),
     "qwen_image": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                    "joint_attention_dim", "zero_cond_t", "use_additional_t_cond"),
 }
@@ -70,10 +72,6 @@ REFUSED = {
     "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls and its blocks take no "
                  "block-replace patch, so a call cannot be matched to a plan layer: the PARO nodes do not run it; use "
                  "paroattn on the diffusers pipeline",
-    "LTXAV": "ComfyUI's LTX-2 runs video and audio in one model (a packed audio-video latent, the text connectors "
-             "inside the model where diffusers runs them in the pipeline) and has not been matched call for call to "
-             "diffusers' LTX2VideoTransformer3DModel: the PARO nodes do not run it yet; use paroattn on the "
-             "diffusers pipeline",
 }
 
 
@@ -611,6 +609,50 @@ class LTXVideoFamily(Family):
         return call, TokenLayout(0, frames, height, width), None
 
 
+class LTX2Family(LTXVideoFamily):
+    """LTX-2 (`comfy.ldm.lightricks.av_model.LTXAVModel` as `LTXAV`): one model for video and audio, whose latents
+    ComfyUI packs into one; each block runs the video's self-attention `attn1` (video tokens only, as LTX-Video's)
+    and text cross-attention, then the audio's self- and cross-attention and the two cross-modal attentions. Only
+    the video self-attention is PARO's (diffusers' paroattn leaves the audio stream dense too): a block's first call
+    where the block runs its video. The text connectors run before the blocks (in ComfyUI when the conditioning is
+    encoded, in diffusers' pipeline), so they do not change the calls."""
+
+    name = "ltx2"
+    models = "LTX-2"
+    diffusers_class = "LTX2VideoTransformer3DModel"
+
+    def diffusers_config(self) -> dict:
+        from diffusers import LTX2VideoTransformer3DModel
+
+        m = self.model
+        kwargs = dict(
+            in_channels=int(m.in_channels), out_channels=int(m.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), cross_attention_dim=int(m.cross_attention_dim),
+            audio_in_channels=int(m.audio_in_channels), audio_out_channels=int(m.audio_out_channels),
+            audio_num_attention_heads=int(m.audio_num_attention_heads),
+            audio_attention_head_dim=int(m.audio_attention_head_dim),
+            audio_cross_attention_dim=int(m.audio_cross_attention_dim), num_layers=self.num_layers(),
+            caption_channels=int(m.caption_channels), rope_type=str(m.split_positional_embedding.value),
+        )
+        with torch.device("meta"):
+            return dict(LTX2VideoTransformer3DModel(**kwargs).config)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        # ComfyUI hands the model call a packed latent; the video's own shape is the first of `latent_shapes`
+        shapes = conds.get("latent_shapes")
+        video = tuple(shapes[0]) if shapes else tuple(x.shape)
+        problem = None
+        if conds.get("keyframe_idxs") is not None:
+            problem = ("guide frames (keyframes) join the video's tokens with positions of their own, which is not a "
+                       "PARO token layout")
+        return CallGeometry(timestep * self.timestep_scale, tuple(int(s) for s in video[2:]), problem=problem)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        if not options.get("run_vx", True):
+            return None, None, None  # the blocks run the audio alone: no call is the video's self-attention
+        return super().self_attention(geometry, q, k, v, heads, mask, options, kwargs)
+
+
 def family_of(model_patcher) -> Family:
     """The family of a ComfyUI MODEL, or UnsupportedModel saying why there is none."""
     base = model_patcher.model
@@ -629,6 +671,15 @@ def family_of(model_patcher) -> Family:
             raise UnsupportedModel("LTXV: this LTX model modulates its cross-attention or projects its captions "
                                    "before a connector (LTX-2's blocks), which diffusers' LTX-Video has no class for")
         return LTXVideoFamily(diffusion_model)
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    if type(diffusion_model) is LTXAVModel and base_name == "LTXAV":
+        m = diffusion_model
+        if m.cross_attention_adaln or m.caption_proj_before_connector or m.apply_gated_attention:
+            raise UnsupportedModel("LTXAV: this LTX-2 model gates its attention, modulates its cross-attention or "
+                                   "projects its captions before the connectors (LTX-2.3), which the PARO nodes have "
+                                   "not been matched to diffusers' LTX2VideoTransformer3DModel for")
+        return LTX2Family(diffusion_model)
     for name, reason in REFUSED.items():
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")

@@ -67,12 +67,59 @@ class RecordModelCalls:
 
         def wrapper(executor, *args, **kwargs):
             out = executor(*args, **kwargs)
-            tensors = [a.clone() if isinstance(a, torch.Tensor) else a for a in args if not isinstance(a, dict)]
-            calls.append({"args": tensors, "out": out.clone()})
+            calls.append({"args": [copied(a) for a in args if not isinstance(a, dict)], "out": copied(out)})
             return out
 
         patched = model.clone()
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "tests", wrapper)
+        return (patched,)
+
+
+def copied(value):
+    """A tensor, or a list or tuple of them (LTX-2's video and audio), cloned; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(v) for v in value)
+    return value
+
+
+class AudioVideoLatent:
+    """LTX-2's latent: the video LATENT and `audio_frames` frames of zero audio latent (8 channels x 16 frequency
+    bins), packed as LTXVConcatAVLatent packs them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"video": ("LATENT",), "audio_frames": ("INT", {"default": 4, "min": 1})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "pack"
+    CATEGORY = "testing"
+
+    def pack(self, video, audio_frames):
+        import comfy.nested_tensor
+
+        samples = video["samples"]
+        audio = torch.zeros(samples.shape[0], 8, audio_frames, 16)
+        return ({"samples": comfy.nested_tensor.NestedTensor((samples, audio))},)
+
+
+class IsolateModalities:
+    """The MODEL (LTX-2) with its audio-to-video and video-to-audio cross-attention off (ComfyUI's own
+    `transformer_options` switches): the video's output no longer depends on the audio."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "isolate"
+    CATEGORY = "testing"
+
+    def isolate(self, model):
+        patched = model.clone()
+        options = patched.model_options.setdefault("transformer_options", {})
+        options["a2v_cross_attn"] = options["v2a_cross_attn"] = False
         return (patched,)
 
 
@@ -106,7 +153,8 @@ class InterruptAfterCalls:
 
 
 class KeepLatent:
-    """Keeps the LATENT's samples under RECORDS[key] (an output node, so that the graph runs up to it)."""
+    """Keeps the LATENT's samples (of an audio-video latent, the video's) under RECORDS[key] (an output node, so
+    that the graph runs up to it)."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -118,9 +166,12 @@ class KeepLatent:
     CATEGORY = "testing"
 
     def keep(self, samples, key):
-        RECORDS.setdefault(key, []).append(samples["samples"].clone())
+        latent = samples["samples"]
+        RECORDS.setdefault(key, []).append(latent.tensors[0].clone() if getattr(latent, "is_nested", False)
+                                           else latent.clone())
         return {}
 
 
 NODES = {"RandomConditioning": RandomConditioning, "RecordModelCalls": RecordModelCalls, "KeepLatent": KeepLatent,
-         "InterruptAfterCalls": InterruptAfterCalls}
+         "InterruptAfterCalls": InterruptAfterCalls, "AudioVideoLatent": AudioVideoLatent,
+         "IsolateModalities": IsolateModalities}

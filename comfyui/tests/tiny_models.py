@@ -36,6 +36,7 @@ HUNYUAN15_BYT5_DIM = 1472  # ComfyUI's ByT5 projection takes this width
 HUNYUAN15_IMAGE_DIM = 1152  # and its SigLIP projection this one
 LTX_CHANNELS = 128  # LTX-Video's latent
 LTX_TEXT_DIM = 32
+LTX2_AUDIO_CHANNELS = 128  # LTX-2's audio latent: 8 channels x 16 frequency bins per frame
 VACE_IN_CHANNELS = 96  # ComfyUI's VACE input: 16 + 16 latent channels (inactive, reactive) and a 64-channel mask
 
 
@@ -133,6 +134,27 @@ def tiny_ltx_video(seed: int = 0):
         in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
         cross_attention_dim=HEADS * HEAD_DIM, num_layers=2, caption_channels=LTX_TEXT_DIM,
     )
+    return randomized(model, seed)
+
+
+def tiny_ltx2(seed: int = 0):
+    """LTX-2 with ComfyUI's latent widths (128 video channels, 8 x 16 audio), 2 video heads of 128 and 2 audio heads
+    of 64, two blocks; ComfyUI reads its widths from the file's metadata (`save_ltx2`). Its attention layers
+    normalize q and k with ComfyUI's eps, 1e-5 (diffusers' LTX-2 takes 1e-6, a difference of 2e-5 of the output
+    here that is not PARO's)."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.models.transformers.transformer_ltx2 import LTX2Attention
+
+    torch.manual_seed(seed)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        cross_attention_dim=HEADS * HEAD_DIM, audio_in_channels=LTX2_AUDIO_CHANNELS,
+        audio_out_channels=LTX2_AUDIO_CHANNELS, audio_num_attention_heads=HEADS, audio_attention_head_dim=64,
+        audio_cross_attention_dim=HEADS * 64, num_layers=2, caption_channels=LTX_TEXT_DIM,
+    )
+    for module in model.modules():
+        if isinstance(module, LTX2Attention):
+            module.norm_q.eps = module.norm_k.eps = 1e-5
     return randomized(model, seed)
 
 
@@ -372,6 +394,44 @@ def save_ltx_video(model, path) -> None:
     transformer = {"num_attention_heads": config.num_attention_heads, "attention_head_dim": config.attention_head_dim,
                    "caption_channels": config.caption_channels, "in_channels": config.in_channels}
     save_file(comfy_state_dict(model, "LTX-Video", _LTX_KEYS), str(path),
+              metadata={"config": json.dumps({"transformer": transformer})})
+
+
+# diffusers name -> ComfyUI (original LTX-2 release) name; every other weight keeps its name
+_LTX2_KEYS = [
+    (r"proj_in\.", "patchify_proj."),
+    (r"audio_proj_in\.", "audio_patchify_proj."),
+    (r"time_embed\.", "adaln_single."),
+    (r"audio_time_embed\.", "audio_adaln_single."),
+    (r"av_cross_attn_video_scale_shift\.", "av_ca_video_scale_shift_adaln_single."),
+    (r"av_cross_attn_audio_scale_shift\.", "av_ca_audio_scale_shift_adaln_single."),
+    (r"av_cross_attn_video_a2v_gate\.", "av_ca_a2v_gate_adaln_single."),
+    (r"av_cross_attn_audio_v2a_gate\.", "av_ca_v2a_gate_adaln_single."),
+    (r"(transformer_blocks\.\d+)\.video_a2v_cross_attn_scale_shift_table", r"\1.scale_shift_table_a2v_ca_video"),
+    (r"(transformer_blocks\.\d+)\.audio_a2v_cross_attn_scale_shift_table", r"\1.scale_shift_table_a2v_ca_audio"),
+    (r"(transformer_blocks\.\d+\.\w+)\.norm_q\.", r"\1.q_norm."),
+    (r"(transformer_blocks\.\d+\.\w+)\.norm_k\.", r"\1.k_norm."),
+    (r"(caption_projection|audio_caption_projection|transformer_blocks|scale_shift_table|audio_scale_shift_table|"
+     r"proj_out|audio_proj_out)", r"\1"),
+]
+
+
+def save_ltx2(model, path) -> None:
+    """Under ComfyUI's key names, with the widths ComfyUI does not infer in the file's metadata. The text
+    connectors, which ComfyUI keeps in the model and diffusers in its pipeline, are left out: the tests pass text
+    already through them. RoPE as diffusers' (double precision, at the middle of each patch)."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    transformer = {
+        "num_attention_heads": c.num_attention_heads, "attention_head_dim": c.attention_head_dim,
+        "audio_num_attention_heads": c.audio_num_attention_heads, "audio_attention_head_dim": c.audio_attention_head_dim,
+        "audio_cross_attention_dim": c.audio_cross_attention_dim, "caption_channels": c.caption_channels,
+        "in_channels": c.in_channels, "audio_in_channels": c.audio_in_channels, "rope_type": c.rope_type,
+        "frequencies_precision": "float64", "use_middle_indices_grid": True, "causal_temporal_positioning": True,
+        "connector_num_attention_heads": 2, "connector_attention_head_dim": c.caption_channels // 2,
+    }
+    save_file(comfy_state_dict(model, "LTX-2", _LTX2_KEYS), str(path),
               metadata={"config": json.dumps({"transformer": transformer})})
 
 
