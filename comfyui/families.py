@@ -32,11 +32,13 @@ the video, runs diffusers' sequence and moves the output back, exactly.
 - HunyuanVideo 1.5 (the same class as `HunyuanVideo15`) joins [image ; ByT5 ; text ; video] where diffusers joins
   [video ; image ; ByT5 ; text]. Double block i is layer i.
 
-LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) passes no block index to its attention calls:
-`LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace patch.
+LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) and LTX-2 (`LTXAVModel` as `LTXAV`) pass no block
+index to their attention calls: `LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace
+patch. LTX-2's blocks also run the audio stream: only the video's self-attention is PARO's.
 
-Refused, with the reason (`REFUSED`): LTX-2 (not matched call for call to its diffusers model), CogVideoX (its attention calls carry no block index and its blocks take no block-replace patch, so a call
-cannot be matched to a plan layer), and every other model.
+Refused, with the reason: LTX-2.3 (gated attention, modulated cross-attention: not matched to diffusers yet),
+CogVideoX (`REFUSED`: its attention calls carry no block index and its blocks take no block-replace patch, so a
+call cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
