@@ -616,8 +616,8 @@ class LTX2Family(LTXVideoFamily):
     ComfyUI packs into one; each block runs the video's self-attention `attn1` (video tokens only, as LTX-Video's)
     and text cross-attention, then the audio's self- and cross-attention and the two cross-modal attentions. Only
     the video self-attention is PARO's (diffusers' paroattn leaves the audio stream dense too): a block's first call
-    where the block runs its video. The text connectors run before the blocks (in ComfyUI when the conditioning is
-    encoded, in diffusers' pipeline), so they do not change the calls."""
+    where the block runs its video. The text connectors run outside the model calls (in ComfyUI when the conditioning
+    is prepared for sampling, in diffusers' pipeline), so they do not change the calls."""
 
     name = "ltx2"
     models = "LTX-2"
