@@ -23,18 +23,22 @@ token layout is. Every family below gets RoPE applied by ComfyUI before the call
 - Qwen-Image (`comfy.ldm.qwen_image.model.QwenImageTransformer2DModel`): q, k, v `[B, H, N, D]`, every block one
   joint self-attention over [text ; image] (the prompt's own token count, as diffusers'), block i layer i.
 
-And one family whose tokens ComfyUI orders otherwise: HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo`
-as `HunyuanVideo15`) joins [image ; ByT5 ; text ; video] where diffusers joins [video ; image ; ByT5 ; text]. RoPE is
-applied before the call (the conditioning tokens at position 0, the identity), so attention does not depend on the
-order: the call moves the conditioning tokens after the video, runs diffusers' sequence and moves the output back,
-exactly. Double block i is layer i.
+Two families whose tokens ComfyUI orders otherwise; RoPE is applied before the call (the conditioning tokens at
+position 0, the identity), so attention does not depend on the order: the call moves the conditioning tokens after
+the video, runs diffusers' sequence and moves the output back, exactly.
+- HunyuanVideo 1.0 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo`, `HunyuanVideoI2V`,
+  `HunyuanVideoSkyreelsI2V`) joins [text ; video] in its double and single blocks, diffusers [video ; text]. Double
+  block i is layer i, single block i layer (double blocks) + i.
+- HunyuanVideo 1.5 (the same class as `HunyuanVideo15`) joins [image ; ByT5 ; text ; video] where diffusers joins
+  [video ; image ; ByT5 ; text]. Double block i is layer i.
 
-LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) passes no block index to its attention calls:
-`LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace patch.
+LTX-Video (`comfy.ldm.lightricks.model.LTXVModel` as `LTXV`) and LTX-2 (`LTXAVModel` as `LTXAV`) pass no block
+index to their attention calls: `LTXVideoFamily.patch` gives each block its index through ComfyUI's block-replace
+patch. LTX-2's blocks also run the audio stream: only the video's self-attention is PARO's.
 
-Refused, with the reason (`REFUSED`): HunyuanVideo 1.0 and LTX-2 (not matched call for call to their diffusers
-models), CogVideoX (its attention calls carry no block index and its blocks take no block-replace patch, so a call
-cannot be matched to a plan layer), and every other model.
+Refused, with the reason: LTX-2.3 (gated attention, modulated cross-attention: not matched to diffusers yet),
+CogVideoX (`REFUSED`: its attention calls carry no block index and its blocks take no block-replace patch, so a
+call cannot be matched to a plan layer), and every other model.
 """
 
 from __future__ import annotations
@@ -57,22 +61,19 @@ _CHECKED = {
               "joint_attention_dim", "guidance_embeds"),
     "ltx": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "cross_attention_dim",
             "caption_channels"),
+    "hunyuan_video": ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "in_channels",
+                      "out_channels", "patch_size", "patch_size_t", "text_embed_dim", "pooled_projection_dim",
+                      "guidance_embeds"),
+    "ltx2": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "cross_attention_dim",
+             "audio_num_attention_heads", "audio_attention_head_dim", "audio_cross_attention_dim", "caption_channels"),
     "qwen_image": ("num_layers", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels",
                    "joint_attention_dim", "zero_cond_t", "use_additional_t_cond"),
 }
 
 REFUSED = {
-    "HunyuanVideo": "ComfyUI's HunyuanVideo (1.0) has not been matched call for call to diffusers' "
-                    "HunyuanVideoTransformer3DModel (its single-stream blocks, CLIP vector and image-to-video token "
-                    "replacement are untested): the PARO nodes do not run it yet; use paroattn on the diffusers "
-                    "pipeline",
     "CogVideoX": "ComfyUI's CogVideoX passes no block index to its attention calls and its blocks take no "
                  "block-replace patch, so a call cannot be matched to a plan layer: the PARO nodes do not run it; use "
                  "paroattn on the diffusers pipeline",
-    "LTXAV": "ComfyUI's LTX-2 runs video and audio in one model (a packed audio-video latent, the text connectors "
-             "inside the model where diffusers runs them in the pipeline) and has not been matched call for call to "
-             "diffusers' LTX2VideoTransformer3DModel: the PARO nodes do not run it yet; use paroattn on the "
-             "diffusers pipeline",
 }
 
 
@@ -117,6 +118,7 @@ class CallGeometry:
     problem: str | None = None  # why no call of this model call has a PARO token layout (extra conditioning tokens)
     block: tuple[str, int] | None = None  # the last (block type, index) an attention call came from
     calls: int = 0  # the attention calls of that block so far, less one
+    inert_mask: bool = False  # the attention mask the model passes its blocks masks nothing (HunyuanVideo's)
 
     def count(self, key: tuple[str, int]) -> int:
         """The position of this attention call among the calls of block `key` (0: its first)."""
@@ -402,13 +404,97 @@ class QwenImageFamily(JointFamily):
             return dict(QwenImageTransformer2DModel(**kwargs).config)
 
 
-class HunyuanVideo15Family(Family):
-    """HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo15`): each double block one
-    joint self-attention, q, k, v [B, H, N, D] (`skip_reshape`), over [image ; ByT5 ; text ; video] where diffusers
-    has [video ; image ; ByT5 ; text]: the call moves the conditioning after the video. ComfyUI passes only the
-    streams a prompt has (no image tokens in text-to-video, ByT5 tokens for quoted text only) and no padding; a
-    diffusers plan, calibrated with the pipeline's padded 1985 conditioning tokens, serves that length through its
-    derived sizes."""
+class HunyuanVideoFamily(Family):
+    """HunyuanVideo 1.0 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo`, `HunyuanVideoI2V`,
+    `HunyuanVideoSkyreelsI2V`): each double block one joint self-attention, q, k, v [B, H, N, D]
+    (`skip_reshape`), over [text ; video], then each single block one over the same joined sequence; diffusers joins
+    [video ; text] in both: the call moves the text after the video. Double block i is layer i, single block i layer
+    (double blocks) + i, as in diffusers. ComfyUI passes the prompt's own text tokens (diffusers' pipeline pads them
+    to 256), so a diffusers plan serves it through its derived sizes. The timestep arrives on 0..1000."""
+
+    name = "hunyuan_video"
+    models = "HunyuanVideo"
+    diffusers_class = "HunyuanVideoTransformer3DModel"
+
+    def num_layers(self) -> int:
+        return len(self.model.double_blocks) + len(self.model.single_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.hidden_size) // int(self.model.num_heads)
+
+    def layer_of(self, kind: str, block: int) -> int:
+        return block + (len(self.model.double_blocks) if kind == "single" else 0)
+
+    def diffusers_config(self) -> dict:
+        """`image_condition_type`: latent_concat for the 33-channel I2V input (latent, image latent, mask), else
+        None: the token-replace I2V model has T2V's weights, so the weights do not tell it apart."""
+        from diffusers import HunyuanVideoTransformer3DModel
+
+        m, p = self.model, self.model.params
+        patch_t, patch, _ = (int(s) for s in p.patch_size)
+        concat = int(p.in_channels) == 2 * int(p.out_channels) + 1
+        kwargs = dict(
+            in_channels=int(p.in_channels), out_channels=int(p.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), num_layers=len(m.double_blocks), num_single_layers=len(m.single_blocks),
+            num_refiner_layers=len(m.txt_in.individual_token_refiner.blocks), mlp_ratio=float(p.mlp_ratio),
+            patch_size=patch, patch_size_t=patch_t, text_embed_dim=int(p.context_in_dim),
+            pooled_projection_dim=int(p.vec_in_dim), guidance_embeds=bool(p.guidance_embed),
+            rope_theta=float(p.theta), rope_axes_dim=tuple(int(a) for a in p.axes_dim),
+            image_condition_type="latent_concat" if concat else None,
+        )
+        with torch.device("meta"):
+            return dict(HunyuanVideoTransformer3DModel(**kwargs).config)
+
+    def grid(self, x) -> tuple[int, int, int]:
+        return tuple((int(n) + int(p) // 2) // int(p) for n, p in zip(x.shape[2:], self.model.patch_size))
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        text = int(c_crossattn.shape[1])
+        problem = None
+        if conds.get("ref_latent") is not None:
+            problem = "a reference latent adds its tokens before the video, which is not a PARO token layout"
+        mask = conds.get("attention_mask")
+        # the model turns the text mask into an additive mask over the joined sequence, which it passes to every
+        # block: one that masks nothing (every text token valid) leaves the attention as it is
+        if mask is not None and bool((mask != 0).any() if torch.is_floating_point(mask) else (mask == 0).any()):
+            problem = ("the text attention mask has padded tokens (prompts of different lengths in one batch), which a "
+                       "block-sparse plan does not mask as the model does")
+        return CallGeometry(timestep * self.timestep_scale, self.grid(x), text, problem=problem,
+                            inert_mask=mask is not None)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        block, kind = options.get("block_index"), options.get("block_type")
+        if block is None or kind not in ("double", "single") or q.dim() != 4 or not kwargs.get("skip_reshape"):
+            return None, None, None  # the token refiner's text self-attention runs before the blocks
+        layer = self.layer_of(kind, int(block))
+        text = geometry.text_tokens
+        frames, height, width = geometry.grid
+        N = q.shape[2]
+        heads_last = not kwargs.get("skip_output_reshape", False)
+        call = SelfAttention(q, k, v, layer=layer, heads_last=heads_last)
+        if geometry.problem is not None:
+            return call, None, geometry.problem
+        if N != text + frames * height * width:
+            return call, None, (f"the joint attention has {N} tokens where {text} conditioning tokens and the "
+                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}, "
+                                "which is not a PARO token layout")
+        if mask is not None and not geometry.inert_mask:
+            return call, None, ("the attention call carries an attention mask (padded text), which a block-sparse "
+                                "plan cannot honour")
+        call = SelfAttention.text_after(q, k, v, text, layer=layer, heads_last=heads_last)
+        return call, TokenLayout(0, frames, height, width, suffix=text), None
+
+
+class HunyuanVideo15Family(HunyuanVideoFamily):
+    """HunyuanVideo 1.5 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo15`): double blocks only,
+    over [image ; ByT5 ; text ; video] where diffusers has [video ; image ; ByT5 ; text]: the call moves the
+    conditioning after the video. ComfyUI passes only the streams a prompt has (no image tokens in text-to-video,
+    ByT5 tokens for quoted text only) and no padding; a diffusers plan, calibrated with the pipeline's padded 1985
+    conditioning tokens, serves that length through its derived sizes. ComfyUI passes a text mask only where it
+    masks tokens."""
 
     name = "hunyuan_video15"
     models = "HunyuanVideo 1.5"
@@ -416,12 +502,6 @@ class HunyuanVideo15Family(Family):
 
     def num_layers(self) -> int:
         return len(self.model.double_blocks)
-
-    def num_heads(self) -> int:
-        return int(self.model.num_heads)
-
-    def head_dim(self) -> int:
-        return int(self.model.hidden_size) // int(self.model.num_heads)
 
     def diffusers_config(self) -> dict:
         """target_size and task_type, which only the diffusers pipeline reads, are diffusers' defaults: the weights
@@ -442,7 +522,6 @@ class HunyuanVideo15Family(Family):
             return dict(HunyuanVideo15Transformer3DModel(**kwargs).config)
 
     def geometry(self, x, timestep, c_crossattn, conds):
-        grid = tuple((int(n) + int(p) // 2) // int(p) for n, p in zip(x.shape[2:], self.model.patch_size))
         # the conditioning tokens the model puts before the video: SigLIP image features, ByT5 glyph text, text
         streams = (conds.get("clip_fea"), conds.get("txt_byt5") if self.model.byt5_in is not None else None,
                    c_crossattn)
@@ -450,28 +529,7 @@ class HunyuanVideo15Family(Family):
         problem = None
         if conds.get("ref_latent") is not None:
             problem = "a reference latent adds its tokens before the video, which is not a PARO token layout"
-        return CallGeometry(timestep * self.timestep_scale, grid, text, problem=problem)
-
-    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
-        block = options.get("block_index")
-        if block is None or options.get("block_type") != "double" or q.dim() != 4 or not kwargs.get("skip_reshape"):
-            return None, None, None  # the token refiner's text self-attention runs before the blocks
-        text = geometry.text_tokens
-        frames, height, width = geometry.grid
-        N = q.shape[2]
-        heads_last = not kwargs.get("skip_output_reshape", False)
-        call = SelfAttention(q, k, v, layer=int(block), heads_last=heads_last)
-        if geometry.problem is not None:
-            return call, None, geometry.problem
-        if N != text + frames * height * width:
-            return call, None, (f"the joint attention has {N} tokens where {text} conditioning tokens and the "
-                                f"{frames}x{height}x{width} latent grid make {text + frames * height * width}, "
-                                "which is not a PARO token layout")
-        if mask is not None:
-            return call, None, ("the attention call carries an attention mask (padded text), which a block-sparse "
-                                "plan cannot honour")
-        call = SelfAttention.text_after(q, k, v, text, layer=int(block), heads_last=heads_last)
-        return call, TokenLayout(0, frames, height, width, suffix=text), None
+        return CallGeometry(timestep * self.timestep_scale, self.grid(x), text, problem=problem)
 
 
 class BlockIndex:
@@ -553,6 +611,50 @@ class LTXVideoFamily(Family):
         return call, TokenLayout(0, frames, height, width), None
 
 
+class LTX2Family(LTXVideoFamily):
+    """LTX-2 (`comfy.ldm.lightricks.av_model.LTXAVModel` as `LTXAV`): one model for video and audio, whose latents
+    ComfyUI packs into one; each block runs the video's self-attention `attn1` (video tokens only, as LTX-Video's)
+    and text cross-attention, then the audio's self- and cross-attention and the two cross-modal attentions. Only
+    the video self-attention is PARO's (diffusers' paroattn leaves the audio stream dense too): a block's first call
+    where the block runs its video. The text connectors run outside the model calls (in ComfyUI when the conditioning
+    is prepared for sampling, in diffusers' pipeline), so they do not change the calls."""
+
+    name = "ltx2"
+    models = "LTX-2"
+    diffusers_class = "LTX2VideoTransformer3DModel"
+
+    def diffusers_config(self) -> dict:
+        from diffusers import LTX2VideoTransformer3DModel
+
+        m = self.model
+        kwargs = dict(
+            in_channels=int(m.in_channels), out_channels=int(m.out_channels), num_attention_heads=self.num_heads(),
+            attention_head_dim=self.head_dim(), cross_attention_dim=int(m.cross_attention_dim),
+            audio_in_channels=int(m.audio_in_channels), audio_out_channels=int(m.audio_out_channels),
+            audio_num_attention_heads=int(m.audio_num_attention_heads),
+            audio_attention_head_dim=int(m.audio_attention_head_dim),
+            audio_cross_attention_dim=int(m.audio_cross_attention_dim), num_layers=self.num_layers(),
+            caption_channels=int(m.caption_channels), rope_type=str(m.split_positional_embedding.value),
+        )
+        with torch.device("meta"):
+            return dict(LTX2VideoTransformer3DModel(**kwargs).config)
+
+    def geometry(self, x, timestep, c_crossattn, conds):
+        # ComfyUI hands the model call a packed latent; the video's own shape is the first of `latent_shapes`
+        shapes = conds.get("latent_shapes")
+        video = tuple(shapes[0]) if shapes else tuple(x.shape)
+        problem = None
+        if conds.get("keyframe_idxs") is not None:
+            problem = ("guide frames (keyframes) join the video's tokens with positions of their own, which is not a "
+                       "PARO token layout")
+        return CallGeometry(timestep * self.timestep_scale, tuple(int(s) for s in video[2:]), problem=problem)
+
+    def self_attention(self, geometry, q, k, v, heads, mask, options, kwargs):
+        if not options.get("run_vx", True):
+            return None, None, None  # the blocks run the audio alone: no call is the video's self-attention
+        return super().self_attention(geometry, q, k, v, heads, mask, options, kwargs)
+
+
 def family_of(model_patcher) -> Family:
     """The family of a ComfyUI MODEL, or UnsupportedModel saying why there is none."""
     base = model_patcher.model
@@ -563,11 +665,23 @@ def family_of(model_patcher) -> Family:
 
     if type(diffusion_model) is HunyuanVideo and base_name == "HunyuanVideo15":
         return HunyuanVideo15Family(diffusion_model)
+    if type(diffusion_model) is HunyuanVideo and base_name in ("HunyuanVideo", "HunyuanVideoI2V",
+                                                                "HunyuanVideoSkyreelsI2V"):
+        return HunyuanVideoFamily(diffusion_model)
     if type(diffusion_model) is LTXVModel and base_name == "LTXV":
         if diffusion_model.cross_attention_adaln or diffusion_model.caption_proj_before_connector:
             raise UnsupportedModel("LTXV: this LTX model modulates its cross-attention or projects its captions "
                                    "before a connector (LTX-2's blocks), which diffusers' LTX-Video has no class for")
         return LTXVideoFamily(diffusion_model)
+    from comfy.ldm.lightricks.av_model import LTXAVModel
+
+    if type(diffusion_model) is LTXAVModel and base_name == "LTXAV":
+        m = diffusion_model
+        if m.cross_attention_adaln or m.caption_proj_before_connector or m.apply_gated_attention:
+            raise UnsupportedModel("LTXAV: this LTX-2 model gates its attention, modulates its cross-attention or "
+                                   "projects its captions before the connectors (LTX-2.3), which the PARO nodes have "
+                                   "not been matched to diffusers' LTX2VideoTransformer3DModel for")
+        return LTX2Family(diffusion_model)
     for name, reason in REFUSED.items():
         if base_name.startswith(name) or module_name.startswith(name):
             raise UnsupportedModel(f"{base_name}: {reason}")
@@ -587,6 +701,6 @@ def family_of(model_patcher) -> Family:
         return QwenImageFamily(diffusion_model)
     raise UnsupportedModel(
         f"the PARO nodes run Wan 2.1 / 2.2 (T2V, I2V, A14B experts, TI2V-5B), SkyReels-V2, Wan VACE, FLUX.1, FLUX.2, "
-        f"Qwen-Image, HunyuanVideo 1.5 and LTX-Video models; this MODEL is {base_name} ({module_name}), which they "
+        f"Qwen-Image, HunyuanVideo 1.0 and 1.5 and LTX-Video models; this MODEL is {base_name} ({module_name}), which they "
         "do not support"
     )

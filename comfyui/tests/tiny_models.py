@@ -1,13 +1,14 @@
 """Tiny random diffusers models whose weights ComfyUI loads as its own Wan 2.1 (and SkyReels-V2, Wan VACE),
-FLUX.1, FLUX.2, Qwen-Image and HunyuanVideo 1.5 models.
+FLUX.1, FLUX.2, Qwen-Image, HunyuanVideo 1.0 and 1.5 and LTX-Video models.
 
 ComfyUI infers a model's shape from its weights with a few fixed settings: Wan's head dim 128 and 256 time
 frequencies, FLUX.1's RoPE axes (16, 56, 56) and FLUX.2's (32, 32, 32, 32), so head dim 128, FLUX.2's 128 latent
-channels, all of Qwen-Image's widths (24 heads of 128, text width 3584), and HunyuanVideo 1.5's head dim 128 and
-ByT5 and SigLIP widths. The models below keep those and are small everywhere else (2 heads, 1 or 2 layers;
-Qwen-Image one block of its full width). Wan, FLUX.2 and HunyuanVideo 1.5 are saved under ComfyUI's (the original
-releases') key names, which `wan_comfy_state_dict` and `comfy_state_dict` derive from diffusers'; FLUX.1 and
-Qwen-Image under diffusers' own, which ComfyUI reads as they are (FLUX.1 converted by ComfyUI itself).
+channels, all of Qwen-Image's widths (24 heads of 128, text width 3584), HunyuanVideo's head dim 128 (and 1.0's
+CLIP vector width, 1.5's ByT5 and SigLIP widths). The models below keep those and are small everywhere else (2
+heads, 1 or 2 layers; Qwen-Image one block of its full width). Wan, FLUX.2, HunyuanVideo and LTX-Video are saved
+under ComfyUI's (the original releases') key names, which `wan_comfy_state_dict` and `comfy_state_dict` derive from
+diffusers'; FLUX.1 and Qwen-Image under diffusers' own, which ComfyUI reads as they are (FLUX.1 converted by
+ComfyUI itself).
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ FLUX_POOLED_DIM = 16
 FLUX2_CHANNELS = 128  # FLUX.2's latent: 32 VAE channels in 2 x 2 patches
 QWEN_HEADS = 24
 QWEN_TEXT_DIM = 3584
+HUNYUAN_CHANNELS = 16  # HunyuanVideo 1.0's latent
+HUNYUAN_TEXT_DIM = 32
+HUNYUAN_POOLED_DIM = 768  # ComfyUI's HunyuanVideo takes a CLIP vector of this width
 HUNYUAN15_CHANNELS = 32  # HunyuanVideo 1.5's latent
 HUNYUAN15_TEXT_DIM = 32
 HUNYUAN15_BYT5_DIM = 1472  # ComfyUI's ByT5 projection takes this width
 HUNYUAN15_IMAGE_DIM = 1152  # and its SigLIP projection this one
 LTX_CHANNELS = 128  # LTX-Video's latent
 LTX_TEXT_DIM = 32
+LTX2_AUDIO_CHANNELS = 128  # LTX-2's audio latent: 8 channels x 16 frequency bins per frame
 VACE_IN_CHANNELS = 96  # ComfyUI's VACE input: 16 + 16 latent channels (inactive, reactive) and a 64-channel mask
 
 
@@ -91,6 +96,19 @@ def tiny_qwen_image(seed: int = 0):
     return randomized(model, seed)
 
 
+def tiny_hunyuan_video(seed: int = 0):
+    """HunyuanVideo 1.0: one double and one single block, ComfyUI's fixed CLIP vector width."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=HUNYUAN_CHANNELS, out_channels=HUNYUAN_CHANNELS, num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM, num_layers=1, num_single_layers=1, text_embed_dim=HUNYUAN_TEXT_DIM,
+        pooled_projection_dim=HUNYUAN_POOLED_DIM,
+    )
+    return randomized(model, seed)
+
+
 def tiny_hunyuan_video15(seed: int = 0):
     """HunyuanVideo 1.5 (65 input channels: the latent, the image latent and a mask) with its fixed widths: ByT5
     features of 1472 channels through a 2048-wide projection, SigLIP features of 1152 (which ComfyUI needs to tell
@@ -116,6 +134,27 @@ def tiny_ltx_video(seed: int = 0):
         in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
         cross_attention_dim=HEADS * HEAD_DIM, num_layers=2, caption_channels=LTX_TEXT_DIM,
     )
+    return randomized(model, seed)
+
+
+def tiny_ltx2(seed: int = 0):
+    """LTX-2 with ComfyUI's latent widths (128 video channels, 8 x 16 audio), 2 video heads of 128 and 2 audio heads
+    of 64, two blocks; ComfyUI reads its widths from the file's metadata (`save_ltx2`). Its attention layers
+    normalize q and k with ComfyUI's eps, 1e-5 (diffusers' LTX-2 takes 1e-6, a difference of 2e-5 of the output
+    here that is not PARO's)."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.models.transformers.transformer_ltx2 import LTX2Attention
+
+    torch.manual_seed(seed)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=LTX_CHANNELS, out_channels=LTX_CHANNELS, num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+        cross_attention_dim=HEADS * HEAD_DIM, audio_in_channels=LTX2_AUDIO_CHANNELS,
+        audio_out_channels=LTX2_AUDIO_CHANNELS, audio_num_attention_heads=HEADS, audio_attention_head_dim=64,
+        audio_cross_attention_dim=HEADS * 64, num_layers=2, caption_channels=LTX_TEXT_DIM,
+    )
+    for module in model.modules():
+        if isinstance(module, LTX2Attention):
+            module.norm_q.eps = module.norm_k.eps = 1e-5
     return randomized(model, seed)
 
 
@@ -222,15 +261,12 @@ def flux2_comfy_state_dict(model) -> dict[str, torch.Tensor]:
                             "final_layer.adaLN_modulation.1.")
 
 
-# diffusers name -> ComfyUI (original HunyuanVideo 1.5 release) name, for weights that keep their shape
+# diffusers name -> ComfyUI (original HunyuanVideo 1.0 and 1.5 releases) name, for weights that keep their shape;
+# the token refiner and the double blocks are alike in both
 _REFINER = r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)\."
 _REFINED = r"txt_in.individual_token_refiner.blocks.\1."
-_HUNYUAN15_KEYS = [
+_HUNYUAN_COMMON_KEYS = [
     (r"x_embedder\.proj\.", "img_in.proj."),
-    (r"image_embedder\.norm_in\.", "vision_in.proj.0."),
-    (r"image_embedder\.linear_1\.", "vision_in.proj.1."),
-    (r"image_embedder\.linear_2\.", "vision_in.proj.3."),
-    (r"image_embedder\.norm_out\.", "vision_in.proj.4."),
     (r"context_embedder\.time_text_embed\.timestep_embedder\.linear_1\.", "txt_in.t_embedder.in_layer."),
     (r"context_embedder\.time_text_embed\.timestep_embedder\.linear_2\.", "txt_in.t_embedder.out_layer."),
     (r"context_embedder\.time_text_embed\.text_embedder\.linear_1\.", "txt_in.c_embedder.in_layer."),
@@ -241,11 +277,6 @@ _HUNYUAN15_KEYS = [
     (_REFINER + r"ff\.net\.0\.proj\.", _REFINED + "mlp.0."),
     (_REFINER + r"ff\.net\.2\.", _REFINED + "mlp.2."),
     (_REFINER + r"norm_out\.linear\.", _REFINED + "adaLN_modulation.1."),
-    (r"context_embedder_2\.norm\.", "byt5_in.layernorm."),
-    (r"context_embedder_2\.linear_([123])\.", r"byt5_in.fc\1."),
-    (r"time_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
-    (r"time_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
-    (r"cond_type_embed\.", "cond_type_embedding."),
     (r"transformer_blocks\.(\d+)\.norm1\.linear\.", r"double_blocks.\1.img_mod.lin."),
     (r"transformer_blocks\.(\d+)\.norm1_context\.linear\.", r"double_blocks.\1.txt_mod.lin."),
     (r"transformer_blocks\.(\d+)\.attn\.norm_q\.", r"double_blocks.\1.img_attn.norm.query_norm."),
@@ -260,17 +291,58 @@ _HUNYUAN15_KEYS = [
     (r"transformer_blocks\.(\d+)\.ff_context\.net\.2\.", r"double_blocks.\1.txt_mlp.2."),
     (r"proj_out\.", "final_layer.linear."),
 ]
-_HUNYUAN15_FUSED = [
+_HUNYUAN_FUSED = [
     (_REFINER + r"attn\.to_([qkv])\.", _REFINED + "self_attn.qkv."),
     (r"transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"double_blocks.\1.img_attn.qkv."),
     (r"transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.", r"double_blocks.\1.txt_attn.qkv."),
+]
+# HunyuanVideo 1.0's own: the CLIP vector and guidance embedders, the single blocks (q, k, v and the MLP's input
+# projection fused into one `linear1`)
+_HUNYUAN_KEYS = [
+    (r"time_text_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_text_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"time_text_embed\.text_embedder\.linear_1\.", "vector_in.in_layer."),
+    (r"time_text_embed\.text_embedder\.linear_2\.", "vector_in.out_layer."),
+    (r"time_text_embed\.guidance_embedder\.linear_1\.", "guidance_in.in_layer."),
+    (r"time_text_embed\.guidance_embedder\.linear_2\.", "guidance_in.out_layer."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_q\.", r"single_blocks.\1.norm.query_norm."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.norm_k\.", r"single_blocks.\1.norm.key_norm."),
+    (r"single_transformer_blocks\.(\d+)\.norm\.linear\.", r"single_blocks.\1.modulation.lin."),
+    (r"single_transformer_blocks\.(\d+)\.proj_out\.", r"single_blocks.\1.linear2."),
+    *_HUNYUAN_COMMON_KEYS,
+]
+_HUNYUAN_SINGLE_FUSED = [
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"single_blocks.\1.linear1."),
+    (r"single_transformer_blocks\.(\d+)\.proj_(mlp)\.", r"single_blocks.\1.linear1."),
+]
+
+
+def hunyuan_video_comfy_state_dict(model) -> dict[str, torch.Tensor]:
+    """The diffusers HunyuanVideo (1.0) model's weights under ComfyUI's key names: q, k, v fused (with the MLP's
+    input in single blocks), the final norm's (scale, shift) as ComfyUI's (shift, scale)."""
+    return comfy_state_dict(model, "HunyuanVideo", _HUNYUAN_KEYS, _HUNYUAN_SINGLE_FUSED + _HUNYUAN_FUSED,
+                            "norm_out.linear.", "final_layer.adaLN_modulation.1.")
+
+
+# HunyuanVideo 1.5's own: the SigLIP image and ByT5 projections, the timestep and condition-type embeddings
+_HUNYUAN15_KEYS = [
+    (r"image_embedder\.norm_in\.", "vision_in.proj.0."),
+    (r"image_embedder\.linear_1\.", "vision_in.proj.1."),
+    (r"image_embedder\.linear_2\.", "vision_in.proj.3."),
+    (r"image_embedder\.norm_out\.", "vision_in.proj.4."),
+    (r"context_embedder_2\.norm\.", "byt5_in.layernorm."),
+    (r"context_embedder_2\.linear_([123])\.", r"byt5_in.fc\1."),
+    (r"time_embed\.timestep_embedder\.linear_1\.", "time_in.in_layer."),
+    (r"time_embed\.timestep_embedder\.linear_2\.", "time_in.out_layer."),
+    (r"cond_type_embed\.", "cond_type_embedding."),
+    *_HUNYUAN_COMMON_KEYS,
 ]
 
 
 def hunyuan_video15_comfy_state_dict(model) -> dict[str, torch.Tensor]:
     """The diffusers HunyuanVideo 1.5 model's weights under ComfyUI's key names: q, k, v fused, the final norm's
     (scale, shift) as ComfyUI's (shift, scale)."""
-    return comfy_state_dict(model, "HunyuanVideo 1.5", _HUNYUAN15_KEYS, _HUNYUAN15_FUSED, "norm_out.linear.",
+    return comfy_state_dict(model, "HunyuanVideo 1.5", _HUNYUAN15_KEYS, _HUNYUAN_FUSED, "norm_out.linear.",
                             "final_layer.adaLN_modulation.1.")
 
 
@@ -278,7 +350,7 @@ def comfy_state_dict(model, name: str, keys, fused_keys=(), swapped: str | None 
                      ) -> dict[str, torch.Tensor]:
     """`model`'s weights renamed by `keys`; the q, k, v projections that `fused_keys` name (the letter in their
     last group) concatenated into one; `swapped` (a (scale, shift) projection) as (shift, scale) under
-    `swapped_to`."""
+    `swapped_to`; a part named "mlp" (HunyuanVideo's single blocks) joins after q, k, v."""
     out, fused = {}, {}
     for key, tensor in model.state_dict().items():
         if swapped is not None and key.startswith(swapped):
@@ -299,7 +371,7 @@ def comfy_state_dict(model, name: str, keys, fused_keys=(), swapped: str | None 
             else:
                 raise KeyError(f"no ComfyUI name for the diffusers {name} weight {key}")
     for target, parts in fused.items():
-        out[target] = torch.cat([parts["q"], parts["k"], parts["v"]])
+        out[target] = torch.cat([parts[name] for name in ("q", "k", "v", "mlp") if name in parts])
     return out
 
 
@@ -325,6 +397,44 @@ def save_ltx_video(model, path) -> None:
               metadata={"config": json.dumps({"transformer": transformer})})
 
 
+# diffusers name -> ComfyUI (original LTX-2 release) name; every other weight keeps its name
+_LTX2_KEYS = [
+    (r"proj_in\.", "patchify_proj."),
+    (r"audio_proj_in\.", "audio_patchify_proj."),
+    (r"time_embed\.", "adaln_single."),
+    (r"audio_time_embed\.", "audio_adaln_single."),
+    (r"av_cross_attn_video_scale_shift\.", "av_ca_video_scale_shift_adaln_single."),
+    (r"av_cross_attn_audio_scale_shift\.", "av_ca_audio_scale_shift_adaln_single."),
+    (r"av_cross_attn_video_a2v_gate\.", "av_ca_a2v_gate_adaln_single."),
+    (r"av_cross_attn_audio_v2a_gate\.", "av_ca_v2a_gate_adaln_single."),
+    (r"(transformer_blocks\.\d+)\.video_a2v_cross_attn_scale_shift_table", r"\1.scale_shift_table_a2v_ca_video"),
+    (r"(transformer_blocks\.\d+)\.audio_a2v_cross_attn_scale_shift_table", r"\1.scale_shift_table_a2v_ca_audio"),
+    (r"(transformer_blocks\.\d+\.\w+)\.norm_q\.", r"\1.q_norm."),
+    (r"(transformer_blocks\.\d+\.\w+)\.norm_k\.", r"\1.k_norm."),
+    (r"(caption_projection|audio_caption_projection|transformer_blocks|scale_shift_table|audio_scale_shift_table|"
+     r"proj_out|audio_proj_out)", r"\1"),
+]
+
+
+def save_ltx2(model, path) -> None:
+    """Under ComfyUI's key names, with the widths ComfyUI does not infer in the file's metadata. The text
+    connectors, which ComfyUI keeps in the model and diffusers in its pipeline, are left out: the tests pass text
+    already through them. RoPE as diffusers' (double precision, at the middle of each patch)."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    transformer = {
+        "num_attention_heads": c.num_attention_heads, "attention_head_dim": c.attention_head_dim,
+        "audio_num_attention_heads": c.audio_num_attention_heads, "audio_attention_head_dim": c.audio_attention_head_dim,
+        "audio_cross_attention_dim": c.audio_cross_attention_dim, "caption_channels": c.caption_channels,
+        "in_channels": c.in_channels, "audio_in_channels": c.audio_in_channels, "rope_type": c.rope_type,
+        "frequencies_precision": "float64", "use_middle_indices_grid": True, "causal_temporal_positioning": True,
+        "connector_num_attention_heads": 2, "connector_attention_head_dim": c.caption_channels // 2,
+    }
+    save_file(comfy_state_dict(model, "LTX-2", _LTX2_KEYS), str(path),
+              metadata={"config": json.dumps({"transformer": transformer})})
+
+
 def save_wan(model, path) -> None:
     """ComfyUI reads the text width from the file's metadata where it is not the released 4096."""
     from safetensors.torch import save_file
@@ -344,6 +454,12 @@ def save_flux2(model, path) -> None:
     from safetensors.torch import save_file
 
     save_file(flux2_comfy_state_dict(model), str(path))
+
+
+def save_hunyuan_video(model, path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(hunyuan_video_comfy_state_dict(model), str(path))
 
 
 def save_hunyuan_video15(model, path) -> None:
