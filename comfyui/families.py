@@ -274,6 +274,23 @@ class WanVACEFamily(WanFamily):
         return len(self.model.blocks) + self.model.vace_layers_mapping[block]
 
 
+class DoubleAndSingleBlocks:
+    """Layers of a model of double blocks then single blocks (ComfyUI's `double_blocks`, `single_blocks`, `num_heads`,
+    `hidden_size`): double block i is layer i, single block i layer (double blocks) + i, as in diffusers."""
+
+    def num_layers(self) -> int:
+        return len(self.model.double_blocks) + len(self.model.single_blocks)
+
+    def num_heads(self) -> int:
+        return int(self.model.num_heads)
+
+    def head_dim(self) -> int:
+        return int(self.model.hidden_size) // int(self.model.num_heads)
+
+    def layer_of(self, kind: str, block: int) -> int:
+        return block + (len(self.model.double_blocks) if kind == "single" else 0)
+
+
 class JointFamily(Family):
     """Models whose every attention call of a transformer block is one self-attention over [text ; image], q, k, v
     [B, H, N, D] (`skip_reshape`); the timestep arrives in 0..1 (diffusers' t / 1000)."""
@@ -317,22 +334,10 @@ class JointFamily(Family):
         return call, TokenLayout(text, 1, height, width), None
 
 
-class FluxFamily(JointFamily):
+class FluxFamily(DoubleAndSingleBlocks, JointFamily):
     name = "flux"
     models = "FLUX.1"
     diffusers_class = "FluxTransformer2DModel"
-
-    def num_layers(self) -> int:
-        return len(self.model.double_blocks) + len(self.model.single_blocks)
-
-    def num_heads(self) -> int:
-        return int(self.model.num_heads)
-
-    def head_dim(self) -> int:
-        return int(self.model.hidden_size) // int(self.model.num_heads)
-
-    def layer_of(self, kind, block):
-        return block + (len(self.model.double_blocks) if kind == "single" else 0)
 
     def diffusers_config(self) -> dict:
         from diffusers import FluxTransformer2DModel
@@ -404,7 +409,7 @@ class QwenImageFamily(JointFamily):
             return dict(QwenImageTransformer2DModel(**kwargs).config)
 
 
-class HunyuanVideoFamily(Family):
+class HunyuanVideoFamily(DoubleAndSingleBlocks, Family):
     """HunyuanVideo 1.0 (`comfy.ldm.hunyuan_video.model.HunyuanVideo` as `HunyuanVideo`, `HunyuanVideoI2V`,
     `HunyuanVideoSkyreelsI2V`): each double block one joint self-attention, q, k, v [B, H, N, D]
     (`skip_reshape`), over [text ; video], then each single block one over the same joined sequence; diffusers joins
@@ -415,18 +420,6 @@ class HunyuanVideoFamily(Family):
     name = "hunyuan_video"
     models = "HunyuanVideo"
     diffusers_class = "HunyuanVideoTransformer3DModel"
-
-    def num_layers(self) -> int:
-        return len(self.model.double_blocks) + len(self.model.single_blocks)
-
-    def num_heads(self) -> int:
-        return int(self.model.num_heads)
-
-    def head_dim(self) -> int:
-        return int(self.model.hidden_size) // int(self.model.num_heads)
-
-    def layer_of(self, kind: str, block: int) -> int:
-        return block + (len(self.model.double_blocks) if kind == "single" else 0)
 
     def diffusers_config(self) -> dict:
         """`image_condition_type`: latent_concat for the 33-channel I2V input (latent, image latent, mask), else
