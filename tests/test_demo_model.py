@@ -258,3 +258,16 @@ def test_quality_study_runs_k_scales_and_refuses_them_beside_qk_scales(tmp_path)
     for bad in (["--k-scale", "channel"], ["--k-scale", ","], ["--k-scale", "token", "--qk-scales", "token-qk"]):
         with pytest.raises(SystemExit):
             module.parse_args(["--out", str(tmp_path), *bad])
+
+
+def test_quality_study_grids_take_sol_attn_in_bf16_alone():
+    """The variants 'sol-attn' and 'sol-attn no tail' are Sol-Attn's full-precision reference, no plan: rows of bf16
+    grids beside PARO's, refused in a quantized grid and in a '+' combination with calibration variants."""
+    module = _script("demo_model_quality")
+    rows = module.parse_grid("0.5,0.2:bf16:calibrated,sol-attn,sol-attn no tail")
+    assert rows == [(0.5, "bf16", "calibrated"), (0.5, "bf16", "sol-attn"), (0.5, "bf16", "sol-attn no tail"),
+                    (0.2, "bf16", "calibrated"), (0.2, "bf16", "sol-attn"), (0.2, "bf16", "sol-attn no tail")]
+    assert module.variant_arguments("sol-attn") == {}
+    for bad in ("0.5:int8fp8:sol-attn", "0.5:bf16:sol-attn+dense last"):
+        with pytest.raises(SystemExit):
+            module.parse_grid(bad)
