@@ -47,6 +47,7 @@ from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.modes import k_scale_problem
 from paroattn.pipelines import apply
+from paroattn.plan import Plan
 from paroattn.plan.balance import rank_imbalance
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
@@ -54,6 +55,9 @@ QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int
 # "capture" picks the prompts the statistics come from
 VARIANTS = {
     "calibrated": {},
+    # the demo's shipped plan of the row's density (assets/plans, which --ship writes: "calibrated"'s plan from a GPU's
+    # capture), loaded instead of captured and calibrated here: for runs where the full capture costs too much
+    "shipped": {"shipped": True},
     "identity": {"order_set": "identity"},
     "paper metric": {"metric": "paper"},
     "mass metric": {"metric": "mass"},
@@ -83,6 +87,7 @@ VARIANTS = {
 }
 # the calibration-free peer: Sol-Attn at top-k ratio = the row's density, with its pooled tail or without (the value)
 SOL_VARIANTS = {"sol-attn": True, "sol-attn no tail": False}
+ALONE = {"shipped", *SOL_VARIANTS}  # variants that take no calibration options ('+')
 DEFAULT_GRIDS = (
     "0.5,0.3,0.2:bf16:calibrated,identity",
     "1,0.5:int8fp8:calibrated,identity",
@@ -231,7 +236,10 @@ def parse_grid(spec: str) -> list[tuple[float, str, str]]:
                     continue
                 unknown = [part for part in v.split("+") if part not in VARIANTS]
                 if unknown:
-                    raise SystemExit(f"--grid {spec!r}: unknown variant {unknown}; expected names from {list(VARIANTS)}")
+                    raise SystemExit(f"--grid {spec!r}: unknown variant {unknown}; expected names from "
+                                     f"{[*VARIANTS, *SOL_VARIANTS]}")
+                if "+" in v and ALONE & set(v.split("+")):
+                    raise SystemExit(f"--grid {spec!r}: {sorted(ALONE & set(v.split('+')))} take no other variant")
                 rows.append((float(d), q, v))
     return rows
 
@@ -367,10 +375,13 @@ def main(argv=None) -> int:
         sol_tail = SOL_VARIANTS.get(variant)  # None: a PARO row
         plan, result = None, None  # density 1 in bf16 with fp8 linear layers: no plan, the model's own attention
         if sol_tail is None and not (density >= 1.0 and quant == "bf16"):
-            stats = stats_for(kwargs.pop("capture", "two"), density)
             try:
-                plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
-            except ValueError as exc:
+                if kwargs.pop("shipped", False):  # its qk / pv replaced by the row's, as `paro demo` runs it
+                    plan = replace(Plan.load(demo.shipped_plan_path(density)), qk=qk, pv=pv)
+                else:
+                    stats = stats_for(kwargs.pop("capture", "two"), density)
+                    plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
+            except (ValueError, FileNotFoundError) as exc:
                 say(f"d={density} {quant} {variant}: not built ({exc})")
                 continue
         # the plan's K scale granularities: each integer-QK row once per --k-scale (the same orders and masks)
@@ -402,10 +413,13 @@ def main(argv=None) -> int:
                 row.update({"achieved_density": 1.0, "kept_mass": 1.0})
             else:
                 row.update({
-                    "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
-                    "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
+                    "achieved_density": compute_density(plan),
+                    **({"kept_mass": float(result.kept_mass.mean()), "dense_layers": result.dense_layers,
+                        "dense_buckets": result.dense_buckets, "step_shares": result.step_shares} if result is not None
+                       else {"kept_mass": plan.info["kept_mass"], "dense_buckets": plan.info.get("dense_buckets", []),
+                             "step_shares": plan.info["step_shares"],  # a shipped plan: what its calibration recorded
+                             "dense_layers": [i for i in range(plan.num_layers) if bool(plan.dense[:, i].all())]}),
                     "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
-                    "step_shares": result.step_shares,
                     "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
                     "orders": plan.orders.tolist(),
                     # the share of the attention mass its orders and masks keep on the full capture's statistics
