@@ -401,7 +401,7 @@ def main(argv=None) -> int:
                         per_video[key].append(m[key])
             row = {
                 "density": density, "quant": quant, "qk": qk, "pv": pv, "k_scale": k_scale, "variant": variant,
-                "linear": linear or "bf16",
+                "linear": linear or "bf16", "eval_prompts": len(prompts), "seeds": seeds,
                 **({"capture_options": args.cheap_capture} if variant.startswith("cheap") else {}),
                 **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
             }
