@@ -2,7 +2,9 @@
 attention that ships in comfy-kitchen (`comfy_kitchen.sol_attn`, arXiv 2607.24027) and in ComfyUI's core "Block
 Sparse Attention" node. Per call it routes each 64-query block to the key blocks whose pooled score ranks in the top
 `topk_ratio` of the row, always keeps the diagonal +-1, and (with `tail=True`) adds every other key block as one pooled
-term. `benchmarks/attention.py --sol` times it beside PARO at each density of the run.
+term. `benchmarks/attention.py --sol` times it beside PARO at each density of the run; `SolAttnProcessor` runs a
+diffusers transformer's self-attention through its eager reference, for the quality study
+(`scripts/demo_model_quality.py`).
 
 comfy-kitchen is on the package index (`pip install comfy-kitchen`); its CUDA kernels take bf16 / fp16 inputs of head
 dim 128 laid out (B, T, H, D) on sm_80 or newer.
@@ -10,7 +12,11 @@ dim 128 laid out (B, T, H, D) on sm_80 or newer.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+from paroattn.pipelines.binding import BoundProcessor
 
 BLOCK = 64  # Sol-Attn's query and key block
 
@@ -63,3 +69,59 @@ def call(ratio: float, tail: bool):
         return comfy_kitchen.sol_attn(q, k, v, topk_ratio=ratio, tail=tail)
 
     return sol
+
+
+def eager_reference():
+    """Sol-Attn's eager reference (comfy-kitchen's `backends/eager/sol_attn.py`): its routing and softmax in float32
+    on any device and head dim, where the CUDA kernels compute in INT8 (the algorithm's quality, not the kernel's)."""
+    try:
+        from comfy_kitchen.backends.eager.sol_attn import sol_attn
+    except Exception as exc:  # optional, benchmark-only
+        raise RuntimeError(f"Sol-Attn's eager reference is not importable ({type(exc).__name__}: {exc}): "
+                           "pip install comfy-kitchen") from exc
+    return sol_attn
+
+
+class SolAttnProcessor(BoundProcessor):
+    """Self-attention through Sol-Attn's eager reference at top-k `ratio`, with or without its pooled tail (`tail`),
+    for any model family paroattn binds; the other attention modules keep their processors. `densities` collects
+    each call's exact-block density (`exact_block_density`: the ratio plus the forced diagonal +-1)."""
+
+    def __init__(self, ratio: float, tail: bool):
+        super().__init__()
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"Sol-Attn's top-k ratio must be in (0, 1], got {ratio}")
+        self.ratio, self.tail = ratio, tail
+        self.densities: list[float] = []
+        self._sol = eager_reference()
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[B, H, N, D] q, k (after RoPE), v -> [B, H, N, D]: one reference call per batch entry (the reference
+        holds a float32 [B, H, N, N] score tensor; its routing and tail are per entry)."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # the reference's (B, T, H, D)
+        self.densities.append(exact_block_density(q, k, self.ratio))
+        out = torch.cat([self._sol(q[b:b + 1], k[b:b + 1], v[b:b + 1], topk_ratio=self.ratio, tail=self.tail)
+                         for b in range(q.shape[0])])
+        return out.transpose(1, 2)
+
+    def attend(self, binding, attn, layer, call, attention_mask):
+        if attention_mask is not None:
+            raise ValueError(f"SolAttnProcessor got an attention mask on {binding.family.models} self-attention: "
+                             "Sol-Attn's key-only bias is not wired here; run this family dense")
+        call = binding.family.rotate(call)
+        return self.attention(call.q, call.k, call.v)
+
+
+@contextmanager
+def installed(pipe_or_transformer, processor: BoundProcessor):
+    """`processor` on the transformer's self-attention layers for the block (as `paroattn.apply` installs PARO's),
+    then the processors it had before."""
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    originals = dict(transformer.attn_processors)
+    binding = processor.bind(transformer)
+    transformer.set_attn_processor({key: processor if key in binding.keys else p for key, p in originals.items()})
+    try:
+        yield processor
+    finally:
+        transformer.set_attn_processor(dict(originals))  # diffusers empties the dict it is given
+        processor.unbind(binding)

@@ -15,11 +15,14 @@ seeds (PSNR / SSIM / cosine per video; mean, min and max over videos).
 A grid is DENSITIES:QUANTS:VARIANTS, each a comma-separated list (quants from QUANTS, variants from
 VARIANTS, combined with '+': "more prompts+dense last"). The variant "fp8 linear" also runs the transformer blocks'
 linear layers in fp8 (`apply(..., linear="fp8")`, a CUDA GPU of sm_89 or newer with torchao); at density 1 in
-bf16 it is the dense model with fp8 linear layers and no plan. Writes `quality.jsonl` (one row per line, as
-soon as it is measured), `quality.json` and `quality_table.md` into --out; with --ship, the demo's
-plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does (`demo.study_config`,
-`demo.study_selection`). `--k-scale block,token` runs each integer-QK row with K's scales per key block and per
-key (`Plan.k_scale`, on any backend: the kernels run both), one row each.
+bf16 it is the dense model with fp8 linear layers and no plan. The variants "sol-attn" and "sol-attn no tail" are no
+plan: the calibration-free peer Sol-Attn (comfy-kitchen's eager reference, benchmarks/sol_anchor.py; benchmark-only,
+`pip install comfy-kitchen`) runs the self-attention at top-k ratio = the row's density, with and without its pooled
+tail, in bf16 grids only; their computed density is its exact blocks (the ratio plus the forced diagonal +-1).
+Writes `quality.jsonl` (one row per line, as soon as it is measured), `quality.json` and `quality_table.md` into
+--out; with --ship, the demo's plans for `demo.SHIPPED_DENSITIES`, calibrated as the demo's driver does
+(`demo.study_config`, `demo.study_selection`). `--k-scale block,token` runs each integer-QK row with K's scales per
+key block and per key (`Plan.k_scale`, on any backend: the kernels run both), one row each.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from paroattn.calibrate.driver import capture, plan_from_stats, save_calibration
 from paroattn.demo_model.model import DEFAULT_STEPS, load_demo_pipeline
 from paroattn.modes import k_scale_problem
 from paroattn.pipelines import apply
+from paroattn.plan import Plan
 from paroattn.plan.balance import rank_imbalance
 
 QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int4": "int4 QK"}
@@ -51,6 +55,9 @@ QUANTS = {"bf16": "bf16", "int8": "int8 QK", "int8fp8": "int8 QK + fp8 PV", "int
 # "capture" picks the prompts the statistics come from
 VARIANTS = {
     "calibrated": {},
+    # the demo's shipped plan of the row's density (assets/plans, which --ship writes: "calibrated"'s plan from a GPU's
+    # capture), loaded instead of captured and calibrated here: for runs where the full capture costs too much
+    "shipped": {"shipped": True},
     "identity": {"order_set": "identity"},
     "paper metric": {"metric": "paper"},
     "mass metric": {"metric": "mass"},
@@ -78,6 +85,9 @@ VARIANTS = {
     "balanced 2 GPUs": {"ulysses": 2},
     "balanced 4 GPUs": {"ulysses": 4},
 }
+# the calibration-free peer: Sol-Attn at top-k ratio = the row's density, with its pooled tail or without (the value)
+SOL_VARIANTS = {"sol-attn": True, "sol-attn no tail": False}
+ALONE = {"shipped", *SOL_VARIANTS}  # variants that take no calibration options ('+')
 DEFAULT_GRIDS = (
     "0.5,0.3,0.2:bf16:calibrated,identity",
     "1,0.5:int8fp8:calibrated,identity",
@@ -218,18 +228,41 @@ def parse_grid(spec: str) -> list[tuple[float, str, str]]:
             if q not in QUANTS:
                 raise SystemExit(f"--grid {spec!r}: unknown quantization {q!r}; expected one of {list(QUANTS)}")
             for v in variants.split(","):
+                if v in SOL_VARIANTS:
+                    if q != "bf16":
+                        raise SystemExit(f"--grid {spec!r}: {v!r} runs Sol-Attn's full-precision reference: "
+                                         "put it in a bf16 grid")
+                    rows.append((float(d), q, v))
+                    continue
                 unknown = [part for part in v.split("+") if part not in VARIANTS]
                 if unknown:
-                    raise SystemExit(f"--grid {spec!r}: unknown variant {unknown}; expected names from {list(VARIANTS)}")
+                    raise SystemExit(f"--grid {spec!r}: unknown variant {unknown}; expected names from "
+                                     f"{[*VARIANTS, *SOL_VARIANTS]}")
+                if "+" in v and ALONE & set(v.split("+")):
+                    raise SystemExit(f"--grid {spec!r}: {sorted(ALONE & set(v.split('+')))} take no other variant")
                 rows.append((float(d), q, v))
     return rows
 
 
 def variant_arguments(name: str) -> dict:
+    if name in SOL_VARIANTS:
+        return {}
     merged = {}
     for part in name.split("+"):
         merged.update(VARIANTS[part])
     return merged
+
+
+def sol_anchor_module():
+    """benchmarks/sol_anchor.py, with Sol-Attn's eager reference importable (comfy-kitchen is benchmark-only)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import sol_anchor
+
+    try:
+        sol_anchor.eager_reference()
+    except RuntimeError as exc:
+        raise SystemExit(f"--grid ... sol-attn: {exc}") from None
+    return sol_anchor
 
 
 def compute_density(plan) -> float:
@@ -262,6 +295,7 @@ def main(argv=None) -> int:
 
         if problem := linear_problem(linear, args.device):
             raise SystemExit(f"--grid ... fp8 linear: {problem}")
+    sol_anchor = sol_anchor_module() if any(v in SOL_VARIANTS for _, _, v in rows_spec) else None
     seeds = [int(s) for s in args.seeds.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     pipe = load_demo_pipeline(args.model_dir, device=args.device, dtype=dtype)
@@ -338,21 +372,27 @@ def main(argv=None) -> int:
         if density >= 1.0 and quant == "bf16" and linear is None:
             continue  # the dense model itself
         qk, pv = demo.QUANT_MODES[QUANTS[quant]]
+        sol_tail = SOL_VARIANTS.get(variant)  # None: a PARO row
         plan, result = None, None  # density 1 in bf16 with fp8 linear layers: no plan, the model's own attention
-        if not (density >= 1.0 and quant == "bf16"):
-            stats = stats_for(kwargs.pop("capture", "two"), density)
+        if sol_tail is None and not (density >= 1.0 and quant == "bf16"):
             try:
-                plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
-            except ValueError as exc:
+                if kwargs.pop("shipped", False):  # its qk / pv replaced by the row's, as `paro demo` runs it
+                    plan = replace(Plan.load(demo.shipped_plan_path(density)), qk=qk, pv=pv)
+                else:
+                    stats = stats_for(kwargs.pop("capture", "two"), density)
+                    plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
+            except (ValueError, FileNotFoundError) as exc:
                 say(f"d={density} {quant} {variant}: not built ({exc})")
                 continue
         # the plan's K scale granularities: each integer-QK row once per --k-scale (the same orders and masks)
         for k_scale in (args.k_scale if qk != "bf16" else ["block"]):
             per_video = {"psnr_db": [], "ssim": [], "cosine": []}
             seconds = 0.0
+            sol = None if sol_tail is None else sol_anchor.SolAttnProcessor(density, tail=sol_tail)
             for seed in seeds:
-                with apply(pipe, None if plan is None else replace(plan, k_scale=k_scale), backend=args.backend,
-                       linear=linear):
+                swap = sol_anchor.installed(pipe, sol) if sol is not None else apply(
+                    pipe, None if plan is None else replace(plan, k_scale=k_scale), backend=args.backend, linear=linear)
+                with swap:
                     frames, timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
                 seconds += timing["total_s"]
                 for i in range(len(prompts)):
@@ -361,18 +401,25 @@ def main(argv=None) -> int:
                         per_video[key].append(m[key])
             row = {
                 "density": density, "quant": quant, "qk": qk, "pv": pv, "k_scale": k_scale, "variant": variant,
-                "linear": linear or "bf16",
+                "linear": linear or "bf16", "eval_prompts": len(prompts), "seeds": seeds,
                 **({"capture_options": args.cheap_capture} if variant.startswith("cheap") else {}),
                 **{k: summary(v) for k, v in per_video.items()}, "per_video": per_video, "seconds": seconds,
             }
-            if plan is None:
+            if sol is not None:  # its exact blocks, the mean over every call (steps, layers, CFG calls, heads)
+                row.update({"achieved_density": float(np.mean(sol.densities)), "kept_mass": None,
+                            "attention": "Sol-Attn eager reference", "topk_ratio": density, "tail": sol_tail,
+                            "comfy_kitchen": _version_of("comfy-kitchen")})
+            elif plan is None:
                 row.update({"achieved_density": 1.0, "kept_mass": 1.0})
             else:
                 row.update({
-                    "achieved_density": compute_density(plan), "kept_mass": float(result.kept_mass.mean()),
-                    "dense_layers": result.dense_layers, "dense_buckets": result.dense_buckets,
+                    "achieved_density": compute_density(plan),
+                    **({"kept_mass": float(result.kept_mass.mean()), "dense_layers": result.dense_layers,
+                        "dense_buckets": result.dense_buckets, "step_shares": result.step_shares} if result is not None
+                       else {"kept_mass": plan.info["kept_mass"], "dense_buckets": plan.info.get("dense_buckets", []),
+                             "step_shares": plan.info["step_shares"],  # a shipped plan: what its calibration recorded
+                             "dense_layers": [i for i in range(plan.num_layers) if bool(plan.dense[:, i].all())]}),
                     "bucket_density": [round(float(d), 4) for d in plan.density.mean(dim=(1, 2))],
-                    "step_shares": result.step_shares,
                     "orders_histogram": {o: int((plan.orders == i).sum()) for i, o in enumerate(ORDERS)},
                     "orders": plan.orders.tolist(),
                     # the share of the attention mass its orders and masks keep on the full capture's statistics
@@ -383,8 +430,9 @@ def main(argv=None) -> int:
             rows.append(row)
             jsonl.write(json.dumps(row) + "\n")
             jsonl.flush()
+            kept = "-" if row["kept_mass"] is None else f"{row['kept_mass']:.4f}"
             say(f"d={density:.1f} {quant:7s} K per {k_scale:5s} {variant:28s} computed={row['achieved_density']:.3f} "
-                f"kept={row['kept_mass']:.4f} PSNR={row['psnr_db']['mean']:6.2f} "
+                f"kept={kept} PSNR={row['psnr_db']['mean']:6.2f} "
                 f"[{row['psnr_db']['min']:5.2f}, {row['psnr_db']['max']:5.2f}] SSIM={row['ssim']['mean']:.4f} "
                 f"[{row['ssim']['min']:.3f}] ({seconds:.1f} s)")
     jsonl.close()
@@ -422,6 +470,15 @@ def _torchao_version() -> str | None:
     except ImportError:
         return None
     return torchao.__version__
+
+
+def _version_of(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def add_profiles(path: Path, stats, device: str, dtype: str) -> None:
@@ -465,11 +522,11 @@ def markdown_table(rows: list[dict]) -> str:
         p, s = r["psnr_db"], r["ssim"]
         gpus = r.get("gpu_imbalance", {})
         imbalance = " / ".join(f"{gpus[n]:+.1%}" for n in (2, 4)) if gpus else "-"
+        kept = "-" if r["kept_mass"] is None else f"{r['kept_mass']:.3f}"  # none for Sol-Attn's rows
         lines.append(
             f"| {r['density']:g} ({r['achieved_density']:.3f}) | {QUANTS[r['quant']]} | "
             f"{'per key' if r.get('k_scale') == 'token' else 'per block' if r['qk'] != 'bf16' else '-'} | {r['variant']} | "
-            f"{r['kept_mass']:.3f} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] "
-            f"| {imbalance} |"
+            f"{kept} | {p['mean']:.2f} [{p['min']:.2f}, {p['max']:.2f}] | {s['mean']:.3f} [{s['min']:.3f}] | {imbalance} |"
         )
     return "\n".join(lines) + "\n"
 

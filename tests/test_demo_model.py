@@ -258,3 +258,18 @@ def test_quality_study_runs_k_scales_and_refuses_them_beside_qk_scales(tmp_path)
     for bad in (["--k-scale", "channel"], ["--k-scale", ","], ["--k-scale", "token", "--qk-scales", "token-qk"]):
         with pytest.raises(SystemExit):
             module.parse_args(["--out", str(tmp_path), *bad])
+
+
+def test_quality_study_grids_take_sol_attn_in_bf16_and_shipped_plans_alone():
+    """The variants 'sol-attn' and 'sol-attn no tail' are Sol-Attn's full-precision reference, no plan: rows of bf16
+    grids beside PARO's, refused in a quantized grid. They and 'shipped' (a plan loaded, not calibrated) take no
+    calibration variant beside them ('+')."""
+    module = _script("demo_model_quality")
+    rows = module.parse_grid("0.5,0.2:bf16:shipped,sol-attn,sol-attn no tail")
+    assert rows == [(0.5, "bf16", "shipped"), (0.5, "bf16", "sol-attn"), (0.5, "bf16", "sol-attn no tail"),
+                    (0.2, "bf16", "shipped"), (0.2, "bf16", "sol-attn"), (0.2, "bf16", "sol-attn no tail")]
+    assert module.variant_arguments("sol-attn") == {} and module.variant_arguments("shipped") == {"shipped": True}
+    assert module.parse_grid("0.2:int8fp8:shipped") == [(0.2, "int8fp8", "shipped")]
+    for bad in ("0.5:int8fp8:sol-attn", "0.5:bf16:sol-attn+dense last", "0.5:bf16:shipped+dense last"):
+        with pytest.raises(SystemExit):
+            module.parse_grid(bad)

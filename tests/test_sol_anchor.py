@@ -1,5 +1,7 @@
 """The Sol-Attn anchor of the attention benchmark: the exact-block density it reports follows Sol-Attn's routing
-(top-k of the pooled query-block score plus the diagonal +-1), and the anchors table shows its columns."""
+(top-k of the pooled query-block score plus the diagonal +-1), and the anchors table shows its columns. The quality
+study's Sol-Attn processor runs a model's self-attention through Sol-Attn's eager reference (comfy-kitchen, which CI
+does not install: those tests are skipped there)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_forward_inputs, tiny_transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -65,3 +68,50 @@ def test_anchor_table_shows_sol_attn_at_each_sparse_density():
     line = next(line for line in table.splitlines() if line.startswith("| Wan2.1-1.3B"))
     assert "| 1.00x / 2.00x | not run / 2.50x |" in line
     assert "1.30x / 2.50x / 6.00x" in line
+
+
+@pytest.mark.parametrize("ratio,tail", [(1.0, True), (0.2, False)])
+def test_sol_attn_processor_on_two_blocks_is_the_models_own_attention(ratio, tail):
+    """Two 64-token blocks are the diagonal +-1 that Sol-Attn always computes exactly: whatever the ratio and tail, the
+    transformer's output is the dense model's (RoPE applied, heads and tokens where the reference reads them), and the
+    processors it replaced are back afterwards."""
+    pytest.importorskip("comfy_kitchen")
+    transformer = tiny_transformer("wan")
+    inputs = tiny_forward_inputs(transformer, frames=8, height=8, width=8)  # 8 x 4 x 4 = 128 tokens
+    with torch.no_grad():
+        dense = transformer(**inputs)[0]
+        processor = sol_anchor.SolAttnProcessor(ratio, tail)
+        with sol_anchor.installed(transformer, processor):
+            sol = transformer(**inputs)[0]
+        after = transformer(**inputs)[0]
+    torch.testing.assert_close(sol, dense, rtol=1e-4, atol=1e-5)
+    assert processor.densities == [1.0, 1.0]  # one call per layer, every block exact
+    assert torch.equal(after, dense)
+
+
+def test_sol_attn_processor_runs_the_reference_at_its_ratio_and_tail():
+    """Past the diagonal band: the processor's [B, H, N, D] attention is the reference's (B, T, H, D) call at its
+    ratio and tail, one batch entry at a time; it records the exact-block density of each call, and it is not dense."""
+    pytest.importorskip("comfy_kitchen")
+    from comfy_kitchen.backends.eager.sol_attn import sol_attn
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64 * 8 + 5, 16, generator=g) for _ in range(3))  # [B, H, N, D]: 9 blocks
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    outputs = {}
+    for tail in (True, False):
+        processor = sol_anchor.SolAttnProcessor(0.25, tail)
+        outputs[tail] = processor.attention(q, k, v)
+        expected = sol_attn(*(t.transpose(1, 2) for t in (q, k, v)), topk_ratio=0.25, tail=tail).transpose(1, 2)
+        torch.testing.assert_close(outputs[tail], expected)
+        density = sol_anchor.exact_block_density(q.transpose(1, 2), k.transpose(1, 2), 0.25)
+        assert processor.densities == [pytest.approx(density)] and 0.25 < density < 1.0
+        assert float((outputs[tail] - dense).abs().max()) > 1e-2
+    assert float((outputs[True] - outputs[False]).abs().max()) > 1e-2
+
+
+def test_sol_attn_processor_refuses_a_ratio_outside_zero_to_one():
+    pytest.importorskip("comfy_kitchen")
+    for ratio in (0.0, 1.5):
+        with pytest.raises(ValueError, match="top-k ratio must be in"):
+            sol_anchor.SolAttnProcessor(ratio, tail=True)
