@@ -105,6 +105,21 @@ def test_calibration_cost_tiny_run_measures_both_models(tmp_path):
 
 
 @pytest.mark.slow
+def test_first_generation_tiny_run_learns_then_runs_sparse_through_the_pipelines(tmp_path):
+    out = tmp_path / "first.json"
+    result = run_script("--tiny", "--calibrate", "--out", str(out), script="first_generation.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(out.read_text())["results"]
+    assert [r["model"] for r in records] == ["wan2.1-1.3b", "cogvideox-5b"]
+    for r in records:
+        # the learning generation is the dense one, the plan is written, the next two run it
+        assert r["learnt"] and r["learning_output_max_abs_diff_vs_dense"] == 0.0 and r["captured_layer_calls"] > 0
+        assert len(r["sparse_s"]) == 2 and r["plan"]["buckets"] == 6 and 0 < r["plan"]["achieved_density"] < 1
+        assert r["learning_options"]["calls"] == "all" and r["calibrate"]["seconds"] > 0
+        assert "learnt a plan at density 0.2" in r["log"][-1]
+
+
+@pytest.mark.slow
 def test_multi_gpu_models_are_models_the_step_benchmark_builds():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
