@@ -85,8 +85,8 @@ def eager_reference():
 class SolAttnProcessor(BoundProcessor):
     """Self-attention through Sol-Attn's eager reference at top-k `ratio`, with or without its pooled tail (`tail`),
     on the layers paroattn binds (tested on Wan's: no text in the sequence, no mask); the other attention modules keep
-    their processors. `densities` collects
-    each call's exact-block density (`exact_block_density`: the ratio plus the forced diagonal +-1)."""
+    their processors. `densities` collects each call's exact-block density (`exact_block_density`: the ratio plus the
+    forced diagonal +-1)."""
 
     def __init__(self, ratio: float, tail: bool):
         super().__init__()
