@@ -84,8 +84,9 @@ def eager_reference():
 
 class SolAttnProcessor(BoundProcessor):
     """Self-attention through Sol-Attn's eager reference at top-k `ratio`, with or without its pooled tail (`tail`),
-    for any model family paroattn binds; the other attention modules keep their processors. `densities` collects
-    each call's exact-block density (`exact_block_density`: the ratio plus the forced diagonal +-1)."""
+    on the layers paroattn binds (tested on Wan's: no text in the sequence, no mask); the other attention modules keep
+    their processors. `densities` collects each call's exact-block density (`exact_block_density`: the ratio plus the
+    forced diagonal +-1)."""
 
     def __init__(self, ratio: float, tail: bool):
         super().__init__()
