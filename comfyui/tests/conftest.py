@@ -38,13 +38,8 @@ def comfy(tmp_path_factory):
 @pytest.fixture(scope="session")
 def wan(comfy):
     """The tiny Wan 2.1 model (diffusers), saved for ComfyUI as models/diffusion_models/tiny-wan.safetensors."""
-    from pathlib import Path
-
-    import folder_paths
     import tiny_models
 
     model = tiny_models.tiny_wan()
-    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    folder.mkdir(parents=True, exist_ok=True)
-    tiny_models.save_wan(model, folder / "tiny-wan.safetensors")
+    tiny_models.save_diffusion_model(model, tiny_models.save_wan, "tiny-wan.safetensors")
     return model

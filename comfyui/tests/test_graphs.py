@@ -61,25 +61,19 @@ def records():
 
 @pytest.fixture(scope="module")
 def wan_i2v(comfy):
-    import folder_paths
     import tiny_models
 
     model = tiny_models.tiny_wan(seed=4, i2v=True)
-    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    folder.mkdir(parents=True, exist_ok=True)
-    tiny_models.save_wan(model, folder / "tiny-wan-i2v.safetensors")
+    tiny_models.save_diffusion_model(model, tiny_models.save_wan, "tiny-wan-i2v.safetensors")
     return model
 
 
 @pytest.fixture(scope="module")
 def flux(comfy):
-    import folder_paths
     import tiny_models
 
     model = tiny_models.tiny_flux()
-    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    folder.mkdir(parents=True, exist_ok=True)
-    tiny_models.save_flux(model, folder / "tiny-flux.safetensors")
+    tiny_models.save_diffusion_model(model, tiny_models.save_flux, "tiny-flux.safetensors")
     return model
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -71,11 +70,9 @@ def case_plan(family: str, density: float, seed: int = 0) -> Plan:
 
 
 def save_model(name: str, model, save) -> None:
-    import folder_paths
+    import tiny_models
 
-    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    folder.mkdir(parents=True, exist_ok=True)
-    save(model, folder / f"tiny-{name}.safetensors")
+    tiny_models.save_diffusion_model(model, save, f"tiny-{name}.safetensors")
 
 
 def make_model(family: str):

@@ -466,3 +466,15 @@ def save_hunyuan_video15(model, path) -> None:
     from safetensors.torch import save_file
 
     save_file(hunyuan_video15_comfy_state_dict(model), str(path))
+
+
+def save_diffusion_model(model, save, name: str) -> None:
+    """`save(model, path)` into ComfyUI's first diffusion_models folder as `name` (a file name), where its UNETLoader
+    and the graphs' loaders find it."""
+    from pathlib import Path
+
+    import folder_paths
+
+    folder = Path(folder_paths.get_folder_paths("diffusion_models")[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    save(model, folder / name)
