@@ -138,6 +138,7 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
         if record["dense_peak_gpu_gb"]:
             record["learning_gpu_over_dense"] = record["learning_peak_gpu_gb"] / record["dense_peak_gpu_gb"]
         record["captured_layer_calls"] = handle.captured
+        record["learning_timings"] = handle.timings
         record["learnt"] = handle.learnt
         record["plan"] = {"achieved_density": handle.plan.achieved_density(), "buckets": handle.plan.num_buckets,
                           "file_mb": os.path.getsize(handle.path) / 1e6, "qk": args.qk, "pv": args.pv}

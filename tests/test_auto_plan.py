@@ -48,6 +48,8 @@ def test_a_miss_learns_during_the_first_generation_and_the_next_runs_the_cached_
     assert handle.captured > 0 and handle.learnt and handle.path.is_file()
     torch.testing.assert_close(first, dense, rtol=0, atol=0)  # the capture is the model's own attention
     assert "cached it at" in lines[-1]
+    assert set(handle.timings) == {"generation_s", "stats_s", "plan_s", "write_s", "apply_s"}
+    assert 0 < handle.timings["stats_s"] < handle.timings["generation_s"]
     plan = Plan.load(handle.path)
     assert (plan.block_size, plan.qk, plan.pv) == ((16, 16), "bf16", "bf16")
 

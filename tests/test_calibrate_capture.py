@@ -266,3 +266,51 @@ def test_calibration_cost_tiny_runs_the_cheap_capture_end_to_end(tmp_path):
     assert e2e["captured_layer_calls"] == record["layers"] * (cheap["calls"]["order"] + cheap["calls"]["map"])
     assert 0 < e2e["achieved_density"] < 1 and e2e["stored_means_gb"] > 0 and e2e["host_peak_gb"] > 0
     assert record["extrapolated"]["captured_calls"] == 3 * 2  # the full capture: steps 0, 2, 4, both calls
+
+
+def _feed(acc, device, seed=0):
+    """Maps of 3 layers over 2 buckets, twice each, batch 2: what a capture adds; returns the maps by (bucket, layer)."""
+    g = torch.Generator().manual_seed(seed)
+    added = {}
+    for bucket in (0, 1):
+        for _ in range(2):
+            for layer in range(3):
+                mass = torch.rand(2, len(acc.candidate_orders), 6, 6, generator=g)
+                acc.add(layer, bucket, mass.to(device), None, None, batch=2)
+                added.setdefault((bucket, layer), []).append(mass)
+            acc.step_done(bucket)
+    return added
+
+
+def test_stored_means_are_in_the_masks_query_blocks():
+    """Maps arrive in square blocks and are kept summed into the masks' taller query blocks: each stored mean is
+    the pooled mean of what was added (a mix-up of rows, of the pooling factor or of the weights fails)."""
+    from paroattn.calibrate.accumulate import StatsAccumulator
+    from paroattn.plan.selection import pool_query_blocks
+
+    acc = StatsAccumulator(3, 2, [0, 1], seq_len=96, block_size=16, query_block=32)
+    added = _feed(acc, "cpu")
+    acc.flush()
+    for (bucket, layer), maps in added.items():
+        expected = pool_query_blocks(sum(maps) / (2 * len(maps)), 2)
+        assert acc.mass[(bucket, layer)].shape == (2, 2, 3, 6)
+        torch.testing.assert_close(acc.mean_map(bucket, layer, torch.device("cpu")), expected, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_maps_staged_in_host_memory_in_the_background_give_the_same_means():
+    """GPU maps summed in host memory after an asynchronous float16 copy: the same means as maps added on the CPU,
+    the last map in flight included (it lands at the flush)."""
+    from paroattn.calibrate.accumulate import StatsAccumulator
+
+    means = []
+    for device in ("cpu", "cuda"):
+        acc = StatsAccumulator(3, 2, [0, 1], seq_len=96, block_size=16, query_block=32, staging_device="cpu")
+        _feed(acc, device)
+        acc.flush()
+        assert all(t.device.type == "cpu" for t in acc.mass.values())
+        means.append({key: acc.mean_map(*key, torch.device("cpu")) for key in acc.mass})
+    assert means[0].keys() == means[1].keys() and len(means[0]) == 6
+    for key in means[0]:
+        torch.testing.assert_close(means[1][key], means[0][key], rtol=2e-3, atol=2e-3)

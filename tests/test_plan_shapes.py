@@ -289,3 +289,33 @@ def test_a_compiled_transformer_derives_a_new_size_in_a_graph_of_its_own():
         assert len(handle.processor.shapes.derived) == 1
     assert counter.frame_count == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096])
+def test_offset_mass_sums_each_sampled_querys_probabilities_by_axis_offset(chunk_bytes):
+    """Against the probabilities written out, for every head, batch item and sampled query, with text tokens
+    before and after the grid and padded text keys left out: in one chunk, and chunked by heads and rows."""
+    layout = TokenLayout(3, 2, 3, 4, suffix=2)
+    F, Hh, W, G = 2, 3, 4, 24
+    B, H, N, D = 2, 3, layout.seq_len, 8
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    keep = torch.tensor([[True, True], [True, False]])
+    mass, count = offset_mass(q, k, layout, queries=10, generator=torch.Generator().manual_seed(1),
+                              suffix_mask=keep, chunk_bytes=chunk_bytes)
+    picked = torch.randperm(G, generator=torch.Generator().manual_seed(1))[:10].sort().values
+    logits = (q.double() @ k.double().transpose(-1, -2)) * D**-0.5
+    logits[..., N - 2:] = logits[..., N - 2:].masked_fill(~keep[:, None, None, :], float("-inf"))
+    p = logits.softmax(-1)[:, :, layout.prefix + picked, layout.prefix : layout.prefix + G].reshape(B, H, -1, F, Hh, W)
+    expected = [torch.zeros(H, 2 * n - 1, dtype=torch.float64) for n in (F, Hh, W)]
+    expected_count = [torch.zeros(2 * n - 1, dtype=torch.float64) for n in (F, Hh, W)]
+    for s, token in enumerate(picked.tolist()):
+        at = (token // (Hh * W), (token // W) % Hh, token % W)
+        for axis, n in enumerate((F, Hh, W)):
+            marginal = p[:, :, s].sum(dim=tuple(d for d in (2, 3, 4) if d != axis + 2)).sum(0)  # [H, n]
+            for v in range(n):
+                expected[axis][:, v - at[axis] + n - 1] += marginal[:, v]
+                expected_count[axis][v - at[axis] + n - 1] += B
+    for axis in range(3):
+        torch.testing.assert_close(mass[axis], expected[axis], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(count[axis], expected_count[axis])

@@ -1,14 +1,18 @@
 """Averaging block statistics over prompts and denoising steps, then deciding orders and masks.
 
 Per (timestep bucket, layer) the accumulator keeps the mean of the block-mass maps of every
-candidate order, [H, O, nb, nb], and how many (batch item, step) maps went into it. The per-step
-maxima and counts below eps are only needed as per-head scalars (incoherence, block-sparse score) and
-are reduced at once. Maps of the bucket currently being captured are summed in float32 on the device
-that computed them and folded into the stored mean when the bucket changes (a few times per prompt),
-so a step costs no host transfer. The stored means are float16 (each entry is at most the block
-size, and one rounding per fold keeps them within ~1e-3 of the float32 mean): memory is
-buckets * L * H * O * nb^2 * 2 bytes (CogVideoX-5B with 6 buckets: 11 GB; Wan2.1-1.3B: 7 GB), kept in
-`store_device` (host memory by default on CUDA when it would not fit comfortably on the GPU).
+candidate order in the masks' blocks, [H, O, nq, nk] (query blocks of `query_block`, summed from the statistics'
+square blocks as each map arrives: the selection reads nothing finer), and how many (batch item, step) maps went
+into it. The per-step maxima and counts below eps are only needed as per-head scalars (incoherence, block-sparse
+score) and are reduced at once. Maps of the bucket currently being captured are summed in float32 on the device
+that computed them, or on `staging_device`, and folded into the stored mean when the bucket changes (a few times
+per prompt). The stored means are float16 (each entry is at most the query block's rows, and one rounding per fold
+keeps them within ~1e-3 of the float32 mean): memory is buckets * L * H * O * nq * nk * 2 bytes (CogVideoX-5B with
+6 buckets and 128-row query blocks: 5.6 GB; Wan2.1-1.3B: 3.4 GB), kept in `store_device` (host memory by default
+on CUDA when it would not fit comfortably on the GPU).
+
+Staged in host memory, a GPU map travels in float16 through a pinned buffer, asynchronously: it is summed when
+the next map arrives (by then the copy has long finished), so a captured call never waits for its own statistics.
 
 A capture that chose each head's order while it ran (`CaptureConfig.order_steps`) calls `fix_orders` before
 its first map: the accumulator then keeps one map per head, [H, 1, nb, nb] in the head's chosen order (the
@@ -90,7 +94,7 @@ class StatsAccumulator:
         self.store_device = torch.device(store_device)
         self.store_dtype = store_dtype
         self.staging_device = None if staging_device is None else torch.device(staging_device)
-        self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nb, nb] means
+        self.mass: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, layer) -> [H, O, nq, nk] means
         self.weight = torch.zeros(num_buckets, num_layers)  # maps averaged into mass, batch items counted
         self.incoherence_sum: dict[int, torch.Tensor] = {}  # layer -> [H, O]
         self.sparse_sum: dict[int, torch.Tensor] = {}
@@ -100,6 +104,8 @@ class StatsAccumulator:
         self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
+        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # shape -> float16 host buffer of GPU maps in flight
+        self._in_flight: tuple[int, torch.Tensor, torch.cuda.Event] | None = None  # (layer, buffer, copy done)
         # [L, H, K] slots into candidate_orders of the orders each head's maps hold (fix_orders: K = 1; keep_orders)
         self.kept_slots: torch.Tensor | None = None
         self.fixed_scores: torch.Tensor | None = None  # [L, H, O] the scores fix_orders chose by
@@ -152,12 +158,7 @@ class StatsAccumulator:
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
-        if self.staging_device is not None:
-            mass = mass.to(self.staging_device)
-        if layer in self._staging:
-            self._staging[layer] += mass
-        else:
-            self._staging[layer] = mass.float().clone()
+        self._stage(layer, pool_query_blocks(mass, self.mask_block[0] // self.block_size))
         self._staged_weight[layer] = self._staged_weight.get(layer, 0.0) + batch
         self.weight[bucket, layer] += batch
         entries = self._entries.get(mass.device)
@@ -179,8 +180,38 @@ class StatsAccumulator:
         """Count one captured denoising step of one prompt in `bucket` (for the report)."""
         self.steps_per_bucket[bucket] += 1
 
+    def _stage(self, layer: int, mass: torch.Tensor) -> None:
+        """Add one map into the layer's staged sum: where it was computed, or on `staging_device`."""
+        target = mass.device if self.staging_device is None else self.staging_device
+        if mass.device.type == "cuda" and target.type == "cpu":
+            self._land()
+            buffer = self._pinned.get(tuple(mass.shape))
+            if buffer is None:
+                buffer = self._pinned[tuple(mass.shape)] = torch.empty(mass.shape, dtype=torch.float16, pin_memory=True)
+            buffer.copy_(mass.to(torch.float16), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._in_flight = (layer, buffer, done)
+            return
+        self._add_staged(layer, mass.to(target))
+
+    def _land(self) -> None:
+        """Sum the map in flight to host memory, once its copy has finished."""
+        if self._in_flight is not None:
+            layer, buffer, done = self._in_flight
+            self._in_flight = None
+            done.synchronize()
+            self._add_staged(layer, buffer)
+
+    def _add_staged(self, layer: int, mass: torch.Tensor) -> None:
+        if layer in self._staging:
+            self._staging[layer] += mass
+        else:
+            self._staging[layer] = mass.to(torch.float32, copy=True)  # never the caller's map or a reused buffer
+
     def flush(self) -> None:
         """Fold the staged sums of the current bucket into the stored means."""
+        self._land()
         bucket = self._staging_bucket
         for layer, staged in self._staging.items():
             key = (bucket, layer)
@@ -218,7 +249,7 @@ class StatsAccumulator:
         # calibration), not widened in host memory first: half the bytes over the bus, no host pass
         if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
             return None
-        return pool_query_blocks(self.mass[(bucket, layer)].to(device).float(), self.mask_block[0] // self.block_size)
+        return self.mass[(bucket, layer)].to(device).float()
 
     def finalize(
         self,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import weakref
 
 from ..errors import PlanError
@@ -83,6 +84,9 @@ class AutoHandle:
         self.waited = False  # said once that another process holds the lock
         self.agreed = False  # under Ulysses: every process of the group runs the plan
         self._class = None  # the pipeline's own class while it is swapped
+        # where a learning generation's time went, seconds: the pipeline call (the statistics' GPU time inside it),
+        # building the plan, writing the entry, applying it
+        self.timings: dict[str, float] = {}
 
     # -- the plan ---------------------------------------------------------------------------
     def load(self) -> bool:
@@ -125,19 +129,28 @@ class AutoHandle:
             if self.load():  # written by another process between the check and the lock
                 return call(*args, **kwargs)
             output, plan = self._learn(call, args, kwargs)
+            start = time.perf_counter()
             write_entry(plan, self.path)
+            self.timings["write_s"] = time.perf_counter() - start
         finally:
             lock.release()
         self.learnt = True
+        start = time.perf_counter()
         self._use(plan)
+        self.timings["apply_s"] = time.perf_counter() - start
         self.log(f"paroattn: learnt a plan at density {self.selection.density:g} and cached it at {self.path}; the "
                  "next generation runs sparse")
         return output
 
     def _learn(self, call, args, kwargs):
         """Run the call dense with the capture processors; (its output, the plan built from what it recorded)."""
+        start = time.perf_counter()
         output, stats = self._capture(call, args, kwargs)
-        return output, self._plan(stats)
+        built = time.perf_counter()
+        plan = self._plan(stats)
+        self.timings = {"generation_s": built - start, "stats_s": stats.timings["stats_s"],
+                        "plan_s": time.perf_counter() - built}
+        return output, plan
 
     def _plan(self, stats):
         from .driver import plan_from_stats

@@ -123,7 +123,8 @@ class StatsRecorder:
         self.ran = False  # recorded a call in the current step
         self.called = False  # ran in the current step, recorded or not
         self.bucket_steps = [0] * (len(self.edges) - 1)  # denoising steps it ran in each bucket
-        self.stats_s = 0.0
+        self._stats_s = 0.0
+        self._timers: list[_Timer] = []  # each captured call's statistics, read when asked (CUDA events)
         self.captures = 0
         self.mode: str | None = None  # what the current step captures: "order", "map" or None (decided at its first call)
         self.seen: set[int] = set()  # layers called in the current step
@@ -134,17 +135,20 @@ class StatsRecorder:
         self.order_kept: dict[int, torch.Tensor] = {}  # layer -> [H, O] sums of the kept mass share of each order
         self.order_calls = [0] * num_layers
         self.first_bucket: int | None = None  # the bucket whose maps narrow the orders (keep_orders)
+        self.profiled: set[tuple[int, int]] = set()  # (bucket, layer) whose axis profiles this prompt sampled
 
     def _start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
         config, L, buckets = self.config, self.layers, len(self.edges) - 1
         orders = list(layout.distinct_orders())
-        nb = math.ceil(layout.seq_len / config.block_size)
+        nk = math.ceil(layout.seq_len / config.block_size)
+        nq = math.ceil(layout.seq_len / (config.query_block or config.block_size))
         stored_orders = 1 if config.order_steps is not None else config.keep_orders or len(orders)
-        estimate = buckets * L * q.shape[1] * stored_orders * nb * nb * 4
+        estimate = buckets * L * q.shape[1] * stored_orders * nq * nk * 4
         store, staging = store_device(config, q.device, estimate), None
         if (config.order_steps is not None or config.keep_orders is not None) and config.store_device == "auto":
             # the kept orders' sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what
-            # the dense generation holds; a captured call moves its maps over once (tens of MB)
+            # the dense generation holds; a captured call sends its maps over once (a few MB in float16), in the
+            # background
             store = staging = torch.device("cpu")
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
                                     store_device=store, query_block=config.query_block, staging_device=staging)
@@ -194,7 +198,7 @@ class StatsRecorder:
             elif self.bucket != self.first_bucket:
                 self._keep_orders(q.device)
         self.ran = True
-        start = time.perf_counter()
+        timer = _Timer(q.device)
         phase = self.layer_calls[layer] % config.query_stride
         self.layer_calls[layer] += 1
         sampled = {"query_stride": config.query_stride, "phase": phase, "backend": config.backend,
@@ -219,17 +223,27 @@ class StatsRecorder:
                     mass, pmax, below = block_stats(q, k, layout, self.acc.candidate_orders, config.block_size,
                                                     config.eps, extras=config.extras, **sampled)
                 self.acc.add(layer, self.bucket, mass, pmax, below, batch=q.shape[0])
-                if self.profiles is not None:
+                if self.profiles is not None and (self.bucket, layer) not in self.profiled:
+                    # once per bucket, layer and prompt: an axis profile is a mean over its sampled queries, and the
+                    # steps of one bucket of one generation add little to it
+                    self.profiled.add((self.bucket, layer))
                     self.profiles.add(layer, self.bucket, *offset_mass(
                         q, k, layout, config.profile_queries, self.generator, suffix_mask))
                 for subset, slots in self.subsets.values():
                     pick = slots.to(mass.device)
                     subset.add(layer, self.bucket, mass[:, pick], None if pmax is None else pmax[:, pick],
                                None if below is None else below[:, pick], batch=q.shape[0])
-        if q.device.type == "cuda":
-            torch.cuda.synchronize(q.device)
-        self.stats_s += time.perf_counter() - start
+        timer.stop()
+        self._timers.append(timer)
         self.captures += 1
+
+    @property
+    def stats_s(self) -> float:
+        """Seconds spent on the statistics: on a GPU, its time from each captured call's start to its end (waits for
+        the last one)."""
+        self._stats_s += sum(timer.seconds() for timer in self._timers)
+        self._timers = []
+        return self._stats_s
 
     def _step_mode(self) -> str:
         """What the current step captures: "order" (all orders' scores, before the orders are chosen), "map" (block
@@ -294,6 +308,7 @@ class StatsRecorder:
             self._choose_orders()
         self.step = 0
         self.bucket_start, self.bucket_taken = {}, {}
+        self.profiled = set()
 
     @property
     def recorded(self) -> bool:
@@ -319,3 +334,28 @@ class StatsRecorder:
             timings=timings, expert=self.expert, bucket_steps=list(self.bucket_steps), profiles=self.profiles,
             model_config=config,
         )
+
+
+class _Timer:
+    """The time of one captured call's statistics, read without waiting for them: CUDA events on a GPU (read at the
+    end), the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start = time.perf_counter()
+        self.cpu_s = 0.0
+
+    def stop(self) -> None:
+        if self.events is None:
+            self.cpu_s = time.perf_counter() - self.start
+        else:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.cpu_s
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000

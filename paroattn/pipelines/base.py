@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,10 +75,14 @@ class CallInputs:
     layout: TokenLayout | None
     problem: str | None = None
     timestep_scale: float = 1.0
+    _timestep_1000: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def timestep_1000(self) -> float:
-        """The timestep on the 0..1000 scale as a Python float (a host read of a tensor timestep)."""
-        return self.timestep_scale * timestep_value(self.timestep)
+        """The timestep on the 0..1000 scale as a Python float (a host read of a tensor timestep, made once per
+        forward: each read waits for the GPU, and a capture asks at every layer)."""
+        if self._timestep_1000 is None:
+            self._timestep_1000 = self.timestep_scale * timestep_value(self.timestep)
+        return self._timestep_1000
 
 
 @dataclass

@@ -49,7 +49,7 @@ def axis_sizes(layout: TokenLayout) -> tuple[int, int, int]:
 
 def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: int = 1024,
                 generator: torch.Generator | None = None, suffix_mask: torch.Tensor | None = None,
-                chunk_bytes: int = 256 << 20) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                chunk_bytes: int = 64 << 20) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Attention mass by offset along each grid axis, from grid queries of q, k [B, H, N, D] (after norms and
     RoPE, as the model attends). Returns (mass, count) per axis F, H, W: mass [H, 2n-1] float64, the sum over
     the sampled queries (and the batch) of the mass each gives to the grid keys at offset v - u (index
@@ -73,21 +73,27 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
         index = torch.arange(n)[None, :] - coords[:, axis : axis + 1] + n - 1  # [S, n]
         count[axis].index_add_(0, index.flatten(), torch.full((index.numel(),), float(B), dtype=torch.float64))
     scale = D ** -0.5
-    step = max(1, chunk_bytes // (B * H * N * 4))
     grid_rows = picked + prefix
-    for start in range(0, len(picked), step):
-        rows = grid_rows[start : start + step].to(q.device)
-        logits = torch.einsum("bhsd,bhnd->bhsn", q[:, :, rows].float(), k.float()) * scale
-        if suffix_mask is not None:
-            logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(
-                ~suffix_mask.to(q.device)[:, None, None, :], float("-inf"))
-        p = torch.softmax(logits, dim=-1)[..., prefix : prefix + G].reshape(B, H, -1, F, Hh, W)
-        marginals = (p.sum(dim=(4, 5)), p.sum(dim=(3, 5)), p.sum(dim=(3, 4)))  # [B, H, s, n] each
-        for axis, n in enumerate(sizes):
-            c = coords[start : start + step, axis].to(q.device)
-            index = torch.arange(n, device=q.device)[None, :] - c[:, None] + n - 1  # [s, n]
-            values = marginals[axis].sum(0).double().reshape(H, -1)  # [H, s * n]
-            mass[axis].index_add_(1, index.flatten(), values)
+    # float32 keys and logits of a few heads at a time: a capture runs inside the model's own generation, whose
+    # GPU memory it should barely raise (one chunk's keys, logits and probabilities: about 3 x chunk_bytes)
+    heads = max(1, min(H, chunk_bytes // (B * N * D * 4)))
+    for h0 in range(0, H, heads):
+        hs = slice(h0, min(H, h0 + heads))
+        keys = k[:, hs].float()
+        step = max(1, chunk_bytes // (B * keys.shape[1] * N * 4))
+        for start in range(0, len(picked), step):
+            rows = grid_rows[start : start + step].to(q.device)
+            logits = torch.einsum("bhsd,bhnd->bhsn", q[:, hs, rows].float(), keys) * scale
+            if suffix_mask is not None:
+                logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(
+                    ~suffix_mask.to(q.device)[:, None, None, :], float("-inf"))
+            p = torch.softmax(logits, dim=-1)[..., prefix : prefix + G].reshape(B, keys.shape[1], -1, F, Hh, W)
+            marginals = (p.sum(dim=(4, 5)), p.sum(dim=(3, 5)), p.sum(dim=(3, 4)))  # [B, h, s, n] each
+            for axis, n in enumerate(sizes):
+                c = coords[start : start + step, axis].to(q.device)
+                index = torch.arange(n, device=q.device)[None, :] - c[:, None] + n - 1  # [s, n]
+                values = marginals[axis].sum(0).double().reshape(keys.shape[1], -1)  # [h, s * n]
+                mass[axis][hs].index_add_(1, index.flatten(), values)
     return [m.cpu() for m in mass], count
 
 
