@@ -268,7 +268,7 @@ def test_calibration_cost_tiny_runs_the_cheap_capture_end_to_end(tmp_path):
     assert record["extrapolated"]["captured_calls"] == 3 * 2  # the full capture: steps 0, 2, 4, both calls
 
 
-def _feed(acc, device, seed=0):
+def _feed_maps(acc, device, seed=0):
     """Maps of 3 layers over 2 buckets, twice each, batch 2: what a capture adds; returns the maps by (bucket, layer)."""
     g = torch.Generator().manual_seed(seed)
     added = {}
@@ -289,7 +289,7 @@ def test_stored_means_are_in_the_masks_query_blocks():
     from paroattn.plan.selection import pool_query_blocks
 
     acc = StatsAccumulator(3, 2, [0, 1], seq_len=96, block_size=16, query_block=32)
-    added = _feed(acc, "cpu")
+    added = _feed_maps(acc, "cpu")
     acc.flush()
     for (bucket, layer), maps in added.items():
         expected = pool_query_blocks(sum(maps) / (2 * len(maps)), 2)
@@ -307,7 +307,7 @@ def test_gpu_maps_staged_in_host_memory_in_the_background_give_the_same_means():
     means = []
     for device in ("cpu", "cuda"):
         acc = StatsAccumulator(3, 2, [0, 1], seq_len=96, block_size=16, query_block=32, staging_device="cpu")
-        _feed(acc, device)
+        _feed_maps(acc, device)
         acc.flush()
         assert all(t.device.type == "cpu" for t in acc.mass.values())
         means.append({key: acc.mean_map(*key, torch.device("cpu")) for key in acc.mass})

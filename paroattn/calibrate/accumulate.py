@@ -342,18 +342,25 @@ class StatsAccumulator:
             heads = torch.arange(slot.numel())
             for b in range(B):
                 m = maps[b] if maps[b] is not None else overall
-                bucket_maps[b].append(m[heads, pick.to(m.device)])
+                # held in host memory until its bucket's masks are built: every bucket's maps at once would take
+                # buckets x L x H x nq x nk floats of GPU memory (1.1 GB at Wan2.1-1.3B 480p, beside the model)
+                bucket_maps[b].append(m[heads, pick.to(m.device)].cpu())
             if layer in figure_layers and not narrowed:  # the original order's maps exist only with every order
                 fig_original.append(overall[:, original_slot].half().cpu())
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
-        bucket_mass = [torch.stack(maps) for maps in bucket_maps]  # [L, H, nq, nk] each
-        if shared_budget:
+        bucket_mass = []  # [L, H, nq, nk] each, in host memory
+        for b in range(B):
+            bucket_mass.append(torch.stack(bucket_maps[b]))
+            bucket_maps[b] = None
+        if shared_budget:  # one budget over every bucket: their maps together where the selection runs
+            together = [m.to(compute_device) for m in bucket_mass]
             kept_always = [kept_blocks(m.shape, prefix, self.mask_block, device=m.device, suffix=suffix,
-                                       seq_len=self.seq_len, dense_layers=dense_layers) for m in bucket_mass]
-            targets = shared_bucket_densities(bucket_mass, kept_always, density, shares, dense_buckets)
+                                       seq_len=self.seq_len, dense_layers=dense_layers) for m in together]
+            targets = shared_bucket_densities(together, kept_always, density, shares, dense_buckets)
+            del together, kept_always
         masks, densities, kept_masses = [], [], []
         for b in range(B):
-            mass = bucket_mass[b]
+            mass = bucket_mass[b].to(compute_device)
             if b in dense_buckets:
                 mask = torch.ones(mass.shape, dtype=torch.bool, device=mass.device)
             else:
