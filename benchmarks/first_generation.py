@@ -7,7 +7,7 @@ pipeline classes (WanPipeline, CogVideoXPipeline) on full-size transformers, one
 
 For each model, in this order: a dense generation (the pipeline as shipped); `paroattn.apply(pipe, "auto", ...)`
 on an empty cache, then the first generation (dense attention while it records the statistics, the plan built
-and cached when it ends), then two more generations (sparse, the learnt plan); with `--calibrate`, the capture
+and cached when it ends), then `--sparse-runs` more generations (sparse, the learnt plan); with `--calibrate`, the capture
 `paro calibrate` runs (`driver.capture` of `--prompts` prompts with the default `CaptureConfig` options, then
 `plan_from_stats`). Each with its wall time, the peak GPU memory it allocated and, for the learning generation and
 the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is reported beside it).
@@ -143,7 +143,7 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
         record["plan"] = {"achieved_density": handle.plan.achieved_density(), "buckets": handle.plan.num_buckets,
                           "file_mb": os.path.getsize(handle.path) / 1e6, "qk": args.qk, "pv": args.pv}
         sparse_s = []
-        for _ in range(2):
+        for _ in range(args.sparse_runs):
             _reset_gpu_peak()
             seconds, _ = timed(generate)
             sparse_s.append(seconds)
@@ -181,6 +181,7 @@ def main():
     parser.add_argument("--qk", default="int8")
     parser.add_argument("--pv", default="fp8")
     parser.add_argument("--query-block", type=int, default=128)
+    parser.add_argument("--sparse-runs", type=int, default=2, help="sparse generations after the learning one")
     parser.add_argument("--calibrate", action="store_true", help="also time paro calibrate's capture of --prompts")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--capture", type=parse_capture_options, default=None,

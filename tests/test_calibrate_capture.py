@@ -300,8 +300,8 @@ def test_stored_means_are_in_the_masks_query_blocks():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_maps_staged_in_host_memory_in_the_background_give_the_same_means():
-    """GPU maps summed in host memory after an asynchronous float16 copy: the same means as maps added on the CPU,
-    the last map in flight included (it lands at the flush)."""
+    """GPU maps summed in host memory after an asynchronous copy: the same means as maps added on the CPU, the last
+    map in flight included (it lands at the flush)."""
     from paroattn.calibrate.accumulate import StatsAccumulator
 
     means = []

@@ -11,8 +11,10 @@ keeps them within ~1e-3 of the float32 mean): memory is buckets * L * H * O * nq
 6 buckets and 128-row query blocks: 5.6 GB; Wan2.1-1.3B: 3.4 GB), kept in `store_device` (host memory by default
 on CUDA when it would not fit comfortably on the GPU).
 
-Staged in host memory, a GPU map travels in float16 through a pinned buffer, asynchronously: it is summed when
-the next map arrives (by then the copy has long finished), so a captured call never waits for its own statistics.
+Staged in host memory, a GPU map travels through a pinned buffer, asynchronously: it is summed when the next map
+arrives (by then the copy has long finished), so a captured call never waits for its own statistics. It travels in
+float32: twice the bytes over the bus (a fraction of a millisecond), where widening float16 in host memory would
+cost the CPU several times the sum itself.
 
 A capture that chose each head's order while it ran (`CaptureConfig.order_steps`) calls `fix_orders` before
 its first map: the accumulator then keeps one map per head, [H, 1, nb, nb] in the head's chosen order (the
@@ -104,7 +106,7 @@ class StatsAccumulator:
         self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
-        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # shape -> float16 host buffer of GPU maps in flight
+        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # shape -> host buffer of the GPU map in flight
         self._in_flight: tuple[int, torch.Tensor, torch.cuda.Event] | None = None  # (layer, buffer, copy done)
         # [L, H, K] slots into candidate_orders of the orders each head's maps hold (fix_orders: K = 1; keep_orders)
         self.kept_slots: torch.Tensor | None = None
@@ -187,8 +189,8 @@ class StatsAccumulator:
             self._land()
             buffer = self._pinned.get(tuple(mass.shape))
             if buffer is None:
-                buffer = self._pinned[tuple(mass.shape)] = torch.empty(mass.shape, dtype=torch.float16, pin_memory=True)
-            buffer.copy_(mass.to(torch.float16), non_blocking=True)
+                buffer = self._pinned[tuple(mass.shape)] = torch.empty(mass.shape, dtype=torch.float32, pin_memory=True)
+            buffer.copy_(mass.float(), non_blocking=True)
             done = torch.cuda.Event()
             done.record()
             self._in_flight = (layer, buffer, done)

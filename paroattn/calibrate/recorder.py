@@ -147,8 +147,7 @@ class StatsRecorder:
         store, staging = store_device(config, q.device, estimate), None
         if (config.order_steps is not None or config.keep_orders is not None) and config.store_device == "auto":
             # the kept orders' sums (1-2 GB at 480p-720p) stay in host memory, staged there too, so the GPU holds what
-            # the dense generation holds; a captured call sends its maps over once (a few MB in float16), in the
-            # background
+            # the dense generation holds; a captured call sends its maps over once (a few MB), in the background
             store = staging = torch.device("cpu")
         self.acc = StatsAccumulator(L, buckets, orders, layout.seq_len, config.block_size,
                                     store_device=store, query_block=config.query_block, staging_device=staging)
