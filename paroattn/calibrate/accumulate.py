@@ -215,7 +215,8 @@ class StatsAccumulator:
         """Fold the staged sums of the current bucket into the stored means."""
         self._land()
         bucket = self._staging_bucket
-        for layer, staged in self._staging.items():
+        while self._staging:  # each staged sum let go once folded: the two never all held at once
+            layer, staged = self._staging.popitem()
             key = (bucket, layer)
             total = float(self.weight[bucket, layer])  # already counts the staged maps
             # blend where the staged sums are (the GPU during a calibration): the store moves in
@@ -226,7 +227,8 @@ class StatsAccumulator:
             else:
                 mean = staged / total
             self.mass[key] = mean.to(self.store_dtype).to(self.store_device)
-        self._staging, self._staged_weight = {}, {}
+            del staged, mean
+        self._staged_weight = {}
         self._staging_bucket = None
 
     def join_heads(self, join) -> None:
@@ -303,7 +305,6 @@ class StatsAccumulator:
         figure_layers = sorted(set(figure_layers or []) & set(range(L)))
         per_layer_scores = []
         per_layer_orders = []
-        bucket_maps: list[list[torch.Tensor]] = [[] for _ in range(B)]  # chosen-order maps, [H, nq, nk]
         fig_original, fig_reordered = [], []
         original_slot = self.candidate_orders.index(0) if 0 in self.candidate_orders else 0
         fixed = self.fixed_scores is not None  # each head's order chosen during the capture
@@ -312,6 +313,7 @@ class StatsAccumulator:
             raise ValueError(f"the capture chose or narrowed the orders by the mass metric; metric={metric!r} with "
                              f"quant_weight={quant_weight} needs a capture with every order (order_steps=None, "
                              "keep_orders=None)")
+        picks = []  # each layer's [H] index of its chosen order among the orders its maps hold
         for layer in range(L):
             maps = [self.mean_map(b, layer, compute_device) for b in range(B)]
             captured = [m for m in maps if m is not None]
@@ -341,28 +343,34 @@ class StatsAccumulator:
                         1, kept_slots, scores.float())
             per_layer_scores.append(scores)
             per_layer_orders.append(torch.tensor(self.candidate_orders)[slot])
-            heads = torch.arange(slot.numel())
-            for b in range(B):
-                m = maps[b] if maps[b] is not None else overall
-                # held in host memory until its bucket's masks are built: every bucket's maps at once would take
-                # buckets x L x H x nq x nk floats of GPU memory (1.1 GB at Wan2.1-1.3B 480p, beside the model)
-                bucket_maps[b].append(m[heads, pick.to(m.device)].cpu())
+            picks.append(pick)
             if layer in figure_layers and not narrowed:  # the original order's maps exist only with every order
+                heads = torch.arange(slot.numel())
                 fig_original.append(overall[:, original_slot].half().cpu())
                 fig_reordered.append(overall[heads, slot.to(overall.device)].half().cpu())
-        bucket_mass = []  # [L, H, nq, nk] each, in host memory
-        for b in range(B):
-            bucket_mass.append(torch.stack(bucket_maps[b]))
-            bucket_maps[b] = None
+
+        def chosen_maps(b: int) -> torch.Tensor:
+            """[L, H, nq, nk] on the compute device: each head's map in its chosen order in bucket b, or the mean over
+            the captured buckets where b was not captured. Read again from the stored means, one bucket at a time:
+            every bucket's at once would double what the capture holds (2 GB at CogVideoX-5B)."""
+            out = []
+            for layer in range(L):
+                m = self.mean_map(b, layer, compute_device)
+                if m is None:
+                    captured = [c for c in (self.mean_map(c, layer, compute_device) for c in range(B)) if c is not None]
+                    m = sum(captured) / len(captured)
+                out.append(m[torch.arange(m.shape[0]), picks[layer].to(m.device)])
+            return torch.stack(out)
+
         if shared_budget:  # one budget over every bucket: their maps together where the selection runs
-            together = [m.to(compute_device) for m in bucket_mass]
+            together = [chosen_maps(b) for b in range(B)]
             kept_always = [kept_blocks(m.shape, prefix, self.mask_block, device=m.device, suffix=suffix,
                                        seq_len=self.seq_len, dense_layers=dense_layers) for m in together]
             targets = shared_bucket_densities(together, kept_always, density, shares, dense_buckets)
             del together, kept_always
         masks, densities, kept_masses = [], [], []
         for b in range(B):
-            mass = bucket_mass[b].to(compute_device)
+            mass = chosen_maps(b)
             if b in dense_buckets:
                 mask = torch.ones(mass.shape, dtype=torch.bool, device=mass.device)
             else:
