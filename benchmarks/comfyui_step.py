@@ -9,12 +9,15 @@ embeddings in place of the text encoders'.
   video tokens and 256 text tokens in one joint attention): UNETLoader -> KSampler (euler, cfg 6, the model's
   shift 7).
 
-Each model's graphs (`--runs`) run through one ComfyUI PromptExecutor session, so the model is loaded once:
+Each model's graphs (`--runs`) run through one ComfyUI PromptExecutor session, so the model is loaded once; the
+dense, auto and dense_again graphs sample `--steps` steps (Wan 20, so that plan 'auto' learns from a run of a usual
+length; HunyuanVideo 1.5 6), the paro and sol graphs `--timing-steps` (6):
 - warmup (always first, not reported): dense, one step; it puts the model on the GPU;
 - dense: ComfyUI's own attention;
-- paro: Load PARO plan -> Apply PARO (`--backend`, int8 QK + fp8 PV by default) with a synthetic plan of a
-  calibrated plan's size: random orders, 6 timestep buckets of block masks at `--density` (time depends on the
-  density, not on which blocks are kept);
+- paro: Apply PARO (`--backend`, int8 QK + fp8 PV by default) with a synthetic plan of a calibrated plan's size:
+  random orders, 6 timestep buckets of block masks at `--density` (time depends on the density, not on which blocks
+  are kept), handed over as Load PARO plan hands a file's (a full-size plan's file round trip takes longer than its
+  sampling and is not timed anyway);
 - sol: comfy-kitchen's `sol_attn` at top-k `--sol-topk` on exactly the self-attention calls Apply PARO takes (the
   pack's split of the calls), through ComfyUI's attention override (`transformer_options`
   ["optimized_attention_override"]); ComfyUI 0.30.0 has no Block Sparse Attention node and no node that selects a
@@ -23,9 +26,10 @@ Each model's graphs (`--runs`) run through one ComfyUI PromptExecutor session, s
   cache an empty temporary folder: the first run (auto_learn) samples dense while it records the statistics, then
   builds and caches the plan; the next (auto_next) finds the plan and runs sparse;
 - dense_again: dense once more, after the others (a drift check).
-Every diffusion-model call (one sampler step, cond and uncond batched) is timed with the GPU synchronized; the
-first call of a run (allocation, compilation, mask stores) is left out of its median. Every sampling run is timed
-whole (the sampler's outer call: all steps, and auto_learn's plan building after them).
+Every diffusion-model call is timed with the GPU synchronized; a sampler step is its calls (one where ComfyUI
+batches cond and uncond, as it does here), and the first step of a run (allocation, compilation, mask stores) is
+left out of its median. Every sampling run is timed whole (the sampler's outer call: all steps, and auto_learn's
+plan building after them); the table compares it with the dense run's where both have as many steps.
 
     python benchmarks/comfyui_step.py --out-dir DIR           # both models, every graph, on a CUDA GPU
     python benchmarks/comfyui_step.py --smoke --out-dir DIR   # the same graphs with 2-layer models on the CPU
@@ -65,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 BUCKETS = 6  # timestep buckets of the synthetic plan, as a calibrated plan has
 RUNS = ("dense", "paro", "sol", "auto", "dense_again")
 TIMES: dict[str, dict] = {}  # TimeSampling's records, by key
+PLANS: dict = {}  # the synthetic plan of each model, by name
 SOL_HOOKS: list = []  # every Sol-Attn hook installed, the latest last
 
 
@@ -117,7 +122,7 @@ MODELS = {
         size={"width": 848, "height": 480, "length": 121}, latent_node="EmptyHunyuanVideo15Latent",
         # the pooled vector is read by ComfyUI's HunyuanVideo base and unused by 1.5
         text={"tokens": 256, "dim": 3584, "pooled_dim": 8}, smoke_text={"tokens": 8, "dim": 3584, "pooled_dim": 8},
-        sampler={"sampler_name": "euler", "scheduler": "simple", "cfg": 6.0}, steps=8, joint_text=True),
+        sampler={"sampler_name": "euler", "scheduler": "simple", "cfg": 6.0}, steps=6, joint_text=True),
 }
 
 
@@ -207,6 +212,23 @@ class TimeSampling:
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "benchmark", model_call)
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, "benchmark", sampling)
         return (patched,)
+
+
+class SyntheticPAROPlan:
+    """The PARO_PLAN of PLANS[name], as Load PARO plan gives a file's."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"name": ("STRING", {"default": ""})}}
+
+    RETURN_TYPES = ("PARO_PLAN",)
+    FUNCTION = "load"
+    CATEGORY = "benchmark"
+
+    def load(self, name):
+        import comfy_env
+
+        return (comfy_env.pack_module("paro_nodes").PAROPlan(f"{name}-synthetic", [PLANS[name]]),)
 
 
 def sol_hook(family, topk_ratio: float, tail: bool):
@@ -312,7 +334,7 @@ def prompt(name: str, model: VideoModel, run: str, steps: int) -> dict:
     link = ["time", 0]
     paro = {"backend": BACKEND, "on_mismatch": "error", "expert": "auto"}
     if run == "paro":
-        graph["plan"] = {"class_type": "LoadPAROPlan", "inputs": {"plan_name": f"{name}-synthetic.safetensors"}}
+        graph["plan"] = {"class_type": "SyntheticPAROPlan", "inputs": {"name": name}}
         graph["paro"] = {"class_type": "ApplyPARO", "inputs": {"model": link, "plan": ["plan", 0], **paro}}
         link = ["paro", 0]
     elif run in ("auto_learn", "auto_next"):
@@ -415,7 +437,8 @@ def table(results: dict) -> str:
                 lines.append(f"| {name} | {run} | | failed: {r['error'][:80]} | | | |")
                 continue
             speedup = "1.00x" if run == "dense" else f"{summary.get('step_speedup', {}).get(run, float('nan')):.2f}x"
-            relative = (f"{r['sampling_s'] / dense['sampling_s']:.2f}x" if "sampling_s" in dense else "")
+            same_steps = "step_s" in dense and len(dense["step_s"]) == len(r["step_s"])
+            relative = f"{r['sampling_s'] / dense['sampling_s']:.2f}x" if same_steps else ""
             lines.append(f"| {name} | {run} | {len(r['step_s'])} | {1000 * r['median_step_s']:.0f} ms | {speedup} | "
                          f"{r['sampling_s']:.1f} s | {relative} |")
     return "\n".join(lines)
@@ -463,6 +486,8 @@ def main() -> int:
         if name not in steps or not count.isdigit() or int(count) < 2:
             raise SystemExit(f"--steps {item!r}: expected MODEL=N with a model of --models and N >= 2")
         steps[name] = int(count)
+    if ARGS.timing_steps < 2:
+        raise SystemExit(f"--timing-steps {ARGS.timing_steps}: expected 2 or more (the first step is left out)")
     if not ARGS.smoke and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU (--smoke runs its graphs with small models on the CPU)")
     if "sol" in runs:
@@ -471,7 +496,8 @@ def main() -> int:
     out_dir = Path(ARGS.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     av = pyav()
-    nodes = {**helper_nodes.NODES, "TimeSampling": TimeSampling, "ApplySolAttention": ApplySolAttention}
+    nodes = {**helper_nodes.NODES, "TimeSampling": TimeSampling, "ApplySolAttention": ApplySolAttention,
+             "SyntheticPAROPlan": SyntheticPAROPlan}
     comfy_env.start(Path(tempfile.mkdtemp(prefix="comfyui-models-")), nodes, cpu=ARGS.smoke)
     import comfy.model_management
     import comfyui_version
@@ -490,16 +516,16 @@ def main() -> int:
                "batch": "cond + uncond in one call where ComfyUI batches them ('batch' per call)", "models": {}}
     path = out_dir / results_name(names, runs, label)
     unet = Path(folder_paths.get_folder_paths("diffusion_models")[0])
-    plans = Path(folder_paths.get_folder_paths("paroattn")[0])
     unet.mkdir(parents=True, exist_ok=True)
-    plans.mkdir(parents=True, exist_ok=True)
     failed = False
     for name in names:
         model = MODELS[name]
         config = {**model.config, **(model.smoke if ARGS.smoke else {})}
         layout = model.layout(ARGS.smoke)
+        timing = min(steps[name], ARGS.timing_steps)
         entry = results["models"][name] = {"tokens": str(layout), "size": model.smoke_size if ARGS.smoke else model.size,
                                            "steps": steps[name], "sampler": model.sampler, "shift": model.shift,
+                                           "paro_sol_steps": timing,
                                            "text_tokens": (model.smoke_text if ARGS.smoke else model.text)["tokens"],
                                            "runs": {}}
         start = time.perf_counter()
@@ -511,7 +537,7 @@ def main() -> int:
             start = time.perf_counter()
             plan = synthetic_plan(model, layout, config["num_layers"], config["num_attention_heads"],
                                   (ARGS.query_block, KEY_BLOCK), device)
-            plan.save(plans / f"{name}-synthetic.safetensors")
+            PLANS[name] = plan
             entry["plan"] = {"achieved_density": plan.achieved_density(), "made_s": time.perf_counter() - start}
         plan_cache = Path(tempfile.mkdtemp(prefix=f"paroattn-plan-cache-{name}-"))
         os.environ["PAROATTN_CACHE"] = str(plan_cache)  # plan 'auto' starts from an empty cache
@@ -522,7 +548,8 @@ def main() -> int:
         for run in order:
             start = time.perf_counter()
             try:
-                record = run_graph(name, model, run, 1 if run == "warmup" else steps[name], session, plan_cache)
+                count = {"warmup": 1, "paro": timing, "sol": timing}.get(run, steps[name])
+                record = run_graph(name, model, run, count, session, plan_cache)
             except Exception as exc:  # one graph's failure is recorded; the others still run
                 record = {"error": f"{type(exc).__name__}: {exc}"}
             record["wall_s"] = time.perf_counter() - start
@@ -547,8 +574,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
     parser.add_argument("--runs", default="dense,paro,sol,auto", help=f"comma-separated, from {list(RUNS)}")
-    parser.add_argument("--steps", default="", help="MODEL=N,... (default: " + ", ".join(
-        f"{n} {m.steps}" for n, m in MODELS.items()) + "; 3 with --smoke)")
+    parser.add_argument("--steps", default="", help="MODEL=N,...: the dense, auto and dense_again runs' steps "
+                        "(default: " + ", ".join(f"{n} {m.steps}" for n, m in MODELS.items()) + "; 3 with --smoke)")
+    parser.add_argument("--timing-steps", type=int, default=6,
+                        help="the paro and sol runs' steps (at most the model's): their median needs fewer")
     parser.add_argument("--density", type=float, default=0.2)
     parser.add_argument("--qk", default="int8")
     parser.add_argument("--pv", default="fp8")
