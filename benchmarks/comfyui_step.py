@@ -422,19 +422,26 @@ def results_name(models: list[str], runs: list[str], device: str) -> str:
     return "-".join(parts) + ".json"
 
 
+def one_line(text: str, limit: int = 100) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def table(results: dict) -> str:
     lines = [f"{results['device']}, torch {results['torch']}, ComfyUI {results.get('comfyui', '?')}, comfy-kitchen "
              f"{results.get('comfy_kitchen', '?')}",
              "| model | graph | steps | step (median) | vs dense | sampling run | vs dense run |",
              "|---|---|---|---|---|---|---|"]
     for name, model in results["models"].items():
+        if "error" in model:
+            lines.append(f"| {name} | | | failed: {one_line(model['error'])} | | | |")
         runs, summary = model.get("runs", {}), model.get("summary", {})
         dense = runs.get("dense", {})
         for run, r in runs.items():
             if run == "warmup":
                 continue
             if "error" in r:
-                lines.append(f"| {name} | {run} | | failed: {r['error'][:80]} | | | |")
+                lines.append(f"| {name} | {run} | | failed: {one_line(r['error'])} | | | |")
                 continue
             speedup = "1.00x" if run == "dense" else f"{summary.get('step_speedup', {}).get(run, float('nan')):.2f}x"
             same_steps = "step_s" in dense and len(dense["step_s"]) == len(r["step_s"])
@@ -469,6 +476,60 @@ def check_sol() -> None:
                          "False): leave sol out of --runs")
 
 
+def run_model(name: str, runs: list[str], steps: int, entry: dict, weights: Path, save) -> bool:
+    """Write `name`'s random weights (and synthetic plan), then run its graphs in one ComfyUI session, filling
+    `entry` and calling `save()` after each; whether a graph failed."""
+    import comfy_env
+    import helper_nodes
+
+    model = MODELS[name]
+    device = "cpu" if ARGS.smoke else "cuda"
+    config = {**model.config, **(model.smoke if ARGS.smoke else {})}
+    layout = model.layout(ARGS.smoke)
+    timing = min(steps, ARGS.timing_steps)
+    entry.update(tokens=str(layout), size=model.smoke_size if ARGS.smoke else model.size, steps=steps,
+                 paro_sol_steps=timing, sampler=model.sampler, shift=model.shift,
+                 text_tokens=(model.smoke_text if ARGS.smoke else model.text)["tokens"], runs={})
+    start = time.perf_counter()
+    entry["parameters"] = write_random_weights(model, config, weights, device)
+    entry["weights_written_s"] = time.perf_counter() - start
+    print(f"{name}: {entry['parameters'] / 1e9:.2f} G random parameters written in {entry['weights_written_s']:.0f} s",
+          flush=True)
+    if "paro" in runs:
+        start = time.perf_counter()
+        PLANS[name] = synthetic_plan(model, layout, config["num_layers"], config["num_attention_heads"],
+                                     (ARGS.query_block, KEY_BLOCK), device)
+        entry["plan"] = {"achieved_density": PLANS[name].achieved_density(), "made_s": time.perf_counter() - start}
+    plan_cache = Path(tempfile.mkdtemp(prefix=f"paroattn-plan-cache-{name}-"))
+    os.environ["PAROATTN_CACHE"] = str(plan_cache)  # plan 'auto' starts from an empty cache
+    session = comfy_env.executor()
+    order = ["warmup"]
+    for run in (r for r in RUNS if r in runs):
+        order += ["auto_learn", "auto_next"] if run == "auto" else [run]
+    failed = False
+    for run in order:
+        start = time.perf_counter()
+        if run == "auto_next" and "error" in entry["runs"].get("auto_learn", {}):
+            record = {"error": "not run: auto_learn failed (this run would learn again)"}
+        else:
+            try:
+                count = {"warmup": 1, "paro": timing, "sol": timing}.get(run, steps)
+                record = run_graph(name, model, run, count, session, plan_cache)
+            except Exception as exc:  # one graph's failure is recorded; the others still run
+                record = {"error": f"{type(exc).__name__}: {exc}"}
+        record["wall_s"] = time.perf_counter() - start
+        entry["runs"][run] = record
+        failed |= "error" in record
+        print(f"{name} {run}: " + (f"failed: {record['error']}" if "error" in record else
+                                    f"median step {record['median_step_s']:.3f} s over {len(record['step_s'])} "
+                                    f"steps, sampling run {record['sampling_s']:.1f} s"), flush=True)
+        latents = {r: helper_nodes.RECORDS[f"{name}:{r}"][-1] for r in entry["runs"]
+                   if f"{name}:{r}" in helper_nodes.RECORDS}
+        entry["summary"] = summarize(entry["runs"], latents)
+        save()
+    return failed
+
+
 def main() -> int:
     import comfy_env
     import helper_nodes
@@ -492,7 +553,6 @@ def main() -> int:
         raise SystemExit("this benchmark needs a CUDA GPU (--smoke runs its graphs with small models on the CPU)")
     if "sol" in runs:
         check_sol()
-    device = "cpu" if ARGS.smoke else "cuda"
     out_dir = Path(ARGS.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     av = pyav()
@@ -512,57 +572,27 @@ def main() -> int:
                               "(transformer_options['optimized_attention_override']) on the self-attention calls "
                               "Apply PARO takes; ComfyUI 0.30.0 has no Block Sparse Attention node"},
                "auto": {"density": ARGS.density, "qk": ARGS.qk, "pv": ARGS.pv, "block_size": AUTO_BLOCK,
-                        "plan_cache": "an empty temporary folder per model ($PAROATTN_CACHE)"},
-               "batch": "cond + uncond in one call where ComfyUI batches them ('batch' per call)", "models": {}}
+                        "plan_cache": "an empty temporary folder per model ($PAROATTN_CACHE)"}, "models": {}}
     path = out_dir / results_name(names, runs, label)
     unet = Path(folder_paths.get_folder_paths("diffusion_models")[0])
     unet.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        path.write_text(json.dumps(results, indent=1))
+
     failed = False
     for name in names:
-        model = MODELS[name]
-        config = {**model.config, **(model.smoke if ARGS.smoke else {})}
-        layout = model.layout(ARGS.smoke)
-        timing = min(steps[name], ARGS.timing_steps)
-        entry = results["models"][name] = {"tokens": str(layout), "size": model.smoke_size if ARGS.smoke else model.size,
-                                           "steps": steps[name], "sampler": model.sampler, "shift": model.shift,
-                                           "paro_sol_steps": timing,
-                                           "text_tokens": (model.smoke_text if ARGS.smoke else model.text)["tokens"],
-                                           "runs": {}}
-        start = time.perf_counter()
-        entry["parameters"] = write_random_weights(model, config, unet / f"{name}-random.safetensors", device)
-        entry["weights_written_s"] = time.perf_counter() - start
-        print(f"{name}: {entry['parameters'] / 1e9:.2f} G random parameters written in "
-              f"{entry['weights_written_s']:.0f} s", flush=True)
-        if "paro" in runs:
-            start = time.perf_counter()
-            plan = synthetic_plan(model, layout, config["num_layers"], config["num_attention_heads"],
-                                  (ARGS.query_block, KEY_BLOCK), device)
-            PLANS[name] = plan
-            entry["plan"] = {"achieved_density": plan.achieved_density(), "made_s": time.perf_counter() - start}
-        plan_cache = Path(tempfile.mkdtemp(prefix=f"paroattn-plan-cache-{name}-"))
-        os.environ["PAROATTN_CACHE"] = str(plan_cache)  # plan 'auto' starts from an empty cache
-        session = comfy_env.executor()
-        order = ["warmup"]
-        for run in (r for r in RUNS if r in runs):
-            order += ["auto_learn", "auto_next"] if run == "auto" else [run]
-        for run in order:
-            start = time.perf_counter()
-            try:
-                count = {"warmup": 1, "paro": timing, "sol": timing}.get(run, steps[name])
-                record = run_graph(name, model, run, count, session, plan_cache)
-            except Exception as exc:  # one graph's failure is recorded; the others still run
-                record = {"error": f"{type(exc).__name__}: {exc}"}
-            record["wall_s"] = time.perf_counter() - start
-            entry["runs"][run] = record
-            failed |= "error" in record
-            print(f"{name} {run}: " + (f"failed: {record['error']}" if "error" in record else
-                                        f"median step {record['median_step_s']:.3f} s over {len(record['step_s'])} "
-                                        f"steps, sampling run {record['sampling_s']:.1f} s"), flush=True)
-            latents = {r: helper_nodes.RECORDS[f"{name}:{r}"][-1] for r in entry["runs"]
-                       if f"{name}:{r}" in helper_nodes.RECORDS}
-            entry["summary"] = summarize(entry["runs"], latents)
-            path.write_text(json.dumps(results, indent=1))
-        del session
+        entry = results["models"][name] = {}
+        weights = unet / f"{name}-random.safetensors"
+        try:
+            failed |= run_model(name, runs, steps[name], entry, weights, save)
+        except Exception as exc:  # the model's setup failed: the next model still runs
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            failed = True
+            print(f"{name}: failed: {entry['error']}", flush=True)
+        save()
+        PLANS.pop(name, None)
+        weights.unlink(missing_ok=True)  # loaded by now; the next model's file may need the room
         comfy.model_management.unload_all_models()
         gc.collect()
         comfy.model_management.soft_empty_cache()
