@@ -39,6 +39,8 @@ ComfyUI comes from `comfyui/tests/comfy_env.py` (PAROATTN_COMFYUI, or the comfy-
 PAROATTN_COMFYUI_CACHE) and needs its requirements (`comfyui/tests/requirements.txt`) beside a torch with its
 matching torchvision; the sol graphs need comfy-kitchen 0.2.40 or newer. ComfyUI imports PyAV at start for its video
 nodes, which these graphs do not use: where PyAV is not installed, its modules are stand-ins (the results say so).
+ComfyUI runs as in the graph tests, without its server's main.py, which on an NVIDIA GPU turns comfy-aimdo's dynamic
+VRAM on: here the models are handled by ComfyUI's other model patcher (the results' "dynamic_vram": false).
 """
 
 from __future__ import annotations
@@ -559,13 +561,15 @@ def main() -> int:
     nodes = {**helper_nodes.NODES, "TimeSampling": TimeSampling, "ApplySolAttention": ApplySolAttention,
              "SyntheticPAROPlan": SyntheticPAROPlan}
     comfy_env.start(Path(tempfile.mkdtemp(prefix="comfyui-models-")), nodes, cpu=ARGS.smoke)
+    import comfy.memory_management
     import comfy.model_management
     import comfyui_version
     import folder_paths
 
     label = "cpu (smoke)" if ARGS.smoke else torch.cuda.get_device_name()
     results = {"device": label, "torch": torch.__version__, **versions(), "comfyui": comfyui_version.__version__,
-               "pyav": av, "density": ARGS.density, "qk": ARGS.qk, "pv": ARGS.pv, "backend": BACKEND,
+               "pyav": av, "dynamic_vram": comfy.memory_management.aimdo_enabled,  # main.py's, which does not run
+               "density": ARGS.density, "qk": ARGS.qk, "pv": ARGS.pv, "backend": BACKEND,
                "block_size": [ARGS.query_block, KEY_BLOCK], "plan_buckets": BUCKETS,
                "sol": {"topk_ratio": ARGS.sol_topk, "tail": True,
                        "via": "comfy_kitchen.sol_attn in ComfyUI's attention override "
