@@ -304,7 +304,7 @@ def synthetic_plan(model: VideoModel, layout, layers: int, heads: int, block: tu
     masks at --density, drawn on `device` (on a CPU a full-size plan takes minutes)."""
     from paroattn import Plan
     from paroattn.masks import mask_shape, synthetic_block_mask
-    from paroattn.plan.model import default_bucket_edges
+    from paroattn.plan import default_bucket_edges
 
     skeleton = Plan.synthetic(layout=layout, num_layers=layers, num_heads=heads, density=1.0, orders="random",
                               block_size=block, qk=ARGS.qk, pv=ARGS.pv, model_class=model.diffusers_class)
