@@ -16,8 +16,8 @@ length; HunyuanVideo 1.5 6), the paro and sol graphs `--timing-steps` (6):
 - dense: ComfyUI's own attention;
 - paro: Apply PARO (`--backend`, int8 QK + fp8 PV by default) with a synthetic plan of a calibrated plan's size:
   random orders, 6 timestep buckets of block masks at `--density` (time depends on the density, not on which blocks
-  are kept), handed over as Load PARO plan hands a file's (a full-size plan's file round trip takes longer than its
-  sampling and is not timed anyway);
+  are kept), handed to Apply PARO as Load PARO plan hands a file's (writing and reading a full-size plan's file is
+  left out: it is not part of sampling);
 - sol: comfy-kitchen's `sol_attn` at top-k `--sol-topk` on exactly the self-attention calls Apply PARO takes (the
   pack's split of the calls), through ComfyUI's attention override (`transformer_options`
   ["optimized_attention_override"]); ComfyUI 0.30.0 has no Block Sparse Attention node and no node that selects a
