@@ -125,14 +125,18 @@ class AutoPlan(AttentionHook):
     def bucket_of(self, timestep: float) -> int | None:
         return self.runner.bucket_of(timestep) if self.runner is not None else None
 
+    @property
+    def state(self) -> str:
+        return f"{self.token}-{'plan' if self.runner is not None else 'dense'}"
+
     def self_attention(self, attention, layout, problem, call, func, args, kwargs):
         if self.runner is not None:
             return self.runner.self_attention(attention, layout, problem, call, func, args, kwargs)
-        if self.recorder is None:  # dense: another process learns the plan
-            return self.other(func, args, kwargs)
         return self.record(attention, layout, problem, call, func, args, kwargs)
 
     def recorded(self, attention, layout, problem, geometry):
+        if self.recorder is None:  # dense: another process learns the plan
+            return
         if problem is not None:
             message = f"plan 'auto' cannot learn from this model call: {problem}"
             if self.on_mismatch == "error":

@@ -6,10 +6,10 @@ Three pieces, in the clone's `model_options["transformer_options"]`:
   the plan's timestep bucket, to the diffusion model as a keyword argument (a `ModelCall`);
 - a `diffusion_model` wrapper, which moves that `ModelCall` into the model's `transformer_options` (a per-call
   copy, so concurrent calls do not mix), where its attention calls find it;
-- `optimized_attention_override`, which ComfyUI calls instead of its attention function: self-attention calls
-  run `paroattn.paro_attention` with the plan's orders and the mask of the call's timestep bucket and layer;
-  every other call (cross-attention, other models' parts, calls PARO cannot take) goes to ComfyUI's own
-  function, or to an override installed before this one.
+- `optimized_attention_override` (an `AttentionOverride`), which ComfyUI calls instead of its attention function:
+  self-attention calls run `paroattn.paro_attention` with the plan's orders and the mask of the call's timestep
+  bucket and layer; every other call (cross-attention, other models' parts, calls PARO cannot take) goes to
+  ComfyUI's own function, or to an override installed before this one.
 
 `PARORunner` runs a plan through `paroattn.runner.PlanRunner` (the plan of each size, the masks, the op call);
 `StatsCapture` records the dense calls' statistics for calibration; `auto.AutoPlan` (plan 'auto') does the one,
@@ -17,9 +17,9 @@ then the other.
 
 Under ComfyUI's TorchCompileModel (the diffusion model compiled whole) the hook is traced into the model's graph:
 - the compile node drops every guard on `transformer_options`, so a graph would keep whatever it read there at
-  trace time. The hook reads nothing from there but the `ModelCall`, and that through its own object, which
-  entered the model as a keyword argument: dynamo guards what the graph reads of it (the plan's modes and dense
-  flags, the masks' shapes, the hook) and fetches its tensors at every call;
+  trace time. The hook reads nothing there but the `ModelCall`, which entered the model as a keyword argument
+  first: dynamo guards what the graph reads of it (the hook's token, the plan's modes and dense flags, the masks'
+  shapes) and fetches its tensors at every call. A new hook (Apply PARO run again) recompiles the forward once;
 - the bucket enters the graph as a 0-dim device tensor (`ModelCall.bucket_index`), which indexes the stacked
   masks in the graph: one graph serves every step and bucket. A layer whose dense flag differs between buckets
   computes both the model's attention and PARO and keeps one (`torch.where`);
@@ -28,15 +28,19 @@ Under ComfyUI's TorchCompileModel (the diffusion model compiled whole) the hook 
 - masks the runner streams per layer on a side CUDA stream (a plan's active-block lists over the resident
   limit) cannot be traced: such calls run eagerly (`_streamed_attention`, a graph break each);
 - plan 'auto' learning and calibration run eagerly (`AttentionHook.record`), once.
-In frames dynamo resumes after a graph break elsewhere in the model, the `ModelCall` comes from
-`transformer_options` like everything else there, unguarded: one compiled model then serves one plan.
+- frames dynamo starts inside the model after a graph break elsewhere (an attention function of ComfyUI's that
+  it cannot trace) read the `ModelCall` from `transformer_options`, unguarded. What pins the hook there is a
+  module global, `_ACTIVE`, the state of the one hook whose model calls are in flight, which every traced call
+  reads (a guard); while model calls of several hooks overlap (threads) it is None, and the calls run eagerly.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +58,22 @@ OR_DENSE = " (or set on_mismatch to 'dense' to run the model's own attention)"
 # dynamo never turns into symbolic values
 _HOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _TOKENS = itertools.count()
+
+# the `AttentionHook.state` of the one hook whose model calls are in flight (None while none or several hooks' are):
+# traced calls read it, so that every graph holding the hook is guarded on it, also in frames that read the hook
+# from transformer_options
+_ACTIVE: str | None = None
+_IN_FLIGHT: Counter = Counter()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _set_in_flight(state: str, change: int) -> None:
+    global _ACTIVE
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT[state] += change
+        if _IN_FLIGHT[state] <= 0:
+            del _IN_FLIGHT[state]
+        _ACTIVE = next(iter(_IN_FLIGHT)) if len(_IN_FLIGHT) == 1 else None
 
 
 @dataclass
@@ -137,8 +157,17 @@ class AttentionHook:
         bucket = self.bucket_of(geometry.timestep)
         call = ModelCall(self, self.override, geometry, bucket,
                          None if bucket is None else self.bucket_tensor(bucket, x.device))
-        # a keyword argument of the compiled diffusion model, unlike transformer_options, is guarded
-        return executor(x, t, c_concat, c_crossattn, control, transformer_options, **{**kwargs, CALL_KEY: call})
+        state = self.state
+        _set_in_flight(state, 1)
+        try:  # a keyword argument of the compiled diffusion model, unlike transformer_options, is guarded
+            return executor(x, t, c_concat, c_crossattn, control, transformer_options, **{**kwargs, CALL_KEY: call})
+        finally:
+            _set_in_flight(state, -1)
+
+    @property
+    def state(self) -> str:
+        """What a traced graph of this hook's calls depends on beyond the `ModelCall`: the hook."""
+        return self.token
 
     def bucket_of(self, timestep: float) -> int | None:
         """The plan's bucket of a timestep on the 0..1000 scale (None: no plan runs)."""
@@ -157,6 +186,11 @@ class AttentionHook:
 
     def attend(self, call: ModelCall, func, args, kwargs):
         """An attention call of one of this hook's model calls."""
+        if _ACTIVE != self.state:  # model calls of several hooks in flight (threads): each call eagerly
+            return _attend_eagerly(self, call, func, args, kwargs)
+        return self.attend_call(call, func, args, kwargs)
+
+    def attend_call(self, call: ModelCall, func, args, kwargs):
         options = kwargs["transformer_options"]
         # ComfyUI's attention functions take (q, k, v, heads, mask=None, ...); models pass heads by position or name
         heads = args[3] if len(args) > 3 else kwargs.get("heads")
@@ -186,6 +220,11 @@ class AttentionHook:
     def recorded(self, attention: SelfAttention, layout: TokenLayout | None, problem: str | None,
                  geometry: CallGeometry) -> None:
         raise NotImplementedError
+
+
+@torch.compiler.disable(reason="PARO's attention hook runs eagerly while model calls of several hooks are in flight")
+def _attend_eagerly(hook: AttentionHook, call: ModelCall, func, args, kwargs):
+    return hook.attend_call(call, func, args, kwargs)
 
 
 @torch._dynamo.assume_constant_result

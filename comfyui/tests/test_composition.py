@@ -309,10 +309,14 @@ def test_torch_compile_model_traces_paro_into_the_models_one_graph(sdpa):
     assert disabled_only(streamed.breaks) and relative(latent_of("compiled-streamed"), eager) < 1e-5
 
 
-def test_torch_compile_model_recompiles_once_for_each_apply_paro(sdpa):
+@pytest.mark.parametrize("attention", ["sdpa", "sub-quadratic"])
+def test_torch_compile_model_recompiles_once_for_each_apply_paro(wan, attention, request):
     """ComfyUI's compile node drops every guard on transformer_options, and one dynamo cache serves every
     TorchCompileModel of a process: a new Apply PARO (another plan, or none) must not run a graph traced for
-    another. Each run below gets its own plan's latent, at the cost of one recompile of the model's forward."""
+    another. Each run below gets its own plan's latent, at the cost of one recompile of the model's forward; also
+    with ComfyUI's CPU attention function, which breaks the graphs (dynamo resumes in frames of their own)."""
+    if attention == "sdpa":
+        request.getfixturevalue("sdpa")
     plans = {"a": save_plan(bucket_dependent_plan(16), "compile-a.safetensors"),
              "b": save_plan(synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=17),
                             "compile-b.safetensors")}
@@ -325,11 +329,15 @@ def test_torch_compile_model_recompiles_once_for_each_apply_paro(sdpa):
             assert run_chained([*nodes[key], COMPILE], keep=f"compiled-{i}")[:2] == (True, "")
     print("\n".join(f"{key}: {relative(latent_of(f'compiled-{i}'), latent_of(f'eager-{key}')):.2e} from eager"
                     for i, key in enumerate(order)))
-    print(f"{compiled.graphs} graphs, breaks {compiled.breaks}; recompiled:\n" + "\n".join(compiled.recompiled))
+    print(f"{compiled.graphs} graphs, {len(compiled.breaks)} breaks {sorted(set(compiled.breaks))}; recompiled:\n"
+          + "\n".join(compiled.recompiled))
     for i, key in enumerate(order):
         assert relative(latent_of(f"compiled-{i}"), latent_of(f"eager-{key}")) < 1e-5, (i, key)
-    assert compiled.breaks == [] and compiled.graphs == len(order)
-    assert [r.split(":")[0] for r in compiled.recompiled] == ["forward in model.py"] * (len(order) - 1)
+    if attention == "sdpa":
+        assert compiled.breaks == [] and compiled.graphs == len(order)
+        assert [r.split(":")[0] for r in compiled.recompiled] == ["forward in model.py"] * (len(order) - 1)
+    else:  # every break is ComfyUI's attention function's
+        assert set(compiled.breaks) == {"Failed to trace builtin operator"}
 
 
 def test_torch_compile_model_learns_plan_auto_eagerly_then_runs_it_in_the_graph(sdpa, monkeypatch, tmp_path):
