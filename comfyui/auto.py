@@ -122,23 +122,32 @@ class AutoPlan(AttentionHook):
         return output, plan
 
     # -- a self-attention call ------------------------------------------------------------------------
-    def self_attention(self, call, layout, problem, geometry, kwargs):
+    def bucket_of(self, timestep: float) -> int | None:
+        return self.runner.bucket_of(timestep) if self.runner is not None else None
+
+    @property
+    def state(self) -> str:
+        return f"{self.token}-{'plan' if self.runner is not None else 'dense'}"
+
+    def self_attention(self, attention, layout, problem, call, func, args, kwargs):
         if self.runner is not None:
-            return self.runner.self_attention(call, layout, problem, geometry, kwargs)
+            return self.runner.self_attention(attention, layout, problem, call, func, args, kwargs)
+        return self.record(attention, layout, problem, call, func, args, kwargs)
+
+    def recorded(self, attention, layout, problem, geometry):
         if self.recorder is None:  # dense: another process learns the plan
-            return None
+            return
         if problem is not None:
             message = f"plan 'auto' cannot learn from this model call: {problem}"
             if self.on_mismatch == "error":
                 raise PlanError(message + OR_DENSE)
             self._warn_once(message + "; running the model's own attention there (on_mismatch='dense')")
-            return None
+            return
         if self.timestep is not None and geometry.timestep != self.timestep:
             self.recorder.step_done()
         self.timestep = geometry.timestep
-        self.recorder.record(call.layer, call.q, call.k, layout, geometry.timestep)
+        self.recorder.record(attention.layer, attention.q, attention.k, layout, geometry.timestep)
         self.captured += 1
-        return None
 
     def _warn_once(self, message: str) -> None:
         if message not in self.warned:

@@ -61,6 +61,24 @@ def test_runner_takes_lists_exactly_where_a_kernel_runs(monkeypatch):
 
 
 # -- the runner ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("resident", "limit", "traceable"), [(False, None, False), ("auto", 0, False),
+                                                                  ("auto", None, True), (True, 0, True)])
+def test_traceable_is_false_exactly_where_the_masks_would_stream(monkeypatch, resident, limit, traceable):
+    """Masks a graph traced by torch.compile can read: all but the active-block lists a CUDA runner streams
+    (resident=False, or "auto" over the resident limit); a bool-mask runner (the reference) never streams."""
+    import paroattn.runner.runner as runner_module
+
+    if limit is not None:
+        monkeypatch.setattr(runner_module, "RESIDENT_LIMIT_BYTES", limit)
+    runner = PlanRunner(small_plan(), resident=resident)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(PlanRunner, "uses_block_lists", lambda self, device, *_: torch.device(device).type == "cuda")
+    assert runner.traceable(LAYOUT, cuda, torch.float16, 64) is traceable
+    assert runner.traceable(LAYOUT, torch.device("cpu"), torch.float16, 64)
+    monkeypatch.setattr(PlanRunner, "uses_block_lists", lambda *_: False)
+    assert runner.traceable(LAYOUT, cuda, torch.float16, 64)
+
+
 def test_attention_is_the_op_on_the_layers_orders_and_mask():
     plan = small_plan()
     runner = PlanRunner(plan, backend="torch")

@@ -5,6 +5,7 @@ the like), which every call PARO leaves must run."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -206,23 +207,50 @@ def test_calls_paro_leaves_run_the_attention_function_comfyui_selected(wan, monk
 COMPILE = ("TorchCompileModel", {"backend": "inductor"})
 
 
-def compiled_run(nodes, keep: str) -> tuple[list[str], list[str]]:
-    """Run the graph with the model compiled by TorchCompileModel from a fresh dynamo cache; (the reasons of its
-    graph breaks, one per break, the functions it recompiled)."""
+def disabled_only(breaks: list[str]) -> bool:
+    """Whether every break is at a call of a `torch.compiler.disable`d function (none inside it), and there is one."""
+    return bool(breaks) and all(b.endswith("`torch.compiler.disable()`d function") for b in breaks)
+
+
+@pytest.fixture
+def sdpa(wan, monkeypatch):
+    """The tiny Wan with PyTorch's SDPA as ComfyUI's attention function, ComfyUI's choice on NVIDIA GPUs: the model
+    compiles into one graph. (On the CPU ComfyUI picks its sub-quadratic attention, which breaks every graph it is
+    traced in, with or without PARO: 'Failed to trace builtin operator'.)"""
+    import comfy.ldm.wan.model
+    from comfy.ldm.modules.attention import attention_pytorch
+
+    monkeypatch.setattr(comfy.ldm.wan.model, "optimized_attention", attention_pytorch)
+
+
+class Compiled:
+    """What dynamo did while graphs ran under TorchCompileModel: `breaks`, the reasons of its graph breaks (one per
+    break traced); `recompiled`, "function in file: the first failed guard" per recompile; `graphs`, the graphs
+    it compiled."""
+
+    def __init__(self):
+        self.breaks: list[str] = []
+        self.recompiled: list[str] = []
+        self.graphs = 0
+
+
+@contextlib.contextmanager
+def dynamo_record():
+    """A `Compiled` filled by the graphs run inside, from a fresh dynamo cache (reset again after)."""
     import logging
 
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    recompiled = []
+    compiled = Compiled()
 
     class Recompiles(logging.Handler):
         def emit(self, record):
             message = record.getMessage()
             if message.startswith("Recompiling function"):
-                recompiled.append(message.split(" in ")[0].removeprefix("Recompiling function ") + " in "
-                                  + message.split(" in ")[1].split(":")[0].rsplit("/", 2)[-1] + ": "
-                                  + message.split("\n")[2].strip())
+                function, where = message.split("\n")[0].removeprefix("Recompiling function ").split(" in ")
+                guard = message.split("\n")[2].strip().split("  #")[0]
+                compiled.recompiled.append(f"{function} in {where.split(':')[0].rsplit('/', 1)[-1]}: {guard}")
 
     handler = Recompiles()
     logger = logging.getLogger("torch._dynamo")
@@ -231,27 +259,106 @@ def compiled_run(nodes, keep: str) -> tuple[list[str], list[str]]:
     torch._dynamo.reset()
     counters.clear()
     try:
-        assert run_chained([*nodes, COMPILE], keep=keep)[:2] == (True, "")
-        breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items() for _ in range(count)]
+        yield compiled
+        compiled.breaks = [reason.split("\n")[0] for reason, count in counters["graph_break"].items()
+                           for _ in range(count)]
+        compiled.graphs = counters["stats"]["unique_graphs"]
     finally:
         logger.removeHandler(handler)
         torch._logging.set_logs()
-        torch._dynamo.reset()  # the graphs of this run only
-    return breaks, recompiled
+        torch._dynamo.reset()
 
 
-def test_torch_compile_model_runs_the_plan_of_every_call(wan):
-    """The PARO hook runs eagerly inside the compiled model (a graph break at each attention call): the compiled
-    run equals the eager one, every layer and step with its own plan entry, and PARO adds no recompile."""
-    plan = synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=16)
-    name = save_plan(plan, "compile-d05.safetensors")
-    plain_breaks, plain_recompiled = compiled_run([], "compiled-plain")
-    breaks, recompiled = compiled_run([apply_paro(name)], "compiled-paro")
+def compiled_run(nodes, keep: str) -> Compiled:
+    """Run the graph with the model compiled by TorchCompileModel, from a fresh dynamo cache."""
+    with dynamo_record() as compiled:
+        assert run_chained([*nodes, COMPILE], keep=keep)[:2] == (True, "")
+    return compiled
+
+
+def bucket_dependent_plan(seed: int) -> Plan:
+    """A d=0.5 plan whose 3 buckets the 3 steps cross, layer 1 dense in the first bucket only (its flag depends on
+    the bucket: a traced call computes both and keeps the bucket's)."""
+    plan = synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=seed)
+    plan.dense[0, 1] = True
+    return plan
+
+
+def test_torch_compile_model_traces_paro_into_the_models_one_graph(sdpa):
+    """Under TorchCompileModel the model with Apply PARO is one graph, as without it: no graph break, no
+    recompile across steps and buckets (the bucket is a tensor in the graph), and the compiled latent equals the
+    eager one. Masks the runner would stream (a large plan on a GPU) run eagerly instead, a break at each call."""
+    name = save_plan(bucket_dependent_plan(16), "compile-d05.safetensors")
+    plain = compiled_run([], "compiled-plain")
+    paro = compiled_run([apply_paro(name)], "compiled-paro")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PlanRunner, "traceable", lambda *_: False)
+        streamed = compiled_run([apply_paro(name)], "compiled-streamed")
     assert run_chained([apply_paro(name)], keep="eager-paro")[:2] == (True, "")
-    paro, eager, plain = latent_of("compiled-paro"), latent_of("eager-paro"), latent_of("compiled-plain")
-    print(f"compiled vs eager PARO: {relative(paro, eager):.2e}; vs compiled without PARO: {relative(paro, plain):.2e}"
-          f"\ngraph breaks without PARO: {len(plain_breaks)} ({sorted(set(plain_breaks))}); with PARO: {len(breaks)} "
-          f"({sorted(set(breaks))})\nrecompiled without PARO: {plain_recompiled}\nwith PARO: {recompiled}")
-    assert relative(paro, eager) < 1e-5 and relative(paro, plain) > 1e-4
-    assert set(breaks) == {"Skip inlining `torch.compiler.disable()`d function"}  # the hook's, nothing inside it
-    assert not [r for r in recompiled if "hook.py" in r or "paroattn" in r]
+    eager = latent_of("eager-paro")
+    print(f"compiled vs eager PARO: {relative(latent_of('compiled-paro'), eager):.2e}; vs compiled without PARO: "
+          f"{relative(latent_of('compiled-paro'), latent_of('compiled-plain')):.2e}; streamed masks: "
+          f"{relative(latent_of('compiled-streamed'), eager):.2e}")
+    for key, run in (("without PARO", plain), ("with PARO", paro), ("streamed", streamed)):
+        print(f"{key}: {run.graphs} graphs, {len(run.breaks)} graph breaks {sorted(set(run.breaks))}, recompiled "
+              f"{run.recompiled}")
+    assert (plain.graphs, plain.breaks, plain.recompiled) == (1, [], [])
+    assert (paro.graphs, paro.breaks, paro.recompiled) == (1, [], [])
+    assert relative(latent_of("compiled-paro"), eager) < 1e-5
+    assert relative(latent_of("compiled-paro"), latent_of("compiled-plain")) > 1e-4
+    assert disabled_only(streamed.breaks) and relative(latent_of("compiled-streamed"), eager) < 1e-5
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "sub-quadratic"])
+def test_torch_compile_model_recompiles_once_for_each_apply_paro(wan, attention, request):
+    """ComfyUI's compile node drops every guard on transformer_options, and one dynamo cache serves every
+    TorchCompileModel of a process: a new Apply PARO (another plan, or none) must not run a graph traced for
+    another. Each run below gets its own plan's latent, at the cost of one recompile of the model's forward; also
+    with ComfyUI's CPU attention function, which breaks the graphs (dynamo resumes in frames of their own)."""
+    if attention == "sdpa":
+        request.getfixturevalue("sdpa")
+    plans = {"a": save_plan(bucket_dependent_plan(16), "compile-a.safetensors"),
+             "b": save_plan(synthetic_plan(WAN_LAYOUT, 2, "WanTransformer3DModel", 0.5, seed=17),
+                            "compile-b.safetensors")}
+    nodes = {"a": [apply_paro(plans["a"])], "b": [apply_paro(plans["b"])], "plain": []}
+    for key, chain in nodes.items():
+        assert run_chained(chain, keep=f"eager-{key}")[:2] == (True, "")
+    order = ["a", "b", "plain", "a"]
+    with dynamo_record() as compiled:
+        for i, key in enumerate(order):
+            assert run_chained([*nodes[key], COMPILE], keep=f"compiled-{i}")[:2] == (True, "")
+    print("\n".join(f"{key}: {relative(latent_of(f'compiled-{i}'), latent_of(f'eager-{key}')):.2e} from eager"
+                    for i, key in enumerate(order)))
+    print(f"{compiled.graphs} graphs, {len(compiled.breaks)} breaks {sorted(set(compiled.breaks))}; recompiled:\n"
+          + "\n".join(compiled.recompiled))
+    for i, key in enumerate(order):
+        assert relative(latent_of(f"compiled-{i}"), latent_of(f"eager-{key}")) < 1e-5, (i, key)
+    if attention == "sdpa":
+        assert compiled.breaks == [] and compiled.graphs == len(order)
+        assert [r.split(":")[0] for r in compiled.recompiled] == ["forward in model.py"] * (len(order) - 1)
+    else:  # every break is ComfyUI's attention function's
+        assert set(compiled.breaks) == {"Failed to trace builtin operator"}
+
+
+def test_torch_compile_model_learns_plan_auto_eagerly_then_runs_it_in_the_graph(sdpa, monkeypatch, tmp_path):
+    """Plan 'auto' under TorchCompileModel: the learning run records each self-attention call eagerly (a graph
+    break at each, once), the next run traces the learnt plan into the graph and equals its eager run."""
+    monkeypatch.setenv("PAROATTN_CACHE", str(tmp_path))
+    auto = [apply_paro(density=0.5, block_size=BLOCK)]
+    import comfy_env
+    from model_chain import chained
+
+    session = comfy_env.executor()  # one ComfyUI session: the second run reuses the hook that learnt
+    with dynamo_record() as learning:
+        assert run_chained([*auto, COMPILE], session, keep="compiled-learning")[:2] == (True, "")
+    with dynamo_record() as learnt:  # another seed, so that the sampler runs again
+        assert run_chained([*auto, COMPILE], session, keep="compiled-learnt", seed=8)[:2] == (True, "")
+    prompt, outputs = chained(auto, keep="eager-learnt", seed=8)
+    ok, messages = comfy_env.run(prompt, outputs)
+    assert (ok, comfy_env.error_message(messages)) == (True, "")
+    print(f"learning: {len(learning.breaks)} breaks {sorted(set(learning.breaks))}; learnt: {learnt.graphs} graphs, "
+          f"{len(learnt.breaks)} breaks, recompiled {learnt.recompiled}; compiled vs eager: "
+          f"{relative(latent_of('compiled-learnt'), latent_of('eager-learnt')):.2e}")
+    assert disabled_only(learning.breaks)
+    assert (learnt.graphs, learnt.breaks) == (1, [])
+    assert relative(latent_of("compiled-learnt"), latent_of("eager-learnt")) < 1e-5

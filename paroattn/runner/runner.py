@@ -147,10 +147,21 @@ class PlanRunner:
         """The masks of `store_key`."""
         return self.stores[self.store_key(layout, device, dtype, head_dim, traced=traced, bucket=bucket)]
 
+    def traceable(self, layout: TokenLayout | None, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether a graph traced by torch.compile can read the masks of calls of `layout` (as `store_key` takes
+        them): False where they are active-block lists that `resident` streams on a side CUDA stream."""
+        with self._lock:
+            plan = self.plan_at(layout, device)
+            return not (torch.device(device).type == "cuda" and self.uses_block_lists(device, dtype, head_dim)
+                        and self._streams(plan))
+
+    def _streams(self, plan: Plan) -> bool:
+        return self.resident is False or (self.resident == "auto" and list_bytes(plan) > RESIDENT_LIMIT_BYTES)
+
     def _check_resident(self, plan: Plan) -> None:
         """Refuse, with what to do, a plan whose masks `resident` would stream: streaming cannot be traced."""
         size = list_bytes(plan)
-        if self.resident is False or (self.resident == "auto" and size > RESIDENT_LIMIT_BYTES):
+        if self._streams(plan):
             why = ("resident=False asks for it" if self.resident is False else
                    f"the plan's active-block lists take {size / 2**20:.1f} MiB stacked, over the "
                    f"{RESIDENT_LIMIT_BYTES >> 20} MiB that resident='auto' keeps on the GPU")
