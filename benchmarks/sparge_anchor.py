@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from paroattn.layout import TokenLayout, reorder_table
-from paroattn.masks import dense_mask_from_blocks
+from paroattn.masks import dense_mask_from_blocks, synthetic_block_mask
 
 BLOCK_Q, BLOCK_K = 64, 128  # its sm90 kernel's query and key tile
 KERNEL_HEADER = Path("csrc/qattn/qk_int_sv_f8_cuda_sm90.cuh")
@@ -42,6 +42,9 @@ FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-U__CUDA_NO_HALF_OPERATORS__",
 KERNEL_EXTENSION, FUSED_EXTENSION = "_sparge_qattn_sm90", "_sparge_fused"
 # the kernel entry its call uses on sm90 (spas_sage_attn/core.py), served by the binding below
 ENTRY = "qk_int8_sv_f8_accum_f32_block_sparse_attn_inst_buf_fuse_v_scale_with_pv_threshold_sm90"
+# `check`'s bound on the relative L2 distance to the reference: its INT8/FP8 error is a few percent, a mask read in
+# other coordinates (another block shape, head or token order) about 1 on random inputs
+CHECK_TOLERANCE = 0.2
 
 # One head dim of its kernel as its call runs it on bf16 inputs: 64 x 128 tiles of 128 threads, one Q and K scale per
 # tile (granularity 1), the PV threshold per block (mode 1), V's scale fused, not causal, no PV counts.
@@ -272,5 +275,30 @@ def build(checkout: Path) -> Sparge:
     return Sparge(package)
 
 
-if __name__ == "__main__":  # python benchmarks/sparge_anchor.py CHECKOUT NAME: build one extension ahead of a run
+def check(checkout: Path) -> float:
+    """Its whole call on a small random call of each head dim (a text prefix, partial last blocks, two heads in two
+    orders) over paro's 128 x 64 mask, on reordered tokens, against `reference` over the same map: the largest relative
+    L2 distance, each printed."""
+    sparge = build(checkout)
+    layout = TokenLayout(16, 3, 12, 20)
+    n, orders = layout.seq_len, torch.tensor([3, 5])
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    worst = 0.0
+    for hd in HEAD_DIMS:
+        q, k, v = (torch.randn(1, 2, n, hd, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(3))
+        mask = synthetic_block_mask(2, -(-n // 128), -(-n // 64), 0.4, generator=torch.Generator().manual_seed(hd))
+        block_map = from_paro_mask(mask, (128, 64), n, batch=1).cuda()
+        out = on_reordered_tokens(sparge.whole_call, q, k, v, layout, orders, block_map).float()
+        expected = on_reordered_tokens(reference, q, k, v, layout, orders, block_map)
+        distance = float((out - expected).norm() / expected.norm())
+        print(f"SpargeAttn sm90, head dim {hd}: relative L2 distance to the reference over paro's mask {distance:.4f}")
+        worst = max(worst, distance)
+    return worst
+
+
+if __name__ == "__main__":
+    # python benchmarks/sparge_anchor.py CHECKOUT NAME: build one extension ahead of a run;
+    # python benchmarks/sparge_anchor.py CHECKOUT check: its call against the reference (exit 1 beyond the tolerance)
+    if sys.argv[2] == "check":
+        sys.exit(0 if check(Path(sys.argv[1])) < CHECK_TOLERANCE else 1)
     build_extension(Path(sys.argv[1]), sys.argv[2])

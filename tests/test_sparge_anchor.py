@@ -187,3 +187,37 @@ def test_benchmark_refuses_a_sparge_folder_without_its_source_and_leaders_withou
             attention.parse_arguments(args)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+@pytest.mark.parametrize("density", [1.0, 0.4])
+def test_benchmark_rows_time_its_call_over_paros_mask_and_its_own(monkeypatch, density):
+    """The benchmark's SpargeAttn rows on the CPU: the reference stands for its call, paro's torch reference for its
+    Triton kernel, the host for the GPU. Over paro's mask the row records the fraction of its blocks that covers, over
+    its own the row's density; each distance to the same attention on the same reordered tokens is ~0."""
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    monkeypatch.setattr(attention, "paro_attention",
+                        lambda *args, **kwargs: paro_attention(*args, **{**kwargs, "backend": "torch"}))
+    q, k, v, orders = qkv_and_orders(B=1, seed=4)
+    n = LAYOUT.seq_len
+    mask = attention.synthetic_block_mask(3, -(-n // 128), -(-n // 64), density,
+                                          generator=torch.Generator().manual_seed(5))
+    rows = []
+
+    def record(method, density, ms, error=None, **extra):
+        rows.append({"method": method, "density": density, "ms": ms, "error": error, **extra})
+        return rows[-1]
+
+    def timer(fn, sets, warmup, rep):
+        fn(*sets[0])
+        return 1.0
+
+    anchor = sparge_anchor.Sparge(package=None)
+    monkeypatch.setattr(anchor, "whole_call", sparge_anchor.reference)
+    attention._time_sparge(record, timer, anchor, [(q, k, v)], LAYOUT, orders, mask, (128, 64), density, 2.0, 1, 1)
+    methods = ["sparge-sm90"] + (["sparge-sm90-own"] if density < 1.0 else [])
+    assert [r["method"] for r in rows] == methods and all(r["ms"] == 1.0 and not r["error"] for r in rows)
+    covered = float(sparge_anchor.from_paro_mask(mask, (128, 64), n, 1).float().mean())
+    assert rows[0]["mask_density"] == pytest.approx(covered) and rows[0]["speedup_vs_sdpa"] == 2.0
+    if density < 1.0:
+        assert covered > density + 0.05 and abs(rows[1]["mask_density"] - density) < 0.1
+    assert all(r["rel_err_vs_reference"] < 1e-5 for r in rows), rows
