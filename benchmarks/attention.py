@@ -2,7 +2,9 @@
 flex_attention with the same block mask, sageattn (if importable), FlashAttention-3 bf16 and FP8 (`--fa3`, the
 optional `fa3-fwd` wheel), SageAttention2's sm90 kernel and whole call (`--sage2 CHECKOUT`, built from its source by
 benchmarks/sage2_anchor.py), Sol-Attn, the calibration-free block-sparse attention of comfy-kitchen and ComfyUI, at
-each density (`--sol`, benchmarks/sol_anchor.py), and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
+each density (`--sol`, benchmarks/sol_anchor.py), SpargeAttn's sm90 block-sparse call over paro's mask of each
+density and over a mask of its own blocks (`--sparge CHECKOUT`, built from its source by benchmarks/sparge_anchor.py),
+and paro_attention for densities x modes (`--sm90`: also the sm_90a CUDA kernel family
 on the same lists, and the op as `backend="auto"` runs it), at the attention shapes of CogVideoX-5B, Wan2.1-1.3B,
 Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence); tile sweeps that pin the fastest config
 (`--sweep`), the host time of a call (`--host`) and the markdown tables of BENCHMARKS.md (`--table ... --summary`).
@@ -11,6 +13,7 @@ Wan2.1-14B 720p and FLUX.1-dev (and a short 1024-token sequence); tile sweeps th
     python benchmarks/attention.py --table RESULTS.json [...]             # every method's table (no GPU)
     python benchmarks/attention.py --table RESULTS.json [...] --summary   # bf16 and int8+fp8 per model (no GPU)
     python benchmarks/attention.py --table RESULTS.json --anchors         # int8+fp8 beside FA3 and SageAttention2
+    python benchmarks/attention.py --table RESULTS.json --leaders         # the fastest peer per model and density
     python benchmarks/attention.py --host                                 # host time per call vs CUDA-graph replay
 
 The JSON goes to `--out`, by default benchmarks/results/.
@@ -211,6 +214,7 @@ def _host_overhead(call, sets, calls=200) -> dict:
 SM90_KERNEL = "sm90-cuda"  # the "kernel" of rows the sm_90a CUDA family ran (paroattn.kernels.sm90)
 FA3_KERNEL = "flash-attention-3"
 SAGE2_KERNEL_SOURCE = Path("csrc/qattn/qk_int_sv_f8_cuda_sm90.cu")  # what --sage2 builds
+SPARGE_KERNEL_SOURCE = Path("csrc/qattn/qk_int_sv_f8_cuda_sm90.cuh")  # what --sparge builds (SpargeAttn's kernel)
 
 
 def _fa3_methods(sets):
@@ -239,7 +243,7 @@ def _fa3_methods(sets):
 
 def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir=None, warmup=25, rep=100,
         block_q=BLOCK, block_k=BLOCK, tma=False, rope=False, graph=False, fa3=False, sm90=False, sage2=None,
-        sol=False, k_scales=("block",)) -> dict:
+        sol=False, sparge=None, k_scales=("block",)) -> dict:
 
     timer = _graph_ms if graph else median_ms
 
@@ -255,6 +259,7 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         "sm90": sm90,
         "sage2": None,
         "sol": None,
+        "sparge": None,
         "k_scales": list(k_scales),
         "rows": [],
         "sweep": [],
@@ -277,6 +282,13 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
         except Exception:
             have_sage = False
     results["sageattn"] = "importable" if have_sage else "not importable"
+    sparge_call = None
+    if sparge:  # its build imports the checkout's spas_sage_attn package
+        import sparge_anchor
+
+        sparge_call = sparge_anchor.build(sparge)
+        results["sparge"] = {"checkout": str(sparge), "commit": _git_commit_of(sparge),
+                             "block": [sparge_anchor.BLOCK_Q, sparge_anchor.BLOCK_K]}
     sol_missing = None
     if sol:
         import sol_anchor
@@ -350,6 +362,9 @@ def run(shapes=None, densities=None, modes=None, flex=True, sweep=False, out_dir
             actual = float(mask.float().mean())
             if sol and density < 1.0:
                 _time_sol(record, timer, sets, density, sdpa_ms, sol_missing, warmup, rep)
+            if sparge_call is not None:
+                _time_sparge(record, timer, sparge_call, sets, layout, orders_cpu, mask, (block_q, block_k), density,
+                             sdpa_ms, warmup, rep)
             if flex and D == 64:
                 # flex_attention gave wrong results at D=64 and, at density <= 0.3, an illegal
                 # memory access that kills the process: not run there
@@ -544,6 +559,46 @@ def _time_sol(record, timer, sets, density, sdpa_ms, missing, warmup, rep):
     torch.cuda.empty_cache()
 
 
+def _time_sparge(record, timer, anchor, sets, layout, orders, mask, block, density, sdpa_ms, warmup, rep):
+    """SpargeAttn's whole call (`sparge_anchor.Sparge.whole_call`: its quantization, its lists from the mask, its
+    kernel), two rows per density:
+    - "sparge-sm90": over paro's mask of the row as its 64 x 128 blocks (`sparge_anchor.from_paro_mask`: every block
+      holding an active pair of paro's, so it computes at least what paro computes; `mask_density` is the fraction of
+      its blocks), on the inputs as they are: the per-head reordering paro does in its kernel is free for it here;
+    - "sparge-sm90-own" (d < 1): over a mask drawn at its own blocks with the row's density, as paro's is drawn at
+      paro's: the same number of query-key pairs as paro's row.
+    Each with its distance to the same block-sparse attention in bf16 (paro's Triton kernel at 64 x 128 blocks over
+    the same mask, on the same reordered tokens), so a mask it read in other coordinates shows."""
+    import sparge_anchor
+
+    B, H, N, _ = sets[0][0].shape
+    variants = [("sparge-sm90", sparge_anchor.from_paro_mask(mask, block, N, B), orders)]
+    if density < 1.0:
+        own = synthetic_block_mask(H, -(-N // sparge_anchor.BLOCK_Q), -(-N // sparge_anchor.BLOCK_K), density,
+                                   generator=torch.Generator().manual_seed(2))
+        variants.append(("sparge-sm90-own", own.expand(B, -1, -1, -1).contiguous(), torch.zeros(H, dtype=torch.long)))
+    for method, block_map, head_orders in variants:
+        block_map = block_map.cuda()
+
+        def call(q, k, v, block_map=block_map):
+            return anchor.whole_call(q, k, v, block_map)
+
+        def distance(block_map=block_map, head_orders=head_orders):
+            q, k, v = sets[0]
+            reference = paro_attention(q, k, v, layout=layout, orders=head_orders, block_mask=block_map[0],
+                                       block_size=(sparge_anchor.BLOCK_Q, sparge_anchor.BLOCK_K),
+                                       backend="triton").float()
+            out = sparge_anchor.on_reordered_tokens(anchor.whole_call, q, k, v, layout, head_orders, block_map)
+            return float((out.float() - reference).norm() / reference.norm())
+
+        ms, err = _try(lambda call=call: timer(call, sets, warmup, rep))
+        row = record(method, density, ms, err, kernel="spargeattn-sm90", mask_density=float(block_map.float().mean()))
+        row["rel_err_vs_reference"], _ = _try(distance)
+        if sdpa_ms and ms:
+            row["speedup_vs_sdpa"] = sdpa_ms / ms
+    torch.cuda.empty_cache()
+
+
 def _version_of(distribution: str) -> str | None:
     from importlib import metadata
 
@@ -600,6 +655,7 @@ def _write(results: dict, out_dir) -> Path | None:
     suffix += "-fa3" if results.get("fa3") else ""
     suffix += "-sage2" if results.get("sage2") else ""
     suffix += "-sol" if results.get("sol") else ""
+    suffix += "-sparge" if results.get("sparge") else ""
     path = Path(out_dir) / f"attention-{slug}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
@@ -839,8 +895,9 @@ def summary_table(results: dict, shapes=None, modes=None, densities=None) -> str
 
 def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
     """Per model, speedups over SDPA default (cuDNN) of the dense anchors (FA3 bf16 and FP8, SageAttention2's
-    kernel alone and its whole call; those the file has), of Sol-Attn at top-k = each density below 1 where the file
-    has it ("n/a" where it does not take the shape), and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
+    kernel alone and its whole call; those the file has), of Sol-Attn at top-k = each density below 1 and of
+    SpargeAttn over paro's mask (each density) and over its own (each density below 1) where the file has them ("n/a"
+    where one does not take the shape), and of paro's `mode` on the Triton kernel, on the sm_90a CUDA kernel and as
     `backend="auto"` runs it (with the kernel it ran), at each density of the file: the op table beside its peers."""
     shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
     qk, pv = mode
@@ -853,12 +910,14 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
              [("sage2-sm90-kernel", "SageAttention2 kernel"), ("sage2-sm90", "SageAttention2 call")]]
     anchors = [column for peer in peers if timed & {method for method, _ in peer} for column in peer]
     at = " / ".join(f"d={d:g}" for d in densities)
-    sparse = [(method, label) for method, label in (("sol-attn", "Sol-Attn"), ("sol-attn-notail", "Sol-Attn, no tail"))
+    # a sparse peer's columns at the densities it runs (SpargeAttn over paro's mask at d = 1 too: all blocks)
+    sparse = [(method, label, [d for d in densities if d < 1.0 or method == "sparge-sm90"])
+              for method, label in (("sol-attn", "Sol-Attn"), ("sol-attn-notail", "Sol-Attn, no tail"),
+                                    ("sparge-sm90", "SpargeAttn, paro's mask"), ("sparge-sm90-own", "SpargeAttn, own mask"))
               if method in timed]
-    sparse_at = " / ".join(f"d={d:g}" for d in densities if d < 1.0)
     columns = (["model", "SDPA default"] + [label for _, label in anchors]
-               + [f"{label}: {sparse_at}" for _, label in sparse] + [f"{label}: {at}" for _, label in paro_methods]
-               + ["auto ran"])
+               + [f"{label}: " + " / ".join(f"d={d:g}" for d in ds) for _, label, ds in sparse]
+               + [f"{label}: {at}" for _, label in paro_methods] + ["auto ran"])
     lines = [environment_line(results), "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for shape in shapes:
         rows = [r for r in results["rows"] if r["shape"] == shape]
@@ -874,13 +933,64 @@ def anchor_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
 
         cells = [LABELS.get(shape, shape), f"{_ms(sdpa)} ms" if sdpa else "n/a"]
         cells += [speedup(method) for method, _ in anchors]
-        cells += [" / ".join(speedup(method, d) for d in densities if d < 1.0) for method, _ in sparse]
+        cells += [" / ".join(speedup(method, d) for d in ds) for method, _, ds in sparse]
         cells += [" / ".join(speedup(method, d) for d in densities) for method, _ in paro_methods]
         auto = [r for r in rows if r["method"] == paro_methods[2][0]]
         ran = sorted({f"{kernel_of(r)}, output equal to backend='{r['same_output_as']}'"
                       if r.get("same_output_as") in ("cuda", "triton") else kernel_of(r) for r in auto})
         cells.append(", ".join(ran) if ran else "not run")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# The peers of the leaders table: (name, dense, its rows as (method, variant)). A peer's cell is its fastest row at the
+# density; a dense peer's d = 1 rows stand at every density (dense attention computes any sparse one).
+LEADER_PEERS = [
+    ("cuDNN", True, [("sdpa-default", "")]),
+    ("FA3", True, [("fa3-bf16", "bf16"), ("fa3-fp8", "FP8")]),
+    ("SageAttention2", True, [("sage2-sm90", "")]),
+    ("Sol-Attn", False, [("sol-attn", "tail"), ("sol-attn-notail", "no tail")]),
+    ("SpargeAttn", False, [("sparge-sm90", "paro's mask"), ("sparge-sm90-own", "own mask")]),
+    ("PARO", False, [("paro-auto-{qk}-{pv}", "")]),
+]
+
+
+def leader_table(results: dict, shapes=None, mode=("int8", "fp8")) -> str:
+    """Per model and density of paro's `backend="auto"` rows in `mode`: each peer's time (its fastest row there, named
+    by variant where it has several; SpargeAttn over paro's mask with the fraction of its blocks that covers) and the
+    peer that leads, by how much over the next. Whole calls, but for FA3: its kernel alone on inputs already laid out
+    (its rows). "n/a": the peer does not take the shape; "-": the peer has rows at other densities only; "not run": none
+    in the file; "failed": it ran and failed."""
+    qk, pv = mode
+    shapes = [s for s in (shapes or SUMMARY_SHAPES) if any(r["shape"] == s for r in results["rows"])]
+    densities = sorted({r["density"] for r in results["rows"] if r["method"] == f"paro-auto-{qk}-{pv}"}, reverse=True)
+    lines = [environment_line(results), "", "| model | d | " + " | ".join(name for name, _, _ in LEADER_PEERS)
+             + " | leads |", "|---" * (len(LEADER_PEERS) + 3) + "|"]
+    for shape in shapes:
+        rows = [r for r in results["rows"] if r["shape"] == shape]
+        for d in densities:
+            cells, timed = [], []
+            for name, dense, variants in LEADER_PEERS:
+                methods = {method.format(qk=qk, pv=pv): variant for method, variant in variants}
+                found = [r for r in rows if r["method"] in methods]
+                here = [r for r in found if r["density"] == (1.0 if dense else d)]
+                ran = [r for r in here if r["ms"]]
+                if ran:
+                    best = min(ran, key=lambda r: r["ms"])
+                    label = name + (f" ({methods[best['method']]})" if len(variants) > 1 else "")
+                    cover = (f", {best['mask_density']:.2f} of its blocks"
+                             if best["method"] == "sparge-sm90" and d < 1.0 and "mask_density" in best else "")
+                    cells.append(f"{_ms(best['ms'])} ms" + (f" ({methods[best['method']]}{cover})"
+                                                             if len(variants) > 1 else ""))
+                    timed.append((best["ms"], label))
+                elif any(r.get("unsupported") for r in found):
+                    cells.append("n/a")
+                else:
+                    cells.append("failed" if here else "-" if found else "not run")
+            timed.sort(key=lambda t: t[0])
+            lead = (f"{timed[0][1]}, {timed[1][0] / timed[0][0]:.2f}x ahead of {timed[1][1]}" if len(timed) > 1
+                    else timed[0][1] if timed else "none timed")
+            lines.append(f"| {LABELS.get(shape, shape)} | {d:g} | " + " | ".join(cells) + f" | {lead} |")
     return "\n".join(lines)
 
 
@@ -967,6 +1077,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--sol", action="store_true",
                         help="also time Sol-Attn (comfy-kitchen's calibration-free block-sparse attention) at top-k "
                         "= each density below 1, with and without its pooled tail (benchmarks/sol_anchor.py)")
+    parser.add_argument("--sparge", metavar="CHECKOUT", type=Path,
+                        help="also time SpargeAttn's sm90 block-sparse call over paro's mask of each density and over a "
+                        "mask of its own blocks, built from a checkout of its source (benchmarks/sparge_anchor.py; nvcc "
+                        "and ninja on the machine)")
     parser.add_argument("--table", metavar="JSON", nargs="+",
                         help="print markdown tables of results files and exit (reads JSON only: no GPU)")
     parser.add_argument("--summary", action="store_true",
@@ -974,6 +1088,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--anchors", action="store_true",
                         help="with --table: int8+fp8 per model beside cuDNN, FA3 and SageAttention2, and the kernel "
                         "backend='auto' ran")
+    parser.add_argument("--leaders", action="store_true",
+                        help="with --table: per model and density, each peer's time beside paro auto (int8+fp8) and "
+                        "which one leads")
     parser.add_argument("--host", action="store_true",
                         help="host time per eager call (lists, RoPE, bool masks) vs CUDA-graph replay, and exit")
     args = parser.parse_args(argv)
@@ -1003,9 +1120,14 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error("--summary goes with --table RESULTS.json")
     if args.anchors and not args.table:
         parser.error("--anchors goes with --table RESULTS.json")
+    if args.leaders and not args.table:
+        parser.error("--leaders goes with --table RESULTS.json")
     if args.sage2 and not (args.sage2 / SAGE2_KERNEL_SOURCE).is_file():
         parser.error(f"--sage2 {args.sage2}: no {SAGE2_KERNEL_SOURCE} there; pass a checkout of "
                      "github.com/thu-ml/SageAttention")
+    if args.sparge and not (args.sparge / SPARGE_KERNEL_SOURCE).is_file():
+        parser.error(f"--sparge {args.sparge}: no {SPARGE_KERNEL_SOURCE} there; pass a checkout of "
+                     "github.com/thu-ml/SpargeAttn")
     if not args.table:
         from paroattn.app.options import folder_problem
 
@@ -1031,6 +1153,8 @@ def run_arguments(args: argparse.Namespace) -> dict:
         for path, results in zip(args.table, files):
             if "host_rows" in results:
                 print(f"`{Path(path).name}`: " + host_table(results) + "\n")
+            elif args.leaders:
+                print(f"`{Path(path).name}`: " + leader_table(results, shapes) + "\n")
             elif args.anchors:
                 print(f"`{Path(path).name}`: " + anchor_table(results, shapes) + "\n")
             elif args.summary:
@@ -1055,6 +1179,7 @@ def run_arguments(args: argparse.Namespace) -> dict:
         sm90=args.sm90,
         sage2=args.sage2,
         sol=args.sol,
+        sparge=args.sparge,
         k_scales=args.k_scale or ("block",),
     )
 

@@ -74,12 +74,13 @@ def _permute_keys(vt: torch.Tensor) -> torch.Tensor:
     return vt.view(torch.uint8)[..., index].view(torch.float8_e4m3fn).contiguous()
 
 
-def _build_root() -> Path:
-    """The build folder (kept across calls), with a libcuda.so link for -lcuda to the driver's library."""
+def build_root(folder: str = "sage-sm90-build") -> Path:
+    """A build folder under the temporary directory (kept across calls), with a libcuda.so link for -lcuda to the
+    driver's library."""
     import ctypes
     import os
 
-    root = Path(tempfile.gettempdir()) / "sage-sm90-build"
+    root = Path(tempfile.gettempdir()) / folder
     root.mkdir(exist_ok=True)
     if not (root / "libcuda.so").exists():
         ctypes.CDLL("libcuda.so.1")
@@ -97,7 +98,7 @@ def build_extension(checkout: Path, name: str):
     two processes may build the two at once."""
     from torch.utils import cpp_extension
 
-    root = _build_root()
+    root = build_root()
     build_dir = root / name
     build_dir.mkdir(exist_ok=True)
     csrc = Path(checkout).resolve() / "csrc"
