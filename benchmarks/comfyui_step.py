@@ -244,12 +244,12 @@ def sol_hook(family, topk_ratio: float, tail: bool):
             super().__init__(family)
             self.calls = 0
 
-        def self_attention(self, call, layout, problem, geometry, kwargs):
+        def self_attention(self, attention, layout, problem, call, func, args, kwargs):
             # sol_attn takes (B, T, H, D); the views of PARO's (B, H, T, D) need no copy (its last dim is contiguous)
-            q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))
+            q, k, v = (t.transpose(1, 2) for t in (attention.q, attention.k, attention.v))
             out = comfy_kitchen.sol_attn(q, k, v, scale=kwargs.get("scale"), topk_ratio=topk_ratio, tail=tail)
             self.calls += 1
-            return call.output(out.transpose(1, 2))
+            return attention.output(out.transpose(1, 2))
 
     return SolAttention()
 
