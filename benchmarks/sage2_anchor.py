@@ -116,18 +116,21 @@ def build(checkout: Path) -> Sage2:
     except Exception as error:  # the kernel alone still times
         print(f"SageAttention2's _fused extension did not build ({type(error).__name__}): no whole-call rows")
         return Sage2(kernels, None)
-    # the checkout's package imports its extensions as submodules: give it the ones built here, ahead of any
-    # installed sageattention
-    for name in [n for n in sys.modules if n == "sageattention" or n.startswith("sageattention.")]:
+    return Sage2(kernels, import_checkout(checkout, "sageattention", {"_qattn_sm90": kernels, "_fused": fused}))
+
+
+def import_checkout(checkout: Path, package: str, extensions: dict):
+    """The checkout's `package`, importing the `extensions` (submodule name -> module built here) as its own
+    submodules, ahead of any installed copy of the package."""
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
         del sys.modules[name]
-    sys.modules["sageattention._qattn_sm90"] = kernels
-    sys.modules["sageattention._fused"] = fused
+    for name, module in extensions.items():
+        sys.modules[f"{package}.{name}"] = module
     sys.path.insert(0, str(checkout))
     try:
-        package = importlib.import_module("sageattention")
+        return importlib.import_module(package)
     finally:
         sys.path.remove(str(checkout))
-    return Sage2(kernels, package)
 
 
 if __name__ == "__main__":  # python benchmarks/sage2_anchor.py CHECKOUT NAME: build one extension ahead of a run

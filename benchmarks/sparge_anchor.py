@@ -22,7 +22,6 @@ life loads what the first built.
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 from dataclasses import dataclass
@@ -262,17 +261,9 @@ def build(checkout: Path) -> Sparge:
     checkout = Path(checkout).resolve()
     kernels = build_extension(checkout, KERNEL_EXTENSION)
     fused = build_extension(checkout, FUSED_EXTENSION)
-    # its package imports its extensions as submodules: give it the ones built here, ahead of any installed copy
-    for name in [n for n in sys.modules if n == "spas_sage_attn" or n.startswith("spas_sage_attn.")]:
-        del sys.modules[name]
-    sys.modules["spas_sage_attn._qattn"] = kernels
-    sys.modules["spas_sage_attn._fused"] = fused
-    sys.path.insert(0, str(checkout))
-    try:
-        package = importlib.import_module("spas_sage_attn")
-    finally:
-        sys.path.remove(str(checkout))
-    return Sparge(package)
+    from sage2_anchor import import_checkout
+
+    return Sparge(import_checkout(checkout, "spas_sage_attn", {"_qattn": kernels, "_fused": fused}))
 
 
 def check(checkout: Path) -> float:
