@@ -314,6 +314,9 @@ def test_paro_generate_plan_auto_learns_then_runs_the_cached_plan(tmp_path, monk
     assert refused.exit_code != 0 and "--plan auto" in refused.output
     refused = paro("--plan", "auto", "--qk", "int3", "--out", tmp_path / "x.gif")
     assert refused.exit_code != 0 and "--qk" in refused.output
+    for flag in (["--compare"], ["--compile", "blocks"]):  # under Ulysses, one generation that learns or runs the plan
+        refused = paro("--plan", "auto", "--ulysses", 2, *flag, "--out", tmp_path / "x.gif")
+        assert refused.exit_code != 0 and f"{flag[0]}" in refused.output and "needs the plan first" in refused.output
 
 
 def test_a_miss_under_a_parallel_config_paro_cannot_run_under_is_refused_before_anything_runs(tmp_path):

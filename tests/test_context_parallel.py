@@ -405,6 +405,18 @@ def _generate(rank: int, folder: Path) -> dict:
     found = {"result": result, "written": list(written)}
     if rank == 0:
         found["single"] = generate_module.generate(folder / "model", "a red car", out=folder / "single.png", **kwargs)
+    # --plan auto: a run that learns (every process recording its heads), then one that runs the cached plan; and the
+    # same two runs on one process with a cache of its own
+    auto = {**kwargs, "plan": "auto", "density": 0.5}
+    for name, ulysses in (("auto", WORLD), ("auto_single", 1)):
+        if ulysses == 1 and rank != 0:
+            continue
+        os.environ["PAROATTN_CACHE"] = str(folder / f"{name}-cache")
+        del written[:]
+        found[name] = [generate_module.generate(folder / "model", "a red car", out=folder / f"{name}{run}.png",
+                                                ulysses=ulysses, **auto) for run in (1, 2)]
+        found[name + "_written"] = list(written)
+        found[name + "_entries"] = sorted(p.name for p in (folder / f"{name}-cache").iterdir())
     # CogVideoX, whose own attention runs under Ulysses through PARO's processor: --compare's dense run and the PARO
     # run, as the pixels handed to the writer, against one process's
     pixels = {}
@@ -738,6 +750,32 @@ def test_generate_ulysses_writes_on_rank_0_only_and_equals_one_process(ranks):
     ulysses_pixels = torch.from_numpy(np.asarray(Image.open(first["result"]["path"]), dtype=np.float32))
     single_pixels = torch.from_numpy(np.asarray(Image.open(single["path"]), dtype=np.float32))
     assert (ulysses_pixels - single_pixels).abs().max() <= 1  # 8-bit rounding of equal images
+
+
+@pytest.mark.slow
+def test_generate_plan_auto_under_ulysses_learns_once_then_runs_the_plan_one_process_learns(ranks):
+    import numpy as np
+    from PIL import Image
+
+    from paroattn import Plan
+
+    first, second = ranks[0]["generate"], ranks[1]["generate"]
+    assert second["auto"] == [{"rank": 1}, {"rank": 1}] and second["auto_written"] == []
+    learnt, cached = first["auto"]
+    assert (learnt["auto"], cached["auto"]) == ("learnt", "cached") and learnt["ulysses"] == cached["ulysses"] == WORLD
+    assert "dense_s" in learnt and "paro_s" in cached and learnt["plan_path"] == cached["plan_path"]
+    assert first["auto_written"] == [learnt["path"], cached["path"]]
+    assert first["auto_entries"] == second["auto_entries"] == [Path(learnt["plan_path"]).name]  # no lock, no partial
+    single = first["auto_single"]
+    assert [r["auto"] for r in single] == ["learnt", "cached"]
+    plan, single_plan = Plan.load(learnt["plan_path"]), Plan.load(single[0]["plan_path"])
+    assert torch.equal(plan.orders, single_plan.orders) and torch.equal(plan.block_mask, single_plan.block_mask)
+
+    def pixels(result):
+        return torch.from_numpy(np.asarray(Image.open(result["path"]), dtype=np.float32))
+
+    for ulysses_run, single_run in zip(first["auto"], single, strict=True):
+        assert (pixels(ulysses_run) - pixels(single_run)).abs().max() <= 1  # 8-bit rounding of equal images
 
 
 @pytest.mark.slow

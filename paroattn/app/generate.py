@@ -181,15 +181,17 @@ def _all_dense(plan: Plan) -> Plan:
                    extra_shapes=[_all_dense(p) for p in plan.extra_shapes])
 
 
-def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int) -> str | None:
-    """Why a run of `family` over `ulysses` GPUs without a plan cannot be made, or None."""
-    if ulysses <= 1 or plans is not None or family is None or family.ulysses_text != TEXT_WHOLE:
+def _ulysses_plan_problem(family, plans: list[Plan] | None, ulysses: int, auto: bool = False) -> str | None:
+    """Why a run of `family` over `ulysses` GPUs without a plan cannot be made, or None (`auto`: plan 'auto' runs
+    the model's own attention through its capture's exchange while it learns)."""
+    if ulysses <= 1 or auto or plans is not None or family is None or family.ulysses_text != TEXT_WHOLE:
         return None
     return (f"--ulysses {ulysses} with {family.models}: its own attention runs on several GPUs only through PARO's "
             "processor, which needs a plan: pass --plan PLAN (with --compare for the model's own attention as well)")
 
 
-def _auto_problem(auto: bool, density: float | None, qk: str, pv: str, ulysses: int) -> str | None:
+def _auto_problem(auto: bool, density: float | None, qk: str, pv: str, ulysses: int, compare: bool = False,
+                  compile_mode: str | None = None) -> str | None:
     """Why the options of `--plan auto` (or, without it, --density, --qk, --pv) cannot run, or None."""
     from ..modes import mode_flags_problem
 
@@ -204,9 +206,13 @@ def _auto_problem(auto: bool, density: float | None, qk: str, pv: str, ulysses: 
         return f"--density {density}: pass a mean block density in (0, 1] (1 keeps every block)"
     if problem := mode_flags_problem(qk, pv):
         return problem
-    if ulysses > 1:
-        return ("--plan auto learns its plan on one GPU: run `paro generate MODEL_DIR --plan auto` once without "
-                "--ulysses (it caches the plan and prints its path), then pass that path to --plan with --ulysses")
+    if ulysses > 1 and (compare or compile_mode):
+        # the GPUs agree on each generation (the cached plan, learning it, or dense while another process learns it);
+        # a dense run beside it, or compiling a plan that may not exist yet, would need a second agreement
+        flag = "--compare" if compare else f"--compile {compile_mode}"
+        return (f"--plan auto with --ulysses runs one generation, which learns the plan or runs the cached one; "
+                f"{flag} needs the plan first: run once without {flag} (it prints the plan's path), then pass that "
+                f"path to --plan with {flag}")
     return None
 
 
@@ -467,6 +473,8 @@ def generate(
 `plan="auto"`: the cached plan of this model at `density` (default 0.3), `qk` and `pv`, or, without one, the
 generation runs dense and learns it into the cache (`paroattn.calibrate.auto`); with `compare` the dense run learns
 it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt") and "plan_path" where it is.
+    Under `ulysses` the processes run one generation that learns the plan (each process records its heads) or runs
+    the cached one; "dense" while another process learns it.
     Returns paths written, seconds of each run and (compare) PSNR / SSIM / cosine of PARO vs dense.
     `linear="fp8"`: the transformer blocks' linear layers in fp8 as well (`paroattn.linear`); without a plan, beside
     the model's own attention (then "paro_s" is that run's time, and `compare` measures it against bf16).
@@ -492,7 +500,7 @@ it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt
 
     # every option and the output path are checked before the model loads
     auto = isinstance(plan, str) and plan == "auto"
-    if problem := _auto_problem(auto, density, qk, pv, ulysses):
+    if problem := _auto_problem(auto, density, qk, pv, ulysses, compare, compile_mode):
         raise ValueError(problem)
     if compare and plan is None and linear is None:
         raise ValueError("--compare measures PARO against dense: pass --plan PLAN as well")
@@ -547,7 +555,7 @@ it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt
         if exchange_groups != 1 and (problem := exchange_groups_problem(expert_plan.num_heads // ulysses,
                                                                         exchange_groups)):
             raise ValueError(f"--exchange-groups: {problem} ({expert_plan.num_heads} heads over {ulysses} GPUs)")
-    if problem := _ulysses_plan_problem(indexed, loaded_plans, ulysses):
+    if problem := _ulysses_plan_problem(indexed, loaded_plans, ulysses, auto):
         raise ValueError(problem)
     rank = 0
     if ulysses > 1:
@@ -562,7 +570,7 @@ it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt
         raise PlanError(
             f"{model_dir} holds a {type(transformer).__name__}; paro generate supports {SUPPORTED}"
         )
-    if problem := _ulysses_plan_problem(family, loaded_plans, ulysses):
+    if problem := _ulysses_plan_problem(family, loaded_plans, ulysses, auto):
         raise ValueError(problem)
     video = family.is_video
     out = Path(out) if out is not None else default_output(video, compare)
@@ -612,6 +620,16 @@ it and the PARO run uses it. The result's "auto" says which ("cached" or "learnt
         learning = apply_auto(pipe, density=0.3 if density is None else density, qk=qk, pv=pv, backend=backend,
                               on_mismatch=on_mismatch, linear=linear, resident=resident, log=log)
         result["plan_path"] = str(learning.path)
+        if ulysses > 1:  # the processes agree inside the handle's generation: it runs whatever they decide
+            try:
+                pixels, seconds = _run(pipe, prompt, call, seed)
+            finally:
+                learning.remove()
+            outcome = "learnt" if learning.learnt else "cached" if learning.plan is not None else "dense"
+            result.update({"auto": outcome, "ulysses": ulysses, "paro_s" if outcome == "cached" else "dense_s": seconds})
+            if outcome == "dense":
+                result["ran_dense"] = f"another process is learning the plan {learning.path}"
+            return _finish(result, pixels, None, out, False, video, fps, log) if rank == 0 else {"rank": rank}
         if learning.plan is None and compile_mode:
             learning.remove()
             raise ValueError(f"--compile runs a plan that exists: no plan is cached at {learning.path} yet; run once "
