@@ -74,6 +74,9 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
         count[axis].index_add_(0, index.flatten(), torch.full((index.numel(),), float(B), dtype=torch.float64))
     scale = D ** -0.5
     grid_rows = picked + prefix
+    # each sampled query's marginals along each axis, summed over the batch ([H, S, n]), added by offset at the end:
+    # per chunk only the few large passes run, not a dozen small launches per axis
+    marginals = [torch.empty(H, len(picked), n, device=q.device) for n in sizes]
     # float32 keys and logits of a few heads at a time: a capture runs inside the model's own generation, whose
     # GPU memory it should barely raise (one chunk's keys, logits and probabilities: about 3 x chunk_bytes)
     heads = max(1, min(H, chunk_bytes // (B * N * D * 4)))
@@ -87,13 +90,17 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
             if suffix_mask is not None:
                 logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(
                     ~suffix_mask.to(q.device)[:, None, None, :], float("-inf"))
-            p = torch.softmax(logits, dim=-1)[..., prefix : prefix + G].reshape(B, keys.shape[1], -1, F, Hh, W)
-            marginals = (p.sum(dim=(4, 5)), p.sum(dim=(3, 5)), p.sum(dim=(3, 4)))  # [B, h, s, n] each
-            for axis, n in enumerate(sizes):
-                c = coords[start : start + step, axis].to(q.device)
-                index = torch.arange(n, device=q.device)[None, :] - c[:, None] + n - 1  # [s, n]
-                values = marginals[axis].sum(0).double().reshape(keys.shape[1], -1)  # [h, s * n]
-                mass[axis][hs].index_add_(1, index.flatten(), values)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            p = torch.exp(logits[..., prefix : prefix + G] - lse).view(B, keys.shape[1], -1, F, Hh, W)  # the grid keys
+            del logits
+            frames_rows = p.sum(dim=5)  # [B, h, s, F, Hh]: the F and H marginals from it, without another full pass
+            taken = slice(start, start + p.shape[2])
+            marginals[0][hs, taken] = frames_rows.sum(dim=(0, 4))
+            marginals[1][hs, taken] = frames_rows.sum(dim=(0, 3))
+            marginals[2][hs, taken] = p.sum(dim=(0, 3, 4))
+    for axis, n in enumerate(sizes):
+        index = (torch.arange(n)[None, :] - coords[:, axis : axis + 1] + n - 1).to(q.device)  # [S, n]
+        mass[axis].index_add_(1, index.flatten(), marginals[axis].reshape(H, -1).double())
     return [m.cpu() for m in mass], count
 
 
