@@ -368,7 +368,8 @@ class StatsAccumulator:
                                        seq_len=self.seq_len, dense_layers=dense_layers) for m in together]
             targets = shared_bucket_densities(together, kept_always, density, shares, dense_buckets)
             del together, kept_always
-        masks, densities, kept_masses = [], [], []
+        block_mask = None  # [B, L, H, nq, nk] in host memory, filled a bucket at a time (no stacked second copy)
+        densities, kept_masses = [], []
         for b in range(B):
             mass = chosen_maps(b)
             if b in dense_buckets:
@@ -380,14 +381,16 @@ class StatsAccumulator:
                     forced = forced_blocks(mask.shape[-2:], prefix, self.mask_block, device=mask.device, suffix=suffix,
                                            seq_len=self.seq_len)
                     mask = balance_masks(mask, mass, ranks, forced)
-            masks.append(mask.cpu())
+            if block_mask is None:
+                block_mask = torch.empty((B, *mask.shape), dtype=torch.bool)
+            block_mask[b] = mask.cpu()
             densities.append(mask.float().mean(dim=(-1, -2)).cpu())
             total = mass.sum(dim=(-1, -2)).clamp_min(1e-30)
             kept_masses.append(((mass * mask).sum(dim=(-1, -2)) / total).cpu())
         return CalibrationResult(
             candidate_orders=self.candidate_orders,
             orders=torch.stack(per_layer_orders),
-            block_mask=torch.stack(masks),
+            block_mask=block_mask,
             density=torch.stack(densities),
             kept_mass=torch.stack(kept_masses),
             scores=torch.stack(per_layer_scores),
