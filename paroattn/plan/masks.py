@@ -20,7 +20,7 @@ import math
 import os
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -370,7 +370,7 @@ def _encode_layers(buckets: int, layers: int, layer_mask) -> tuple[torch.Tensor,
     """(chunks, index) of the masks `layer_mask(bucket, layer)`, bucket-major. A (bucket, layer) whose mask and
     previous-bucket mask were seen together before reuses that encoding (deflate is the slow part)."""
     previous: list[tuple[bytes, bytes] | None] = [None] * layers  # (packed, digest) of each layer's last bucket
-    seen: dict[tuple[bytes, bytes | None], object] = {}  # -> the future of its encoding
+    seen: dict[tuple[bytes, bytes | None], Future] = {}  # -> its encoding, deflated in a thread
     keys, pending = [], deque()
     with ThreadPoolExecutor(ENCODE_THREADS) as pool:
         for bucket in range(buckets):
