@@ -49,6 +49,32 @@ if triton is not None:
     from ..kernels.index_math import reordered_to_original as _reordered_to_original
 
     @triton.jit
+    def _log2_sum_exp2(
+        q, K, KEEP, stride_kn, offs_d, d_valid, N, qk_scale_log2,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    ):
+        """log2(sum_j exp2(q_m . k_j * qk_scale_log2)) of each row of the q tile [BLOCK_M, BLOCK_D] over the N keys
+        of K (one batch item and head), online over key blocks; with HAS_KEY_MASK only over the keys j with
+        KEEP[j] != 0."""
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k = tl.load(K + offs_n[None, :] * stride_kn + offs_d[:, None], mask=(offs_n[None, :] < N) & d_valid[:, None],
+                        other=0.0)
+            s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+            key_valid = offs_n < N
+            if HAS_KEY_MASK:
+                key_valid = key_valid & (tl.load(KEEP + offs_n, mask=offs_n < N, other=0) != 0)
+            s = tl.where(key_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row whose keys so far are all dropped keeps m = -inf: subtract 0 there, not -inf (NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_sub) + tl.sum(tl.exp2(s - m_sub[:, None]), axis=1)
+            m_i = m_new
+        return m_i + tl.log2(l_i)
+
+    @triton.jit
     def _row_lse_kernel(
         Q, K, LSE, KEEP,
         stride_qb, stride_qh, stride_qn,
@@ -68,23 +94,9 @@ if triton is not None:
         d_valid = offs_d < D
         q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=(offs_m[:, None] < N) & d_valid[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
-            k = tl.load(k_ptrs, mask=(offs_n[None, :] < N) & d_valid[:, None], other=0.0)
-            s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
-            key_valid = offs_n < N
-            if HAS_KEY_MASK:
-                key_valid = key_valid & (tl.load(KEEP + b * N + offs_n, mask=offs_n < N, other=0) != 0)
-            s = tl.where(key_valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # a row whose keys so far are all dropped keeps m = -inf: subtract 0 there, not -inf (NaN)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_sub) + tl.sum(tl.exp2(s - m_sub[:, None]), axis=1)
-            m_i = m_new
-        tl.store(LSE + pid_bh * N + offs_m, m_i + tl.log2(l_i), mask=offs_m < N)
+        lse = _log2_sum_exp2(q, K + b * stride_kb + h * stride_kh, KEEP + b * N, stride_kn, offs_d, d_valid, N,
+                             qk_scale_log2, BLOCK_M, BLOCK_N, INPUT_PRECISION, HAS_KEY_MASK)
+        tl.store(LSE + pid_bh * N + offs_m, lse, mask=offs_m < N)
 
     @triton.jit
     def _block_stats_kernel(
@@ -179,22 +191,8 @@ if triton is not None:
         for b in range(0, B):
             q_ptrs = Q + b * stride_qb + h * stride_qh + oq[:, None] * stride_qn + offs_d[None, :]
             q = tl.load(q_ptrs, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
-            m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, N, BLOCK):
-                keys = start + offs_n
-                k_ptrs = K + b * stride_kb + h * stride_kh + keys[None, :] * stride_kn + offs_d[:, None]
-                k = tl.load(k_ptrs, mask=(keys[None, :] < N) & d_valid[:, None], other=0.0)
-                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
-                key_valid = keys < N
-                if HAS_KEY_MASK:
-                    key_valid = key_valid & (tl.load(KEEP + b * N + keys, mask=keys < N, other=0) != 0)
-                s = tl.where(key_valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp2(m_i - m_sub) + tl.sum(tl.exp2(s - m_sub[:, None]), axis=1)
-                m_i = m_new
-            lse = m_i + tl.log2(l_i)
+            lse = _log2_sum_exp2(q, K + b * stride_kb + h * stride_kh, KEEP + b * N, stride_kn, offs_d, d_valid, N,
+                                 qk_scale_log2, BLOCK, BLOCK, INPUT_PRECISION, HAS_KEY_MASK)
             for j in range(0, num_blocks):
                 rk = j * BLOCK + offs_n
                 k_valid = rk < N
