@@ -75,6 +75,24 @@ if triton is not None:
         return m_i + tl.log2(l_i)
 
     @triton.jit
+    def _key_tile_probabilities(
+        q, lse, q_valid, K, KEEP, rk, order, prefix, frames, height, width, stride_kn, offs_d, d_valid, N, qk_scale_log2,
+        INPUT_PRECISION: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    ):
+        """(P, valid) of the q tile against the keys at positions `rk` of the sequence reordered by `order`:
+        P = exp2(q . k * qk_scale_log2 - lse) where valid (a query row and a key inside the sequence, the key not
+        dropped by KEEP), 0 elsewhere. K and KEEP point at one batch item's (and head's) keys."""
+        k_valid = rk < N
+        ok = _reordered_to_original(rk, order, prefix, frames, height, width)
+        ok = tl.where(k_valid, ok, 0)
+        k = tl.load(K + ok[None, :] * stride_kn + offs_d[:, None], mask=k_valid[None, :] & d_valid[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
+        if HAS_KEY_MASK:
+            k_valid = k_valid & (tl.load(KEEP + ok, mask=k_valid, other=0) != 0)
+        valid = q_valid[:, None] & k_valid[None, :]
+        return tl.where(valid, tl.exp2(s - lse[:, None]), 0.0), valid
+
+    @triton.jit
     def _row_lse_kernel(
         Q, K, LSE, KEEP,
         stride_qb, stride_qh, stride_qn,
@@ -131,17 +149,10 @@ if triton is not None:
             q = tl.load(q_ptrs, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
             lse = tl.load(LSE + (b * H + h) * N + oq, mask=q_valid, other=0.0)
             for j0 in range(0, num_blocks, GROUP):
-                rk = j0 * BLOCK + tl.arange(0, GROUP * BLOCK)
-                k_valid = rk < N
-                ok = _reordered_to_original(rk, order, prefix, frames, height, width)
-                ok = tl.where(k_valid, ok, 0)
-                k_ptrs = K + b * stride_kb + h * stride_kh + ok[None, :] * stride_kn + offs_d[:, None]
-                k = tl.load(k_ptrs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
-                if HAS_KEY_MASK:
-                    k_valid = k_valid & (tl.load(KEEP + b * N + ok, mask=k_valid, other=0) != 0)
-                valid = q_valid[:, None] & k_valid[None, :]
-                p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+                p, valid = _key_tile_probabilities(
+                    q, lse, q_valid, K + b * stride_kb + h * stride_kh, KEEP + b * N, j0 * BLOCK + tl.arange(0, GROUP * BLOCK),
+                    order, prefix, frames, height, width, stride_kn, offs_d, d_valid, N, qk_scale_log2,
+                    INPUT_PRECISION, HAS_KEY_MASK)
                 js = j0 + tl.arange(0, GROUP)
                 j_valid = js < num_blocks
                 tile_mass = tl.sum(tl.sum(tl.reshape(p, [BLOCK, GROUP, BLOCK]), axis=2), axis=0)
@@ -194,17 +205,9 @@ if triton is not None:
             lse = _log2_sum_exp2(q, K + b * stride_kb + h * stride_kh, KEEP + b * N, stride_kn, offs_d, d_valid, N,
                                  qk_scale_log2, BLOCK, BLOCK, INPUT_PRECISION, HAS_KEY_MASK)
             for j in range(0, num_blocks):
-                rk = j * BLOCK + offs_n
-                k_valid = rk < N
-                ok = _reordered_to_original(rk, order, prefix, frames, height, width)
-                ok = tl.where(k_valid, ok, 0)
-                k_ptrs = K + b * stride_kb + h * stride_kh + ok[None, :] * stride_kn + offs_d[:, None]
-                k = tl.load(k_ptrs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-                s = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale_log2
-                if HAS_KEY_MASK:
-                    k_valid = k_valid & (tl.load(KEEP + b * N + ok, mask=k_valid, other=0) != 0)
-                valid = q_valid[:, None] & k_valid[None, :]
-                p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+                p, _ = _key_tile_probabilities(
+                    q, lse, q_valid, K + b * stride_kb + h * stride_kh, KEEP + b * N, j * BLOCK + offs_n, order, prefix,
+                    frames, height, width, stride_kn, offs_d, d_valid, N, qk_scale_log2, INPUT_PRECISION, HAS_KEY_MASK)
                 tile = tl.sum(tl.sum(tl.reshape(p, [STRIDE, ROWS, BLOCK]), axis=2), axis=1)  # [STRIDE]
                 ptrs = MASS + out + j
                 tl.store(ptrs, tl.load(ptrs, mask=out_valid, other=0.0) + tile, mask=out_valid)
