@@ -75,6 +75,10 @@ VARIANTS = {
     "cheap capture": {"capture": "cheap"},
     # the same options on the first calibration prompt alone: what plan="auto" learns from one generation
     "cheap capture one prompt": {"capture": "cheap one"},
+    # the same, its first 1 or 2 timestep buckets captured and the later buckets' masks their mean: the plan of a
+    # first generation that would run sparse from its second (third) bucket on
+    "cheap capture one prompt first bucket": {"capture": "cheap one", "capture_buckets": 1},
+    "cheap capture one prompt first 2 buckets": {"capture": "cheap one", "capture_buckets": 2},
     "dense steps 0.2": {"dense_steps": 0.2},
     "dense steps 0.3": {"dense_steps": 0.3},
     "no dense steps": {"dense_steps": 0.0},
@@ -309,13 +313,13 @@ def main(argv=None) -> int:
     captures = {}
     cheap_options = parse_capture_options(args.cheap_capture)
 
-    def stats_for(name: str, density: float | None = None):
+    def stats_for(name: str, density: float | None = None, capture_buckets: int | None = None):
         if name.startswith("cheap"):  # orders chosen during the capture at the row's density: one capture per density
-            key = f"{name} d={density:g}"
+            key = f"{name} d={density:g}" + (f" first {capture_buckets} buckets" if capture_buckets else "")
             if key not in captures:
                 config = replace(demo.study_config(args.calibration_steps, size=size, block_size=args.block_size,
                                                    query_block=args.query_block), order_density=density,
-                                 **cheap_options)
+                                 capture_buckets=capture_buckets, **cheap_options)
                 prompts = demo.CALIBRATION_PROMPTS[:1] if name == "cheap one" else demo.CALIBRATION_PROMPTS
                 captures[key] = capture(pipe, prompts, config)
                 acc = captures[key].accumulators["all"]
@@ -379,7 +383,7 @@ def main(argv=None) -> int:
                 if kwargs.pop("shipped", False):  # its qk / pv replaced by the row's, as `paro demo` runs it
                     plan = replace(Plan.load(demo.shipped_plan_path(density)), qk=qk, pv=pv)
                 else:
-                    stats = stats_for(kwargs.pop("capture", "two"), density)
+                    stats = stats_for(kwargs.pop("capture", "two"), density, kwargs.pop("capture_buckets", None))
                     plan, result = plan_from_stats(stats, demo.study_selection(density, qk=qk, pv=pv, **kwargs))
             except (ValueError, FileNotFoundError) as exc:
                 say(f"d={density} {quant} {variant}: not built ({exc})")

@@ -126,6 +126,24 @@ def test_steps_per_bucket_caps_each_bucket_every_stat_every_steps_from_its_first
     assert recorder.stats(["p"]).accumulators["all"].steps_per_bucket == [2, 2, 1]
 
 
+@pytest.mark.parametrize("keep_orders", [None, 2])
+def test_capture_buckets_captures_the_first_buckets_a_prompt_reaches_and_later_ones_take_their_mean(keep_orders):
+    full = _means(_feed(StatsRecorder(2, _config(stat_every=1, keep_orders=keep_orders)), TIMESTEPS))[1]
+    acc, means = _means(_feed(StatsRecorder(2, _config(stat_every=1, keep_orders=keep_orders, capture_buckets=2)),
+                              TIMESTEPS))
+    assert acc.steps_per_bucket == [3, 3, 0]
+    assert sorted(means) == sorted(key for key in full if key[0] < 2)
+    for key, mean in means.items():  # the captured buckets' statistics are the full capture's
+        torch.testing.assert_close(mean, full[key], rtol=2e-3, atol=1e-3)
+    recorder = _feed(StatsRecorder(2, _config(stat_every=1, keep_orders=keep_orders, capture_buckets=1),
+                                   model_class="Planted"), TIMESTEPS, prompts=2)  # each prompt its first bucket
+    stats = recorder.stats(["planted"])
+    assert stats.accumulators["all"].steps_per_bucket == [6, 0, 0] and recorder.bucket_steps == [6, 6, 2]
+    plan, _ = plan_from_stats(stats, SelectionConfig(density=0.5), compute_device="cpu")
+    for bucket in (1, 2):  # the later buckets' masks: the first bucket's
+        assert torch.equal(plan.block_mask[bucket], plan.block_mask[0])
+
+
 def test_calls_first_keeps_the_first_call_of_each_layer_per_step():
     first = _means(_feed(StatsRecorder(2, _config(stat_every=1)), TIMESTEPS))[1]
     recorder = _feed(StatsRecorder(2, _config(stat_every=1, calls="first")), TIMESTEPS, calls=2)
@@ -230,6 +248,8 @@ def test_orders_kept_after_the_first_bucket_give_the_planted_orders_with_a_third
     ({"keep_orders": 7}, "keep_orders", "from 1 to 6"),
     ({"keep_orders": 2, "order_steps": 2}, "keep_orders", "set one of the two"),
     ({"keep_orders": 2, "extras": True}, "keep_orders", "use keep_orders=None with extras"),
+    ({"capture_buckets": 0}, "capture_buckets", "from 1 to 6"),
+    ({"capture_buckets": 7}, "capture_buckets", "from 1 to 6"),
 ])
 def test_capture_options_are_checked_when_made(options, option, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)) as info:

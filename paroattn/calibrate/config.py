@@ -75,6 +75,10 @@ class CaptureConfig:
     # among them from every bucket's maps. Fewer statistics to compute and hold than every order to the end, without
     # deciding from the first steps alone as `order_steps` does. None: every order to the end
     keep_orders: int | None = None
+    # capture only the first `capture_buckets` timestep buckets each prompt reaches; the masks of the later buckets
+    # are then those buckets' mean (as any bucket without captured steps borrows): what a generation learns that
+    # would run sparse from its next bucket on. None: every bucket
+    capture_buckets: int | None = None
     # the density whose kept mass chooses the orders with `order_steps` or `keep_orders`; None: the selection's
     # density where the calibration knows it (`calibrate`, plan="auto"), else 0.3
     order_density: float | None = None
@@ -153,6 +157,10 @@ class CaptureConfig:
                 raise ConfigError("keep_orders", self.keep_orders,
                                   "the orders it drops lose the statistics of the paper metric that extras=True "
                                   "asks for: use keep_orders=None with extras")
+        if self.capture_buckets is not None and not 1 <= self.capture_buckets <= len(self.edges()) - 1:
+            raise ConfigError("capture_buckets", self.capture_buckets,
+                              f"expected a number of timestep buckets from 1 to {len(self.edges()) - 1}, or None for "
+                              "every bucket")
         if self.order_density is not None and not 0.0 < self.order_density <= 1.0:
             raise ConfigError("order_density", self.order_density,
                               "expected a share of the attention blocks in (0, 1], or None")

@@ -136,6 +136,7 @@ class StatsRecorder:
         self.order_calls = [0] * num_layers
         self.first_bucket: int | None = None  # the bucket whose maps narrow the orders (keep_orders)
         self.profiled: set[tuple[int, int]] = set()  # (bucket, layer) whose axis profiles this prompt sampled
+        self.buckets_reached: list[int] = []  # the timestep buckets of the current prompt, in the order it reached them
 
     def _start_accumulators(self, layout: TokenLayout, q: torch.Tensor) -> None:
         config, L, buckets = self.config, self.layers, len(self.edges) - 1
@@ -250,6 +251,10 @@ class StatsRecorder:
         config = self.config
         if config.order_steps is not None and (self.acc is None or self.acc.kept_slots is None):
             return "order"
+        if self.bucket not in self.buckets_reached:
+            self.buckets_reached.append(self.bucket)
+        if config.capture_buckets is not None and self.buckets_reached.index(self.bucket) >= config.capture_buckets:
+            return "skip"
         if config.steps_per_bucket is None:
             return "skip" if self.step % config.stat_every else "map"
         start = self.bucket_start.setdefault(self.bucket, self.step)
@@ -307,7 +312,7 @@ class StatsRecorder:
             self._choose_orders()
         self.step = 0
         self.bucket_start, self.bucket_taken = {}, {}
-        self.profiled = set()
+        self.profiled, self.buckets_reached = set(), []
 
     @property
     def recorded(self) -> bool:
