@@ -20,6 +20,8 @@ one runs the default inductor backend.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_layer_oracle import (
@@ -570,3 +572,19 @@ def test_auto_backend_falls_back_to_the_reference_under_compile_on_the_gpu():
     for got, want in outputs:
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert counter.frame_count == 1
+
+
+def test_a_second_plan_on_the_same_model_compiles_again_without_dynamic():
+    """Apply, compile, remove, then another plan (a new binding) compiled again by the default torch.compile (no
+    dynamic=False): dynamo marks what differs between the two compiles of the shared code dynamic, and the binding's
+    token must stay a constant there (an int token turned symbolic and broke the graph)."""
+    transformer = tiny_transformer("wan")
+    inputs = forward_calls(transformer)[0]
+    for seed in (0, 1):
+        plan = sparse_plan(transformer)
+        plan = dataclasses.replace(plan, orders=torch.randint(0, 6, plan.orders.shape,
+                                                              generator=torch.Generator().manual_seed(seed)))
+        with apply(transformer, plan, backend="torch"), torch.no_grad():
+            eager = transformer(**inputs)[0]
+            compiled = torch.compile(transformer, fullgraph=True, backend="aot_eager")(**inputs)[0]
+        torch.testing.assert_close(compiled, eager, rtol=RTOL, atol=ATOL)

@@ -30,7 +30,9 @@ from .context_parallel import context_parallel_config
 from .registry import family_of, require_family
 from .timesteps import ForwardTracker
 
-# bindings by token, for the functions a traced forward calls with constants only (`processor._prepare_masks`)
+# bindings by token, for the functions a traced forward calls with constants only (`processor._prepare_masks`).
+# Tokens are strings: an int that differs between two compiles of the same code (two bindings) is made dynamic by
+# dynamo's automatic dynamic shapes, and a dynamic value cannot be a constant function's argument
 BINDINGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _TOKENS = itertools.count()
 
@@ -61,7 +63,7 @@ class Binding:
         self.static_problem: str | None = None
         self._bucket_constants: dict[tuple[str, int], torch.Tensor] = {}
         self._threads = threading.local()  # each thread's `Forward`
-        self.token = next(_TOKENS)
+        self.token = f"paroattn-binding-{next(_TOKENS)}"
         BINDINGS[self.token] = self
         self.warned: set[str] = set()
         self.delegates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

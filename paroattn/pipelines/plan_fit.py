@@ -68,7 +68,7 @@ def layout_problem(plan: Plan, binding: Binding, inputs: CallInputs, scale: Pixe
 
 
 @torch._dynamo.assume_constant_result
-def traced_layout_problem(token: int, shape: tuple[int, ...] | None, problem: str | None) -> str | None:
+def traced_layout_problem(token: str, shape: tuple[int, ...] | None, problem: str | None) -> str | None:
     """`layout_problem` of a traced forward whose layout is `TokenLayout(*shape)`, formatted eagerly while
     the graph is traced (dynamo calls this as a constant function); a mismatch under on_mismatch="error"
     raises its PlanError here."""
