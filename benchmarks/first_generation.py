@@ -10,7 +10,9 @@ on an empty cache, then the first generation (dense attention while it records t
 and cached when it ends), then `--sparse-runs` more generations (sparse, the learnt plan); with `--calibrate`, the capture
 `paro calibrate` runs (`driver.capture` of `--prompts` prompts with the default `CaptureConfig` options, then
 `plan_from_stats`). Each with its wall time, the peak GPU memory it allocated and, for the learning generation and
-the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is reported beside it).
+the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is reported beside it) and a timeline of
+the resident host memory sampled every 50 ms (`host_timeline`: seconds from the phase's start, GB), which places
+the peak in the generation, the selection, the write or the apply (`learning_timings` gives their lengths).
 
 What is not the real model: the transformers have random weights (bf16) and the text encoder is replaced by random
 prompt embeddings of the real shape (the pipelines' `encode_prompt`), and the VAE does not run
@@ -28,6 +30,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +101,39 @@ def pipeline(name: str, transformer, tiny: bool):
     return Pipeline(**components), size
 
 
+class HostTimeline:
+    """Resident host memory sampled in a thread while the block runs: [(seconds from start, GB)], thinned to at most
+    `points` entries that keep the maximum of each stretch they replace."""
+
+    def __init__(self, period: float = 0.05, points: int = 400):
+        self.period, self.points, self.samples = period, points, []
+        self._stop = threading.Event()
+
+    def _run(self):
+        start = time.perf_counter()
+        while not self._stop.is_set():
+            self.samples.append((round(time.perf_counter() - start, 2), _host_gb()))
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def thinned(self) -> list:
+        samples = [s for s in self.samples if s[1] is not None]
+        step = max(1, -(-len(samples) // self.points))
+        return [max(samples[i:i + step], key=lambda s: s[1]) for i in range(0, len(samples), step)]
+
+    def peak(self) -> list | None:
+        samples = [s for s in self.samples if s[1] is not None]
+        return list(max(samples, key=lambda s: s[1])) if samples else None
+
+
 def measure(name, build, args, device, dtype, cache: Path) -> dict:
     record = {"model": name}
     transformer, _, calls_per_step = build(device, dtype)
@@ -130,7 +166,9 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
         record["host_rss_before_gb"] = _host_gb()
         record["host_peak_reset"] = _reset_host_peak()
         _reset_gpu_peak()
-        record["learning_s"], learnt = timed(generate)
+        with HostTimeline() as timeline:
+            record["learning_s"], learnt = timed(generate)
+        record["host_timeline"], record["host_rss_peak_at"] = timeline.thinned(), timeline.peak()
         record["learning_peak_gpu_gb"] = _gpu_peak_gb()
         record["learning_host_peak_gb"] = _host_gb("VmHWM")
         record["learning_over_dense"] = record["learning_s"] / record["dense_s"]
@@ -153,23 +191,32 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
         record["log"] = messages
         handle.remove()
 
-        if args.calibrate:
+        if args.calibrate is not None and (not args.calibrate or name in args.calibrate):
             config = CaptureConfig(steps=args.steps, query_block=args.query_block, height=size["height"],
                                    width=size["width"], frames=size["num_frames"],
                                    pipeline_kwargs={"output_type": "latent"}, **(args.capture or {}))
             record["calibrate_options"] = {k: getattr(config, k) for k in CAPTURE_OPTIONS}
+            rss_before = _host_gb()
             record["calibrate_host_peak_reset"] = _reset_host_peak()
             _reset_gpu_peak()
             start = time.perf_counter()
-            stats = capture(pipe, PROMPTS[: args.prompts], config)
-            plan, _ = plan_from_stats(stats, SelectionConfig(density=args.density, qk=args.qk, pv=args.pv))
-            _sync()
+            with HostTimeline() as timeline:
+                stats = capture(pipe, PROMPTS[: args.prompts], config)
+                captured = time.perf_counter() - start
+                plan, _ = plan_from_stats(stats, SelectionConfig(density=args.density, qk=args.qk, pv=args.pv))
+                _sync()
             record["calibrate"] = {
-                "prompts": args.prompts, "seconds": time.perf_counter() - start, "timings": stats.timings,
-                "peak_gpu_gb": _gpu_peak_gb(), "host_peak_gb": _host_gb("VmHWM"),
-                "achieved_density": plan.achieved_density(),
+                "prompts": args.prompts, "seconds": time.perf_counter() - start, "capture_s": captured,
+                "timings": stats.timings, "peak_gpu_gb": _gpu_peak_gb(), "host_rss_before_gb": rss_before,
+                "host_peak_gb": _host_gb("VmHWM"), "host_timeline": timeline.thinned(),
+                "host_rss_peak_at": timeline.peak(), "achieved_density": plan.achieved_density(),
             }
     return record
+
+
+def added(peak, before) -> float:
+    """Host memory a phase added: its VmHWM (reset at its start) less the RSS before it."""
+    return float("nan") if peak is None or before is None else peak - before
 
 
 def main():
@@ -182,7 +229,8 @@ def main():
     parser.add_argument("--pv", default="fp8")
     parser.add_argument("--query-block", type=int, default=128)
     parser.add_argument("--sparse-runs", type=int, default=2, help="sparse generations after the learning one")
-    parser.add_argument("--calibrate", action="store_true", help="also time paro calibrate's capture of --prompts")
+    parser.add_argument("--calibrate", nargs="*", default=None, metavar="MODEL",
+                        help="also time paro calibrate's capture of --prompts: of the models named (none named: all)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--capture", type=parse_capture_options, default=None,
                         help="CaptureConfig options of both the learning generation and the calibration, "
@@ -210,12 +258,13 @@ def main():
             if cuda:
                 torch.cuda.empty_cache()
     print(f"{'model':14s} {'dense s':>8s} {'learning s':>10s} {'x dense':>7s} {'sparse s':>9s} {'GPU x':>6s} "
-          f"{'host GB':>7s} {'calibrate s':>11s}")
+          f"{'host +GB':>8s} {'calibrate s':>11s} {'its host +GB':>12s}")
     for r in report["results"]:
         print(f"{r['model']:14s} {r['dense_s']:8.1f} {r['learning_s']:10.1f} {r['learning_over_dense']:7.2f} "
               f"{r['sparse_s'][-1]:9.1f} {r.get('learning_gpu_over_dense', float('nan')):6.2f} "
-              f"{r['learning_host_peak_gb'] or float('nan'):7.2f} "
-              f"{r.get('calibrate', {}).get('seconds', float('nan')):11.1f}")
+              f"{added(r['learning_host_peak_gb'], r['host_rss_before_gb']):8.2f} "
+              f"{r.get('calibrate', {}).get('seconds', float('nan')):11.1f} "
+              f"{added(r.get('calibrate', {}).get('host_peak_gb'), r.get('calibrate', {}).get('host_rss_before_gb')):12.2f}")
 
 
 if __name__ == "__main__":

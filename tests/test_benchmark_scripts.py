@@ -116,6 +116,10 @@ def test_first_generation_tiny_run_learns_then_runs_sparse_through_the_pipelines
         assert r["learnt"] and r["learning_output_max_abs_diff_vs_dense"] == 0.0 and r["captured_layer_calls"] > 0
         assert len(r["sparse_s"]) == 2 and r["plan"]["buckets"] == 6 and 0 < r["plan"]["achieved_density"] < 1
         assert r["learning_options"]["calls"] == "all" and r["calibrate"]["seconds"] > 0
+        # the host memory timelines: sampled through each phase, the peak one of the samples
+        for timeline, peak in ((r["host_timeline"], r["host_rss_peak_at"]),
+                               (r["calibrate"]["host_timeline"], r["calibrate"]["host_rss_peak_at"])):
+            assert timeline and all(gb > 0 for _, gb in timeline) and peak in [list(s) for s in timeline]
         assert "learnt a plan at density 0.2" in r["log"][-1]
 
 
