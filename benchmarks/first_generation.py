@@ -8,7 +8,7 @@ pipeline classes (WanPipeline, CogVideoXPipeline) on full-size transformers, one
 For each model, in this order: a dense generation (the pipeline as shipped); `paroattn.apply(pipe, "auto", ...)`
 on an empty cache, then the first generation (dense attention while it records the statistics, the plan built
 and cached when it ends), then `--sparse-runs` more generations (sparse, the learnt plan); with `--calibrate`, the capture
-`paro calibrate` runs (`driver.capture` of `--prompts` prompts with the default `CaptureConfig` options, then
+`paro calibrate` runs (`driver.capture` of `--prompts` prompts with its default cheap capture, `config.CHEAP`, then
 `plan_from_stats`). Each with its wall time, the peak GPU memory it allocated and, for the learning generation and
 the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is reported beside it) and a timeline of
 the resident host memory sampled every 50 ms (`host_timeline`: seconds from the phase's start, GB), which places
@@ -52,9 +52,10 @@ from calibration_cost import (  # noqa: E402
 
 import paroattn  # noqa: E402
 from paroattn.calibrate import CaptureConfig, SelectionConfig  # noqa: E402
+from paroattn.calibrate.config import CHEAP  # noqa: E402
 from paroattn.calibrate.driver import capture, plan_from_stats  # noqa: E402
 
-CAPTURE_OPTIONS = ("steps_per_bucket", "stat_every", "calls", "query_stride", "order_steps")
+CAPTURE_OPTIONS = ("steps_per_bucket", "stat_every", "calls", "query_stride", "order_steps", "keep_orders")
 PROMPTS = ["a red fox running through a snowy forest", "waves breaking on a rocky shore at sunset",
            "a city street at night in the rain", "a hot air balloon over green hills"]
 
@@ -134,7 +135,7 @@ class HostTimeline:
         return list(max(samples, key=lambda s: s[1])) if samples else None
 
 
-def measure(name, build, args, device, dtype, cache: Path) -> dict:
+def measure(name, build, args, device, dtype, cache: Path, save) -> dict:
     record = {"model": name}
     transformer, _, calls_per_step = build(device, dtype)
     pipe, size = pipeline(name, transformer, args.tiny)
@@ -153,10 +154,12 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
 
     with torch.no_grad():
         pipe(PROMPTS[0], **{**kwargs, "num_inference_steps": 2})  # warm-up: cuDNN's plans, allocator
-        _reset_gpu_peak()
-        record["dense_s"], dense = timed(generate)
-        record["dense_peak_gpu_gb"] = _gpu_peak_gb()
-        dense = dense.frames
+        dense = None
+        if not args.learning_only:
+            _reset_gpu_peak()
+            record["dense_s"], dense = timed(generate)
+            record["dense_peak_gpu_gb"] = _gpu_peak_gb()
+            dense = dense.frames
 
         messages = []
         learning = None if args.capture is None else CaptureConfig(query_block=args.query_block, **args.capture)
@@ -171,9 +174,10 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
         record["host_timeline"], record["host_rss_peak_at"] = timeline.thinned(), timeline.peak()
         record["learning_peak_gpu_gb"] = _gpu_peak_gb()
         record["learning_host_peak_gb"] = _host_gb("VmHWM")
-        record["learning_over_dense"] = record["learning_s"] / record["dense_s"]
-        record["learning_output_max_abs_diff_vs_dense"] = float((learnt.frames.float() - dense.float()).abs().max())
-        if record["dense_peak_gpu_gb"]:
+        if dense is not None:
+            record["learning_over_dense"] = record["learning_s"] / record["dense_s"]
+            record["learning_output_max_abs_diff_vs_dense"] = float((learnt.frames.float() - dense.float()).abs().max())
+        if record.get("dense_peak_gpu_gb"):
             record["learning_gpu_over_dense"] = record["learning_peak_gpu_gb"] / record["dense_peak_gpu_gb"]
         record["captured_layer_calls"] = handle.captured
         record["learning_timings"] = handle.timings
@@ -186,15 +190,18 @@ def measure(name, build, args, device, dtype, cache: Path) -> dict:
             seconds, _ = timed(generate)
             sparse_s.append(seconds)
         record["sparse_s"] = sparse_s
-        record["sparse_peak_gpu_gb"] = _gpu_peak_gb()
-        record["dense_over_sparse"] = record["dense_s"] / sparse_s[-1]
+        if sparse_s:
+            record["sparse_peak_gpu_gb"] = _gpu_peak_gb()
+            if dense is not None:
+                record["dense_over_sparse"] = record["dense_s"] / sparse_s[-1]
         record["log"] = messages
         handle.remove()
+        save(record)  # kept should the calibration below not finish
 
         if args.calibrate is not None and (not args.calibrate or name in args.calibrate):
             config = CaptureConfig(steps=args.steps, query_block=args.query_block, height=size["height"],
                                    width=size["width"], frames=size["num_frames"],
-                                   pipeline_kwargs={"output_type": "latent"}, **(args.capture or {}))
+                                   pipeline_kwargs={"output_type": "latent"}, **(args.capture or CHEAP))
             record["calibrate_options"] = {k: getattr(config, k) for k in CAPTURE_OPTIONS}
             rss_before = _host_gb()
             record["calibrate_host_peak_reset"] = _reset_host_peak()
@@ -229,6 +236,8 @@ def main():
     parser.add_argument("--pv", default="fp8")
     parser.add_argument("--query-block", type=int, default=128)
     parser.add_argument("--sparse-runs", type=int, default=2, help="sparse generations after the learning one")
+    parser.add_argument("--learning-only", action="store_true",
+                        help="the learning generation alone (no dense generation, no sparse ones): its host memory")
     parser.add_argument("--calibrate", nargs="*", default=None, metavar="MODEL",
                         help="also time paro calibrate's capture of --prompts: of the models named (none named: all)")
     parser.add_argument("--prompts", type=int, default=2)
@@ -240,30 +249,39 @@ def main():
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.learning_only:
+        args.sparse_runs = 0
     if args.tiny:
         args.steps, args.qk, args.pv, args.query_block = min(args.steps, 6), "bf16", "bf16", 64
     builders = {"wan2.1-1.3b": build_wan_1_3b, "cogvideox-5b": build_cogvideox_5b}
     report = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "density": args.density,
               "qk": args.qk, "pv": args.pv, "blocks": [args.query_block, 64], "results": []}
+
+    def save(record):
+        if not any(r is record for r in report["results"]):
+            report["results"].append(record)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             build = functools.partial(builders[name], tiny=args.tiny)
-            record = measure(name, build, args, device, dtype, Path(tmp) / name)
-            report["results"].append(record)
+            record = measure(name, build, args, device, dtype, Path(tmp) / name, save)
+            save(record)
             print(json.dumps(record), flush=True)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(report, indent=1))
             if cuda:
                 torch.cuda.empty_cache()
     print(f"{'model':14s} {'dense s':>8s} {'learning s':>10s} {'x dense':>7s} {'sparse s':>9s} {'GPU x':>6s} "
           f"{'host +GB':>8s} {'calibrate s':>11s} {'its host +GB':>12s}")
+    nan = float("nan")
     for r in report["results"]:
-        print(f"{r['model']:14s} {r['dense_s']:8.1f} {r['learning_s']:10.1f} {r['learning_over_dense']:7.2f} "
-              f"{r['sparse_s'][-1]:9.1f} {r.get('learning_gpu_over_dense', float('nan')):6.2f} "
+        print(f"{r['model']:14s} {r.get('dense_s', nan):8.1f} {r['learning_s']:10.1f} "
+              f"{r.get('learning_over_dense', nan):7.2f} {(r['sparse_s'] or [nan])[-1]:9.1f} "
+              f"{r.get('learning_gpu_over_dense', nan):6.2f} "
               f"{added(r['learning_host_peak_gb'], r['host_rss_before_gb']):8.2f} "
-              f"{r.get('calibrate', {}).get('seconds', float('nan')):11.1f} "
+              f"{r.get('calibrate', {}).get('seconds', nan):11.1f} "
               f"{added(r.get('calibrate', {}).get('host_peak_gb'), r.get('calibrate', {}).get('host_rss_before_gb')):12.2f}")
 
 

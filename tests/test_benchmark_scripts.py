@@ -116,6 +116,7 @@ def test_first_generation_tiny_run_learns_then_runs_sparse_through_the_pipelines
         assert r["learnt"] and r["learning_output_max_abs_diff_vs_dense"] == 0.0 and r["captured_layer_calls"] > 0
         assert len(r["sparse_s"]) == 2 and r["plan"]["buckets"] == 6 and 0 < r["plan"]["achieved_density"] < 1
         assert r["learning_options"]["calls"] == "all" and r["calibrate"]["seconds"] > 0
+        assert r["calibrate_options"]["keep_orders"] == 2  # paro calibrate's own capture, not the full one
         # the host memory timelines: sampled through each phase, the peak one of the samples
         for timeline, peak in ((r["host_timeline"], r["host_rss_peak_at"]),
                                (r["calibrate"]["host_timeline"], r["calibrate"]["host_rss_peak_at"])):

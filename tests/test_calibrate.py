@@ -375,6 +375,56 @@ def test_stored_means_follow_the_float32_average_over_interleaved_buckets():
         assert torch.allclose(acc.mean_map(bucket, layer, expected.device), expected, rtol=2e-3, atol=1e-3)
 
 
+def test_means_read_before_a_fold_include_the_staged_maps_and_the_store_is_one_tensor_per_bucket():
+    """mean_map reads the maps staged since the last fold (the order narrowing reads them before any fold); each
+    bucket's means are slots of one tensor, and the staged sums are one tensor reused from bucket to bucket (freed
+    pieces of per-layer tensors stay in the host allocator: memory a capture never gives back)."""
+    g = torch.Generator().manual_seed(3)
+    acc = StatsAccumulator(3, 2, [0, 1], seq_len=64, block_size=16)
+    added = {}
+    for bucket in (0, 0, 1, 1, 0):  # bucket 0 again after 1: the staged maps blend with a stored mean
+        for layer in range(3):
+            mass = torch.rand(2, 2, 4, 4, generator=g) * 16
+            acc.add(layer, bucket, mass, None, None, batch=1)
+            added.setdefault((bucket, layer), []).append(mass)
+        staging = acc._staging.data_ptr()
+        for layer in range(3):  # before the fold: stored (bucket 0's first two maps) and staged together
+            expected = torch.stack(added[(bucket, layer)]).mean(0)
+            assert torch.allclose(acc.mean_map(bucket, layer, "cpu"), expected, rtol=2e-3, atol=1e-3), (bucket, layer)
+    assert acc._staging.data_ptr() == staging
+    acc.flush()
+    for bucket in range(2):
+        store = acc._store[bucket]
+        assert store.shape == (3, 2, 2, 4, 4)
+        for layer in range(3):
+            assert acc.mass[(bucket, layer)].data_ptr() == store[layer].data_ptr()
+            expected = torch.stack(added[(bucket, layer)]).mean(0)
+            assert torch.allclose(acc.mean_map(bucket, layer, "cpu"), expected, rtol=2e-3, atol=1e-3)
+
+
+def test_narrowing_staged_maps_gives_the_means_narrowing_folded_maps_gives():
+    """keep_orders straight from the staged sums (no wide store made) keeps the same means as after a fold, in
+    one narrowed store per bucket; the picks are per (layer, head)."""
+    g = torch.Generator().manual_seed(4)
+    maps = [(layer, torch.rand(3, 4, 4, 4, generator=g) * 16) for _ in range(2) for layer in range(2)]
+    slots = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)]).view(2, 3, 2)
+    narrowed = []
+    for fold_first in (False, True):
+        acc = StatsAccumulator(2, 2, [0, 1, 2, 3], seq_len=64, block_size=16)
+        for layer, mass in maps:
+            acc.add(layer, 0, mass, None, None, batch=1)
+        if fold_first:
+            acc.flush()
+        acc.keep_orders(slots)
+        assert acc._staging is None and acc._store[0].shape == (2, 3, 2, 4, 4)
+        narrowed.append([acc.mean_map(0, layer, "cpu") for layer in range(2)])
+    for layer in range(2):
+        mean = torch.stack([m for lay, m in maps if lay == layer]).mean(0)
+        expected = mean[torch.arange(3)[:, None], slots[layer]]
+        for got in (narrowed[0][layer], narrowed[1][layer]):
+            assert torch.allclose(got, expected, rtol=2e-3, atol=1e-3)
+
+
 # -- end to end on tiny pipelines (CPU) ---------------------------------------------------------
 @pytest.mark.parametrize("family", ["cogvideox", "wan", "flux"])
 @pytest.mark.slow

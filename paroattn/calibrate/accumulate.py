@@ -102,12 +102,17 @@ class StatsAccumulator:
         self.sparse_sum: dict[int, torch.Tensor] = {}
         self.scalar_count = torch.zeros(num_layers)
         self.steps_per_bucket = [0] * num_buckets
-        self._staging: dict[int, torch.Tensor] = {}  # layer -> float32 sum of this bucket's maps so far
-        self._staged_weight: dict[int, float] = {}  # layer -> batch items in that sum
+        # the current bucket's float32 sums, [L, *map shape] in one tensor kept from bucket to bucket, and the batch
+        # items summed into each layer's slot: one allocation, not one per layer and bucket, whose freed pieces the
+        # host allocator keeps (1 GB of a CogVideoX-5B capture's host memory)
+        self._staging: torch.Tensor | None = None
+        self._staged_weight: dict[int, float] = {}
+        # bucket -> [L, *map shape] the stored means, one tensor per bucket (mass[(bucket, layer)] are its slots)
+        self._store: dict[int, torch.Tensor] = {}
         self._staging_bucket: int | None = None
         self._entries: dict[torch.device, torch.Tensor] = {}
         self._pinned: dict[tuple[int, ...], torch.Tensor] = {}  # shape -> host buffer of the GPU map in flight
-        self._in_flight: tuple[int, torch.Tensor, torch.cuda.Event] | None = None  # (layer, buffer, copy done)
+        self._in_flight: tuple | None = None  # (layer, buffer, copy done, batch items)
         # [L, H, K] slots into candidate_orders of the orders each head's maps hold (fix_orders: K = 1; keep_orders)
         self.kept_slots: torch.Tensor | None = None
         self.fixed_scores: torch.Tensor | None = None  # [L, H, O] the scores fix_orders chose by
@@ -115,7 +120,7 @@ class StatsAccumulator:
     def fix_orders(self, slots: torch.Tensor, scores: torch.Tensor) -> None:
         """Keep the order `slots` [L, H] (indices into candidate_orders) of every head, chosen by `scores`
         [L, H, O] (lower is better): from now on `add` takes maps [H, 1, nb, nb] in each head's order."""
-        if self.mass or self._staging:
+        if self.mass or self._staged_weight:
             raise RuntimeError("fix_orders comes before the first map: maps of every order were added already")
         O = len(self.candidate_orders)
         if slots.dim() != 2 or slots.shape[0] != self.num_layers or tuple(scores.shape) != (*slots.shape, O):
@@ -136,10 +141,19 @@ class StatsAccumulator:
         slots = slots.long().cpu()
         if int(slots.min()) < 0 or int(slots.max()) >= O:
             raise ValueError(f"order slots must index the {O} candidate orders, got {slots.unique().tolist()}")
-        self.flush()
-        for (bucket, layer), mean in self.mass.items():
+        # every captured map narrowed into new stores, the staged sums among them without a wide store first (at
+        # CogVideoX-5B the wide float16 means of the first bucket would add 0.9 GB to the 1.8 GB of its sums)
+        self._land()
+        keys = set(self.mass) | {(self._staging_bucket, layer) for layer in self._staged_weight}
+        old = self._store
+        self._store = {}
+        for bucket, layer in sorted(keys):
+            mean = self.mean_map(bucket, layer, self.store_device)
             pick = slots[layer].to(mean.device)
-            self.mass[(bucket, layer)] = mean[torch.arange(pick.shape[0], device=mean.device)[:, None], pick]
+            narrowed = mean[torch.arange(pick.shape[0], device=mean.device)[:, None], pick]
+            self._slot(bucket, layer, narrowed.shape).copy_(narrowed)
+        del old
+        self._staging, self._staged_weight, self._staging_bucket = None, {}, None
         for sums in (self.incoherence_sum, self.sparse_sum):
             for layer, total in sums.items():
                 sums[layer] = total.gather(1, slots[layer])
@@ -160,8 +174,7 @@ class StatsAccumulator:
         if self._staging_bucket is not None and bucket != self._staging_bucket:
             self.flush()
         self._staging_bucket = bucket
-        self._stage(layer, pool_query_blocks(mass, self.mask_block[0] // self.block_size))
-        self._staged_weight[layer] = self._staged_weight.get(layer, 0.0) + batch
+        self._stage(layer, pool_query_blocks(mass, self.mask_block[0] // self.block_size), batch)
         self.weight[bucket, layer] += batch
         entries = self._entries.get(mass.device)
         if entries is None:
@@ -182,7 +195,7 @@ class StatsAccumulator:
         """Count one captured denoising step of one prompt in `bucket` (for the report)."""
         self.steps_per_bucket[bucket] += 1
 
-    def _stage(self, layer: int, mass: torch.Tensor) -> None:
+    def _stage(self, layer: int, mass: torch.Tensor, batch: float) -> None:
         """Add one map into the layer's staged sum: where it was computed, or on `staging_device`."""
         target = mass.device if self.staging_device is None else self.staging_device
         if mass.device.type == "cuda" and target.type == "cpu":
@@ -193,51 +206,70 @@ class StatsAccumulator:
             buffer.copy_(mass.float(), non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            self._in_flight = (layer, buffer, done)
+            self._in_flight = (layer, buffer, done, batch)
             return
-        self._add_staged(layer, mass.to(target))
+        self._add_staged(layer, mass.to(target), batch)
 
     def _land(self) -> None:
         """Sum the map in flight to host memory, once its copy has finished."""
         if self._in_flight is not None:
-            layer, buffer, done = self._in_flight
+            layer, buffer, done, batch = self._in_flight
             self._in_flight = None
             done.synchronize()
-            self._add_staged(layer, buffer)
+            self._add_staged(layer, buffer, batch)
 
-    def _add_staged(self, layer: int, mass: torch.Tensor) -> None:
-        if layer in self._staging:
-            self._staging[layer] += mass
+    def _add_staged(self, layer: int, mass: torch.Tensor, batch: float) -> None:
+        sums = self._staging
+        if sums is None or sums.shape[1:] != mass.shape or sums.device != mass.device:
+            if self._staged_weight:
+                raise RuntimeError(f"a map {tuple(mass.shape)} on {mass.device} in a bucket whose maps so far were "
+                                   f"{tuple(sums.shape[1:])} on {sums.device}")
+            self._staging = sums = None  # the old sums go before the new ones are made
+            sums = self._staging = torch.empty((self.num_layers, *mass.shape), dtype=torch.float32, device=mass.device)
+        if layer in self._staged_weight:
+            sums[layer] += mass
         else:
-            self._staging[layer] = mass.to(torch.float32, copy=True)  # never the caller's map or a reused buffer
+            sums[layer].copy_(mass)  # the slot's first map this bucket: no zeroing pass
+        self._staged_weight[layer] = self._staged_weight.get(layer, 0.0) + batch
 
     def flush(self) -> None:
         """Fold the staged sums of the current bucket into the stored means."""
         self._land()
         bucket = self._staging_bucket
-        while self._staging:  # each staged sum let go once folded: the two never all held at once
-            layer, staged = self._staging.popitem()
-            key = (bucket, layer)
+        for layer, staged_weight in sorted(self._staged_weight.items()):
+            key, staged = (bucket, layer), self._staging[layer]
             total = float(self.weight[bucket, layer])  # already counts the staged maps
             # blend where the staged sums are (the GPU during a calibration): the store moves in
             # float16 both ways, as many bytes as the float32 sums alone would take one way
-            if key in self.mass:
-                earlier = total - self._staged_weight[layer]
-                mean = (self.mass[key].to(staged.device).float() * earlier + staged) / total
-            else:
-                mean = staged / total
-            self.mass[key] = mean.to(self.store_dtype).to(self.store_device)
-            del staged, mean
+            if self.mass.get(key) is not None:
+                staged.add_(self.mass[key].to(staged.device).float(), alpha=total - staged_weight)
+            staged.div_(total)
+            self._slot(bucket, layer, staged.shape).copy_(staged)
         self._staged_weight = {}
         self._staging_bucket = None
+
+    def _slot(self, bucket: int, layer: int, shape: torch.Size | None) -> torch.Tensor:
+        """The stored mean of (bucket, layer): a slot of the bucket's [L, *shape] tensor, made on first use."""
+        store = self._store.get(bucket)
+        if store is None:
+            store = self._store[bucket] = torch.empty((self.num_layers, *shape), dtype=self.store_dtype,
+                                                      device=self.store_device)
+        elif shape is not None and store.shape[1:] != shape:
+            raise RuntimeError(f"bucket {bucket} stores maps {tuple(store.shape[1:])}, not {tuple(shape)}")
+        self.mass[(bucket, layer)] = store[layer]
+        return store[layer]
 
     def join_heads(self, join) -> None:
         """Replace each per-head statistic t by `join(t, dim)`, dim its head dimension: under Ulysses each process
         recorded a slice of the heads, and `join` gathers the slices (`calibrate.parallel`). Called by every
         process, in this order of tensors; the counts (weights, steps) are the same on each and stay."""
         self.flush()
-        for key in sorted(self.mass):
-            self.mass[key] = join(self.mass[key], 0)
+        self._staging = None
+        joined = {key: join(self.mass[key], 0) for key in sorted(self.mass)}
+        self._store = {}
+        for (bucket, layer), mean in joined.items():
+            self._slot(bucket, layer, mean.shape).copy_(mean)
+        del joined
         for sums in (self.incoherence_sum, self.sparse_sum):
             for layer in sorted(sums):
                 sums[layer] = join(sums[layer], 0)
@@ -248,12 +280,22 @@ class StatsAccumulator:
 
     # -----------------------------------------------------------------------------------------
     def mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
-        """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device`; None if not captured."""
+        """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device` (the maps staged since the last
+        fold included); None if not captured."""
         # moved in the stored float16 and widened where the selection runs (the GPU during a
         # calibration), not widened in host memory first: half the bytes over the bus, no host pass
-        if (bucket, layer) not in self.mass or self.weight[bucket, layer] == 0:
+        total = float(self.weight[bucket, layer])
+        if total == 0:
             return None
-        return self.mass[(bucket, layer)].to(device).float()
+        staged = self._staged_weight.get(layer, 0.0) if bucket == self._staging_bucket else 0.0
+        stored = self.mass[(bucket, layer)].to(device).float() if (bucket, layer) in self.mass else None
+        if not staged:
+            return stored
+        self._land()
+        mean = self._staging[layer].to(device, copy=True)  # the maps staged since the last fold
+        if stored is not None:
+            mean += stored * (total - staged)
+        return mean.div_(total)
 
     def finalize(
         self,
@@ -284,6 +326,7 @@ class StatsAccumulator:
         per bucket (`selection.shared_bucket_densities`). `ranks` > 1: each layer's blocks spread evenly over that
         many GPUs' contiguous slices of the heads (`selection.balance_masks`), moved by the measured masses."""
         self.flush()
+        self._staging = None  # nothing is staged after the last flush
         if compute_device is None:
             compute_device = self.store_device
         compute_device = torch.device(compute_device)

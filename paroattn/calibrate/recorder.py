@@ -276,8 +276,7 @@ class StatsRecorder:
         """Narrow each head's candidates to its `keep_orders` best in the first bucket: the most mass kept by the best
         `order_density` blocks of the bucket's mean map (computed on `device`, the GPU during a generation)."""
         acc = self.acc
-        acc.flush()
-        missing = [layer for layer in range(self.layers) if (self.first_bucket, layer) not in acc.mass]
+        missing = [layer for layer in range(self.layers) if acc.weight[self.first_bucket, layer] == 0]
         if missing:
             raise RuntimeError(f"no self-attention call of layers {missing} came in the first timestep bucket, whose "
                                "statistics narrow the orders (keep_orders): every layer must run at every step")
