@@ -432,7 +432,7 @@ def one_line(text: str, limit: int = 100) -> str:
 def table(results: dict) -> str:
     lines = [f"{results['device']}, torch {results['torch']}, ComfyUI {results.get('comfyui', '?')}, comfy-kitchen "
              f"{results.get('comfy_kitchen', '?')}",
-             "| model | graph | steps | step (median) | vs dense | sampling run | vs dense run |",
+             "| model | graph | steps | step (median) | vs dense | sampling run | run time / dense run time |",
              "|---|---|---|---|---|---|---|"]
     for name, model in results["models"].items():
         if "error" in model:
