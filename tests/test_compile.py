@@ -21,6 +21,7 @@ one runs the default inductor backend.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -588,3 +589,31 @@ def test_a_second_plan_on_the_same_model_compiles_again_without_dynamic():
             eager = transformer(**inputs)[0]
             compiled = torch.compile(transformer, fullgraph=True, backend="aot_eager")(**inputs)[0]
         torch.testing.assert_close(compiled, eager, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_a_second_size_under_the_default_compile_specializes_and_matches_eager():
+    """torch.compile without dynamic=False makes the sizes of a second size symbolic; the token grid must enter
+    the layout check as constants (a symbolic tuple failed to trace with an error about constant conversion), so each
+    size compiles to its own graph, its masks derived from the plan's axis profiles, equal to eager; a plan that cannot
+    serve the size says so under compile as in eager."""
+    transformer = tiny_transformer("wan")
+    first = tiny_forward_inputs(transformer)
+    second = tiny_forward_inputs(transformer, frames=5, height=12, width=8)
+    layout = family_of(transformer).call_inputs(transformer, first).layout
+    for profiles in (True, False):
+        plan = Plan.synthetic(layout=layout, num_layers=len(self_attention_layers(transformer)),
+                              num_heads=transformer.config.num_attention_heads, density=0.5, orders="random",
+                              num_buckets=3, block_size=TINY_BLOCK, model_class=type(transformer).__name__,
+                              model_fingerprint=model_fingerprint(transformer.config), profiles=profiles)
+        torch._dynamo.reset()
+        with apply(transformer, plan, backend="torch"), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the derived size's note
+            compiled = torch.compile(transformer, fullgraph=True, backend="aot_eager")
+            torch.testing.assert_close(compiled(**first)[0], transformer(**first)[0], rtol=RTOL, atol=ATOL)
+            if not profiles:
+                with pytest.raises(Exception, match="plan was calibrated for 3x4x4 tokens"):
+                    compiled(**second)
+                continue
+            for inputs in (second, first, second):
+                torch.testing.assert_close(compiled(**inputs)[0], transformer(**inputs)[0], rtol=RTOL, atol=ATOL)

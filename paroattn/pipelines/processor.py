@@ -32,6 +32,7 @@ token count matches (`FluxAdapter._traced_grid`): reading img_ids would be a hos
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
@@ -210,7 +211,9 @@ class PAROProcessor(BoundProcessor):
         """Why the plan does not fit this call's tokens (None when it does), in eager and traced forwards alike
         (while traced, the message is formatted eagerly: dynamo cannot trace formatting the layouts)."""
         if torch.compiler.is_compiling():
-            shape = None if inputs.layout is None else inputs.layout.fields
+            # operator.index makes dynamo specialize sizes it traced as symbolic (torch.compile without dynamic=False,
+            # at a second size): each size gets its own graph, its orders and masks fixed for it
+            shape = None if inputs.layout is None else tuple(operator.index(n) for n in inputs.layout.fields)
             return plan_fit.traced_layout_problem(binding.token, shape, inputs.problem)
         return plan_fit.layout_problem(self.plan, binding, inputs, self.scale(binding), self.shapes)
 
