@@ -291,18 +291,24 @@ def test_a_compiled_transformer_derives_a_new_size_in_a_graph_of_its_own():
     torch._dynamo.reset()
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096])
-def test_offset_mass_sums_each_sampled_querys_probabilities_by_axis_offset(chunk_bytes):
+def test_offset_mass_sums_each_sampled_querys_probabilities_by_axis_offset(chunk_bytes, device):
     """Against the probabilities written out, for every head, batch item and sampled query, with text tokens
-    before and after the grid and padded text keys left out: in one chunk, and chunked by heads and rows."""
+    before and after the grid and padded text keys left out: in one chunk, and chunked by heads and rows; on a GPU
+    the sampled rows and offsets travel to it once, asynchronously."""
     layout = TokenLayout(3, 2, 3, 4, suffix=2)
     F, Hh, W, G = 2, 3, 4, 24
     B, H, N, D = 2, 3, layout.seq_len, 8
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
     keep = torch.tensor([[True, True], [True, False]])
-    mass, count = offset_mass(q, k, layout, queries=10, generator=torch.Generator().manual_seed(1),
-                              suffix_mask=keep, chunk_bytes=chunk_bytes)
+    mass, count = offset_mass(q.to(device), k.to(device), layout, queries=10, generator=torch.Generator().manual_seed(1),
+                              suffix_mask=keep.to(device), chunk_bytes=chunk_bytes)
     picked = torch.randperm(G, generator=torch.Generator().manual_seed(1))[:10].sort().values
     logits = (q.double() @ k.double().transpose(-1, -2)) * D**-0.5
     logits[..., N - 2:] = logits[..., N - 2:].masked_fill(~keep[:, None, None, :], float("-inf"))

@@ -61,11 +61,16 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
     G, prefix = layout.grid_tokens, layout.prefix
     if N != layout.seq_len:
         raise ValueError(f"q has {N} tokens; the layout {layout} has {layout.seq_len}")
+
+    def grid_coords(index: torch.Tensor) -> torch.Tensor:
+        """[S] grid token indices -> [S, 3] their (frame, row, column)"""
+        return torch.stack([index // (Hh * W), (index // W) % Hh, index % W], dim=-1)
+
     if G <= queries:
         picked = torch.arange(G)
     else:
         picked = torch.randperm(G, generator=generator)[:queries].sort().values
-    coords = torch.stack([picked // (Hh * W), (picked // W) % Hh, picked % W], dim=-1)  # [S, 3]
+    coords = grid_coords(picked)  # [S, 3]
     sizes = (F, Hh, W)
     mass = [torch.zeros(H, 2 * n - 1, dtype=torch.float64, device=q.device) for n in sizes]
     count = [torch.zeros(2 * n - 1, dtype=torch.float64) for n in sizes]
@@ -73,7 +78,11 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
         index = torch.arange(n)[None, :] - coords[:, axis : axis + 1] + n - 1  # [S, n]
         count[axis].index_add_(0, index.flatten(), torch.full((index.numel(),), float(B), dtype=torch.float64))
     scale = D ** -0.5
-    grid_rows = picked + prefix
+    # on the device once, through pinned memory: a pageable host tensor moved to the GPU synchronises the stream
+    # (torch waits for the copy), and inside the loop that left the GPU idle while each chunk's launches were queued
+    picked_on_device = picked.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else picked
+    grid_rows = picked_on_device + prefix
+    padded = None if suffix_mask is None else ~suffix_mask.to(q.device)[:, None, None, :]
     # each sampled query's marginals along each axis, summed over the batch ([H, S, n]), added by offset at the end:
     # per chunk only the few large passes run, not a dozen small launches per axis
     marginals = [torch.empty(H, len(picked), n, device=q.device) for n in sizes]
@@ -85,11 +94,10 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
         keys = k[:, hs].float()
         step = max(1, chunk_bytes // (B * keys.shape[1] * N * 4))
         for start in range(0, len(picked), step):
-            rows = grid_rows[start : start + step].to(q.device)
+            rows = grid_rows[start : start + step]
             logits = torch.einsum("bhsd,bhnd->bhsn", q[:, hs, rows].float(), keys) * scale
             if suffix_mask is not None:
-                logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(
-                    ~suffix_mask.to(q.device)[:, None, None, :], float("-inf"))
+                logits[..., N - layout.suffix:] = logits[..., N - layout.suffix:].masked_fill(padded, float("-inf"))
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             p = torch.exp(logits[..., prefix : prefix + G] - lse).view(B, keys.shape[1], -1, F, Hh, W)  # the grid keys
             del logits
@@ -98,8 +106,9 @@ def offset_mass(q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, queries: 
             marginals[0][hs, taken] = frames_rows.sum(dim=(0, 4))
             marginals[1][hs, taken] = frames_rows.sum(dim=(0, 3))
             marginals[2][hs, taken] = p.sum(dim=(0, 3, 4))
+    coords = grid_coords(picked_on_device)
     for axis, n in enumerate(sizes):
-        index = (torch.arange(n)[None, :] - coords[:, axis : axis + 1] + n - 1).to(q.device)  # [S, n]
+        index = torch.arange(n, device=q.device)[None, :] - coords[:, axis : axis + 1] + n - 1  # [S, n]
         mass[axis].index_add_(1, index.flatten(), marginals[axis].reshape(H, -1).double())
     return [m.cpu() for m in mass], count
 
