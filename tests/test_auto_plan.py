@@ -329,3 +329,35 @@ def test_a_miss_under_a_parallel_config_paro_cannot_run_under_is_refused_before_
         with pytest.raises(paroattn.PlanError, match="plan='auto' under context parallelism.*ring_degree=2"):
             generate(pipe)
         assert handle.plan is None and handle.captured == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_the_learnt_statistics_are_freed_before_the_plan_is_written(pipe, tmp_path, monkeypatch):
+    """The capture's accumulators (GBs at real sizes) go as soon as the plan is built, not when the garbage collector
+    next runs: the processor and its binding refer to each other, and the processor held the recorder's callback."""
+    import gc
+    import weakref
+
+    import paroattn.calibrate.auto as auto
+    from paroattn.calibrate.accumulate import StatsAccumulator
+
+    made, alive_at_write = [], []
+    init = StatsAccumulator.__init__
+
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    def write(plan, path):
+        alive_at_write.append(sum(ref() is not None for ref in made))
+        return write_entry(plan, path)
+
+    monkeypatch.setattr(StatsAccumulator, "__init__", recorded_init)
+    monkeypatch.setattr(auto, "write_entry", write)
+    gc.disable()
+    try:
+        handle = paroattn.apply(pipe, "auto", cache=tmp_path, **OPTIONS)
+        generate(pipe)
+    finally:
+        gc.enable()
+        handle.remove()
+    assert handle.learnt and made and alive_at_write == [0]
