@@ -131,7 +131,7 @@ def parse_args(argv=None):
                         "block, token: each such row once per granularity (default: block)")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
                    help="study only, with --backend torch: integer Q (and K) quantized with finer scales than the "
-                        "kernels' one per block: per token, or K per thread group (QK_SCALES)")
+                        "kernels' one per block: per token, K per thread group, or K's channel ranges moved into Q (QK_SCALES)")
     args = p.parse_args(argv)
     args.k_scale = [k.strip() for k in args.k_scale.split(",") if k.strip()]
     for k_scale in args.k_scale:
@@ -149,7 +149,41 @@ def parse_args(argv=None):
 # or K per "thread group", the keys of a 64-key block that one thread of the sm_90a kernel's accumulator holds
 # (columns 8a + 2t + e, a < 8, e < 2: 16 keys per group t < 4), which that kernel could scale at no cost per score
 QK_SCALES = {"block": {}, "token-q": {"q": "token"}, "token-qk": {"q": "token", "k": "token"},
-             "token-q-thread-k": {"q": "token", "k": "thread"}}
+             "token-q-thread-k": {"q": "token", "k": "thread"},
+             # K's channels equalised by a factor that Q takes on (their product unchanged), then both per block as the
+             # kernels quantize them: c_d = max|k_d|^a / max|q_d|^(1-a) over the head's tokens; free in the loop
+             "channel-k": {"migrate": 1.0}, "channel-qk": {"migrate": 0.5}}
+
+
+def migrated_qk_scales(alpha: float):
+    """Stand-ins for `reference.key_smoothing_mean` and `reference.quantize_per_block` that move K's channel ranges
+    into Q before the per-block quantization: K's smoothed channel maxima are kept when its mean is taken (before
+    Q is quantized), Q is quantized as Q * c and K as K / c per block, and both come back dequantized with block
+    scales of 1, so the reference's product is the product of the two quantized factors."""
+    from itertools import count
+
+    from paroattn.kernels import reference
+
+    per_block, smoothing_mean, calls, kept = reference.quantize_per_block, reference.key_smoothing_mean, count(), {}
+
+    def key_mean(k, stride):
+        mean = smoothing_mean(k, stride)
+        kept["k_max"] = (k.float() - mean).abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [B, 1, D]
+        return mean
+
+    def quantize(x, block, qmax):
+        B, N, _ = x.shape
+        if next(calls) % 2 == 0:  # Q, after K's mean
+            q_max = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+            kept["c"] = kept["k_max"] ** alpha / q_max ** (1 - alpha)
+            x = x * kept["c"]
+        else:
+            x = x / kept["c"]
+        values, scale = per_block(x, block, qmax)
+        dequantized = values * scale.repeat_interleave(block, dim=1)[:, :N, None]
+        return dequantized, torch.ones(B, -(-N // block), dtype=x.dtype, device=x.device)
+
+    return key_mean, quantize
 
 
 def finer_qk_scales(scales: dict[str, str]):
@@ -291,7 +325,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"--qk-scales {args.qk_scales} changes the torch reference only: add --backend torch")
         from paroattn.kernels import reference
 
-        reference.quantize_per_block = finer_qk_scales(QK_SCALES[args.qk_scales])
+        scales = QK_SCALES[args.qk_scales]
+        if "migrate" in scales:
+            reference.key_smoothing_mean, reference.quantize_per_block = migrated_qk_scales(scales["migrate"])
+        else:
+            reference.quantize_per_block = finer_qk_scales(scales)
     args.out.mkdir(parents=True, exist_ok=True)
     rows_spec = [row for spec in (args.grid or DEFAULT_GRIDS) for row in parse_grid(spec)]
     for linear in {variant_arguments(variant).get("linear") for _, _, variant in rows_spec} - {None}:

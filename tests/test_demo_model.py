@@ -249,6 +249,35 @@ def test_quality_study_scales_k_per_thread_group():
     assert float((k_values - k)[:, loud].abs().max()) <= float(k[:, loud].abs().max()) / 254 * 1.001
 
 
+@pytest.mark.parametrize("variant", ["channel-k", "channel-qk"])
+def test_quality_study_moves_k_channel_ranges_into_q_and_keeps_the_product(variant):
+    """--qk-scales channel-k / channel-qk: K's smoothed channel maxima are kept when its mean is taken, Q is quantized
+    as Q * c and K as K / c per block; q k^T of the two dequantized factors stays the product within the quantization
+    error; with half of a loud K channel's range moved (channel-qk) neither factor's block scale is set by it."""
+    module = _script("demo_model_quality")
+    key_mean, quantize = module.migrated_qk_scales(module.QK_SCALES[variant]["migrate"])
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 256, 64, generator=g), torch.randn(1, 256, 64, generator=g)
+    k[..., 5] *= 50.0  # one loud channel
+    smoothed = k - key_mean(k, 1)
+    q_values, q_scale = quantize(q, 128, 127.0)
+    k_values, k_scale = quantize(smoothed, 64, 127.0)
+    assert bool((q_scale == 1).all()) and bool((k_scale == 1).all())
+    exact = q @ smoothed.transpose(1, 2)
+    migrated = q_values @ k_values.transpose(1, 2)
+    from paroattn.kernels import reference
+
+    qb, qs = reference.quantize_per_block(q, 128, 127.0)
+    kb, ks = reference.quantize_per_block(smoothed, 64, 127.0)
+    per_block = (qb * qs.repeat_interleave(128, 1)[..., None]) @ (kb * ks.repeat_interleave(64, 1)[..., None]).transpose(1, 2)
+    if variant == "channel-qk":  # half the range moved: both factors keep their quiet channels' levels
+        assert float((migrated - exact).norm()) < 0.5 * float((per_block - exact).norm())
+    key_mean, quantize = module.migrated_qk_scales(module.QK_SCALES[variant]["migrate"])
+    smoothed = k - key_mean(k, 1)
+    fine = quantize(q, 128, 2.0**22)[0] @ quantize(smoothed, 64, 2.0**22)[0].transpose(1, 2)
+    torch.testing.assert_close(fine, exact, rtol=1e-4, atol=1e-3)  # the migration itself keeps q k^T
+
+
 def test_quality_study_runs_k_scales_and_refuses_them_beside_qk_scales(tmp_path):
     """--k-scale: the granularities each integer-QK row runs (as the kernels do); --qk-scales replaces the
     reference's per-block quantization, which per-key K scales do not take, so the two are refused together."""
