@@ -321,14 +321,16 @@ def test_stored_means_are_in_the_masks_query_blocks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_maps_staged_in_host_memory_in_the_background_give_the_same_means():
     """GPU maps summed in host memory after an asynchronous copy: the same means as maps added on the CPU, the last
-    map in flight included (it lands at the flush)."""
+    map in flight included (it lands when a mean is read before the flush, and at the flush)."""
     from paroattn.calibrate.accumulate import StatsAccumulator
 
-    means = []
+    means, unfolded = [], []
     for device in ("cpu", "cuda"):
         acc = StatsAccumulator(3, 2, [0, 1], seq_len=96, block_size=16, query_block=32, staging_device="cpu")
         _feed_maps(acc, device)
+        unfolded.append(acc.mean_map(1, 2, torch.device("cpu")))  # layer 2's last map is the one in flight
         acc.flush()
+        torch.testing.assert_close(acc.mean_map(1, 2, torch.device("cpu")), unfolded[-1], rtol=2e-3, atol=2e-3)
         assert all(t.device.type == "cpu" for t in acc.mass.values())
         means.append({key: acc.mean_map(*key, torch.device("cpu")) for key in acc.mass})
     assert means[0].keys() == means[1].keys() and len(means[0]) == 6

@@ -287,11 +287,11 @@ class StatsAccumulator:
         total = float(self.weight[bucket, layer])
         if total == 0:
             return None
+        self._land()  # the weight counts the map in flight: sum it first
         staged = self._staged_weight.get(layer, 0.0) if bucket == self._staging_bucket else 0.0
         stored = self.mass[(bucket, layer)].to(device).float() if (bucket, layer) in self.mass else None
         if not staged:
             return stored
-        self._land()
         mean = self._staging[layer].to(device, copy=True)  # the maps staged since the last fold
         if stored is not None:
             mean += stored * (total - staged)
