@@ -107,6 +107,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="sampling steps of every evaluated video")
     p.add_argument("--calibration-steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--eval-prompts", type=int, default=len(demo.EVAL_PROMPTS), help="first N evaluation prompts")
+    p.add_argument("--eval-start", type=int, default=0, help="the evaluation prompts from this one on (more videos for a "
+                                                              "study whose first ones ran already)")
     p.add_argument("--seeds", default="0,1", help="comma-separated sampling seeds of the evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
@@ -398,7 +400,7 @@ def main(argv=None) -> int:
             plan.save(path)  # without the absolute path of this machine
             say(f"shipped {path}: kept mass {plan.info['kept_mass']:.4f}, density {compute_density(plan):.3f}")
 
-    prompts = demo.EVAL_PROMPTS[: args.eval_prompts]
+    prompts = demo.EVAL_PROMPTS[args.eval_start : args.eval_start + args.eval_prompts]
     dense = {}
     for seed in seeds:
         dense[seed], timing = demo.sample(pipe, prompts, steps=args.steps, seed=seed, size=size)
