@@ -7,12 +7,13 @@ pipeline classes (WanPipeline, CogVideoXPipeline) on full-size transformers, one
 
 For each model, in this order: a dense generation (the pipeline as shipped); `paroattn.apply(pipe, "auto", ...)`
 on an empty cache, then the first generation (dense attention while it records the statistics, the plan built
-and cached when it ends), then `--sparse-runs` more generations (sparse, the learnt plan); with `--calibrate`, the capture
-`paro calibrate` runs (`driver.capture` of `--prompts` prompts with its default cheap capture, `config.CHEAP`, then
-`plan_from_stats`). Each with its wall time, the peak GPU memory it allocated and, for the learning generation and
-the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is reported beside it) and a timeline of
-the resident host memory sampled every 50 ms (`host_timeline`: seconds from the phase's start, GB), which places
-the peak in the generation, the selection, the write or the apply (`learning_timings` gives their lengths).
+and cached when it ends), then `--sparse-runs` more generations (sparse, the learnt plan); with `--calibrate`, the
+capture `paro calibrate` runs (`driver.capture` of `--prompts` prompts with its default cheap capture,
+`config.CHEAP`, then `plan_from_stats`). Each with its wall time, the peak GPU memory it allocated and, for the
+learning generation and the calibration, the peak host memory (VmHWM, reset before; the process's own RSS before is
+reported beside it) and a timeline of the resident host memory sampled every 50 ms (`host_timeline`: seconds from the
+phase's start, GB), which places the peak in the generation, the selection, the write or the apply
+(`learning_timings` gives their lengths).
 
 What is not the real model: the transformers have random weights (bf16) and the text encoder is replaced by random
 prompt embeddings of the real shape (the pipelines' `encode_prompt`), and the VAE does not run
@@ -277,12 +278,13 @@ def main():
           f"{'host +GB':>8s} {'calibrate s':>11s} {'its host +GB':>12s}")
     nan = float("nan")
     for r in report["results"]:
+        calibration = r.get("calibrate", {})
         print(f"{r['model']:14s} {r.get('dense_s', nan):8.1f} {r['learning_s']:10.1f} "
               f"{r.get('learning_over_dense', nan):7.2f} {(r['sparse_s'] or [nan])[-1]:9.1f} "
               f"{r.get('learning_gpu_over_dense', nan):6.2f} "
               f"{added(r['learning_host_peak_gb'], r['host_rss_before_gb']):8.2f} "
-              f"{r.get('calibrate', {}).get('seconds', nan):11.1f} "
-              f"{added(r.get('calibrate', {}).get('host_peak_gb'), r.get('calibrate', {}).get('host_rss_before_gb')):12.2f}")
+              f"{calibration.get('seconds', nan):11.1f} "
+              f"{added(calibration.get('host_peak_gb'), calibration.get('host_rss_before_gb')):12.2f}")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="sampling steps of every evaluated video")
     p.add_argument("--calibration-steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--eval-prompts", type=int, default=len(demo.EVAL_PROMPTS), help="first N evaluation prompts")
-    p.add_argument("--eval-start", type=int, default=0, help="the evaluation prompts from this one on (more videos for a "
-                                                              "study whose first ones ran already)")
+    p.add_argument("--eval-start", type=int, default=0,
+                   help="the evaluation prompts from this one on (more videos for a study whose first ones ran)")
     p.add_argument("--seeds", default="0,1", help="comma-separated sampling seeds of the evaluation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="PARO op backend: auto (triton on CUDA), triton, torch")
@@ -133,7 +133,8 @@ def parse_args(argv=None):
                         "block, token: each such row once per granularity (default: block)")
     p.add_argument("--qk-scales", choices=tuple(QK_SCALES), default="block",
                    help="study only, with --backend torch: integer Q (and K) quantized with finer scales than the "
-                        "kernels' one per block: per token, K per thread group, or K's channel ranges moved into Q (QK_SCALES)")
+                        "kernels' one per block: per token, K per thread group, or K's channel ranges moved into Q "
+                        "(QK_SCALES)")
     args = p.parse_args(argv)
     args.k_scale = [k.strip() for k in args.k_scale.split(",") if k.strip()]
     for k_scale in args.k_scale:

@@ -269,7 +269,8 @@ def test_quality_study_moves_k_channel_ranges_into_q_and_keeps_the_product(varia
 
     qb, qs = reference.quantize_per_block(q, 128, 127.0)
     kb, ks = reference.quantize_per_block(smoothed, 64, 127.0)
-    per_block = (qb * qs.repeat_interleave(128, 1)[..., None]) @ (kb * ks.repeat_interleave(64, 1)[..., None]).transpose(1, 2)
+    q_block, k_block = qb * qs.repeat_interleave(128, 1)[..., None], kb * ks.repeat_interleave(64, 1)[..., None]
+    per_block = q_block @ k_block.transpose(1, 2)
     if variant == "channel-qk":  # half the range moved: both factors keep their quiet channels' levels
         assert float((migrated - exact).norm()) < 0.5 * float((per_block - exact).norm())
     key_mean, quantize = module.migrated_qk_scales(module.QK_SCALES[variant]["migrate"])

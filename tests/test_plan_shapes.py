@@ -307,8 +307,9 @@ def test_offset_mass_sums_each_sampled_querys_probabilities_by_axis_offset(chunk
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
     keep = torch.tensor([[True, True], [True, False]])
-    mass, count = offset_mass(q.to(device), k.to(device), layout, queries=10, generator=torch.Generator().manual_seed(1),
-                              suffix_mask=keep.to(device), chunk_bytes=chunk_bytes)
+    mass, count = offset_mass(q.to(device), k.to(device), layout, queries=10,
+                              generator=torch.Generator().manual_seed(1), suffix_mask=keep.to(device),
+                              chunk_bytes=chunk_bytes)
     picked = torch.randperm(G, generator=torch.Generator().manual_seed(1))[:10].sort().values
     logits = (q.double() @ k.double().transpose(-1, -2)) * D**-0.5
     logits[..., N - 2:] = logits[..., N - 2:].masked_fill(~keep[:, None, None, :], float("-inf"))

@@ -280,8 +280,8 @@ class StatsAccumulator:
 
     # -----------------------------------------------------------------------------------------
     def mean_map(self, bucket: int, layer: int, device: torch.device) -> torch.Tensor | None:
-        """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device` (the maps staged since the last
-        fold included); None if not captured."""
+        """The mean block-mass maps of (bucket, layer) in mask blocks, float32 on `device` (the maps staged since the
+        last fold included); None if not captured."""
         # moved in the stored float16 and widened where the selection runs (the GPU during a
         # calibration), not widened in host memory first: half the bytes over the bus, no host pass
         total = float(self.weight[bucket, layer])
