@@ -114,7 +114,9 @@ class HostTimeline:
     def _run(self):
         start = time.perf_counter()
         while not self._stop.is_set():
-            self.samples.append((round(time.perf_counter() - start, 2), _host_gb()))
+            gb = _host_gb()
+            if gb is not None:  # None where /proc is not there to read
+                self.samples.append((round(time.perf_counter() - start, 2), gb))
             self._stop.wait(self.period)
 
     def __enter__(self):
@@ -127,13 +129,12 @@ class HostTimeline:
         self._thread.join()
 
     def thinned(self) -> list:
-        samples = [s for s in self.samples if s[1] is not None]
+        samples = self.samples
         step = max(1, -(-len(samples) // self.points))
         return [max(samples[i:i + step], key=lambda s: s[1]) for i in range(0, len(samples), step)]
 
     def peak(self) -> list | None:
-        samples = [s for s in self.samples if s[1] is not None]
-        return list(max(samples, key=lambda s: s[1])) if samples else None
+        return list(max(self.samples, key=lambda s: s[1])) if self.samples else None
 
 
 def measure(name, build, args, device, dtype, cache: Path, save) -> dict:

@@ -333,7 +333,8 @@ def test_a_miss_under_a_parallel_config_paro_cannot_run_under_is_refused_before_
 
 def test_the_learnt_statistics_are_freed_before_the_plan_is_written(pipe, tmp_path, monkeypatch):
     """The capture's accumulators (GBs at real sizes) go as soon as the plan is built, not when the garbage collector
-    next runs: the processor and its binding refer to each other, and the processor held the recorder's callback."""
+    next runs: a binding's forward tracker calls back into the binding, a cycle that held the capture processor and
+    the recorder behind it."""
     import gc
     import weakref
 

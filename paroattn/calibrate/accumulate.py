@@ -241,20 +241,20 @@ class StatsAccumulator:
             total = float(self.weight[bucket, layer])  # already counts the staged maps
             # blend where the staged sums are (the GPU during a calibration): the store moves in
             # float16 both ways, as many bytes as the float32 sums alone would take one way
-            if self.mass.get(key) is not None:
+            if key in self.mass:
                 staged.add_(self.mass[key].to(staged.device).float(), alpha=total - staged_weight)
             staged.div_(total)
             self._slot(bucket, layer, staged.shape).copy_(staged)
         self._staged_weight = {}
         self._staging_bucket = None
 
-    def _slot(self, bucket: int, layer: int, shape: torch.Size | None) -> torch.Tensor:
+    def _slot(self, bucket: int, layer: int, shape: torch.Size) -> torch.Tensor:
         """The stored mean of (bucket, layer): a slot of the bucket's [L, *shape] tensor, made on first use."""
         store = self._store.get(bucket)
         if store is None:
             store = self._store[bucket] = torch.empty((self.num_layers, *shape), dtype=self.store_dtype,
                                                       device=self.store_device)
-        elif shape is not None and store.shape[1:] != shape:
+        elif store.shape[1:] != shape:
             raise RuntimeError(f"bucket {bucket} stores maps {tuple(store.shape[1:])}, not {tuple(shape)}")
         self.mass[(bucket, layer)] = store[layer]
         return store[layer]

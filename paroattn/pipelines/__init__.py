@@ -413,6 +413,3 @@ def capture_attention(pipe_or_transformer, callback, *, context_parallel: bool =
     finally:
         transformer.set_attn_processor(dict(originals))
         processor.unbind(binding)
-        # the processor and its binding refer to each other, a cycle freed only when the garbage collector runs: the
-        # callback (a recorder and its GBs of statistics) must not wait for that
-        processor.callback = None

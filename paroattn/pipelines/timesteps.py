@@ -36,3 +36,7 @@ class ForwardTracker:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        # on_call is most often its binding's method, and the binding holds this tracker: a cycle that would keep the
+        # binding, its processor and what that holds (a capture's statistics, a plan's masks) until the garbage
+        # collector next runs
+        self.on_call = None
