@@ -391,6 +391,10 @@ def test_means_read_before_a_fold_include_the_staged_maps_and_the_store_is_one_t
         for layer in range(3):  # before the fold: stored (bucket 0's first two maps) and staged together
             expected = torch.stack(added[(bucket, layer)]).mean(0)
             assert torch.allclose(acc.mean_map(bucket, layer, "cpu"), expected, rtol=2e-3, atol=1e-3), (bucket, layer)
+            other = 1 - bucket  # the other bucket's mean holds none of this bucket's staged maps
+            if (other, layer) in added:
+                expected = torch.stack(added[(other, layer)]).mean(0)
+                assert torch.allclose(acc.mean_map(other, layer, "cpu"), expected, rtol=2e-3, atol=1e-3), (other, layer)
     assert acc._staging.data_ptr() == staging
     acc.flush()
     for bucket in range(2):
@@ -404,7 +408,7 @@ def test_means_read_before_a_fold_include_the_staged_maps_and_the_store_is_one_t
 
 def test_narrowing_staged_maps_gives_the_means_narrowing_folded_maps_gives():
     """keep_orders straight from the staged sums (no wide store made) keeps the same means as after a fold, in
-    one narrowed store per bucket; the picks are per (layer, head)."""
+    one narrowed store per bucket; the picks are per (layer, head), for the order scores' sums too."""
     g = torch.Generator().manual_seed(4)
     maps = [(layer, torch.rand(3, 4, 4, 4, generator=g) * 16) for _ in range(2) for layer in range(2)]
     slots = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)]).view(2, 3, 2)
@@ -412,10 +416,15 @@ def test_narrowing_staged_maps_gives_the_means_narrowing_folded_maps_gives():
     for fold_first in (False, True):
         acc = StatsAccumulator(2, 2, [0, 1, 2, 3], seq_len=64, block_size=16)
         for layer, mass in maps:
-            acc.add(layer, 0, mass, None, None, batch=1)
+            acc.add(layer, 0, mass, mass * torch.rand(mass.shape, generator=g), torch.rand(mass.shape, generator=g),
+                    batch=1)
         if fold_first:
             acc.flush()
+        scores = [{layer: sums[layer].clone() for layer in range(2)} for sums in (acc.incoherence_sum, acc.sparse_sum)]
         acc.keep_orders(slots)
+        for before, after in zip(scores, (acc.incoherence_sum, acc.sparse_sum)):
+            for layer in range(2):
+                assert torch.equal(after[layer], before[layer].gather(1, slots[layer])), layer
         assert acc._staging is None and acc._store[0].shape == (2, 3, 2, 4, 4)
         narrowed.append([acc.mean_map(0, layer, "cpu") for layer in range(2)])
     for layer in range(2):
