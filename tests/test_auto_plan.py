@@ -128,7 +128,8 @@ def test_the_key_changes_with_density_modes_block_sizes_and_model():
         names.add(entry_name("WanTransformer3DModel", config, **{**base, **change}))
     names.add(entry_name("WanTransformer3DModel", {**config, "num_layers": 3}, **base))
     names.add(entry_name("CogVideoXTransformer3DModel", config, **base))
-    assert len(names) == 8
+    names.add(entry_name("WanTransformer3DModel", config, **base, expert="transformer_2"))  # ComfyUI's second expert
+    assert len(names) == 9
     with pytest.raises(ValueError, match="density"):
         entry_name("WanTransformer3DModel", config, **{**base, "density": 1.5})
     with pytest.raises(ValueError, match="qk"):
@@ -162,6 +163,28 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_entry(plan, tmp_path / "x.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="advisory locks (flock)")
+def test_a_lock_whose_file_was_released_and_removed_while_opening_it_is_not_taken(tmp_path, monkeypatch):
+    """A process that opens the lock file just before its holder releases it (the file removed) must not take a lock
+    on the removed file: a third process would lock a new file of the same name, and both would learn."""
+    path = tmp_path / "x.safetensors"
+    holder, late = EntryLock(path), EntryLock(path)
+    assert holder.acquire()
+    real_open = os.open
+
+    def open_then_release(*args, **kwargs):
+        fd = real_open(*args, **kwargs)
+        holder.release()  # between the late process's open and its flock
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_release)
+    assert not late.acquire() and not late.held
+    monkeypatch.setattr(os, "open", real_open)
+    third = EntryLock(path)
+    assert third.acquire() and third.held  # the entry's lock is free for the next process
+    third.release()
 
 
 HOLD_LOCK = """
