@@ -107,3 +107,63 @@ def test_recorder_refuses_calls_it_cannot_use():
         recorder.record(1, q2, k2, other, 500.0)
     with pytest.raises(ValueError, match="num_layers must be a positive int"):
         StatsRecorder(0)
+
+
+def _one_call(seed: int = 0, batch: int = 1):
+    q, k = planted_qk(LAYOUT, PLANTED[0], secondary=[0.8] * 4, generator=torch.Generator().manual_seed(seed))
+    return q[:1].expand(batch, -1, -1, -1), k[:1].expand(batch, -1, -1, -1)
+
+
+def test_sampled_query_rows_move_to_the_next_phase_at_each_call_of_a_layer():
+    """With query_stride s the calls of a layer sample rows r = phase (mod s) in turn: s calls of the same q, k
+    average to the exact block mass (a fixed phase would sample the same rows every time)."""
+    q, k = _one_call()
+    means = []
+    for stride in (1, 4):
+        recorder = StatsRecorder(1, CaptureConfig(block_size=16, num_buckets=1, stat_every=1, query_stride=stride,
+                                                  profile_queries=0, backend="torch"))
+        for _ in range(stride):
+            recorder.record(0, q, k, LAYOUT, 900.0)
+            recorder.step_done()
+        means.append(recorder.acc.mean_map(0, 0, "cpu"))
+    torch.testing.assert_close(means[1], means[0], rtol=1e-4, atol=1e-5)
+
+
+def test_maps_are_weighted_by_the_batch_items_they_sum():
+    """A call of batch B adds B items: the same video once at B = 1 and again at B = 3 (CFG batched, say) keeps its
+    map, not a mean that counts the second call once."""
+    q1, k1 = _one_call(batch=1)
+    q3, k3 = _one_call(batch=3)
+    recorder = StatsRecorder(1, CaptureConfig(block_size=16, num_buckets=1, stat_every=1, profile_queries=0,
+                                              backend="torch"))
+    recorder.record(0, q1, k1, LAYOUT, 900.0)
+    recorder.step_done()
+    single = recorder.acc.mean_map(0, 0, "cpu").clone()
+    recorder.record(0, q3, k3, LAYOUT, 900.0)
+    recorder.step_done()
+    torch.testing.assert_close(recorder.acc.mean_map(0, 0, "cpu"), single, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_in_which_the_model_did_not_run_is_not_counted_for_its_bucket():
+    """Of an expert pair, the expert that did not run in a step counts no step for the bucket weights."""
+    q, k = _one_call()
+    recorder = StatsRecorder(1, CaptureConfig(block_size=16, num_buckets=2, stat_every=1, profile_queries=0,
+                                              backend="torch"))
+    recorder.record(0, q, k, LAYOUT, 900.0)
+    recorder.step_done()
+    recorder.step_done()  # the other expert's step
+    assert recorder.bucket_steps == [1, 0]
+
+
+def test_axis_profiles_are_taken_once_per_bucket_and_layer_of_each_prompt():
+    q, k = _one_call()
+    recorder = StatsRecorder(1, CaptureConfig(block_size=16, num_buckets=1, stat_every=1, profile_queries=64,
+                                              backend="torch"))
+    counts = []
+    for _ in range(2):  # two prompts of two steps in one bucket
+        for _ in range(2):
+            recorder.record(0, q, k, LAYOUT, 900.0)
+            recorder.step_done()
+        recorder.prompt_done()
+        counts.append(sum(float(count.sum()) for count in recorder.profiles.count))
+    assert counts[0] > 0 and counts[1] == 2 * counts[0]
