@@ -52,6 +52,8 @@ def test_a_miss_learns_during_the_first_generation_and_the_next_runs_the_cached_
     assert 0 < handle.timings["stats_s"] < handle.timings["generation_s"]
     plan = Plan.load(handle.path)
     assert (plan.block_size, plan.qk, plan.pv) == ((16, 16), "bf16", "bf16")
+    # a new timestep starts a new step: the generation's 2 steps (two CFG calls each) weigh the buckets
+    assert sum(plan.info["steps_per_bucket"]) == tiny_call_kwargs("wan")["num_inference_steps"]
 
     def no_capture(*args, **kwargs):
         raise AssertionError("a generation with a cached plan captured statistics")
@@ -73,6 +75,26 @@ def test_a_miss_learns_during_the_first_generation_and_the_next_runs_the_cached_
     assert again.captured == 0 and not again.learnt
     torch.testing.assert_close(third, by_hand, rtol=0, atol=0)
     assert leftovers(tmp_path) == []
+
+
+def test_a_plan_written_by_another_process_while_taking_the_lock_is_loaded_not_learnt_again(pipe, tmp_path,
+                                                                                             monkeypatch):
+    with paroattn.apply(pipe, "auto", cache=tmp_path, log=lambda line: None, **OPTIONS) as learner:
+        generate(pipe)
+    written = learner.path.read_bytes()
+    learner.path.unlink()
+    handle = paroattn.apply(pipe, "auto", cache=tmp_path, log=lambda line: None, **OPTIONS)
+    take = EntryLock.acquire
+
+    def finished_meanwhile(lock):  # the other process writes its plan and lets the lock go just before this one asks
+        learner.path.write_bytes(written)
+        return take(lock)
+
+    monkeypatch.setattr(EntryLock, "acquire", finished_meanwhile)
+    monkeypatch.setattr(StatsRecorder, "record", lambda *args, **kwargs: pytest.fail("learnt a plan that exists"))
+    generate(pipe)
+    assert handle.plan is not None and not handle.learnt and handle.path.read_bytes() == written
+    handle.remove()
 
 
 def test_an_interrupted_first_generation_leaves_no_plan(pipe, tmp_path):
