@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_chain import apply_paro, run_chained
-from test_graphs import BLOCK, WAN_LAYOUT, latent_of, plan_folder, run_graph
+from test_graphs import BLOCK, STEPS, WAN_LAYOUT, latent_of, plan_folder, run_graph
 
 import paroattn
 from paroattn.calibrate import StatsRecorder
@@ -61,6 +61,7 @@ def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan,
     plan = paroattn.Plan.load(cache / name)
     assert plan.layout == WAN_LAYOUT and plan.num_layers == 2 and plan.block_size == (BLOCK, BLOCK)
     assert plan.model_class == "WanTransformer3DModel" and 0.3 < plan.achieved_density() < 0.7
+    assert sum(plan.info["steps_per_bucket"]) == STEPS  # a new timestep starts a new step (cond and uncond batched)
     with paroattn.apply(wan, plan, backend="torch", on_mismatch="error"):  # the diffusers side accepts it
         pass
 
@@ -119,3 +120,21 @@ def test_auto_runs_dense_while_another_process_learns_the_plan(wan, cache, recor
         lock.release()
     assert torch.equal(latent_of("locked"), latent_of("locked-dense"))
     assert recorded == [] and files(cache) == []
+
+
+def test_auto_loads_a_plan_another_process_wrote_while_this_one_took_the_lock(wan, cache, recorded, monkeypatch):
+    assert run_chained([apply_paro(**AUTO)], keep="race-learner")[:2] == (True, "")
+    (entry,) = [cache / name for name in files(cache)]
+    written = entry.read_bytes()
+    entry.unlink()
+    count = len(recorded)
+    take = EntryLock.acquire
+
+    def finished_meanwhile(lock):  # the other process writes its plan and lets the lock go just before this one asks
+        entry.write_bytes(written)
+        return take(lock)
+
+    monkeypatch.setattr(EntryLock, "acquire", finished_meanwhile)
+    assert run_chained([apply_paro(**AUTO)], keep="race-loader")[:2] == (True, "")
+    assert len(recorded) == count and entry.read_bytes() == written  # loaded, not learnt and written again
+    assert not torch.equal(latent_of("race-loader"), latent_of("race-learner"))  # the loader ran sparse
