@@ -109,8 +109,9 @@ def test_recorder_refuses_calls_it_cannot_use():
         StatsRecorder(0)
 
 
-def _one_call(seed: int = 0, batch: int = 1):
-    q, k = planted_qk(LAYOUT, PLANTED[0], secondary=[0.8] * 4, generator=torch.Generator().manual_seed(seed))
+def _one_call(batch: int = 1):
+    """Layer 0's planted q, k of one video, repeated `batch` times."""
+    q, k = planted_qk(LAYOUT, PLANTED[0], secondary=[0.8] * 4, generator=torch.Generator().manual_seed(0))
     return q[:1].expand(batch, -1, -1, -1), k[:1].expand(batch, -1, -1, -1)
 
 
