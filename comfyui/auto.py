@@ -24,6 +24,7 @@ import logging
 
 from paroattn import Plan, PlanError
 from paroattn.calibrate import CaptureConfig, SelectionConfig, StatsRecorder
+from paroattn.calibrate.auto import buckets_without_steps
 from paroattn.calibrate.driver import plan_from_stats
 from paroattn.plan import model_fingerprint
 from paroattn.runner.cache import EntryLock, entry_name, entry_path, load_entry, write_entry
@@ -97,8 +98,8 @@ class AutoPlan(AttentionHook):
             self.learnt = True
             self.runner = PARORunner(self.family, plan, backend=self.backend, on_mismatch=self.on_mismatch)
             self.log("PARO: learnt a plan at density %g (achieved %.3f) from %d self-attention calls and cached it "
-                     "at %s; the next sampling run is sparse", self.selection.density, plan.achieved_density(),
-                     self.captured, self.path)
+                     "at %s; the next sampling run is sparse.%s", self.selection.density, plan.achieved_density(),
+                     self.captured, self.path, buckets_without_steps(plan, self.path, "sampling run"))
         return output
 
     def _learn(self, executor, args, kwargs) -> tuple[object, Plan | None]:

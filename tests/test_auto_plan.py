@@ -15,6 +15,7 @@ from tiny_models import tiny_call_kwargs, tiny_pipeline, tiny_transformer
 
 import paroattn
 from paroattn import Plan
+from paroattn.calibrate.auto import buckets_without_steps
 from paroattn.calibrate.recorder import StatsRecorder
 from paroattn.pipelines import apply as apply_plan
 from paroattn.runner.cache import EntryLock, cache_folder, clear_cache, entry_name, load_entry, write_entry
@@ -54,6 +55,10 @@ def test_a_miss_learns_during_the_first_generation_and_the_next_runs_the_cached_
     assert (plan.block_size, plan.qk, plan.pv) == ((16, 16), "bf16", "bf16")
     # a new timestep starts a new step: the generation's 2 steps (two CFG calls each) weigh the buckets
     assert sum(plan.info["steps_per_bucket"]) == tiny_call_kwargs("wan")["num_inference_steps"]
+    # 2 steps leave buckets without one: the message says so, and how to learn them
+    empty = plan.info["steps_per_bucket"].count(0)
+    assert empty and f"{empty} of its {plan.num_buckets} timestep buckets had no step in this generation" in lines[-1]
+    assert f"remove {handle.path}" in lines[-1]
 
     def no_capture(*args, **kwargs):
         raise AssertionError("a generation with a cached plan captured statistics")
@@ -156,6 +161,17 @@ def test_the_key_changes_with_density_modes_block_sizes_and_model():
         entry_name("WanTransformer3DModel", config, **{**base, "density": 1.5})
     with pytest.raises(ValueError, match="qk"):
         entry_name("WanTransformer3DModel", config, **{**base, "qk": "int2"})
+
+
+def test_the_learning_message_names_buckets_without_steps_only_when_there_are_some(tmp_path):
+    plan = Plan.synthetic(layout=paroattn.TokenLayout(0, 2, 4, 4), num_layers=1, num_heads=2, density=0.5,
+                          block_size=16)
+    plan.info["steps_per_bucket"] = [3, 2]
+    assert buckets_without_steps(plan, tmp_path / "x") == ""
+    plan.info["steps_per_bucket"] = [3, 0]
+    note = buckets_without_steps(plan, tmp_path / "x", "sampling run")
+    assert "1 of its 2 timestep buckets had no step in this sampling run (3 steps)" in note
+    assert f"remove {tmp_path / 'x'}" in note
 
 
 def test_the_cache_folder_and_clearing_it(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ the plan while it runs dense and caches it in paroattn's plan cache; later runs 
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -45,9 +46,10 @@ def files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
 
-def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan, cache, recorded):
+def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan, cache, recorded, caplog):
     import comfy_env
 
+    caplog.set_level(logging.INFO)
     assert run_graph("wan", keep="auto-dense") == (True, "")
     ok, error, messages = run_chained([apply_paro(**AUTO)], keep="auto-first")
     assert (ok, error) == (True, "")
@@ -62,6 +64,10 @@ def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan,
     assert plan.layout == WAN_LAYOUT and plan.num_layers == 2 and plan.block_size == (BLOCK, BLOCK)
     assert plan.model_class == "WanTransformer3DModel" and 0.3 < plan.achieved_density() < 0.7
     assert sum(plan.info["steps_per_bucket"]) == STEPS  # a new timestep starts a new step (cond and uncond batched)
+    # the buckets the run's steps missed are named, with how to learn them
+    (learnt,) = [record.getMessage() for record in caplog.records if "learnt a plan" in record.getMessage()]
+    empty = plan.info["steps_per_bucket"].count(0)
+    assert empty and f"{empty} of its {plan.num_buckets} timestep buckets had no step in this sampling run" in learnt
     with paroattn.apply(wan, plan, backend="torch", on_mismatch="error"):  # the diffusers side accepts it
         pass
 

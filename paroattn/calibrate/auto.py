@@ -59,6 +59,17 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def buckets_without_steps(plan: Plan, path, run: str = "generation") -> str:
+    """What the learning message adds when timestep buckets saw no step of the learning `run` (a short one): their
+    masks borrow the other buckets' statistics until the entry at `path` is learnt again. '' when none."""
+    steps = list(plan.info.get("steps_per_bucket") or [])
+    empty = [b for b, count in enumerate(steps) if not count]
+    if not empty:
+        return ""
+    return (f" {len(empty)} of its {len(steps)} timestep buckets had no step in this {run} ({sum(steps)} steps) and "
+            f"borrow the other buckets' statistics: remove {path} and learn it again from a {run} with more steps.")
+
+
 def cheap_capture(block_size: int = 64, query_block: int | None = None, density: float | None = None) -> CaptureConfig:
     """The capture config of a learning generation at these block sizes, its orders narrowed at the plan's `density`
     (None: `CaptureConfig.order_density`'s default)."""
@@ -139,7 +150,7 @@ class AutoHandle:
         self._use(plan)
         self.timings["apply_s"] = time.perf_counter() - start
         self.log(f"paroattn: learnt a plan at density {self.selection.density:g} and cached it at {self.path}; the "
-                 "next generation runs sparse")
+                 "next generation runs sparse." + buckets_without_steps(plan, self.path))
         return output
 
     def _learn(self, call, args, kwargs):
@@ -223,7 +234,8 @@ class AutoHandle:
             return self._own_attention(call, args, kwargs)
         if group.first:
             self.log(f"paroattn: learnt a plan at density {self.selection.density:g} over {group.size} processes "
-                     f"(each recorded its heads) and cached it at {self.path}; the next generation runs sparse")
+                     f"(each recorded its heads) and cached it at {self.path}; the next generation runs sparse."
+                     + buckets_without_steps(self.plan, self.path))
         return output
 
     def _learn_parallel(self, group: UlyssesGroup, call, args, kwargs):
