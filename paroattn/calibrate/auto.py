@@ -63,10 +63,10 @@ def buckets_without_steps(plan: Plan, path, run: str = "generation") -> str:
     """What the learning message adds when timestep buckets saw no step of the learning `run` (a short one): their
     masks borrow the other buckets' statistics until the entry at `path` is learnt again. '' when none."""
     steps = list(plan.info.get("steps_per_bucket") or [])
-    empty = [b for b, count in enumerate(steps) if not count]
+    empty = sum(1 for count in steps if not count)
     if not empty:
         return ""
-    return (f" {len(empty)} of its {len(steps)} timestep buckets had no step in this {run} ({sum(steps)} steps) and "
+    return (f" {empty} of its {len(steps)} timestep buckets had no step in this {run} ({sum(steps)} steps) and "
             f"borrow the other buckets' statistics: remove {path} and learn it again from a {run} with more steps.")
 
 
