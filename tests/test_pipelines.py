@@ -13,6 +13,7 @@ from tiny_models import TINY_BLOCK, lone_processor, tiny_forward_inputs, tiny_tr
 
 from paroattn import Plan, PlanError, TokenLayout
 from paroattn.pipelines import (
+    CallInputs,
     PAROProcessor,
     apply,
     capture_attention,
@@ -491,3 +492,14 @@ def test_generate_command_reports_a_plan_that_does_not_fit(tmp_path):
     assert result.exit_code == 2
     assert "8 + 1x6x6" in result.output and "8 + 1x8x6" in result.output
     assert f"paro calibrate {tmp_path / 'model'} --height 128 --width 96" in result.output
+
+
+def test_a_per_token_timestep_is_bucketed_by_its_largest_entry_eager_and_traced():
+    """Image-conditioned Wan 2.2 and diffusion forcing pass a timestep per token, 0 at the conditioning frames: the
+    call is bucketed by the noisiest tokens', on the host and on the device alike."""
+    plan = Plan.synthetic(layout=TokenLayout(0, 2, 4, 4), num_layers=1, num_heads=2, density=0.5, block_size=16,
+                          num_buckets=3)
+    per_token = torch.tensor([[0.0] * 16 + [900.0] * 16])
+    inputs = CallInputs(timestep=per_token, layout=TokenLayout(0, 2, 4, 4))
+    assert inputs.timestep_1000() == 900.0
+    assert int(plan.bucket_tensor(per_token)) == plan.bucket_of(900.0) != plan.bucket_of(0.0)
