@@ -9,7 +9,7 @@ embeddings in place of the text encoders'.
   video tokens and 256 text tokens in one joint attention): UNETLoader -> KSampler (euler, cfg 6, the model's
   shift 7).
 
-Each model's graphs (`--runs`) run through one ComfyUI PromptExecutor session, so the model is loaded once; the
+Each model's graphs (`--runs`) run through one ComfyUI PromptExecutor, so the model is loaded once; the
 dense, auto and dense_again graphs sample `--steps` steps (Wan 20, so that plan 'auto' learns from a run of a usual
 length; HunyuanVideo 1.5 6), the paro and sol graphs `--timing-steps` (6):
 - warmup (always first, not reported): dense, one step; it puts the model on the GPU;
@@ -354,10 +354,10 @@ def prompt(name: str, model: VideoModel, run: str, steps: int) -> dict:
     return graph
 
 
-def run_graph(name: str, model: VideoModel, run: str, steps: int, session, plan_cache: Path) -> dict:
+def run_graph(name: str, model: VideoModel, run: str, steps: int, executor, plan_cache: Path) -> dict:
     import comfy_env
 
-    ok, messages = comfy_env.run(prompt(name, model, run, steps), ["keep"], session)
+    ok, messages = comfy_env.run(prompt(name, model, run, steps), ["keep"], executor)
     if not ok:
         return {"error": comfy_env.error_message(messages) or "the graph failed (no error message)"}
     times = TIMES[f"{name}:{run}"]
@@ -479,7 +479,7 @@ def check_sol() -> None:
 
 
 def run_model(name: str, runs: list[str], steps: int, entry: dict, weights: Path, save) -> bool:
-    """Write `name`'s random weights (and synthetic plan), then run its graphs in one ComfyUI session, filling
+    """Write `name`'s random weights (and synthetic plan), then run its graphs through one ComfyUI executor, filling
     `entry` and calling `save()` after each; whether a graph failed."""
     import comfy_env
     import helper_nodes
@@ -504,7 +504,7 @@ def run_model(name: str, runs: list[str], steps: int, entry: dict, weights: Path
         entry["plan"] = {"achieved_density": PLANS[name].achieved_density(), "made_s": time.perf_counter() - start}
     plan_cache = Path(tempfile.mkdtemp(prefix=f"paroattn-plan-cache-{name}-"))
     os.environ["PAROATTN_CACHE"] = str(plan_cache)  # plan 'auto' starts from an empty cache
-    session = comfy_env.executor()
+    executor = comfy_env.executor()
     order = ["warmup"]
     for run in (r for r in RUNS if r in runs):
         order += ["auto_learn", "auto_next"] if run == "auto" else [run]
@@ -516,7 +516,7 @@ def run_model(name: str, runs: list[str], steps: int, entry: dict, weights: Path
         else:
             try:
                 count = {"warmup": 1, "paro": timing, "sol": timing}.get(run, steps)
-                record = run_graph(name, model, run, count, session, plan_cache)
+                record = run_graph(name, model, run, count, executor, plan_cache)
             except Exception as exc:  # one graph's failure is recorded; the others still run
                 record = {"error": f"{type(exc).__name__}: {exc}"}
         record["wall_s"] = time.perf_counter() - start

@@ -111,23 +111,23 @@ def pack_module(name: str):
 
 def executor():
     """A PromptExecutor with a stub server and ComfyUI's default cache: prompts run through the same one reuse the
-    outputs of the nodes whose inputs did not change, as in a ComfyUI session."""
+    outputs of the nodes whose inputs did not change, as a running ComfyUI server does."""
     execution = _started["execution"]
     return execution.PromptExecutor(StubServer(), cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
 
 
-def run(prompt: dict, outputs: list[str], session=None) -> tuple[bool, list[tuple[str, dict]]]:
-    """Validate and execute an API-format prompt (through `session`, an `executor()`, or a fresh one); (success,
+def run(prompt: dict, outputs: list[str], runner=None) -> tuple[bool, list[tuple[str, dict]]]:
+    """Validate and execute an API-format prompt (through `runner`, an `executor()`, or a fresh one); (success,
     the messages the server was sent while it ran)."""
     execution = _started["execution"]
     prompt_id = str(uuid.uuid4())
     valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
     if not valid[0]:
         raise ValueError(f"invalid prompt: {valid[1]} {valid[3]}")
-    session = session if session is not None else executor()
-    start = len(session.server.messages)
-    session.execute(prompt, prompt_id, {"client_id": "tests"}, outputs)
-    return session.success, session.server.messages[start:]
+    runner = runner if runner is not None else executor()
+    start = len(runner.server.messages)
+    runner.execute(prompt, prompt_id, {"client_id": "tests"}, outputs)
+    return runner.success, runner.server.messages[start:]
 
 
 def node_text(messages: list[tuple[str, dict]], node: str) -> str:

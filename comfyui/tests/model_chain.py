@@ -36,10 +36,10 @@ def chained(nodes: list[tuple[str, dict]], *, family: str = "wan", keep: str = "
     return prompt, outputs
 
 
-def run_chained(nodes, session=None, **kwargs) -> tuple[bool, str, list]:
+def run_chained(nodes, runner=None, **kwargs) -> tuple[bool, str, list]:
     """(success, the error message, the messages) of running `chained(nodes, **kwargs)`."""
     import comfy_env
 
     prompt, outputs = chained(nodes, **kwargs)
-    ok, messages = comfy_env.run(prompt, outputs, session)
+    ok, messages = comfy_env.run(prompt, outputs, runner)
     return ok, comfy_env.error_message(messages), messages

@@ -1,6 +1,6 @@
 """Apply PARO without a plan (plan 'auto') in ComfyUI graphs on the tiny Wan model: the first sampling run learns
 the plan while it runs dense and caches it in paroattn's plan cache; later runs use it, whether the node runs again
-(a new session: it loads the cache entry) or its MODEL is reused (the same session: the hook switches to the plan)."""
+(a new executor: it loads the cache entry) or its MODEL is reused (the same executor: the hook switches to the plan)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan,
     with paroattn.apply(wan, plan, backend="torch", on_mismatch="error"):  # the diffusers side accepts it
         pass
 
-    # a new session: Apply PARO finds the entry, and the run records nothing
+    # a new executor: Apply PARO finds the entry, and the run records nothing
     count = len(recorded)
     ok, error, messages = run_chained([apply_paro(**AUTO)], keep="auto-second")
     assert (ok, error) == (True, "")
@@ -84,23 +84,23 @@ def test_auto_learns_in_the_first_run_and_loads_the_cached_plan_in_the_next(wan,
     assert not torch.allclose(latent_of("auto-second"), latent_of("auto-dense"), atol=1e-3)
 
 
-def test_auto_model_reused_in_a_session_runs_the_plan_it_learnt(wan, cache, recorded):
-    """In a ComfyUI session Apply PARO does not run again while its inputs stay the same: the MODEL it gave,
+def test_auto_model_reused_by_one_executor_runs_the_plan_it_learnt(wan, cache, recorded):
+    """Through one ComfyUI executor Apply PARO does not run again while its inputs stay the same: the MODEL it gave,
     which learnt the plan, runs it from its next sampling run on."""
     import comfy_env
 
-    session = comfy_env.executor()
-    assert run_chained([apply_paro(**AUTO)], session, keep="session-first")[:2] == (True, "")
+    runner = comfy_env.executor()
+    assert run_chained([apply_paro(**AUTO)], runner, keep="reused-first")[:2] == (True, "")
     count = len(recorded)
     assert count > 0 and len(files(cache)) == 1
     # the plan moves out of the cache: the MODEL holds it, and neither reads nor writes the cache again
-    shutil.move(cache / files(cache)[0], plan_folder() / "session-learnt.safetensors")
-    ok, error, messages = run_chained([apply_paro(**AUTO)], session, keep="session-second", seed=8)
+    shutil.move(cache / files(cache)[0], plan_folder() / "reused-learnt.safetensors")
+    ok, error, messages = run_chained([apply_paro(**AUTO)], runner, keep="reused-second", seed=8)
     assert (ok, error) == (True, "")
     assert any(event == "execution_cached" and "node0" in data["nodes"] for event, data in messages)
     assert len(recorded) == count and files(cache) == []  # the sampler ran again, the capture did not
-    assert run_chained([apply_paro("session-learnt.safetensors")], keep="session-file", seed=8)[:2] == (True, "")
-    assert torch.equal(latent_of("session-second"), latent_of("session-file"))
+    assert run_chained([apply_paro("reused-learnt.safetensors")], keep="reused-file", seed=8)[:2] == (True, "")
+    assert torch.equal(latent_of("reused-second"), latent_of("reused-file"))
 
 
 def test_auto_interrupted_run_writes_nothing_and_the_next_run_learns(wan, cache, recorded):

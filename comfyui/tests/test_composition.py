@@ -348,11 +348,11 @@ def test_torch_compile_model_learns_plan_auto_eagerly_then_runs_it_in_the_graph(
     import comfy_env
     from model_chain import chained
 
-    session = comfy_env.executor()  # one ComfyUI session: the second run reuses the hook that learnt
+    runner = comfy_env.executor()  # one ComfyUI executor: the second run reuses the hook that learnt
     with dynamo_record() as learning:
-        assert run_chained([*auto, COMPILE], session, keep="compiled-learning")[:2] == (True, "")
+        assert run_chained([*auto, COMPILE], runner, keep="compiled-learning")[:2] == (True, "")
     with dynamo_record() as learnt:  # another seed, so that the sampler runs again
-        assert run_chained([*auto, COMPILE], session, keep="compiled-learnt", seed=8)[:2] == (True, "")
+        assert run_chained([*auto, COMPILE], runner, keep="compiled-learnt", seed=8)[:2] == (True, "")
     prompt, outputs = chained(auto, keep="eager-learnt", seed=8)
     ok, messages = comfy_env.run(prompt, outputs)
     assert (ok, comfy_env.error_message(messages)) == (True, "")
